@@ -1,0 +1,204 @@
+// The Python binding of the native core (module recurra._core). C++ exceptions become
+// Python ones here: ValueError, TypeError, MemoryError, RuntimeError.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <new>
+
+#include "blas.h"
+#include "graph.h"
+#include "memory.h"
+#include "threadpool.h"
+
+namespace py = pybind11;
+using namespace recurra;
+
+namespace {
+
+DType parse_dtype(const std::string& s) {
+  if (s == "float32" || s == "f32") return DType::f32;
+  if (s == "int32" || s == "i32") return DType::i32;
+  throw TypeError("unsupported dtype '" + s + "': recurra tensors are float32 or int32");
+}
+
+py::dtype np_dtype(DType t) { return t == DType::f32 ? py::dtype::of<float>() : py::dtype::of<int32_t>(); }
+
+// A Graph plus the Python objects whose memory its leaves point into.
+class PyGraph {
+ public:
+  Graph g;
+  std::vector<py::object> keep;  // per node: the object backing a bound leaf
+
+  int leaf(const std::string& dtype, const std::vector<int64_t>& shape, uint32_t flags,
+           const std::string& name) {
+    int id = g.leaf(parse_dtype(dtype), Shape::from(shape), flags, name);
+    keep.resize(g.size());
+    return id;
+  }
+
+  int op(const std::string& name, const std::vector<int>& src, const std::vector<int64_t>& ip,
+         const std::vector<double>& fp) {
+    int id = g.op(name, src, ip, fp);
+    keep.resize(g.size());
+    return id;
+  }
+
+  // Binds a leaf to the memory of a C-contiguous numpy array (or any buffer) of the same
+  // dtype and element count. The graph keeps the object alive.
+  void bind(int id, py::buffer obj) {
+    Node& n = g.node(id);
+    if (!n.is_leaf()) throw ValueError("set_data: node " + std::to_string(id) + " is not a leaf");
+    py::buffer_info info = obj.request(true);
+    const bool is_f32 = info.format == py::format_descriptor<float>::format();
+    const bool is_i32 = info.itemsize == 4 && (info.format == "i" || info.format == "l" || info.format == "=i");
+    if ((n.dtype == DType::f32 && !is_f32) || (n.dtype == DType::i32 && !is_i32))
+      throw TypeError("set_data: leaf " + std::to_string(id) + " is " + dtype_name(n.dtype) +
+                      ", got buffer of format '" + info.format + "'");
+    if (info.size != n.numel())
+      throw ValueError("set_data: leaf " + std::to_string(id) + " has shape " + n.shape.str() +
+                       " (" + std::to_string(n.numel()) + " elements), got " + std::to_string(info.size));
+    int64_t expect = info.itemsize;
+    for (int i = static_cast<int>(info.ndim) - 1; i >= 0; --i) {
+      if (info.shape[i] != 1 && info.strides[i] != expect)
+        throw ValueError("set_data: the buffer must be C-contiguous");
+      expect *= info.shape[i];
+    }
+    g.bind(id, info.ptr);
+    keep.resize(g.size());
+    keep[id] = obj;
+  }
+
+  py::array read(int id) {
+    TensorView v = g.view_of(id);
+    if (!v.data && v.numel() > 0)
+      throw StateError("read: node " + std::to_string(id) + " has no data yet; compute the graph first");
+    std::vector<py::ssize_t> shape(v.shape.d, v.shape.d + v.shape.ndim);
+    py::array out(np_dtype(v.dtype), shape);
+    if (v.numel() == 0) return out;
+    auto* dst = static_cast<uint32_t*>(out.mutable_data());
+    const auto* src = static_cast<const uint32_t*>(v.data);
+    if (v.is_contiguous()) {
+      std::memcpy(dst, src, v.numel() * 4);
+      return out;
+    }
+    int64_t idx[kMaxDims] = {0, 0, 0, 0};
+    const int nd = v.shape.ndim;
+    for (int64_t k = 0; k < v.numel(); ++k) {
+      int64_t off = 0;
+      for (int i = 0; i < nd; ++i) off += idx[i] * v.strides[i];
+      dst[k] = src[off];
+      for (int i = nd - 1; i >= 0; --i) {
+        if (++idx[i] < v.shape.d[i]) break;
+        idx[i] = 0;
+      }
+    }
+    return out;
+  }
+
+  py::dict info(int id) {
+    const Node& n = g.node(id);
+    py::dict d;
+    d["shape"] = py::tuple(py::cast(n.shape.vec()));
+    d["dtype"] = dtype_name(n.dtype);
+    d["op"] = n.is_leaf() ? std::string("leaf") : OpTable::get().at(n.op).name;
+    d["src"] = n.src;
+    d["flags"] = n.flags;
+    d["grad"] = n.grad;
+    d["is_view"] = n.is_view();
+    d["name"] = n.name;
+    return d;
+  }
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "recurra's native core: graphs, ops, autodiff, the CPU backend.";
+
+  static py::exception<StateError> state_error(m, "StateError", PyExc_RuntimeError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const ValueError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const TypeError& e) {
+      PyErr_SetString(PyExc_TypeError, e.what());
+    } catch (const StateError& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    } catch (const std::bad_alloc&) {
+      PyErr_SetString(PyExc_MemoryError, "recurra: out of memory");
+    }
+  });
+
+  m.attr("FLAG_PARAM") = static_cast<uint32_t>(kParam);
+  m.attr("FLAG_INPUT") = static_cast<uint32_t>(kInput);
+  m.attr("FLAG_OUTPUT") = static_cast<uint32_t>(kOutput);
+  m.attr("FLAG_LOSS") = static_cast<uint32_t>(kLoss);
+
+  py::class_<PyGraph>(m, "Graph")
+      .def(py::init<>())
+      .def("leaf", &PyGraph::leaf, py::arg("dtype"), py::arg("shape"), py::arg("flags") = 0,
+           py::arg("name") = "")
+      .def("op", &PyGraph::op, py::arg("name"), py::arg("src"), py::arg("ip") = std::vector<int64_t>{},
+           py::arg("fp") = std::vector<double>{})
+      .def("set_flags", [](PyGraph& s, int id, uint32_t flags) { s.g.node(id).flags |= flags; })
+      .def("build_backward", [](PyGraph& s, int loss, int seed) {
+             s.g.build_backward(loss, seed);
+             s.keep.resize(s.g.size());
+           }, py::arg("loss"), py::arg("seed") = -1)
+      .def("grad", [](PyGraph& s, int id) { return s.g.node(id).grad; })
+      .def("plan", [](PyGraph& s) {
+        const MemoryPlan& p = s.g.plan();
+        py::dict d;
+        d["arena_bytes"] = p.arena_bytes;
+        d["unplanned_bytes"] = p.unplanned_bytes;
+        d["n_planned"] = p.n_planned;
+        return d;
+      })
+      .def("bind", &PyGraph::bind)
+      .def("compute", [](PyGraph& s) {
+        py::gil_scoped_release nogil;
+        s.g.compute();
+      })
+      .def("read", &PyGraph::read)
+      .def("info", &PyGraph::info)
+      .def("__len__", [](PyGraph& s) { return s.g.size(); });
+
+  py::class_<HostBuffer, std::shared_ptr<HostBuffer>>(m, "HostBuffer", py::buffer_protocol())
+      .def(py::init([](size_t nbytes, const std::string& pool) {
+             Pool p = pool == "transient" ? Pool::transient : Pool::persistent;
+             return std::make_shared<HostBuffer>(nbytes, p);
+           }), py::arg("nbytes"), py::arg("pool") = "persistent")
+      .def_property_readonly("nbytes", &HostBuffer::nbytes)
+      .def_buffer([](HostBuffer& b) {
+        return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(b.nbytes())}, {1});
+      });
+
+  m.def("set_num_threads", &set_num_threads, py::arg("n"));
+  m.def("get_num_threads", &get_num_threads);
+  m.def("op_names", [] {
+    std::vector<std::string> names;
+    const OpTable& t = OpTable::get();
+    for (int i = 0; i < t.size(); ++i) names.push_back(t.at(i).name);
+    return names;
+  });
+  m.def("memory_stats", [] {
+    py::dict d;
+    for (auto [name, pool] : {std::pair{"persistent", Pool::persistent}, std::pair{"transient", Pool::transient}}) {
+      PoolStats s = memory_stats(pool);
+      py::dict e;
+      e["bytes"] = s.bytes;
+      e["peak_bytes"] = s.peak_bytes;
+      e["n_allocs"] = s.n_allocs;
+      d[name] = e;
+    }
+    return d;
+  });
+  m.def("reset_peak_memory", &memory_stats_reset_peak);
+  m.def("load_blas", &load_blas, py::arg("path"),
+        "Loads an OpenBLAS shared library for matmul; returns False when it cannot be used.");
+  m.def("blas_name", &blas_name);
+}

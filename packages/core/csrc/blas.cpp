@@ -1,0 +1,59 @@
+#include "blas.h"
+
+#include <dlfcn.h>
+
+#include <climits>
+
+#include "threadpool.h"
+
+namespace recurra {
+
+namespace {
+using sgemm_fn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int,
+                          float, float*, int);
+using set_threads_fn = void (*)(int);
+sgemm_fn g_sgemm = nullptr;
+set_threads_fn g_set_threads = nullptr;
+std::string g_name = "none";
+constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
+}  // namespace
+
+bool load_blas(const std::string& path) {
+  void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (!h) return false;
+  for (const char* sym : {"scipy_cblas_sgemm", "cblas_sgemm"}) {
+    if (auto f = reinterpret_cast<sgemm_fn>(dlsym(h, sym))) {
+      g_sgemm = f;
+      break;
+    }
+  }
+  for (const char* sym : {"scipy_openblas_set_num_threads", "openblas_set_num_threads"}) {
+    if (auto f = reinterpret_cast<set_threads_fn>(dlsym(h, sym))) {
+      g_set_threads = f;
+      break;
+    }
+  }
+  if (!g_sgemm) return false;
+  g_name = path;
+  blas_set_num_threads(get_num_threads());
+  return true;
+}
+
+std::string blas_name() { return g_name; }
+
+void blas_set_num_threads(int n) {
+  if (g_set_threads) g_set_threads(n);
+}
+
+bool blas_sgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (!g_sgemm) return false;
+  if (m > INT_MAX || n > INT_MAX || k > INT_MAX || lda > INT_MAX || ldb > INT_MAX || ldc > INT_MAX)
+    return false;
+  g_sgemm(kRowMajor, ta ? kTrans : kNoTrans, tb ? kTrans : kNoTrans, static_cast<int>(m),
+          static_cast<int>(n), static_cast<int>(k), alpha, a, static_cast<int>(lda), b,
+          static_cast<int>(ldb), beta, c, static_cast<int>(ldc));
+  return true;
+}
+
+}  // namespace recurra

@@ -1,0 +1,93 @@
+// Shared basics of the native core: dtypes, shapes, errors.
+//
+// Shapes are numpy order everywhere in the core: axis ndim-1 is the fastest one.
+// Strides are counted in elements, not bytes.
+#pragma once
+
+#include <cstdint>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace recurra {
+
+constexpr int kMaxDims = 4;
+
+enum class DType : int32_t { f32 = 0, i32 = 1 };
+
+inline const char* dtype_name(DType t) { return t == DType::f32 ? "float32" : "int32"; }
+inline size_t dtype_size(DType) { return 4; }
+
+// Errors. bindings.cpp maps them onto Python's ValueError, TypeError, MemoryError and
+// RuntimeError; nothing in the core aborts the process.
+struct ValueError : std::runtime_error { using std::runtime_error::runtime_error; };
+struct TypeError : std::runtime_error { using std::runtime_error::runtime_error; };
+struct StateError : std::runtime_error { using std::runtime_error::runtime_error; };  // -> RuntimeError
+
+struct Shape {
+  int ndim = 0;
+  int64_t d[kMaxDims] = {1, 1, 1, 1};
+
+  Shape() = default;
+  Shape(std::initializer_list<int64_t> dims) {
+    if (dims.size() > kMaxDims) throw ValueError("at most 4 axes are supported");
+    ndim = static_cast<int>(dims.size());
+    int i = 0;
+    for (int64_t v : dims) d[i++] = v;
+  }
+  static Shape from(const std::vector<int64_t>& dims) {
+    if (dims.size() > kMaxDims)
+      throw ValueError("at most 4 axes are supported, got " + std::to_string(dims.size()));
+    Shape s;
+    s.ndim = static_cast<int>(dims.size());
+    for (int i = 0; i < s.ndim; ++i) {
+      if (dims[i] < 0) throw ValueError("negative dimension in shape");
+      s.d[i] = dims[i];
+    }
+    return s;
+  }
+  int64_t operator[](int i) const { return d[i]; }
+  int64_t& operator[](int i) { return d[i]; }
+  int64_t numel() const {
+    int64_t n = 1;
+    for (int i = 0; i < ndim; ++i) n *= d[i];
+    return n;
+  }
+  std::vector<int64_t> vec() const { return std::vector<int64_t>(d, d + ndim); }
+  bool operator==(const Shape& o) const {
+    if (ndim != o.ndim) return false;
+    for (int i = 0; i < ndim; ++i)
+      if (d[i] != o.d[i]) return false;
+    return true;
+  }
+  bool operator!=(const Shape& o) const { return !(*this == o); }
+  std::string str() const {
+    std::ostringstream os;
+    os << "(";
+    for (int i = 0; i < ndim; ++i) os << d[i] << (ndim == 1 || i + 1 < ndim ? (i + 1 < ndim ? ", " : ",") : "");
+    os << ")";
+    return os.str();
+  }
+};
+
+// Contiguous (row-major) strides of a shape.
+inline void contiguous_strides(const Shape& s, int64_t* st) {
+  int64_t acc = 1;
+  for (int i = s.ndim - 1; i >= 0; --i) {
+    st[i] = acc;
+    acc *= s.d[i];
+  }
+}
+
+// Normalise a possibly negative axis; throws ValueError naming the op.
+inline int norm_axis(const char* op, int64_t axis, int ndim) {
+  if (axis < -ndim || axis >= ndim || ndim == 0) {
+    std::ostringstream os;
+    os << op << ": axis " << axis << " is out of range for a tensor of " << ndim << " axes";
+    throw ValueError(os.str());
+  }
+  return static_cast<int>(axis < 0 ? axis + ndim : axis);
+}
+
+}  // namespace recurra

@@ -1,0 +1,374 @@
+#include "graph.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstdlib>
+#include <map>
+#include <new>
+
+#include "memory.h"
+
+namespace recurra {
+
+// ---- small helpers ------------------------------------------------------------------
+
+bool TensorView::is_contiguous() const {
+  int64_t expect = 1;
+  for (int i = shape.ndim - 1; i >= 0; --i) {
+    if (shape.d[i] != 1 && strides[i] != expect) return false;
+    expect *= shape.d[i];
+  }
+  return true;
+}
+
+bool Node::is_leaf() const { return op < 0; }
+
+Shape broadcast_shapes(const char* op, const Shape& a, const Shape& b) {
+  Shape out;
+  out.ndim = std::max(a.ndim, b.ndim);
+  for (int i = 0; i < out.ndim; ++i) {
+    int ia = a.ndim - out.ndim + i, ib = b.ndim - out.ndim + i;
+    int64_t da = ia >= 0 ? a.d[ia] : 1, db = ib >= 0 ? b.d[ib] : 1;
+    if (da != db && da != 1 && db != 1)
+      throw ValueError(std::string(op) + ": shapes " + a.str() + " and " + b.str() +
+                       " cannot be broadcast together");
+    out.d[i] = da == 1 ? db : da;
+  }
+  return out;
+}
+
+void broadcast_strides(const TensorView& src, const Shape& shape, int64_t* out) {
+  for (int i = 0; i < shape.ndim; ++i) {
+    int is = src.shape.ndim - shape.ndim + i;
+    out[i] = (is < 0 || src.shape.d[is] == 1) ? 0 : src.strides[is];
+  }
+}
+
+std::string shapes_str(const Graph& g, const Node& n) {
+  std::string s;
+  for (size_t i = 0; i < n.src.size(); ++i) {
+    if (i) s += ", ";
+    s += g.node(n.src[i]).shape.str();
+  }
+  return s;
+}
+
+void fail_shape(const Graph& g, const Node& n, const std::string& msg) {
+  const auto& name = OpTable::get().at(n.op).name;
+  throw ValueError(name + ": " + msg + " (got shapes " + shapes_str(g, n) + ")");
+}
+
+void require_f32(const Graph& g, const Node& n, int i) {
+  const Node& s = g.node(n.src[i]);
+  if (s.dtype != DType::f32)
+    throw TypeError(OpTable::get().at(n.op).name + ": input " + std::to_string(i) +
+                    " must be float32, got " + dtype_name(s.dtype));
+}
+
+// ---- op table -----------------------------------------------------------------------
+
+OpTable& OpTable::get() {
+  static OpTable* t = [] {
+    auto* tab = new OpTable();
+    register_all_ops(*tab);
+    return tab;
+  }();
+  return *t;
+}
+
+int OpTable::add(OpDef def) {
+  if (by_name_.count(def.name)) throw StateError("op registered twice: " + def.name);
+  int id = static_cast<int>(ops_.size());
+  by_name_[def.name] = id;
+  ops_.push_back(std::move(def));
+  return id;
+}
+
+int OpTable::find(const std::string& name) const {
+  auto it = by_name_.find(name);
+  return it == by_name_.end() ? -1 : it->second;
+}
+
+// ---- gradient sink ------------------------------------------------------------------
+
+void GradSink::add(int i, int grad_node) {
+  const Node& s = g.node(node.src[i]);
+  const Node& gn = g.node(grad_node);
+  if (gn.shape != s.shape)
+    throw StateError("internal: gradient of " + OpTable::get().at(node.op).name + " input " +
+                     std::to_string(i) + " has shape " + gn.shape.str() + ", expected " +
+                     s.shape.str());
+  if (contributions[i] < 0)
+    contributions[i] = grad_node;
+  else
+    contributions[i] = g.add(contributions[i], grad_node);
+}
+
+// ---- graph building -----------------------------------------------------------------
+
+Node& Graph::node(int id) {
+  if (id < 0 || id >= size()) throw ValueError("node id " + std::to_string(id) + " is not in this graph");
+  return nodes_[id];
+}
+const Node& Graph::node(int id) const {
+  if (id < 0 || id >= size()) throw ValueError("node id " + std::to_string(id) + " is not in this graph");
+  return nodes_[id];
+}
+
+int Graph::push(Node n) {
+  n.id = size();
+  nodes_.push_back(std::move(n));
+  planned_ = false;
+  return nodes_.back().id;
+}
+
+int Graph::leaf(DType dtype, const Shape& shape, uint32_t flags, const std::string& name) {
+  if (shape.ndim > kMaxDims) throw ValueError("at most 4 axes are supported");
+  if ((flags & kParam) && dtype != DType::f32) throw TypeError("parameters must be float32");
+  Node n;
+  n.dtype = dtype;
+  n.shape = shape;
+  contiguous_strides(shape, n.strides);
+  n.flags = flags;
+  n.name = name;
+  return push(std::move(n));
+}
+
+static bool node_contiguous(const Node& n) {
+  TensorView v;
+  v.shape = n.shape;
+  std::copy(n.strides, n.strides + kMaxDims, v.strides);
+  return v.is_contiguous();
+}
+
+int Graph::op(const std::string& name, std::vector<int> src, std::vector<int64_t> ip,
+              std::vector<double> fp) {
+  const OpTable& tab = OpTable::get();
+  int id = tab.find(name);
+  if (id < 0) throw ValueError("unknown op '" + name + "'");
+  const OpDef& def = tab.at(id);
+  for (int s : src) node(s);  // range check
+  for (size_t i = 0; i < src.size() && i < 32; ++i)
+    if ((def.contiguous_srcs >> i) & 1u)
+      if (!node_contiguous(nodes_[src[i]])) src[i] = contiguous(src[i]);
+  Node n;
+  n.op = id;
+  n.src = std::move(src);
+  n.ip = std::move(ip);
+  n.fp = std::move(fp);
+  def.infer(*this, n);
+  if (n.shape.ndim > kMaxDims) throw ValueError(name + ": result would have more than 4 axes");
+  if (!def.is_view) {
+    contiguous_strides(n.shape, n.strides);
+    n.view_base = -1;
+  }
+  return push(std::move(n));
+}
+
+int Graph::reduce_to(int a, const Shape& target) {
+  if (node(a).shape == target) return a;
+  return op("sum_to", {a}, target.vec());
+}
+
+// ---- autodiff -----------------------------------------------------------------------
+
+void Graph::build_backward(int loss, int seed) {
+  const Node& L = node(loss);
+  if (L.dtype != DType::f32) throw TypeError("backward: the loss must be float32");
+  if (seed < 0 && L.numel() != 1)
+    throw ValueError("backward: the loss must be a scalar (got shape " + L.shape.str() +
+                     "); pass a gradient of that shape to differentiate a non-scalar");
+  if (seed >= 0 && node(seed).shape != L.shape)
+    throw ValueError("backward: the gradient has shape " + node(seed).shape.str() +
+                     " but the tensor has shape " + L.shape.str());
+  nodes_[loss].flags |= kLoss | kOutput;
+
+  // needs[i]: some parameter flows into node i.
+  std::vector<char> needs(loss + 1, 0);
+  for (int i = 0; i <= loss; ++i) {
+    const Node& n = nodes_[i];
+    if (n.flags & kParam) needs[i] = 1;
+    for (int s : n.src)
+      if (needs[s]) needs[i] = 1;
+  }
+  std::vector<int> grads(loss + 1, -1);
+  if (!needs[loss]) return;  // nothing to differentiate: no parameter reaches the loss
+  grads[loss] = seed >= 0 ? seed : fill(L.shape, 1.0);
+
+  const OpTable& tab = OpTable::get();
+  for (int i = loss; i >= 0; --i) {
+    if (grads[i] < 0 || !needs[i]) continue;
+    Node n = nodes_[i];  // copy: the rule appends nodes
+    if (n.is_leaf()) continue;
+    const OpDef& def = tab.at(n.op);
+    if (!def.backward) throw ValueError("backward: op '" + def.name + "' is not differentiable");
+    GradSink sink{*this, n, grads[i], std::vector<int>(n.src.size(), -1), &needs};
+    def.backward(sink);
+    for (size_t j = 0; j < n.src.size(); ++j) {
+      int c = sink.contributions[j];
+      int s = n.src[j];
+      if (c < 0 || !needs[s]) continue;
+      grads[s] = grads[s] < 0 ? c : add(grads[s], c);
+    }
+  }
+  for (int i = 0; i <= loss; ++i) {
+    if (!needs[i] || grads[i] < 0) continue;
+    nodes_[i].grad = grads[i];
+    if (nodes_[i].flags & kParam) nodes_[grads[i]].flags |= kOutput;
+  }
+}
+
+bool GradSink::needs(int i) const {
+  int s = node.src[i];
+  return needs_ && s < static_cast<int>(needs_->size()) && (*needs_)[s];
+}
+
+// ---- memory planning ----------------------------------------------------------------
+
+void Graph::AlignedFree::operator()(void* p) const { std::free(p); }
+
+static constexpr size_t kAlign = 64;
+static size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+const MemoryPlan& Graph::plan() {
+  if (planned_) return plan_;
+  const int n = size();
+  const int kForever = INT_MAX;
+  std::vector<int> last(n, -1);
+  auto base_of = [&](int id) { return nodes_[id].view_base >= 0 ? nodes_[id].view_base : id; };
+  for (int j = 0; j < n; ++j)
+    for (int s : nodes_[j].src) last[base_of(s)] = std::max(last[base_of(s)], j);
+  for (int j = 0; j < n; ++j) {
+    const Node& nd = nodes_[j];
+    if (nd.flags & (kOutput | kLoss)) last[base_of(j)] = kForever;
+  }
+
+  // Best-fit allocation over a free list of [offset, size) blocks, in execution order.
+  std::map<size_t, size_t> free_blocks;  // offset -> size
+  size_t top = 0;
+  auto alloc = [&](size_t bytes) -> size_t {
+    bytes = align_up(std::max<size_t>(bytes, 1));
+    auto best = free_blocks.end();
+    for (auto it = free_blocks.begin(); it != free_blocks.end(); ++it)
+      if (it->second >= bytes && (best == free_blocks.end() || it->second < best->second)) best = it;
+    if (best != free_blocks.end()) {
+      size_t off = best->first, sz = best->second;
+      free_blocks.erase(best);
+      if (sz > bytes) free_blocks[off + bytes] = sz - bytes;
+      return off;
+    }
+    // Grow: merge with a free block that ends at the top.
+    if (!free_blocks.empty()) {
+      auto lastb = std::prev(free_blocks.end());
+      if (lastb->first + lastb->second == top) {
+        size_t off = lastb->first;
+        free_blocks.erase(lastb);
+        top = off + bytes;
+        return off;
+      }
+    }
+    size_t off = top;
+    top += bytes;
+    return off;
+  };
+  auto release = [&](size_t off, size_t bytes) {
+    bytes = align_up(std::max<size_t>(bytes, 1));
+    auto it = free_blocks.emplace(off, bytes).first;
+    auto nx = std::next(it);
+    if (nx != free_blocks.end() && it->first + it->second == nx->first) {
+      it->second += nx->second;
+      free_blocks.erase(nx);
+    }
+    if (it != free_blocks.begin()) {
+      auto pv = std::prev(it);
+      if (pv->first + pv->second == it->first) {
+        pv->second += it->second;
+        free_blocks.erase(it);
+      }
+    }
+  };
+
+  MemoryPlan p;
+  p.offsets.assign(n, SIZE_MAX);
+  std::vector<std::vector<int>> dies_at(n);
+  for (int j = 0; j < n; ++j)
+    if (last[j] >= 0 && last[j] != kForever) dies_at[last[j]].push_back(j);
+  for (int j = 0; j < n; ++j) {
+    const Node& nd = nodes_[j];
+    if (!nd.is_leaf() && !nd.is_view()) {
+      p.offsets[j] = alloc(nd.nbytes());
+      p.unplanned_bytes += align_up(std::max<size_t>(nd.nbytes(), 1));
+      p.n_planned++;
+      if (last[j] < 0) dies_at[j].push_back(j);  // dead on arrival: free right after
+    }
+    for (int d : dies_at[j])
+      if (p.offsets[d] != SIZE_MAX) release(p.offsets[d], nodes_[d].nbytes());
+  }
+  p.arena_bytes = top;
+
+  if (top > arena_capacity_) {
+    arena_.reset();
+    void* mem = nullptr;
+    if (posix_memalign(&mem, kAlign, top) != 0 || !mem)
+      throw std::bad_alloc();
+    arena_.reset(mem);
+    memory_stats_adjust(Pool::transient, static_cast<int64_t>(top) - static_cast<int64_t>(arena_capacity_));
+    arena_capacity_ = top;
+  }
+  for (int j = 0; j < n; ++j)
+    if (p.offsets[j] != SIZE_MAX) nodes_[j].data = static_cast<uint8_t*>(arena_.get()) + p.offsets[j];
+  plan_ = std::move(p);
+  planned_ = true;
+  ++generation_;
+  return plan_;
+}
+
+Graph::~Graph() {
+  if (arena_capacity_) memory_stats_adjust(Pool::transient, -static_cast<int64_t>(arena_capacity_));
+}
+
+void Graph::bind(int id, void* data) {
+  Node& n = node(id);
+  if (!n.is_leaf()) throw ValueError("bind: node " + std::to_string(id) + " is not a leaf");
+  n.data = data;
+}
+
+TensorView Graph::view_of(int id) const {
+  const Node& n = node(id);
+  TensorView v;
+  v.dtype = n.dtype;
+  v.shape = n.shape;
+  std::copy(n.strides, n.strides + kMaxDims, v.strides);
+  if (n.is_view()) {
+    const Node& b = nodes_[n.view_base];
+    v.data = b.data ? static_cast<uint8_t*>(b.data) + n.view_offset * dtype_size(n.dtype) : nullptr;
+  } else {
+    v.data = n.data;
+  }
+  return v;
+}
+
+void Graph::check_ready() const {
+  for (const Node& n : nodes_)
+    if (n.is_leaf() && !n.data && n.numel() > 0)
+      throw StateError("compute: leaf " + std::to_string(n.id) +
+                       (n.name.empty() ? "" : " ('" + n.name + "')") +
+                       " has no data; set it before computing");
+}
+
+void Graph::compute() {
+  plan();
+  check_ready();
+  const OpTable& tab = OpTable::get();
+  ThreadPool& tp = pool();
+  for (const Node& n : nodes_) {
+    if (n.is_leaf() || n.is_view()) continue;
+    const OpDef& def = tab.at(n.op);
+    KernelCtx ctx{n, view_of(n.id), {}, tp};
+    ctx.src.reserve(n.src.size());
+    for (int s : n.src) ctx.src.push_back(view_of(s));
+    def.forward(ctx);
+  }
+}
+
+}  // namespace recurra

@@ -1,0 +1,221 @@
+// The computation graph: nodes, the op table, the builder, autodiff, the memory planner and
+// the CPU executor.
+//
+// A Graph is an append-only list of nodes in topological order (a node's sources always
+// come before it). Leaves (constants, inputs, parameters) hold memory owned by the caller;
+// every other node gets memory from the plan made by Graph::plan(). View nodes (reshape,
+// permute, slice, broadcast) own nothing: they point into their base with their own strides.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "common.h"
+#include "threadpool.h"
+
+namespace recurra {
+
+enum NodeFlags : uint32_t {
+  kParam = 1u << 0,   // a trainable leaf: build_backward makes a gradient for it
+  kInput = 1u << 1,   // fed from outside (placement hint only, never pins to a backend)
+  kOutput = 1u << 2,  // read after compute: its memory is never reused within the graph
+  kLoss = 1u << 3,    // the scalar that build_backward differentiates
+};
+
+// A strided window on memory that a kernel reads or writes.
+struct TensorView {
+  void* data = nullptr;
+  DType dtype = DType::f32;
+  Shape shape;
+  int64_t strides[kMaxDims] = {0, 0, 0, 0};
+
+  float* f32() const { return static_cast<float*>(data); }
+  int32_t* i32() const { return static_cast<int32_t*>(data); }
+  int64_t numel() const { return shape.numel(); }
+  bool is_contiguous() const;
+};
+
+struct Node {
+  int id = -1;
+  int op = -1;  // index into the op table
+  DType dtype = DType::f32;
+  Shape shape;
+  int64_t strides[kMaxDims] = {0, 0, 0, 0};  // memory strides in elements (views differ)
+  std::vector<int> src;
+  std::vector<int64_t> ip;  // integer parameters of the op
+  std::vector<double> fp;   // float parameters of the op
+  uint32_t flags = 0;
+  std::string name;
+
+  // Views: the node whose memory this one looks into, and the element offset in it.
+  int view_base = -1;  // -1: owns its memory (or is a leaf)
+  int64_t view_offset = 0;
+
+  int grad = -1;  // after build_backward: the node holding d(loss)/d(this), or -1
+
+  // Runtime state, filled by plan()/bind(): where the data lives.
+  void* data = nullptr;
+
+  bool is_leaf() const;
+  bool is_view() const { return view_base >= 0; }
+  int64_t numel() const { return shape.numel(); }
+  size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype); }
+};
+
+class Graph;
+
+// What a CPU kernel sees: its output and its sources, already resolved to memory.
+struct KernelCtx {
+  const Node& node;
+  TensorView dst;
+  std::vector<TensorView> src;
+  ThreadPool& pool;
+};
+
+// Collects the gradient contributions of one node's backward rule.
+struct GradSink {
+  Graph& g;
+  const Node& node;  // copy of the node being differentiated (the graph may grow)
+  int grad_out;      // d(loss)/d(node)
+  std::vector<int> contributions;  // per source: gradient node id, or -1
+  const std::vector<char>* needs_ = nullptr;  // per node id: a parameter flows into it
+  // Adds a gradient for source i. The shape must equal the source's shape (use
+  // Graph::reduce_to to undo broadcasting first).
+  void add(int i, int grad_node);
+  bool needs(int i) const;  // does a parameter flow into source i? (skip its gradient if not)
+};
+
+// One entry of the op table: everything about an op side by side.
+struct OpDef {
+  std::string name;
+  // Checks the sources and parameters and sets node.dtype and node.shape. Throws
+  // ValueError/TypeError naming the op and the shapes.
+  std::function<void(Graph& g, Node& node)> infer;
+  // The CPU kernel. Null for view ops (they run no code).
+  std::function<void(KernelCtx& ctx)> forward;
+  // Builds gradient nodes for the sources. Null: the op is not differentiable, and
+  // build_backward raises if a parameter depends on it.
+  std::function<void(GradSink& sink)> backward;
+  // Bit i set: source i must be contiguous; the builder inserts a `contiguous` node if not.
+  uint32_t contiguous_srcs = 0;
+  // Set for reshape/permute/slice/broadcast_to: infer also sets strides and the view.
+  bool is_view = false;
+};
+
+// The op table. Each ops/*.cpp file has a register_*_ops(OpTable&) function; ops.cpp
+// calls them all once.
+class OpTable {
+ public:
+  static OpTable& get();
+  int add(OpDef def);
+  int find(const std::string& name) const;  // -1 when unknown
+  const OpDef& at(int id) const { return ops_[id]; }
+  int size() const { return static_cast<int>(ops_.size()); }
+
+ private:
+  std::vector<OpDef> ops_;
+  std::unordered_map<std::string, int> by_name_;
+};
+
+struct MemoryPlan {
+  size_t arena_bytes = 0;     // the peak: bytes of the one arena all intermediates share
+  size_t unplanned_bytes = 0;  // what the same intermediates would take without reuse
+  size_t n_planned = 0;        // nodes given memory in the arena
+  std::vector<size_t> offsets;  // per node: byte offset in the arena, or SIZE_MAX
+};
+
+class Graph {
+ public:
+  Graph() = default;
+  ~Graph();
+  Graph(const Graph&) = delete;
+  Graph& operator=(const Graph&) = delete;
+
+  // --- building -----------------------------------------------------------------
+  // A leaf with memory the caller binds later (bind()).
+  int leaf(DType dtype, const Shape& shape, uint32_t flags = 0, const std::string& name = "");
+  // A node of op `name` on `src` with parameters; returns its id. Validates through the
+  // op's infer and inserts `contiguous` nodes where the op requires them.
+  int op(const std::string& name, std::vector<int> src, std::vector<int64_t> ip = {},
+         std::vector<double> fp = {});
+
+  // Builder helpers used by backward rules (and by the bindings).
+  int add(int a, int b) { return op("add", {a, b}); }
+  int sub(int a, int b) { return op("sub", {a, b}); }
+  int mul(int a, int b) { return op("mul", {a, b}); }
+  int div(int a, int b) { return op("div", {a, b}); }
+  int neg(int a) { return op("neg", {a}); }
+  int scale(int a, double s) { return op("scale", {a}, {}, {s}); }
+  int reshape(int a, const Shape& s) { return op("reshape", {a}, s.vec()); }
+  int permute(int a, const std::vector<int64_t>& perm) { return op("permute", {a}, perm); }
+  int contiguous(int a) { return op("contiguous", {a}); }
+  int broadcast_to(int a, const Shape& s) { return op("broadcast_to", {a}, s.vec()); }
+  // Sums `a` down to `target` (numpy broadcasting in reverse): the gradient rule of every
+  // broadcasting op. Returns `a` itself when the shapes already match.
+  int reduce_to(int a, const Shape& target);
+  // A contiguous piece of a packed 1-D result (multi-output ops pack their results).
+  int unpack(int packed, int64_t offset, const Shape& s) {
+    return reshape(op("slice", {packed}, {offset, offset + s.numel(), 1}), s);
+  }
+  // A node filled with a constant.
+  int fill(const Shape& s, double value, DType dt = DType::f32) {
+    return op("fill", {}, s.vec(), {value, static_cast<double>(static_cast<int>(dt))});
+  }
+
+  // --- autodiff -----------------------------------------------------------------
+  // Appends the backward graph of scalar node `loss` (seed 1, or `seed` when >= 0, a node
+  // of the loss's shape); sets Node::grad of every node a parameter depends on.
+  void build_backward(int loss, int seed = -1);
+
+  // --- running ------------------------------------------------------------------
+  // Plans the memory of all non-leaf, non-view nodes in one arena, reusing the memory of
+  // intermediates after their last use. Idempotent until the graph changes.
+  const MemoryPlan& plan();
+  // Binds a leaf to caller-owned memory (must stay alive during compute).
+  void bind(int id, void* data);
+  // Runs every non-leaf node on the CPU, in order. Raises if a leaf is unbound.
+  void compute();
+
+  // --- inspection ---------------------------------------------------------------
+  Node& node(int id);
+  const Node& node(int id) const;
+  int size() const { return static_cast<int>(nodes_.size()); }
+  const std::vector<Node>& nodes() const { return nodes_; }
+  TensorView view_of(int id) const;  // after plan()/bind()
+  uint64_t generation() const { return generation_; }
+
+ private:
+  int push(Node n);
+  void resolve_views();
+  void check_ready() const;
+
+  std::vector<Node> nodes_;
+  MemoryPlan plan_;
+  bool planned_ = false;
+  struct AlignedFree { void operator()(void* p) const; };
+  std::unique_ptr<void, AlignedFree> arena_;
+  size_t arena_capacity_ = 0;
+  uint64_t generation_ = 1;
+};
+
+// ---- helpers for ops ------------------------------------------------------------
+
+// numpy broadcasting of two shapes; throws ValueError naming `op`.
+Shape broadcast_shapes(const char* op, const Shape& a, const Shape& b);
+// "op: shapes (2, 3) and (4,)" style message pieces.
+std::string shapes_str(const Graph& g, const Node& n);
+// Throws ValueError "<op>: <msg>; got shapes ..." for node n.
+[[noreturn]] void fail_shape(const Graph& g, const Node& n, const std::string& msg);
+// Requires source i to have dtype f32 (TypeError otherwise).
+void require_f32(const Graph& g, const Node& n, int i);
+// Strides of `src` broadcast up to `shape` (0 on broadcast axes); the view's own strides
+// are aligned right like numpy.
+void broadcast_strides(const TensorView& src, const Shape& shape, int64_t* out);
+
+void register_all_ops(OpTable& t);
+
+}  // namespace recurra

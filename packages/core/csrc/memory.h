@@ -1,0 +1,47 @@
+// Memory accounting and host buffers.
+//
+// Two pools, as in design.md: the *persistent* pool holds what outlives a step (weights,
+// optimizer state, any tensor the user keeps); the *transient* pool holds the arenas of
+// planned graphs (activations and gradients of one step). memory_stats() reports both.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "common.h"
+
+namespace recurra {
+
+enum class Pool : int { persistent = 0, transient = 1 };
+
+struct PoolStats {
+  int64_t bytes = 0;       // in use now
+  int64_t peak_bytes = 0;  // most ever in use at once
+  int64_t n_allocs = 0;    // allocations made so far
+};
+
+void memory_stats_adjust(Pool pool, int64_t delta_bytes);
+PoolStats memory_stats(Pool pool);
+void memory_stats_reset_peak();
+
+// A 64-byte-aligned block of host memory counted in one pool. Owned through shared_ptr by
+// the Python objects that use it; `generation` changes when it is released, so a handle
+// that outlived it can tell.
+class HostBuffer {
+ public:
+  HostBuffer(size_t bytes, Pool pool);
+  ~HostBuffer();
+  HostBuffer(const HostBuffer&) = delete;
+  HostBuffer& operator=(const HostBuffer&) = delete;
+
+  void* data() const { return data_; }
+  size_t nbytes() const { return nbytes_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t nbytes_ = 0;
+  Pool pool_;
+};
+
+}  // namespace recurra

@@ -1,0 +1,271 @@
+// View ops (reshape, permute, slice, broadcast_to) run no code: they give a node new
+// strides into its base's memory. Also here: contiguous (the copy that turns a view into
+// dense memory), fill, sum_to (broadcasting in reverse) and slice_grad.
+#include <cstring>
+
+#include "../graph.h"
+#include "kernel_util.h"
+
+namespace recurra {
+
+namespace {
+
+void make_view_of(const Graph& g, Node& n, int src) {
+  const Node& s = g.node(src);
+  n.dtype = s.dtype;
+  n.view_base = s.is_view() ? s.view_base : s.id;
+  n.view_offset = s.is_view() ? s.view_offset : 0;
+}
+
+// dst (contiguous) = src (any strides); dims of equal shape.
+void copy_strided(const TensorView& dst, const TensorView& src, ThreadPool& tp) {
+  const int64_t len = row_len(dst.shape), rows = n_rows(dst.shape);
+  const int64_t ss = last_stride(src.strides, src.shape);
+  auto* d = static_cast<uint32_t*>(dst.data);
+  const auto* s = static_cast<const uint32_t*>(src.data);
+  tp.parallel_for(rows, row_grain(len), [&](int64_t b, int64_t e, int) {
+    for (int64_t r = b; r < e; ++r) {
+      const uint32_t* sp = s + row_offset(src.shape, src.strides, r);
+      uint32_t* dp = d + r * len;
+      if (ss == 1)
+        std::memcpy(dp, sp, len * 4);
+      else
+        for (int64_t i = 0; i < len; ++i) dp[i] = sp[i * ss];
+    }
+  });
+}
+
+}  // namespace
+
+void register_view_ops(OpTable& t) {
+  {
+    OpDef d;
+    d.name = "reshape";
+    d.is_view = true;
+    d.contiguous_srcs = 1;
+    d.infer = [](Graph& g, Node& n) {
+      if (n.src.size() != 1) fail_shape(g, n, "takes one input");
+      Shape s = Shape::from(n.ip);
+      if (s.numel() != g.node(n.src[0]).numel())
+        fail_shape(g, n, "cannot reshape to " + s.str() + ": element counts differ");
+      make_view_of(g, n, n.src[0]);
+      n.shape = s;
+      contiguous_strides(s, n.strides);
+    };
+    d.backward = [](GradSink& k) { k.add(0, k.g.reshape(k.grad_out, k.g.node(k.node.src[0]).shape)); };
+    t.add(std::move(d));
+  }
+  {
+    OpDef d;
+    d.name = "permute";
+    d.is_view = true;
+    d.infer = [](Graph& g, Node& n) {
+      const Node& s = g.node(n.src.at(0));
+      if (static_cast<int>(n.ip.size()) != s.shape.ndim)
+        fail_shape(g, n, "the permutation must name every axis once");
+      bool seen[kMaxDims] = {false, false, false, false};
+      make_view_of(g, n, n.src[0]);
+      n.shape.ndim = s.shape.ndim;
+      for (int i = 0; i < s.shape.ndim; ++i) {
+        int a = norm_axis("permute", n.ip[i], s.shape.ndim);
+        if (seen[a]) fail_shape(g, n, "the permutation repeats an axis");
+        seen[a] = true;
+        n.ip[i] = a;
+        n.shape.d[i] = s.shape.d[a];
+        n.strides[i] = s.strides[a];
+      }
+    };
+    d.backward = [](GradSink& k) {
+      std::vector<int64_t> inv(k.node.ip.size());
+      for (size_t i = 0; i < inv.size(); ++i) inv[k.node.ip[i]] = static_cast<int64_t>(i);
+      k.add(0, k.g.contiguous(k.g.permute(k.grad_out, inv)));
+    };
+    t.add(std::move(d));
+  }
+  {
+    // ip: (start, stop, step) per axis, already clipped to the axis (Python does that).
+    OpDef d;
+    d.name = "slice";
+    d.is_view = true;
+    d.infer = [](Graph& g, Node& n) {
+      const Node& s = g.node(n.src.at(0));
+      if (static_cast<int>(n.ip.size()) != 3 * s.shape.ndim) fail_shape(g, n, "needs (start, stop, step) per axis");
+      make_view_of(g, n, n.src[0]);
+      n.shape.ndim = s.shape.ndim;
+      for (int i = 0; i < s.shape.ndim; ++i) {
+        int64_t b = n.ip[3 * i], e = n.ip[3 * i + 1], st = n.ip[3 * i + 2];
+        if (st <= 0) fail_shape(g, n, "slice steps must be positive");
+        if (b < 0 || e > s.shape.d[i] || b > e) {
+          if (!(b == e && b >= 0 && b <= s.shape.d[i]))
+            fail_shape(g, n, "slice bounds out of range on axis " + std::to_string(i));
+        }
+        n.shape.d[i] = (e - b + st - 1) / st;
+        n.strides[i] = s.strides[i] * st;
+        n.view_offset += b * s.strides[i];
+      }
+    };
+    d.backward = [](GradSink& k) {
+      std::vector<int64_t> ip = k.g.node(k.node.src[0]).shape.vec();
+      ip.insert(ip.end(), k.node.ip.begin(), k.node.ip.end());
+      k.add(0, k.g.op("slice_grad", {k.grad_out}, ip));
+    };
+    t.add(std::move(d));
+  }
+  {
+    // ip: the full source shape, then (start, stop, step) per axis. Output: zeros of the
+    // source shape with the gradient written into the slice.
+    OpDef d;
+    d.name = "slice_grad";
+    d.infer = [](Graph& g, Node& n) {
+      require_f32(g, n, 0);
+      int nd = static_cast<int>(n.ip.size()) / 4;
+      n.dtype = DType::f32;
+      n.shape = Shape::from(std::vector<int64_t>(n.ip.begin(), n.ip.begin() + nd));
+    };
+    d.forward = [](KernelCtx& c) {
+      std::memset(c.dst.data, 0, c.dst.numel() * 4);
+      TensorView w = c.dst;
+      int nd = c.dst.shape.ndim;
+      int64_t off = 0;
+      for (int i = 0; i < nd; ++i) {
+        int64_t b = c.node.ip[nd + 3 * i], st = c.node.ip[nd + 3 * i + 2];
+        off += b * c.dst.strides[i];
+        w.strides[i] = c.dst.strides[i] * st;
+        w.shape.d[i] = c.src[0].shape.d[i];
+      }
+      w.data = c.dst.f32() + off;
+      const TensorView& s = c.src[0];
+      int64_t len = row_len(s.shape), rows = n_rows(s.shape);
+      int64_t ws = last_stride(w.strides, w.shape), ss = last_stride(s.strides, s.shape);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* dp = w.f32() + row_offset(w.shape, w.strides, r);
+        const float* sp = s.f32() + row_offset(s.shape, s.strides, r);
+        for (int64_t i = 0; i < len; ++i) dp[i * ws] = sp[i * ss];
+      }
+    };
+    t.add(std::move(d));
+  }
+  {
+    OpDef d;
+    d.name = "broadcast_to";
+    d.is_view = true;
+    d.infer = [](Graph& g, Node& n) {
+      const Node& s = g.node(n.src.at(0));
+      Shape target = Shape::from(n.ip);
+      Shape b = broadcast_shapes("broadcast_to", s.shape, target);
+      if (b != target) fail_shape(g, n, "cannot broadcast to " + target.str());
+      make_view_of(g, n, n.src[0]);
+      n.shape = target;
+      TensorView sv;
+      sv.shape = s.shape;
+      std::copy(s.strides, s.strides + kMaxDims, sv.strides);
+      broadcast_strides(sv, target, n.strides);
+    };
+    d.backward = [](GradSink& k) { k.add(0, k.g.reduce_to(k.grad_out, k.g.node(k.node.src[0]).shape)); };
+    t.add(std::move(d));
+  }
+  {
+    OpDef d;
+    d.name = "contiguous";
+    d.infer = [](Graph& g, Node& n) {
+      const Node& s = g.node(n.src.at(0));
+      n.dtype = s.dtype;
+      n.shape = s.shape;
+    };
+    d.forward = [](KernelCtx& c) { copy_strided(c.dst, c.src[0], c.pool); };
+    d.backward = [](GradSink& k) { k.add(0, k.grad_out); };
+    t.add(std::move(d));
+  }
+  {
+    // fp: (value, dtype code)
+    OpDef d;
+    d.name = "fill";
+    d.infer = [](Graph& g, Node& n) {
+      if (!n.src.empty() || n.fp.size() != 2) fail_shape(g, n, "takes no inputs and (value, dtype)");
+      n.shape = Shape::from(n.ip);
+      n.dtype = static_cast<DType>(static_cast<int>(n.fp[1]));
+    };
+    d.forward = [](KernelCtx& c) {
+      int64_t n = c.dst.numel();
+      if (c.dst.dtype == DType::f32) {
+        float v = static_cast<float>(c.node.fp[0]);
+        std::fill(c.dst.f32(), c.dst.f32() + n, v);
+      } else {
+        std::fill(c.dst.i32(), c.dst.i32() + n, static_cast<int32_t>(c.node.fp[0]));
+      }
+    };
+    t.add(std::move(d));
+  }
+  {
+    // Sum `a` down to the shape in ip (numpy broadcasting in reverse).
+    OpDef d;
+    d.name = "sum_to";
+    d.infer = [](Graph& g, Node& n) {
+      require_f32(g, n, 0);
+      const Node& s = g.node(n.src.at(0));
+      Shape target = Shape::from(n.ip);
+      if (broadcast_shapes("sum_to", target, s.shape) != s.shape)
+        fail_shape(g, n, "cannot sum down to " + target.str());
+      n.dtype = DType::f32;
+      n.shape = target;
+    };
+    d.forward = [](KernelCtx& c) {
+      const TensorView& a = c.src[0];
+      const int nd = a.shape.ndim;
+      // Target strides aligned to a's axes; 0 on the summed ones.
+      int64_t tst[kMaxDims] = {0, 0, 0, 0};
+      bool red[kMaxDims] = {false, false, false, false};
+      for (int i = 0; i < nd; ++i) {
+        int it = c.dst.shape.ndim - nd + i;
+        red[i] = it < 0 || (c.dst.shape.d[it] == 1 && a.shape.d[i] != 1);
+        tst[i] = (it < 0 || red[i]) ? 0 : c.dst.strides[it];
+      }
+      const int64_t n_out = c.dst.numel();
+      // Parallel over output elements; each sums its preimage in double, so the result
+      // does not depend on the thread count.
+      Shape kept, summed;
+      int64_t kst_a[kMaxDims], kst_t[kMaxDims], sst_a[kMaxDims];
+      for (int i = 0; i < nd; ++i) {
+        if (red[i]) {
+          sst_a[summed.ndim] = a.strides[i];
+          summed.d[summed.ndim++] = a.shape.d[i];
+        } else {
+          kst_a[kept.ndim] = a.strides[i];
+          kst_t[kept.ndim] = tst[i];
+          kept.d[kept.ndim++] = a.shape.d[i];
+        }
+      }
+      const int64_t n_sum = summed.numel();
+      float* out = c.dst.f32();
+      const float* src = a.f32();
+      c.pool.parallel_for(n_out, std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, n_sum)),
+                          [&](int64_t b, int64_t e, int) {
+        for (int64_t o = b; o < e; ++o) {
+          int64_t rem = o, off_a = 0, off_t = 0;
+          for (int i = kept.ndim - 1; i >= 0; --i) {
+            int64_t idx = rem % kept.d[i];
+            rem /= kept.d[i];
+            off_a += idx * kst_a[i];
+            off_t += idx * kst_t[i];
+          }
+          double acc = 0.0;
+          for (int64_t q = 0; q < n_sum; ++q) {
+            int64_t r2 = q, off = off_a;
+            for (int i = summed.ndim - 1; i >= 0; --i) {
+              off += (r2 % summed.d[i]) * sst_a[i];
+              r2 /= summed.d[i];
+            }
+            acc += src[off];
+          }
+          out[off_t] = static_cast<float>(acc);
+        }
+      });
+    };
+    d.backward = [](GradSink& k) {
+      k.add(0, k.g.contiguous(k.g.broadcast_to(k.grad_out, k.g.node(k.node.src[0]).shape)));
+    };
+    t.add(std::move(d));
+  }
+}
+
+}  // namespace recurra

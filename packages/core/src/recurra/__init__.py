@@ -1,0 +1,1 @@
+from recurra import _core  # noqa: F401
