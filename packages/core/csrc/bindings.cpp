@@ -50,7 +50,7 @@ class PyGraph {
   void bind(int id, py::buffer obj) {
     Node& n = g.node(id);
     if (!n.is_leaf()) throw ValueError("set_data: node " + std::to_string(id) + " is not a leaf");
-    py::buffer_info info = obj.request(true);
+    py::buffer_info info = obj.request();
     const bool is_f32 = info.format == py::format_descriptor<float>::format();
     const bool is_i32 = info.itemsize == 4 && (info.format == "i" || info.format == "l" || info.format == "=i");
     if ((n.dtype == DType::f32 && !is_f32) || (n.dtype == DType::i32 && !is_i32))
@@ -177,6 +177,16 @@ PYBIND11_MODULE(_core, m) {
                                {static_cast<py::ssize_t>(b.nbytes())}, {1});
       });
 
+  // Shape inference without running anything: the lazy tensor API calls it per op so
+  // errors surface where the op is written, not when the graph runs.
+  m.def("infer", [](const std::string& name, const std::vector<std::pair<std::string, std::vector<int64_t>>>& srcs,
+                    const std::vector<int64_t>& ip, const std::vector<double>& fp) {
+    Graph g;
+    std::vector<int> ids;
+    for (const auto& [dt, shape] : srcs) ids.push_back(g.leaf(parse_dtype(dt), Shape::from(shape)));
+    const Node& n = g.node(g.op(name, ids, ip, fp));
+    return py::make_tuple(dtype_name(n.dtype), py::tuple(py::cast(n.shape.vec())));
+  });
   m.def("set_num_threads", &set_num_threads, py::arg("n"));
   m.def("get_num_threads", &get_num_threads);
   m.def("op_names", [] {

@@ -1,1 +1,73 @@
-from recurra import _core  # noqa: F401
+"""recurra: train and run Mamba and RWKV models on any machine.
+
+Two ways in:
+
+- the tensor API (lazy, like a numpy with gradients): :func:`tensor`, :func:`param`,
+  operators and :mod:`recurra.ops`, ``loss.backward()``, ``.grad``, ``.numpy()``;
+- the graph API (explicit, like ggml): :class:`Graph`.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib import metadata as _metadata
+
+from recurra import _core
+from recurra import ops as ops
+from recurra._devices import Device, parse_device
+from recurra._tensor import Tensor, is_grad_enabled, no_grad, param, plan_cache_info, tensor
+from recurra.graph import Graph, GraphTensor
+
+try:
+    __version__ = _metadata.version("recurra-core")
+except _metadata.PackageNotFoundError:  # running from a source tree
+    __version__ = "0+unknown"
+
+__all__ = [
+    "Device", "Graph", "GraphTensor", "Tensor", "__version__", "blas_info", "get_include",
+    "get_num_threads", "is_grad_enabled", "memory_stats", "no_grad", "ops", "param",
+    "parse_device", "plan_cache_info", "set_num_threads", "tensor",
+]
+
+
+def get_include() -> str:
+    """The directory holding ``recurra/backend.h``, the C interface for backend plugins."""
+    return os.path.join(os.path.dirname(__file__), "include")
+
+
+def set_num_threads(n: int) -> None:
+    """Sets the number of CPU threads recurra uses (default: all cores). Raises ValueError if n < 1."""
+    _core.set_num_threads(int(n))
+
+
+def get_num_threads() -> int:
+    """The number of CPU threads recurra uses."""
+    return _core.get_num_threads()
+
+
+def memory_stats() -> dict[str, dict[str, int]]:
+    """Bytes in use, peak bytes and allocation counts of the persistent pool (tensors the
+    user keeps: weights, optimizer state) and the transient pool (planned graph arenas)."""
+    return _core.memory_stats()
+
+
+def blas_info() -> str:
+    """The BLAS library matmul uses, or ``"none"`` (recurra's own kernel)."""
+    return _core.blas_name()
+
+
+def _load_blas() -> None:
+    if os.environ.get("RECURRA_NO_BLAS"):
+        return
+    try:
+        import scipy_openblas32
+    except ImportError:
+        return
+    lib = os.path.join(scipy_openblas32.get_lib_dir(), f"lib{scipy_openblas32.get_library()}.so")
+    if os.path.exists(lib):
+        _core.load_blas(lib)
+
+
+_load_blas()
+if "RECURRA_NUM_THREADS" in os.environ:
+    set_num_threads(int(os.environ["RECURRA_NUM_THREADS"]))

@@ -1,0 +1,404 @@
+"""The tensor API: lazy tensors that record ops and run them as one planned graph.
+
+Ops on :class:`Tensor` record nodes; nothing runs until a value is needed (``numpy()``,
+``item()``, ``backward()``, ``np.asarray``). Then every pending node reachable from what is
+needed is built into one native graph, planned, and run. A graph with the same structure
+as one run before (same ops, shapes, dtypes and parameters; different data) reuses the
+native graph and its memory plan: a training loop plans once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from recurra import _core
+from recurra._devices import Device, parse_device
+from recurra._tensorbase import TensorOps
+from recurra.ops._apply import to_supported
+
+_state = threading.local()
+
+
+def is_grad_enabled() -> bool:
+    """True unless inside :func:`no_grad`."""
+    return getattr(_state, "grad_enabled", True)
+
+
+@contextlib.contextmanager
+def no_grad() -> Iterator[None]:
+    """Context manager: ops inside record no gradient history (as ``torch.no_grad``)."""
+    prev = is_grad_enabled()
+    _state.grad_enabled = False
+    try:
+        yield
+    finally:
+        _state.grad_enabled = prev
+
+
+def _host_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A numpy array whose memory is counted in recurra's persistent pool."""
+    n = int(np.prod(shape, dtype=np.int64))
+    buf = _core.HostBuffer(max(n, 1) * 4)
+    return np.frombuffer(buf, dtype=dtype, count=n).reshape(shape)
+
+
+class Tensor(TensorOps):
+    """A lazy tensor of the tensor API (float32 or int32, up to 4 axes)."""
+
+    __slots__ = (
+        "_op",
+        "_src",
+        "_ip",
+        "_fp",
+        "shape",
+        "dtype",
+        "_value",
+        "requires_grad",
+        "grad",
+        "_is_param",
+        "device",
+        "__weakref__",
+    )
+
+    def __init__(self) -> None:
+        raise TypeError("create tensors with recurra.tensor() or recurra.param()")
+
+    @classmethod
+    def _new(
+        cls,
+        op: str | None,
+        src: tuple[Tensor, ...],
+        ip: tuple[int, ...],
+        fp: tuple[float, ...],
+        shape: tuple[int, ...],
+        dtype: str,
+        value: np.ndarray | None,
+        requires_grad: bool,
+        device: Device,
+    ) -> Tensor:
+        t = object.__new__(cls)
+        t._op = op
+        t._src = src
+        t._ip = ip
+        t._fp = fp
+        t.shape = shape
+        t.dtype = dtype
+        t._value = value
+        t.requires_grad = requires_grad
+        t.grad = None
+        t._is_param = False
+        t.device = device
+        return t
+
+    @property
+    def _frontend(self) -> LazyFrontend:
+        return LAZY
+
+    @property
+    def is_leaf(self) -> bool:
+        return self._op is None
+
+    # -- values ----------------------------------------------------------------------
+    def _realized(self) -> np.ndarray:
+        if self._value is None:
+            LAZY.run([self])
+        assert self._value is not None
+        return self._value
+
+    def numpy(self) -> np.ndarray:
+        """Runs what is pending and returns the value as a new numpy array."""
+        return self._realized().copy()
+
+    def item(self) -> float | int:
+        """The value of a one-element tensor as a Python number."""
+        if self.size != 1:
+            raise ValueError(f"item(): the tensor has {self.size} elements, not 1")
+        return self._realized().reshape(()).item()
+
+    def tolist(self) -> Any:
+        return self._realized().tolist()
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        v = self._realized()
+        if dtype is not None and np.dtype(dtype) != v.dtype:
+            if copy is False:
+                raise ValueError("converting the dtype needs a copy, but copy=False was given")
+            return v.astype(dtype)
+        if copy:
+            return v.copy()
+        out = v.view()
+        out.flags.writeable = False
+        return out
+
+    def __float__(self) -> float:
+        return float(self.item())
+
+    def __int__(self) -> int:
+        return int(self.item())
+
+    def __bool__(self) -> bool:
+        return bool(self.item())
+
+    def __repr__(self) -> str:
+        state = "pending" if self._value is None else np.array2string(self._value, threshold=20)
+        extra = ", requires_grad=True" if self.requires_grad else ""
+        return f"recurra.Tensor({state}, shape={self.shape}, dtype={self.dtype}{extra})"
+
+    # -- autodiff --------------------------------------------------------------------
+    def backward(self, gradient: Any = None) -> None:
+        """Computes the gradient of this tensor with respect to every parameter it depends on.
+
+        Gradients accumulate into ``param.grad`` (as in PyTorch). A non-scalar tensor needs
+        ``gradient`` (same shape). Raises RuntimeError if nothing requires a gradient.
+        """
+        if not self.requires_grad:
+            raise RuntimeError(
+                "backward(): this tensor does not require grad (no parameter flows into it, "
+                "or it was computed under no_grad())"
+            )
+        seed = None
+        if gradient is None:
+            if self.size != 1:
+                raise RuntimeError(
+                    f"backward(): grad can be implicitly created only for scalar outputs "
+                    f"(shape {self.shape}); pass gradient="
+                )
+        else:
+            seed = gradient if isinstance(gradient, Tensor) else tensor(gradient)
+            if seed.shape != self.shape:
+                raise ValueError(
+                    f"backward(): gradient has shape {seed.shape}, tensor has shape {self.shape}"
+                )
+        LAZY.run([self], loss=self, seed=seed)
+
+    def detach(self) -> Tensor:
+        """The same value, cut from the gradient history."""
+        return Tensor._new(None, (), (), (), self.shape, self.dtype, self._realized(), False,
+                           self.device)
+
+    def requires_grad_(self, flag: bool = True) -> Tensor:
+        if not self.is_leaf:
+            raise RuntimeError("requires_grad_() works on leaf tensors only")
+        if flag and self.dtype != "float32":
+            raise TypeError("only float32 tensors can require gradients")
+        self.requires_grad = flag
+        self._is_param = flag
+        return self
+
+    def to(self, device: str | Device) -> Tensor:
+        """This tensor on ``device`` (the same object when it is already there)."""
+        dev = parse_device(device)
+        if dev == self.device:
+            return self
+        raise ValueError(f"to(): moving tensors to {dev} is not supported yet")
+
+    # In-place update of a leaf's data (used by optimizers and users alike).
+    def assign_(self, value: Any) -> Tensor:
+        """Overwrites this leaf's data in place with ``value`` (same shape)."""
+        if not self.is_leaf:
+            raise RuntimeError("assign_() works on leaf tensors only")
+        arr = np.asarray(value, dtype=self._value.dtype if self._value is not None else None)
+        if arr.shape != self.shape:
+            arr = np.broadcast_to(arr, self.shape)
+        self._realized()[...] = arr
+        return self
+
+
+def _wrap_value(value: np.ndarray, requires_grad: bool, device: Device) -> Tensor:
+    dtype = "float32" if value.dtype == np.float32 else "int32"
+    return Tensor._new(None, (), (), (), tuple(value.shape), dtype, value, requires_grad, device)
+
+
+def tensor(data: Any, device: str | Device | None = None, dtype: Any = None) -> Tensor:
+    """A tensor holding a copy of ``data`` (array-like; float -> float32, int -> int32).
+
+    Raises TypeError for unsupported dtypes and ValueError for more than 4 axes or an
+    unknown device.
+    """
+    dev = parse_device(device)
+    if isinstance(data, Tensor):
+        data = data._realized()
+    arr = np.asarray(data, dtype=dtype) if dtype is not None else np.asarray(data)
+    if arr.dtype.kind not in "fiub":
+        raise TypeError(f"unsupported dtype {arr.dtype}: recurra tensors are float32 or int32")
+    arr = to_supported(arr)
+    value = _host_array(arr.shape, arr.dtype)
+    value[...] = arr
+    return _wrap_value(value, False, dev)
+
+
+def param(data: Any, device: str | Device | None = None) -> Tensor:
+    """A trainable float32 tensor (a leaf that receives ``.grad`` from ``backward()``)."""
+    t = tensor(data, device=device, dtype=np.float32)
+    t.requires_grad = True
+    t._is_param = True
+    return t
+
+
+class _Plan:
+    __slots__ = ("graph", "leaf_ids", "out_ids", "grad_ids", "loss_id")
+
+    def __init__(self) -> None:
+        self.graph = _core.Graph()
+        self.leaf_ids: list[int] = []
+        self.out_ids: list[int] = []
+        self.grad_ids: list[int] = []
+        self.loss_id = -1
+
+
+class LazyFrontend:
+    """Builds, caches and runs the native graphs behind lazy tensors."""
+
+    def __init__(self, max_plans: int = 64) -> None:
+        self._plans: OrderedDict[Any, _Plan] = OrderedDict()
+        self.max_plans = max_plans
+        self.hits = 0
+        self.misses = 0
+        self._lock = threading.RLock()
+
+    # -- recording ---------------------------------------------------------------------
+    def constant(self, arr: np.ndarray) -> Tensor:
+        return _wrap_value(arr, False, parse_device(None))
+
+    def apply(
+        self, name: str, srcs: list[Tensor], ip: tuple[int, ...], fp: tuple[float, ...]
+    ) -> Tensor:
+        dev = srcs[0].device if srcs else parse_device(None)
+        for s in srcs[1:]:
+            if s.device != dev:
+                raise ValueError(f"{name}: inputs are on different devices ({dev} and {s.device})")
+        dtype, shape = _core.infer(name, [(s.dtype, list(s.shape)) for s in srcs], list(ip),
+                                   list(fp))
+        rg = is_grad_enabled() and any(s.requires_grad for s in srcs)
+        return Tensor._new(name, tuple(srcs), ip, fp, tuple(shape), dtype, None, rg, dev)
+
+    # -- running -----------------------------------------------------------------------
+    def run(self, outputs: list[Tensor], loss: Tensor | None = None,
+            seed: Tensor | None = None) -> None:
+        """Computes ``outputs`` (and, with ``loss``, the gradients of its parameters)."""
+        with self._lock:
+            self._run(outputs, loss, seed)
+
+    def _run(self, outputs: list[Tensor], loss: Tensor | None, seed: Tensor | None) -> None:
+        want_grad = loss is not None
+        roots = list(outputs) + ([seed] if seed is not None else [])
+        order: list[Tensor] = []
+        index: dict[int, int] = {}
+
+        def expand(t: Tensor) -> bool:
+            if t._op is None:
+                return False
+            if want_grad and t.requires_grad:
+                return True
+            return t._value is None
+
+        # Iterative post-order DFS (graphs can be deep).
+        for root in roots:
+            if id(root) in index:
+                continue
+            stack: list[tuple[Tensor, bool]] = [(root, False)]
+            while stack:
+                t, done = stack.pop()
+                if id(t) in index:
+                    continue
+                if done or not expand(t):
+                    index[id(t)] = len(order)
+                    order.append(t)
+                    continue
+                stack.append((t, True))
+                for s in reversed(t._src):
+                    if id(s) not in index:
+                        stack.append((s, False))
+
+        key_parts: list[Any] = []
+        leaves: list[Tensor] = []
+        for t in order:
+            if expand(t):
+                key_parts.append((t._op, t._ip, t._fp, tuple(index[id(s)] for s in t._src)))
+            else:
+                is_param = want_grad and t.requires_grad
+                key_parts.append(("leaf", t.dtype, t.shape, is_param))
+                leaves.append(t)
+        out_pos = tuple(index[id(t)] for t in outputs)
+        loss_pos = index[id(loss)] if loss is not None else -1
+        seed_pos = index[id(seed)] if seed is not None else -1
+        key = (tuple(key_parts), out_pos, loss_pos, seed_pos)
+
+        plan = self._plans.get(key)
+        if plan is None:
+            self.misses += 1
+            plan = self._build(order, expand, index, outputs, loss, seed)
+            self._plans[key] = plan
+            if len(self._plans) > self.max_plans:
+                self._plans.popitem(last=False)
+        else:
+            self.hits += 1
+            self._plans.move_to_end(key)
+
+        g = plan.graph
+        for nid, t in zip(plan.leaf_ids, leaves):
+            g.bind(nid, t._realized() if t._op is not None else t._value)
+        g.compute()
+        for nid, t in zip(plan.out_ids, outputs):
+            t._value = g.read(nid)
+        if want_grad:
+            params = [t for t in leaves if t.requires_grad]
+            for gid, p in zip(plan.grad_ids, params):
+                if gid < 0:
+                    continue
+                gval = g.read(gid)
+                if p.grad is None:
+                    p.grad = _wrap_value(gval, False, p.device)
+                else:
+                    p.grad._value = p.grad._realized() + gval
+            # Results of this run that nobody asked for stay pending: recomputing is cheap
+            # and keeping them would pin memory.
+
+    def _build(self, order: list[Tensor], expand: Any, index: dict[int, int],
+               outputs: list[Tensor], loss: Tensor | None, seed: Tensor | None) -> _Plan:
+        plan = _Plan()
+        g = plan.graph
+        ids: list[int] = []
+        want_grad = loss is not None
+        for t in order:
+            if expand(t):
+                nid = g.op(t._op, [ids[index[id(s)]] for s in t._src], list(t._ip), list(t._fp))
+            else:
+                flags = _core.FLAG_INPUT
+                if want_grad and t.requires_grad:
+                    flags = _core.FLAG_PARAM
+                nid = g.leaf(t.dtype, list(t.shape), flags)
+                plan.leaf_ids.append(nid)
+            ids.append(nid)
+        for t in outputs:
+            g.set_flags(ids[index[id(t)]], _core.FLAG_OUTPUT)
+        plan.out_ids = [ids[index[id(t)]] for t in outputs]
+        if loss is not None:
+            plan.loss_id = ids[index[id(loss)]]
+            seed_id = ids[index[id(seed)]] if seed is not None else -1
+            g.build_backward(plan.loss_id, seed_id)
+            for t in order:
+                if not expand(t) and t.requires_grad:
+                    plan.grad_ids.append(g.grad(ids[index[id(t)]]))
+        g.plan()
+        return plan
+
+    def cache_info(self) -> dict[str, int]:
+        return {"hits": self.hits, "misses": self.misses, "plans": len(self._plans)}
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+
+LAZY = LazyFrontend()
+
+
+def plan_cache_info() -> dict[str, int]:
+    """Counts of graph runs that reused a cached plan (hits) and that planned (misses)."""
+    return LAZY.cache_info()

@@ -1,0 +1,175 @@
+"""The graph API: an explicit graph, built, differentiated and run step by step (like ggml).
+
+    g = recurra.Graph()
+    x = g.input((4, 8), name="x")           # fed with set_data before each compute
+    w = g.param((8, 2), name="w")           # trainable: gets a gradient
+    loss = recurra.ops.mean(recurra.ops.sqr(x @ w))
+    g.build_backward(loss)                  # appends the gradient nodes
+    g.set_data(x, xs); g.set_data(w, ws)
+    g.compute()
+    loss.numpy(), w.grad.numpy()
+
+The same graph can be computed again after new set_data calls; its memory plan is kept.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from recurra import _core
+from recurra._tensorbase import TensorOps
+from recurra.ops._apply import to_supported
+
+
+class GraphTensor(TensorOps):
+    """A node of a :class:`Graph`."""
+
+    __slots__ = ("graph", "id", "shape", "dtype", "name")
+
+    def __init__(self, graph: Graph, node_id: int, shape: tuple[int, ...], dtype: str,
+                 name: str = "") -> None:
+        self.graph = graph
+        self.id = node_id
+        self.shape = shape
+        self.dtype = dtype
+        self.name = name
+
+    @property
+    def _frontend(self) -> Graph:
+        return self.graph
+
+    @property
+    def op(self) -> str:
+        """The op that computes this node (``"leaf"`` for inputs, params and constants)."""
+        return self.graph._g.info(self.id)["op"]
+
+    @property
+    def grad(self) -> GraphTensor | None:
+        """The gradient node (after :meth:`Graph.build_backward`), or None."""
+        return self.graph.grad(self)
+
+    def numpy(self) -> np.ndarray:
+        """The value from the last :meth:`Graph.compute` (a copy)."""
+        return self.graph.get_data(self)
+
+    def item(self) -> float:
+        v = self.numpy()
+        if v.size != 1:
+            raise ValueError(f"item(): the tensor has {v.size} elements, not 1")
+        return v.reshape(()).item()
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        v = self.numpy()
+        return v.astype(dtype) if dtype is not None else v
+
+    def set_data(self, value: Any) -> None:
+        self.graph.set_data(self, value)
+
+    def __repr__(self) -> str:
+        nm = f" '{self.name}'" if self.name else ""
+        return f"GraphTensor#{self.id}{nm}(op={self.op}, shape={self.shape}, dtype={self.dtype})"
+
+
+class Graph:
+    """An explicit computation graph on the CPU."""
+
+    def __init__(self) -> None:
+        self._g = _core.Graph()
+        self._computed = False
+
+    # -- leaves ------------------------------------------------------------------------
+    def _leaf(self, shape: Any, dtype: str, flags: int, name: str) -> GraphTensor:
+        shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+        if dtype not in ("float32", "int32"):
+            raise TypeError(f"unsupported dtype {dtype!r}: use 'float32' or 'int32'")
+        nid = self._g.leaf(dtype, list(shape), flags, name)
+        return GraphTensor(self, nid, shape, dtype, name)
+
+    def input(self, shape: Any, dtype: str = "float32", name: str = "") -> GraphTensor:
+        """A leaf fed from outside with :meth:`set_data` (does not pin anything anywhere)."""
+        return self._leaf(shape, dtype, _core.FLAG_INPUT, name)
+
+    def tensor(self, shape: Any, dtype: str = "float32", name: str = "") -> GraphTensor:
+        """A leaf without flags (ggml's new_tensor); set its data before computing."""
+        return self._leaf(shape, dtype, 0, name)
+
+    def param(self, shape: Any, name: str = "") -> GraphTensor:
+        """A trainable float32 leaf: :meth:`build_backward` gives it a gradient node."""
+        return self._leaf(shape, "float32", _core.FLAG_PARAM, name)
+
+    def constant(self, value: Any) -> GraphTensor:
+        """A leaf holding a copy of ``value``."""
+        arr = to_supported(np.array(value))
+        t = self._leaf(arr.shape, "float32" if arr.dtype == np.float32 else "int32", 0, "")
+        self._g.bind(t.id, arr)
+        return t
+
+    # -- frontend protocol (used by recurra.ops) --------------------------------------------
+    def apply(self, name: str, srcs: list[GraphTensor], ip: tuple[int, ...],
+              fp: tuple[float, ...]) -> GraphTensor:
+        nid = self._g.op(name, [s.id for s in srcs], list(ip), list(fp))
+        info = self._g.info(nid)
+        return GraphTensor(self, nid, tuple(info["shape"]), info["dtype"])
+
+    # -- flags and autodiff ----------------------------------------------------------------
+    def set_output(self, t: GraphTensor) -> None:
+        """Keeps ``t``'s value readable after compute (its memory is not reused)."""
+        self._check(t)
+        self._g.set_flags(t.id, _core.FLAG_OUTPUT)
+
+    def set_loss(self, t: GraphTensor) -> None:
+        """Marks ``t`` as the loss (also an output)."""
+        self._check(t)
+        self._g.set_flags(t.id, _core.FLAG_LOSS | _core.FLAG_OUTPUT)
+
+    def build_backward(self, loss: GraphTensor, gradient: GraphTensor | None = None) -> None:
+        """Appends the gradient graph of ``loss`` (a scalar, or pass ``gradient``)."""
+        self._check(loss)
+        self._g.build_backward(loss.id, gradient.id if gradient is not None else -1)
+
+    def grad(self, t: GraphTensor) -> GraphTensor | None:
+        """The node holding d(loss)/d(t), or None when no gradient was built for ``t``."""
+        self._check(t)
+        gid = self._g.grad(t.id)
+        if gid < 0:
+            return None
+        info = self._g.info(gid)
+        return GraphTensor(self, gid, tuple(info["shape"]), info["dtype"])
+
+    # -- data and running --------------------------------------------------------------
+    def set_data(self, t: GraphTensor, value: Any) -> None:
+        """Copies ``value`` (same number of elements) into leaf ``t``."""
+        self._check(t)
+        want = np.float32 if t.dtype == "float32" else np.int32
+        arr = np.array(value, dtype=want, copy=True, order="C")
+        if arr.size != t.size:
+            raise ValueError(
+                f"set_data: {t!r} has shape {t.shape} ({t.size} elements), got {arr.size}"
+            )
+        self._g.bind(t.id, arr.reshape(t.shape))
+
+    def compute(self) -> None:
+        """Runs the whole graph on the CPU. Raises RuntimeError if a leaf has no data."""
+        self._g.compute()
+        self._computed = True
+
+    def get_data(self, t: GraphTensor) -> np.ndarray:
+        """A copy of ``t``'s value after :meth:`compute`."""
+        self._check(t)
+        if not self._computed and t.op != "leaf":
+            raise RuntimeError(f"get_data: the graph has not been computed yet ({t!r})")
+        return self._g.read(t.id)
+
+    def memory(self) -> dict[str, int]:
+        """The memory plan: arena bytes (peak), bytes without reuse, planned nodes."""
+        return dict(self._g.plan())
+
+    @property
+    def n_nodes(self) -> int:
+        return len(self._g)
+
+    def _check(self, t: Any) -> None:
+        if not isinstance(t, GraphTensor) or t.graph is not self:
+            raise ValueError(f"{t!r} is not a tensor of this graph")

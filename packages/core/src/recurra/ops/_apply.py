@@ -1,0 +1,109 @@
+"""The one entry point every op wrapper goes through.
+
+An op wrapper normalises its arguments and calls :func:`apply` (or :func:`apply_multi` for
+ops with several results). ``apply`` finds the *frontend* of its sources: the lazy tensor
+API (:class:`recurra.Tensor`) or an explicit graph (:class:`recurra.Graph`). numpy arrays
+and Python scalars become constants of that frontend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+
+def _frontend_of(srcs: Sequence[Any]) -> Any:
+    from recurra._tensor import LAZY
+
+    found = None
+    for s in srcs:
+        fe = getattr(s, "_frontend", None)
+        if fe is None:
+            continue
+        if found is None:
+            found = fe
+        elif fe is not found:
+            raise ValueError(
+                "cannot combine tensors of different graphs (or graph tensors with lazy tensors)"
+            )
+    return found if found is not None else LAZY
+
+
+def coerce(srcs: Sequence[Any]) -> tuple[Any, list[Any]]:
+    """Returns the frontend of ``srcs`` and the sources converted to its tensors."""
+    fe = _frontend_of(srcs)
+    out = []
+    for s in srcs:
+        if getattr(s, "_frontend", None) is fe:
+            out.append(s)
+        else:
+            out.append(fe.constant(_as_array(s)))
+    return fe, out
+
+
+def _as_array(x: Any) -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        arr = x
+    elif isinstance(x, (bool, int, float, np.number)):
+        arr = np.asarray(x, dtype=np.float32)
+    else:
+        try:
+            arr = np.asarray(x)
+        except Exception as e:  # noqa: BLE001 - re-raised with context
+            raise TypeError(f"cannot convert {type(x).__name__} to a recurra tensor") from e
+    return to_supported(arr)
+
+
+def to_supported(arr: np.ndarray) -> np.ndarray:
+    """Converts an array to float32 or int32 (the dtypes of the core), C-contiguous."""
+    if arr.dtype.kind == "f":
+        arr = arr.astype(np.float32, copy=False)
+    elif arr.dtype.kind in "iub":
+        if arr.dtype.kind == "b" or arr.dtype != np.int32:
+            info = np.iinfo(np.int32)
+            if arr.size and arr.dtype.kind != "b" and (arr.min() < info.min or arr.max() > info.max):
+                raise ValueError("integer values do not fit in int32")
+        arr = arr.astype(np.int32, copy=False)
+    else:
+        raise TypeError(f"unsupported dtype {arr.dtype}: recurra tensors are float32 or int32")
+    if arr.ndim > 4:
+        raise ValueError(f"at most 4 axes are supported, got shape {arr.shape}")
+    return np.ascontiguousarray(arr)
+
+
+def apply(name: str, srcs: Sequence[Any], ip: Sequence[int] = (), fp: Sequence[float] = ()) -> Any:
+    """Records op ``name`` on ``srcs`` with integer params ``ip`` and float params ``fp``.
+
+    Returns a tensor of the sources' frontend. Raises ValueError/TypeError for bad shapes,
+    parameters or dtypes (checked now, not when the graph runs).
+    """
+    fe, ts = coerce(srcs)
+    return fe.apply(name, ts, tuple(int(v) for v in ip), tuple(float(v) for v in fp))
+
+
+def apply_multi(
+    name: str,
+    srcs: Sequence[Any],
+    shapes: Sequence[Sequence[int]],
+    ip: Sequence[int] = (),
+    fp: Sequence[float] = (),
+) -> tuple[Any, ...]:
+    """Records an op whose results come packed in one flat output; returns them cut apart.
+
+    Each result is a view (slice + reshape) of the packed output, so each is
+    differentiable on its own.
+    """
+    packed = apply(name, srcs, ip, fp)
+    total = sum(int(np.prod(s, dtype=np.int64)) for s in shapes)
+    if packed.shape != (total,):
+        raise ValueError(f"{name}: packed result has shape {packed.shape}, expected ({total},)")
+    outs = []
+    off = 0
+    for s in shapes:
+        n = int(np.prod(s, dtype=np.int64))
+        piece = apply("slice", [packed], ip=(off, off + n, 1))
+        outs.append(apply("reshape", [piece], ip=tuple(int(d) for d in s)))
+        off += n
+    return tuple(outs)

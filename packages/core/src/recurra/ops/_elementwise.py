@@ -1,0 +1,244 @@
+"""Elementwise ops (numpy broadcasting), activations, and views."""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from recurra.ops._apply import apply, coerce
+
+__all__ = [
+    "add", "sub", "mul", "div", "neg", "abs", "sqr", "sqrt", "exp", "log", "scale", "clamp",
+    "pow", "relu", "silu", "gelu", "sigmoid", "tanh", "softplus",
+    "reshape", "permute", "transpose", "contiguous", "broadcast_to", "getitem",
+]
+
+
+def _binary(name: str, a: Any, b: Any) -> Any:
+    return apply(name, [a, b])
+
+
+def add(a: Any, b: Any) -> Any:
+    """a + b with numpy broadcasting."""
+    if isinstance(b, (int, float)) and getattr(a, "_frontend", None) is not None and b == 0:
+        return a
+    return _binary("add", a, b)
+
+
+def sub(a: Any, b: Any) -> Any:
+    """a - b with numpy broadcasting."""
+    return _binary("sub", a, b)
+
+
+def mul(a: Any, b: Any) -> Any:
+    """a * b with numpy broadcasting (a Python number scales without a constant tensor)."""
+    if isinstance(b, (int, float)) and not isinstance(b, bool) and hasattr(a, "_frontend"):
+        return scale(a, float(b))
+    if isinstance(a, (int, float)) and not isinstance(a, bool) and hasattr(b, "_frontend"):
+        return scale(b, float(a))
+    return _binary("mul", a, b)
+
+
+def div(a: Any, b: Any) -> Any:
+    """a / b with numpy broadcasting."""
+    if isinstance(b, (int, float)) and not isinstance(b, bool) and hasattr(a, "_frontend"):
+        if b == 0:
+            return _binary("div", a, b)
+        return scale(a, 1.0 / float(b))
+    return _binary("div", a, b)
+
+
+def _unary(name: str, x: Any, fp: Sequence[float] = ()) -> Any:
+    return apply(name, [x], fp=fp)
+
+
+def neg(x: Any) -> Any:
+    """-x."""
+    return _unary("neg", x)
+
+
+def abs(x: Any) -> Any:  # noqa: A001 - numpy's name
+    """|x| (gradient 0 at 0)."""
+    return _unary("abs", x)
+
+
+def sqr(x: Any) -> Any:
+    """x * x."""
+    return _unary("sqr", x)
+
+
+def sqrt(x: Any) -> Any:
+    """Square root."""
+    return _unary("sqrt", x)
+
+
+def exp(x: Any) -> Any:
+    """e ** x."""
+    return _unary("exp", x)
+
+
+def log(x: Any) -> Any:
+    """Natural logarithm."""
+    return _unary("log", x)
+
+
+def scale(x: Any, s: float) -> Any:
+    """x * s for a Python number s."""
+    return _unary("scale", x, (float(s),))
+
+
+def clamp(x: Any, min: float = -np.inf, max: float = np.inf) -> Any:  # noqa: A002
+    """x clipped to [min, max]; the gradient is 1 inside and 0 outside."""
+    return _unary("clamp", x, (float(min), float(max)))
+
+
+def pow(x: Any, p: float) -> Any:  # noqa: A001
+    """x ** p for a Python number p (p not in {0, 1, 2, 0.5, -1} needs x > 0)."""
+    if not isinstance(p, (int, float)):
+        raise TypeError("pow: the exponent must be a Python number")
+    if p == 1:
+        return x
+    if p == 2:
+        return sqr(x)
+    if p == 0.5:
+        return sqrt(x)
+    if p == -1:
+        return div(1.0, x)
+    if p == 0:
+        return add(scale(x, 0.0), 1.0)
+    return exp(scale(log(x), float(p)))
+
+
+def relu(x: Any) -> Any:
+    """max(x, 0)."""
+    return _unary("relu", x)
+
+
+def silu(x: Any) -> Any:
+    """x * sigmoid(x)."""
+    return _unary("silu", x)
+
+
+def gelu(x: Any) -> Any:
+    """The exact GELU, x * Phi(x) (erf form, like torch's default)."""
+    return _unary("gelu", x)
+
+
+def sigmoid(x: Any) -> Any:
+    """1 / (1 + exp(-x))."""
+    return _unary("sigmoid", x)
+
+
+def tanh(x: Any) -> Any:
+    """Hyperbolic tangent."""
+    return _unary("tanh", x)
+
+
+def softplus(x: Any) -> Any:
+    """log(1 + exp(x)), and x itself where x > 20 (as in ops.md)."""
+    return _unary("softplus", x)
+
+
+# ---- views ------------------------------------------------------------------------------
+
+def reshape(x: Any, shape: Sequence[int] | int) -> Any:
+    """A view with a new shape (one axis may be -1). Copies only if x is not contiguous."""
+    _, (x,) = coerce([x])
+    if isinstance(shape, (int, np.integer)):
+        shape = (int(shape),)
+    shape = [int(s) for s in shape]
+    n = x.size
+    if shape.count(-1) > 1:
+        raise ValueError("reshape: only one axis can be -1")
+    if -1 in shape:
+        rest = int(np.prod([s for s in shape if s != -1], dtype=np.int64))
+        if rest == 0 or n % rest:
+            raise ValueError(f"reshape: cannot reshape {x.shape} to {tuple(shape)}")
+        shape[shape.index(-1)] = n // rest
+    if tuple(shape) == tuple(x.shape):
+        return x
+    return apply("reshape", [x], ip=shape)
+
+
+def permute(x: Any, axes: Sequence[int]) -> Any:
+    """A view with the axes reordered (no copy)."""
+    return apply("permute", [x], ip=[int(a) for a in axes])
+
+
+def transpose(x: Any, a: int = -2, b: int = -1) -> Any:
+    """A view with axes a and b swapped (no copy)."""
+    _, (x,) = coerce([x])
+    nd = x.ndim
+    if nd < 2:
+        return x
+    for ax in (a, b):
+        if not -nd <= ax < nd:
+            raise ValueError(f"transpose: axis {ax} is out of range for {nd} axes")
+    perm = list(range(nd))
+    perm[a % nd], perm[b % nd] = perm[b % nd], perm[a % nd]
+    return permute(x, perm)
+
+
+def contiguous(x: Any) -> Any:
+    """A dense copy of a view."""
+    return apply("contiguous", [x])
+
+
+def broadcast_to(x: Any, shape: Sequence[int]) -> Any:
+    """A view of x broadcast to ``shape`` (numpy rules; no copy)."""
+    return apply("broadcast_to", [x], ip=[int(s) for s in shape])
+
+
+def getitem(x: Any, index: Any) -> Any:
+    """Basic indexing: integers, slices with positive steps, ``...`` and ``None``."""
+    _, (x,) = coerce([x])
+    if not isinstance(index, tuple):
+        index = (index,)
+    n_real = builtins.sum(1 for i in index if i is not None and i is not Ellipsis)
+    if builtins.sum(1 for i in index if i is Ellipsis) > 1:
+        raise IndexError("an index can only have a single ellipsis")
+    if n_real > x.ndim:
+        raise IndexError(f"too many indices for a tensor of {x.ndim} axes")
+    expanded: list[Any] = []
+    for i in index:
+        if i is Ellipsis:
+            expanded.extend([slice(None)] * (x.ndim - n_real))
+        else:
+            expanded.append(i)
+    while builtins.sum(1 for i in expanded if i is not None) < x.ndim:
+        expanded.append(slice(None))
+    spec: list[int] = []
+    out_shape: list[int] = []
+    axis = 0
+    for i in expanded:
+        if i is None:
+            out_shape.append(1)
+            continue
+        dim = x.shape[axis]
+        if isinstance(i, (int, np.integer)):
+            j = int(i)
+            if not -dim <= j < dim:
+                raise IndexError(f"index {j} is out of bounds for axis {axis} with size {dim}")
+            j %= dim
+            spec += [j, j + 1, 1]
+        elif isinstance(i, slice):
+            start, stop, step = i.indices(dim)
+            if step <= 0:
+                raise ValueError("slicing with a negative or zero step is not supported")
+            stop = builtins.max(stop, start)
+            spec += [start, stop, step]
+            out_shape.append(len(range(start, stop, step)))
+        else:
+            raise TypeError(f"unsupported index {i!r}: use integers, slices, ... or None")
+        axis += 1
+    trivial = all(
+        spec[3 * k] == 0 and spec[3 * k + 1] == x.shape[k] and spec[3 * k + 2] == 1
+        for k in range(x.ndim)
+    )
+    y = x if trivial else apply("slice", [x], ip=spec)
+    if tuple(out_shape) != tuple(y.shape):
+        y = reshape(y, out_shape)
+    return y
