@@ -70,7 +70,7 @@ def to_supported(arr: np.ndarray) -> np.ndarray:
         raise TypeError(f"unsupported dtype {arr.dtype}: recurra tensors are float32 or int32")
     if arr.ndim > 4:
         raise ValueError(f"at most 4 axes are supported, got shape {arr.shape}")
-    return np.ascontiguousarray(arr)
+    return np.require(arr, requirements="C")
 
 
 def apply(name: str, srcs: Sequence[Any], ip: Sequence[int] = (), fp: Sequence[float] = ()) -> Any:

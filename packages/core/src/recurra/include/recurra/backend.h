@@ -1,0 +1,109 @@
+/* recurra backend interface (C ABI).
+ *
+ * A backend plugin (a separate wheel, e.g. recurra-vulkan) fills a recurra_backend_table
+ * and hands it to the core as a PyCapsule named "recurra.backend_table" from the function
+ * its `recurra.backends` entry point names. The core checks `abi_version` against
+ * RECURRA_BACKEND_ABI_VERSION at registration and refuses a mismatch with a clear error.
+ * Only plain C types cross the boundary: no C++ or pybind11 types.
+ *
+ * Shapes are numpy order (axis ndim-1 is the fastest); strides count elements.
+ * Every function returns 0 on success or a negative recurra_status; on failure it may
+ * write a message into the backend's last-error buffer (get_last_error).
+ */
+#ifndef RECURRA_BACKEND_H
+#define RECURRA_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define RECURRA_BACKEND_ABI_VERSION 1
+#define RECURRA_MAX_DIMS 4
+#define RECURRA_MAX_SRC 8
+
+typedef enum recurra_dtype { RECURRA_F32 = 0, RECURRA_I32 = 1 } recurra_dtype;
+
+typedef enum recurra_status {
+  RECURRA_OK = 0,
+  RECURRA_ERR_INVALID = -1,     /* bad arguments: becomes ValueError */
+  RECURRA_ERR_OOM = -2,         /* out of device memory: becomes MemoryError */
+  RECURRA_ERR_DEVICE_LOST = -3, /* the device went away: becomes RuntimeError */
+  RECURRA_ERR_UNSUPPORTED = -4  /* the op or layout is not supported here */
+} recurra_status;
+
+/* Memory on a backend. `generation` changes whenever the handle is freed, so a stale copy of
+ * a handle is detected instead of reading freed memory. */
+typedef struct recurra_buffer {
+  uint64_t handle;     /* backend-defined */
+  uint64_t generation; /* 0 = invalid */
+  size_t nbytes;
+} recurra_buffer;
+
+/* A tensor as a backend sees it: a strided window into a buffer. */
+typedef struct recurra_tensor_desc {
+  recurra_dtype dtype;
+  int32_t ndim;
+  int64_t shape[RECURRA_MAX_DIMS];
+  int64_t strides[RECURRA_MAX_DIMS]; /* in elements */
+  recurra_buffer buffer;
+  size_t offset; /* in bytes, into buffer */
+} recurra_tensor_desc;
+
+/* One node of a sub-graph handed to a backend. */
+typedef struct recurra_node_desc {
+  const char* op; /* the op table's name, e.g. "ssm_scan" or "ssm_scan_back" */
+  recurra_tensor_desc dst;
+  int32_t n_src;
+  recurra_tensor_desc src[RECURRA_MAX_SRC];
+  int32_t n_ip;
+  const int64_t* ip; /* integer parameters, as in the core's op table */
+  int32_t n_fp;
+  const double* fp; /* float parameters */
+} recurra_node_desc;
+
+typedef struct recurra_device_info {
+  char name[256];
+  char kind[32]; /* "gpu", "cpu", "integrated" */
+  uint64_t memory_bytes;
+  uint32_t index;
+} recurra_device_info;
+
+typedef struct recurra_backend_table {
+  uint32_t abi_version; /* RECURRA_BACKEND_ABI_VERSION */
+  const char* name;     /* "vulkan" */
+  void* ctx;            /* passed back as the first argument of every call */
+
+  /* Devices. */
+  int (*device_count)(void* ctx);
+  int (*device_info)(void* ctx, int device, recurra_device_info* out);
+
+  /* Memory: allocate/free a buffer on a device; copies to/from host memory. */
+  int (*alloc)(void* ctx, int device, size_t nbytes, int persistent, recurra_buffer* out);
+  int (*free)(void* ctx, int device, recurra_buffer buf);
+  int (*copy_in)(void* ctx, int device, recurra_buffer dst, size_t offset, const void* src,
+                 size_t nbytes);
+  int (*copy_out)(void* ctx, int device, recurra_buffer src, size_t offset, void* dst,
+                  size_t nbytes);
+
+  /* Can this backend run this node? (the scheduler's per-node question) */
+  int (*supports_op)(void* ctx, int device, const recurra_node_desc* node);
+
+  /* Runs a sub-graph (a split) in order; may return before the work is done. */
+  int (*compute)(void* ctx, int device, const recurra_node_desc* nodes, int32_t n_nodes);
+  /* Waits for all submitted work. */
+  int (*synchronize)(void* ctx, int device);
+
+  /* (optional) The message of the last failed call, or NULL. */
+  const char* (*get_last_error)(void* ctx);
+  /* (optional) Releases everything; the table must not be used afterwards. */
+  void (*shutdown)(void* ctx);
+} recurra_backend_table;
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* RECURRA_BACKEND_H */
