@@ -162,6 +162,17 @@ class Graph:
             raise RuntimeError(f"get_data: the graph has not been computed yet ({t!r})")
         return self._g.read(t.id)
 
+    def backend_of(self, t: GraphTensor) -> str:
+        """The backend that computes ``t``. The CPU is the only backend of the core until a
+        plugin backend and the scheduler place nodes elsewhere."""
+        self._check(t)
+        return "cpu"
+
+    @property
+    def n_splits(self) -> int:
+        """The number of consecutive runs of nodes on one backend (1: all on the CPU)."""
+        return 1
+
     def memory(self) -> dict[str, int]:
         """The memory plan: arena bytes (peak), bytes without reuse, planned nodes."""
         return dict(self._g.plan())

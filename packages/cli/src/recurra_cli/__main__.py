@@ -1,0 +1,3 @@
+from recurra_cli.main import main
+
+main()

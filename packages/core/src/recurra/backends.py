@@ -1,0 +1,91 @@
+"""Backend discovery.
+
+The CPU backend is built into the core and always present. Other backends are plugins:
+separate wheels that register a function under the ``recurra.backends`` entry-point group.
+A plugin that cannot start (no driver, no device, wrong ABI) is listed with the reason;
+importing recurra never fails because of one. ``RECURRA_BACKENDS=cpu`` (or a comma
+separated list) limits which backends load.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+from recurra import _core
+
+
+@dataclass
+class BackendInfo:
+    """One backend: its name, whether it can be used, its devices, or why not."""
+
+    name: str
+    available: bool
+    devices: list[dict[str, Any]] = field(default_factory=list)
+    reason: str = ""
+    source: str = "builtin"
+
+
+def _allowed() -> set[str] | None:
+    spec = os.environ.get("RECURRA_BACKENDS", "").strip()
+    if not spec:
+        return None
+    return {s.strip().lower() for s in spec.split(",") if s.strip()}
+
+
+def _cpu_info() -> BackendInfo:
+    import platform
+
+    mem = 0
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        pass
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    dev = {
+        "index": 0,
+        "name": name,
+        "threads": _core.get_num_threads(),
+        "cores": os.cpu_count() or 1,
+        "memory_bytes": mem,
+        "blas": _core.blas_name(),
+    }
+    return BackendInfo("cpu", True, [dev])
+
+
+def available() -> list[BackendInfo]:
+    """Every backend recurra knows of, the CPU last (it is the fallback of the scheduler)."""
+    allowed = _allowed()
+    found: list[BackendInfo] = []
+    try:
+        eps = metadata.entry_points(group="recurra.backends")
+    except Exception as e:  # noqa: BLE001 - a broken environment must not break recurra
+        return [BackendInfo("plugins", False, reason=f"entry points unreadable: {e}"), _cpu_info()]
+    for ep in eps:
+        name = ep.name.lower()
+        if allowed is not None and name not in allowed:
+            found.append(BackendInfo(name, False, reason="disabled by RECURRA_BACKENDS",
+                                     source=ep.value))
+            continue
+        try:
+            probe = ep.load()
+            info = probe()
+            devices = list(info.get("devices", []))
+            ok = bool(devices)
+            found.append(BackendInfo(name, ok, devices,
+                                     "" if ok else info.get("reason", "no devices"), ep.value))
+        except Exception as e:  # noqa: BLE001 - report, never crash
+            found.append(BackendInfo(name, False, reason=f"{type(e).__name__}: {e}",
+                                     source=ep.value))
+    found.append(_cpu_info())
+    return found
