@@ -70,30 +70,17 @@ class PyGraph {
     keep[id] = obj;
   }
 
+  void bind_device(int id, std::shared_ptr<DeviceBuffer> buf) {
+    g.bind_device(id, std::move(buf));
+    keep.resize(g.size());
+    keep[id] = py::none();
+  }
+
   py::array read(int id) {
-    TensorView v = g.view_of(id);
-    if (!v.data && v.numel() > 0)
-      throw StateError("read: node " + std::to_string(id) + " has no data yet; compute the graph first");
-    std::vector<py::ssize_t> shape(v.shape.d, v.shape.d + v.shape.ndim);
-    py::array out(np_dtype(v.dtype), shape);
-    if (v.numel() == 0) return out;
-    auto* dst = static_cast<uint32_t*>(out.mutable_data());
-    const auto* src = static_cast<const uint32_t*>(v.data);
-    if (v.is_contiguous()) {
-      std::memcpy(dst, src, v.numel() * 4);
-      return out;
-    }
-    int64_t idx[kMaxDims] = {0, 0, 0, 0};
-    const int nd = v.shape.ndim;
-    for (int64_t k = 0; k < v.numel(); ++k) {
-      int64_t off = 0;
-      for (int i = 0; i < nd; ++i) off += idx[i] * v.strides[i];
-      dst[k] = src[off];
-      for (int i = nd - 1; i >= 0; --i) {
-        if (++idx[i] < v.shape.d[i]) break;
-        idx[i] = 0;
-      }
-    }
+    const Node& n = g.node(id);
+    std::vector<py::ssize_t> shape(n.shape.d, n.shape.d + n.shape.ndim);
+    py::array out(np_dtype(n.dtype), shape);
+    g.read(id, out.mutable_data());
     return out;
   }
 
@@ -163,6 +150,25 @@ PYBIND11_MODULE(_core, m) {
         s.g.compute();
       })
       .def("read", &PyGraph::read)
+      .def("bind_device", &PyGraph::bind_device)
+      .def("set_backends", [](PyGraph& s, const std::vector<std::string>& names, bool strict) {
+             std::vector<int> ids;
+             for (const auto& nm : names) {
+               int b = find_backend(nm);
+               if (b < 0) throw ValueError("unknown or unavailable backend '" + nm + "'");
+               ids.push_back(b);
+             }
+             s.g.set_backends(ids, strict);
+           }, py::arg("names"), py::arg("strict") = false)
+      .def("backend_of", [](PyGraph& s, int id) { return backend_name(s.g.backend_of(id)); })
+      .def("n_splits", [](PyGraph& s) { return s.g.n_splits(); })
+      .def("splits", [](PyGraph& s) {
+        py::list out;
+        for (const auto& sp : s.g.placement().splits)
+          out.append(py::make_tuple(backend_name(sp.backend), sp.nodes.size(), sp.mirrors.size()));
+        return out;
+      })
+      .def("copy_to_device_buffer", [](PyGraph& s, int id) { return s.g.copy_to_device_buffer(id); })
       .def("info", &PyGraph::info)
       .def("__len__", [](PyGraph& s) { return s.g.size(); });
 
@@ -187,6 +193,49 @@ PYBIND11_MODULE(_core, m) {
     const Node& n = g.node(g.op(name, ids, ip, fp));
     return py::make_tuple(dtype_name(n.dtype), py::tuple(py::cast(n.shape.vec())));
   });
+  py::class_<DeviceBuffer, std::shared_ptr<DeviceBuffer>>(m, "DeviceBuffer")
+      .def(py::init([](const std::string& backend, size_t nbytes, const std::string& pool) {
+             int b = find_backend(backend);
+             if (b <= 0) throw ValueError("unknown or unavailable device backend '" + backend + "'");
+             return std::make_shared<DeviceBuffer>(b, nbytes, pool == "transient" ? Pool::transient : Pool::persistent);
+           }), py::arg("backend"), py::arg("nbytes"), py::arg("pool") = "persistent")
+      .def_property_readonly("nbytes", &DeviceBuffer::nbytes)
+      .def_property_readonly("backend", [](const DeviceBuffer& b) { return backend_name(b.backend()); })
+      .def_property_readonly("valid", &DeviceBuffer::valid)
+      .def_property_readonly("handle", [](const DeviceBuffer& b) {
+        return py::make_tuple(b.handle().handle, b.handle().generation);
+      })
+      .def("upload", [](DeviceBuffer& b, py::buffer obj, size_t offset) {
+        py::buffer_info info = obj.request();
+        b.upload(offset, info.ptr, static_cast<size_t>(info.size * info.itemsize));
+      }, py::arg("array"), py::arg("offset") = 0)
+      .def("download", [](const DeviceBuffer& b, py::buffer obj, size_t offset) {
+        py::buffer_info info = obj.request(true);
+        b.download(offset, info.ptr, static_cast<size_t>(info.size * info.itemsize));
+      }, py::arg("out"), py::arg("offset") = 0);
+
+  m.def("register_backend", [](py::capsule cap) {
+    if (std::string(cap.name() ? cap.name() : "") != "recurra.backend_table")
+      throw ValueError("register_backend: expected a capsule named 'recurra.backend_table'");
+    auto* t = static_cast<const recurra_backend_table*>(cap.get_pointer());
+    std::vector<std::string> names;
+    for (int id : register_backend(t)) names.push_back(backend_name(id));
+    return names;
+  });
+  m.def("close_backend", [](const std::string& name, bool shutdown) {
+    int b = find_backend(name);
+    if (b <= 0) throw ValueError("unknown backend '" + name + "'");
+    close_backend(b, shutdown);
+  }, py::arg("name"), py::arg("shutdown") = false);
+  m.def("backend_abi_version", [] { return RECURRA_BACKEND_ABI_VERSION; });
+  m.def("transfer_stats", [] {
+    TransferStats t = transfer_stats();
+    py::dict d;
+    d["host_to_device"] = py::dict(py::arg("count") = t.h2d_count, py::arg("bytes") = t.h2d_bytes);
+    d["device_to_host"] = py::dict(py::arg("count") = t.d2h_count, py::arg("bytes") = t.d2h_bytes);
+    return d;
+  });
+  m.def("reset_transfer_stats", &transfer_stats_reset);
   m.def("set_num_threads", &set_num_threads, py::arg("n"));
   m.def("get_num_threads", &get_num_threads);
   m.def("op_names", [] {

@@ -9,11 +9,13 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
+#include "backend_registry.h"
 #include "common.h"
 #include "threadpool.h"
 
@@ -57,8 +59,10 @@ struct Node {
 
   int grad = -1;  // after build_backward: the node holding d(loss)/d(this), or -1
 
-  // Runtime state, filled by plan()/bind(): where the data lives.
+  // Runtime state, filled by plan()/bind(): where the data lives. A leaf is bound either to
+  // host memory (`data`) or to a buffer of a plugin backend (`dbuf`).
   void* data = nullptr;
+  std::shared_ptr<DeviceBuffer> dbuf;
 
   bool is_leaf() const;
   bool is_view() const { return view_base >= 0; }
@@ -122,10 +126,28 @@ class OpTable {
 };
 
 struct MemoryPlan {
-  size_t arena_bytes = 0;     // the peak: bytes of the one arena all intermediates share
+  size_t arena_bytes = 0;      // the peak: bytes of the arenas all intermediates share
   size_t unplanned_bytes = 0;  // what the same intermediates would take without reuse
-  size_t n_planned = 0;        // nodes given memory in the arena
-  std::vector<size_t> offsets;  // per node: byte offset in the arena, or SIZE_MAX
+  size_t n_planned = 0;        // nodes given memory in an arena
+  std::vector<size_t> offsets;  // per node: byte offset in its backend's arena, or SIZE_MAX
+};
+
+// Where each node runs, and the copies between backends (see schedule.cpp).
+struct Placement {
+  std::vector<int> where;  // per node: backend id that computes it / holds its data
+  struct Mirror {          // a copy of node `base` on another backend
+    int base, backend;
+    size_t offset;  // in that backend's arena
+  };
+  std::vector<Mirror> mirrors;
+  std::map<std::pair<int, int>, int> mirror_of;  // (base, backend) -> index in mirrors
+  struct Split {
+    int backend;
+    std::vector<int> nodes;    // op nodes (no views, no leaves) in order
+    std::vector<int> mirrors;  // mirrors to fill before the split runs
+  };
+  std::vector<Split> splits;
+  std::map<int, size_t> arena_bytes;  // per backend id
 };
 
 class Graph {
@@ -172,11 +194,24 @@ class Graph {
   void build_backward(int loss, int seed = -1);
 
   // --- running ------------------------------------------------------------------
-  // Plans the memory of all non-leaf, non-view nodes in one arena, reusing the memory of
-  // intermediates after their last use. Idempotent until the graph changes.
+  // Places every node on a backend (the scheduler: set_backends' order, the CPU last),
+  // then plans the memory of all non-leaf, non-view nodes in one arena per backend, reusing
+  // the memory of intermediates after their last use. Idempotent until the graph changes.
   const MemoryPlan& plan();
-  // Binds a leaf to caller-owned memory (must stay alive during compute).
+  // Binds a leaf to caller-owned host memory (must stay alive during compute).
   void bind(int id, void* data);
+  // Binds a leaf to memory of a plugin backend.
+  void bind_device(int id, std::shared_ptr<DeviceBuffer> buf);
+  // Plugin backends to try, in priority order, before the CPU. Strict: a node no listed
+  // backend supports raises instead of falling back to the CPU.
+  void set_backends(std::vector<int> ids, bool strict);
+  int backend_of(int id);  // after plan()
+  int n_splits();          // after plan()
+  const Placement& placement() { plan(); return place_; }
+  // Copies a node's value to host memory `out` (numel * 4 bytes, contiguous).
+  void read(int id, void* out);
+  // A new persistent buffer on the node's backend holding a dense copy of its value.
+  std::shared_ptr<DeviceBuffer> copy_to_device_buffer(int id);
   // Runs every non-leaf node on the CPU, in order. Raises if a leaf is unbound.
   void compute();
 
@@ -185,17 +220,26 @@ class Graph {
   const Node& node(int id) const;
   int size() const { return static_cast<int>(nodes_.size()); }
   const std::vector<Node>& nodes() const { return nodes_; }
-  TensorView view_of(int id) const;  // after plan()/bind()
+  TensorView view_of(int id) const;  // host view, for nodes whose data is on the CPU
   uint64_t generation() const { return generation_; }
 
  private:
   int push(Node n);
-  void resolve_views();
   void check_ready() const;
+  int location(int id) const;  // backend holding node id's data (views: their base's)
+  void assign_backends();
+  recurra_tensor_desc desc_on(int id, int backend) const;  // node id as seen from backend
+  TensorView host_view(int id, int consumer_backend) const;
+  void fill_mirror(const Placement::Mirror& m);
+  void run_device_split(const Placement::Split& sp);
 
   std::vector<Node> nodes_;
   MemoryPlan plan_;
+  Placement place_;
   bool planned_ = false;
+  std::vector<int> backends_;
+  bool strict_ = false;
+  std::map<int, std::shared_ptr<DeviceBuffer>> dev_arena_;
   struct AlignedFree { void operator()(void* p) const; };
   std::unique_ptr<void, AlignedFree> arena_;
   size_t arena_capacity_ = 0;

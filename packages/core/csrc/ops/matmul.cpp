@@ -1,5 +1,406 @@
-// (being written)
+// Matrix products: matmul and out_prod, on BLAS when one is loaded, else on our own kernel.
+//
+// Shape legend (B... = batch axes, at most two, broadcast like numpy):
+//   matmul    a (B..., m, k) @ b (B..., k, n)      -> out (B..., m, n)
+//   out_prod  a (B..., k, m), b (B..., k, n)       -> out (B..., m, n) = a^T @ b
+//             (the sum over k of outer products, as ggml's out_prod)
+//
+// Both ops run one engine: a batch of C = A @ B where A and B are strided matrices. An
+// operand whose last two axes are row-major (column stride 1) or transposed (row stride 1)
+// with a usable leading dimension goes to BLAS as it is, with the trans flag; anything else
+// is copied to a dense scratch first. Without BLAS, or with RECURRA_NO_BLAS=1 in the
+// environment (read at every call; tests use it to exercise the fallback), a blocked kernel
+// of our own runs instead; it packs its operands, so any strides are fine there.
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "../blas.h"
 #include "../graph.h"
+#include "kernel_util.h"
+
 namespace recurra {
-void register_matmul_ops(OpTable&) {}
+
+namespace {
+
+// A strided matrix: element (i, j) at p[i * rs + j * cs].
+struct Mat {
+  const float* p = nullptr;
+  int64_t rows = 0, cols = 0, rs = 0, cs = 0;
+};
+
+bool blas_disabled() {
+  const char* e = std::getenv("RECURRA_NO_BLAS");
+  return e && e[0] && std::strcmp(e, "0") != 0;
+}
+
+// dst (rows x cols, dense row-major) = m.
+void copy_dense(float* __restrict dst, const Mat& m) {
+  const int64_t R = m.rows, C = m.cols;
+  if (m.cs == 1) {
+    for (int64_t i = 0; i < R; ++i) std::memcpy(dst + i * C, m.p + i * m.rs, C * sizeof(float));
+  } else if (m.rs == 1) {
+    // Transposed source: read down its contiguous columns.
+    for (int64_t j = 0; j < C; ++j)
+      for (int64_t i = 0; i < R; ++i) dst[i * C + j] = m.p[i + j * m.cs];
+  } else {
+    for (int64_t i = 0; i < R; ++i)
+      for (int64_t j = 0; j < C; ++j) dst[i * C + j] = m.p[i * m.rs + j * m.cs];
+  }
+}
+
+// ---- the fallback kernel ----------------------------------------------------------------
+//
+// C is cut into kMC x kNC blocks, one task each; k into kKC slices. Per slice the task packs
+// its A block into panels of kMR rows and its B block into panels of kNR columns (zero
+// padded, each panel contiguous so it streams through L1), then accumulates a kMR x kNR
+// register tile per pair of panels: each step broadcasts kMR values of A against one
+// kNR-wide row of B, an inner loop the compiler vectorizes.
+
+constexpr int64_t kMR = 4, kNR = 32;
+constexpr int64_t kMC = 64, kKC = 256, kNC = 256;
+
+// tile[r][j] = sum_p a[p][r] * b[p][j] over packed panels a (kc x kMR) and b (kc x kNR).
+RC_SIMD void micro_tile(const float* __restrict a, const float* __restrict b, int64_t kc,
+                        float* __restrict tile) {
+  float c0[kNR] = {}, c1[kNR] = {}, c2[kNR] = {}, c3[kNR] = {};
+  for (int64_t p = 0; p < kc; ++p) {
+    const float* bp = b + p * kNR;
+    const float x0 = a[p * kMR], x1 = a[p * kMR + 1], x2 = a[p * kMR + 2], x3 = a[p * kMR + 3];
+    for (int64_t j = 0; j < kNR; ++j) {
+      c0[j] += x0 * bp[j];
+      c1[j] += x1 * bp[j];
+      c2[j] += x2 * bp[j];
+      c3[j] += x3 * bp[j];
+    }
+  }
+  for (int64_t j = 0; j < kNR; ++j) {
+    tile[j] = c0[j];
+    tile[kNR + j] = c1[j];
+    tile[2 * kNR + j] = c2[j];
+    tile[3 * kNR + j] = c3[j];
+  }
+}
+
+// Packs the block m(r0 + i, c0 + p), i < nr, p < kc, as panels of `w` rows with p running
+// slowest inside a panel: dst[(i / w) * kc * w + p * w + i % w]; rows padded with zeros.
+// (B is packed through its transpose, so its panels hold `w` columns.)
+void pack_panels(float* __restrict dst, const Mat& m, int64_t r0, int64_t nr, int64_t c0,
+                 int64_t kc, int64_t w) {
+  const float* src = m.p + r0 * m.rs + c0 * m.cs;
+  for (int64_t i0 = 0; i0 < nr; i0 += w) {
+    float* panel = dst + (i0 / w) * kc * w;
+    const int64_t nv = std::min(w, nr - i0);
+    if (nv < w) std::fill(panel, panel + kc * w, 0.0f);
+    if (m.cs == 1) {
+      // Rows are contiguous: read each one in order.
+      for (int64_t i = 0; i < nv; ++i) {
+        const float* row = src + (i0 + i) * m.rs;
+        for (int64_t p = 0; p < kc; ++p) panel[p * w + i] = row[p];
+      }
+    } else {
+      for (int64_t p = 0; p < kc; ++p) {
+        const float* col = src + p * m.cs + i0 * m.rs;
+        for (int64_t i = 0; i < nv; ++i) panel[p * w + i] = col[i * m.rs];
+      }
+    }
+  }
+}
+
+// One product of the batch: C (m, n, row stride ldc) = A @ B.
+struct Gemm {
+  Mat a, b;
+  float* c = nullptr;
+  int64_t ldc = 0;
+};
+
+void fallback_gemm(const std::vector<Gemm>& jobs, int64_t m, int64_t n, int64_t k, ThreadPool& tp) {
+  const int64_t nib = (m + kMC - 1) / kMC, njb = (n + kNC - 1) / kNC;
+  const int64_t per_job = nib * njb;
+  struct Scratch {
+    std::vector<float> a, b;
+  };
+  std::vector<Scratch> scratch(tp.size());
+  tp.run(static_cast<int64_t>(jobs.size()) * per_job, [&](int64_t t, int tid) {
+    const Gemm& g = jobs[t / per_job];
+    const int64_t ib = (t % per_job) / njb, jb = t % njb;
+    const int64_t i0 = ib * kMC, mc = std::min(kMC, m - i0);
+    const int64_t j0 = jb * kNC, nc = std::min(kNC, n - j0);
+    Scratch& s = scratch[tid];
+    s.a.resize(kMC * kKC);
+    s.b.resize(kKC * kNC);
+    // B's transpose, so that its columns become the panel rows.
+    const Mat bt{g.b.p, g.b.cols, g.b.rows, g.b.cs, g.b.rs};
+    float tile[kMR * kNR];
+    for (int64_t p0 = 0; p0 < k; p0 += kKC) {
+      const int64_t kc = std::min(kKC, k - p0);
+      pack_panels(s.a.data(), g.a, i0, mc, p0, kc, kMR);
+      pack_panels(s.b.data(), bt, j0, nc, p0, kc, kNR);
+      for (int64_t jr = 0; jr < nc; jr += kNR) {
+        const int64_t nv = std::min(kNR, nc - jr);
+        const float* bpanel = s.b.data() + (jr / kNR) * kc * kNR;
+        for (int64_t ir = 0; ir < mc; ir += kMR) {
+          micro_tile(s.a.data() + (ir / kMR) * kc * kMR, bpanel, kc, tile);
+          const int64_t mv = std::min(kMR, mc - ir);
+          for (int64_t r = 0; r < mv; ++r) {
+            float* crow = g.c + (i0 + ir + r) * g.ldc + j0 + jr;
+            const float* trow = tile + r * kNR;
+            if (p0 == 0)
+              std::copy(trow, trow + nv, crow);
+            else
+              for (int64_t j = 0; j < nv; ++j) crow[j] += trow[j];
+          }
+        }
+      }
+    }
+  });
+}
+
+// ---- the BLAS path ----------------------------------------------------------------------
+
+// How BLAS can read m as it is: trans flag and leading dimension; false if it cannot.
+bool blas_form(const Mat& m, bool& trans, int64_t& ld) {
+  const int64_t R = m.rows, C = m.cols;
+  if (m.cs == 1 || C == 1) {
+    ld = R == 1 ? std::max<int64_t>(1, C) : m.rs;
+    if (ld >= std::max<int64_t>(1, C)) {
+      trans = false;
+      return true;
+    }
+  }
+  if (m.rs == 1 || R == 1) {
+    ld = C == 1 ? std::max<int64_t>(1, R) : m.cs;
+    if (ld >= std::max<int64_t>(1, R)) {
+      trans = true;
+      return true;
+    }
+  }
+  return false;
+}
+
+// C = A @ B through BLAS, copying an operand BLAS cannot read. False: no BLAS (or sizes it
+// cannot take); nothing was written then.
+bool blas_gemm(const Gemm& g, int64_t m, int64_t n, int64_t k, std::vector<float>& sa,
+               std::vector<float>& sb) {
+  bool ta = false, tb = false;
+  int64_t lda = 0, ldb = 0;
+  const float* ap = g.a.p;
+  const float* bp = g.b.p;
+  if (!blas_form(g.a, ta, lda)) {
+    sa.resize(m * k);
+    copy_dense(sa.data(), g.a);
+    ap = sa.data(), ta = false, lda = std::max<int64_t>(1, k);
+  }
+  if (!blas_form(g.b, tb, ldb)) {
+    sb.resize(k * n);
+    copy_dense(sb.data(), g.b);
+    bp = sb.data(), tb = false, ldb = std::max<int64_t>(1, n);
+  }
+  return blas_sgemm(ta, tb, m, n, k, 1.0f, ap, lda, bp, ldb, 0.0f, g.c, std::max<int64_t>(1, g.ldc));
+}
+
+// ---- the batched engine -----------------------------------------------------------------
+
+// Can axes (dims, strides) be walked as one axis of uniform stride? Sets that stride.
+bool collapse(const int64_t* dims, const int64_t* strides, int n, int64_t& stride) {
+  bool any = false;
+  int64_t expect = 0;
+  for (int i = n - 1; i >= 0; --i) {
+    if (dims[i] == 1) continue;
+    if (!any) {
+      stride = strides[i];
+      any = true;
+    } else if (strides[i] != expect) {
+      return false;
+    }
+    expect = strides[i] * dims[i];
+  }
+  if (!any) stride = 0;
+  return true;
+}
+
+// out (B..., m, n) = A @ B with A, B views of (B..., m, k) and (B..., k, n) (batch axes
+// broadcast; the matrix axes given by their strides).
+void batched_gemm(KernelCtx& c, const TensorView& av, const int64_t* a_mat_strides,
+                  const TensorView& bv, const int64_t* b_mat_strides, int64_t m, int64_t k,
+                  int64_t n) {
+  const Shape& os = c.dst.shape;
+  float* out = c.dst.f32();
+  const int nbd = os.ndim - 2;
+  Shape bshape;  // the batch axes of the output
+  bshape.ndim = nbd;
+  for (int i = 0; i < nbd; ++i) bshape.d[i] = os.d[i];
+  const int64_t nbatch = bshape.numel();
+  if (nbatch * m * n == 0) return;
+  if (k == 0) {
+    std::fill(out, out + nbatch * m * n, 0.0f);
+    return;
+  }
+  // Batch strides, aligned right like numpy, 0 where broadcast.
+  int64_t sa[kMaxDims] = {0, 0, 0, 0}, sb[kMaxDims] = {0, 0, 0, 0};
+  for (int i = 0; i < nbd; ++i) {
+    int ia = av.shape.ndim - 2 - nbd + i, ib = bv.shape.ndim - 2 - nbd + i;
+    sa[i] = (ia < 0 || av.shape.d[ia] == 1) ? 0 : av.strides[ia];
+    sb[i] = (ib < 0 || bv.shape.d[ib] == 1) ? 0 : bv.strides[ib];
+  }
+  std::vector<Gemm> jobs;
+  int64_t mm = m;
+  // One shared B and A's (batch, m) rows walkable with one stride: a single product of
+  // nbatch * m rows (the usual x @ W of a linear layer) keeps BLAS and the threads busy.
+  bool b_shared = true;
+  for (int i = 0; i < nbd; ++i) b_shared = b_shared && (sb[i] == 0 || bshape.d[i] == 1);
+  int64_t dims[kMaxDims + 1], strides[kMaxDims + 1], row_stride = 0;
+  for (int i = 0; i < nbd; ++i) dims[i] = bshape.d[i], strides[i] = sa[i];
+  dims[nbd] = m, strides[nbd] = a_mat_strides[0];
+  if (nbatch > 1 && b_shared && collapse(dims, strides, nbd + 1, row_stride)) {
+    mm = nbatch * m;
+    Gemm g;
+    g.a = Mat{av.f32(), mm, k, row_stride, a_mat_strides[1]};
+    g.b = Mat{bv.f32(), k, n, b_mat_strides[0], b_mat_strides[1]};
+    g.c = out;
+    g.ldc = n;
+    jobs.push_back(g);
+  } else {
+    jobs.reserve(nbatch);
+    for (int64_t bi = 0; bi < nbatch; ++bi) {
+      int64_t oa = 0, ob = 0, r = bi;
+      for (int i = nbd - 1; i >= 0; --i) {
+        const int64_t idx = r % bshape.d[i];
+        r /= bshape.d[i];
+        oa += idx * sa[i];
+        ob += idx * sb[i];
+      }
+      Gemm g;
+      g.a = Mat{av.f32() + oa, m, k, a_mat_strides[0], a_mat_strides[1]};
+      g.b = Mat{bv.f32() + ob, k, n, b_mat_strides[0], b_mat_strides[1]};
+      g.c = out + bi * m * n;
+      g.ldc = n;
+      jobs.push_back(g);
+    }
+  }
+  if (!blas_disabled()) {
+    std::vector<float> sa_buf, sb_buf;
+    size_t done = 0;
+    while (done < jobs.size() && blas_gemm(jobs[done], mm, n, k, sa_buf, sb_buf)) ++done;
+    if (done == jobs.size()) return;
+    jobs.erase(jobs.begin(), jobs.begin() + static_cast<std::ptrdiff_t>(done));
+  }
+  fallback_gemm(jobs, mm, n, k, c.pool);
+}
+
+// ---- infer and the ops ------------------------------------------------------------------
+
+// Shared checks: f32, 2 to 4 axes, the contracted axes agree, batch axes broadcast.
+// `a_contract` is the axis of a that meets b's axis -2 (-1 for matmul, -2 for out_prod).
+void product_infer(Graph& g, Node& n, int a_contract) {
+  if (n.src.size() != 2) fail_shape(g, n, "takes two inputs");
+  require_f32(g, n, 0);
+  require_f32(g, n, 1);
+  const Shape& a = g.node(n.src[0]).shape;
+  const Shape& b = g.node(n.src[1]).shape;
+  if (a.ndim < 2 || b.ndim < 2) fail_shape(g, n, "both inputs need at least 2 axes");
+  const int64_t ka = a.d[a.ndim + a_contract], kb = b.d[b.ndim - 2];
+  if (ka != kb)
+    fail_shape(g, n, "the contracted dimensions differ (" + std::to_string(ka) + " and " +
+                         std::to_string(kb) + ")");
+  const int nd = std::max(a.ndim, b.ndim);
+  Shape out;
+  out.ndim = nd;
+  for (int i = 0; i < nd - 2; ++i) {
+    const int ia = a.ndim - nd + i, ib = b.ndim - nd + i;
+    const int64_t da = ia >= 0 ? a.d[ia] : 1, db = ib >= 0 ? b.d[ib] : 1;
+    if (da != db && da != 1 && db != 1) fail_shape(g, n, "the batch axes cannot be broadcast together");
+    out.d[i] = da == 1 ? db : da;
+  }
+  out.d[nd - 2] = a_contract == -1 ? a.d[a.ndim - 2] : a.d[a.ndim - 1];
+  out.d[nd - 1] = b.d[b.ndim - 1];
+  n.dtype = DType::f32;
+  n.shape = out;
+}
+
+// The view of x with its last two axes swapped (no copy).
+int swap_last(Graph& g, int x) {
+  const int nd = g.node(x).shape.ndim;
+  std::vector<int64_t> perm(nd);
+  for (int i = 0; i < nd; ++i) perm[i] = i;
+  std::swap(perm[nd - 1], perm[nd - 2]);
+  return g.permute(x, perm);
+}
+
+int64_t batch_numel(const Shape& s) {
+  int64_t b = 1;
+  for (int i = 0; i < s.ndim - 2; ++i) b *= s.d[i];
+  return b;
+}
+
+void matmul_forward(KernelCtx& c) {
+  const TensorView& a = c.src[0];
+  const TensorView& b = c.src[1];
+  const int na = a.shape.ndim, nb = b.shape.ndim;
+  const int64_t as[2] = {a.strides[na - 2], a.strides[na - 1]};
+  const int64_t bs[2] = {b.strides[nb - 2], b.strides[nb - 1]};
+  batched_gemm(c, a, as, b, bs, a.shape.d[na - 2], a.shape.d[na - 1], b.shape.d[nb - 1]);
+}
+
+void out_prod_forward(KernelCtx& c) {
+  const TensorView& a = c.src[0];
+  const TensorView& b = c.src[1];
+  const int na = a.shape.ndim, nb = b.shape.ndim;
+  // a^T: rows run along a's last axis.
+  const int64_t as[2] = {a.strides[na - 1], a.strides[na - 2]};
+  const int64_t bs[2] = {b.strides[nb - 2], b.strides[nb - 1]};
+  batched_gemm(c, a, as, b, bs, a.shape.d[na - 1], a.shape.d[na - 2], b.shape.d[nb - 1]);
+}
+
+// d(A @ B): dA = G @ B^T, dB = A^T @ G, each summed back over broadcast batch axes.
+void matmul_backward(GradSink& k) {
+  Graph& g = k.g;
+  const int a = k.node.src[0], b = k.node.src[1], G = k.grad_out;
+  const Shape as = g.node(a).shape, bs = g.node(b).shape, os = k.node.shape;
+  if (k.needs(0)) k.add(0, g.reduce_to(g.op("matmul", {G, swap_last(g, b)}), as));
+  if (k.needs(1)) {
+    const int64_t nbatch = batch_numel(os);
+    bool a_full = as.ndim == os.ndim && batch_numel(as) == nbatch;
+    if (nbatch > 1 && batch_numel(bs) == 1 && a_full) {
+      // B shared by the whole batch: one (k, batch*m) @ (batch*m, n) product instead of a
+      // batch of products summed afterwards.
+      const int64_t m = as.d[as.ndim - 2], kk = as.d[as.ndim - 1], n = os.d[os.ndim - 1];
+      int a2 = g.reshape(a, Shape{nbatch * m, kk});
+      int g2 = g.reshape(G, Shape{nbatch * m, n});
+      k.add(1, g.reshape(g.op("matmul", {swap_last(g, a2), g2}), bs));
+    } else {
+      k.add(1, g.reduce_to(g.op("matmul", {swap_last(g, a), G}), bs));
+    }
+  }
+}
+
+// d(a^T @ b): da = b @ G^T, db = a @ G, each summed back over broadcast batch axes.
+void out_prod_backward(GradSink& k) {
+  Graph& g = k.g;
+  const int a = k.node.src[0], b = k.node.src[1], G = k.grad_out;
+  if (k.needs(0)) k.add(0, g.reduce_to(g.op("matmul", {b, swap_last(g, G)}), g.node(a).shape));
+  if (k.needs(1)) k.add(1, g.reduce_to(g.op("matmul", {a, G}), g.node(b).shape));
+}
+
+}  // namespace
+
+void register_matmul_ops(OpTable& t) {
+  {
+    OpDef d;
+    d.name = "matmul";
+    d.infer = [](Graph& g, Node& n) { product_infer(g, n, -1); };
+    d.forward = matmul_forward;
+    d.backward = matmul_backward;
+    t.add(std::move(d));
+  }
+  {
+    OpDef d;
+    d.name = "out_prod";
+    d.infer = [](Graph& g, Node& n) { product_infer(g, n, -2); };
+    d.forward = out_prod_forward;
+    d.backward = out_prod_backward;
+    t.add(std::move(d));
+  }
+}
+
 }  // namespace recurra

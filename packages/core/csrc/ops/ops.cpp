@@ -11,6 +11,7 @@ void register_nn_ops(OpTable& t);           // nn.cpp
 void register_shape_ops(OpTable& t);        // shape.cpp
 void register_ssm_ops(OpTable& t);          // ssm_conv.cpp, ssm_scan.cpp
 void register_rwkv_ops(OpTable& t);         // rwkv_wkv6.cpp, rwkv_wkv7.cpp, gated_linear_attn.cpp
+void register_optim_ops(OpTable& t);        // optim_kernels.cpp
 
 void register_all_ops(OpTable& t) {
   register_view_ops(t);
@@ -21,6 +22,7 @@ void register_all_ops(OpTable& t) {
   register_shape_ops(t);
   register_ssm_ops(t);
   register_rwkv_ops(t);
+  register_optim_ops(t);
 }
 
 }  // namespace recurra

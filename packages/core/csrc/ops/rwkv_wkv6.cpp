@@ -1,5 +1,424 @@
-// (being written)
-#include "../graph.h"
+// rwkv_wkv6: RWKV-6 time mixing on the CPU, forward and backward. Also the pieces the three
+// RWKV-family ops share (validation, registration) and register_rwkv_ops.
+//
+// Shapes (numpy order): k, v, r, td (T, H, S); tf (H, S); state (N, H, S, S) indexed
+// [q, h, i key, j value]; T = N runs of n tokens, run q starting from state[q].
+//
+//   y_t[j]  = sum_i r_t[i] * (tf[i] * k_t[i] * v_t[j] + S[i, j])
+//   S[i, j] = td_t[i] * S[i, j] + k_t[i] * v_t[j]
+//
+// Output, packed: y (T, H, S), then the final states (N, H, S, S).
+//
+// Backward, with lam_t = dL/dS_t walked from the last token (lam_n = dL/d(final state)) and
+// gv_t = gy_t . v_t:
+//   dr_t[i]  = tf[i] k_t[i] gv_t + sum_j S_{t-1}[i, j] gy_t[j]
+//   dk_t[i]  = r_t[i] tf[i] gv_t + sum_j lam_t[i, j] v_t[j]
+//   dv_t[j]  = (sum_i r_t[i] tf[i] k_t[i]) gy_t[j] + sum_i lam_t[i, j] k_t[i]
+//   dtd_t[i] = sum_j lam_t[i, j] S_{t-1}[i, j]
+//   dtf[i]  += r_t[i] k_t[i] gv_t
+//   lam_{t-1}[i, j] = td_t[i] lam_t[i, j] + r_t[i] gy_t[j];    d(state) = lam_0
+#include "rwkv.h"
+
 namespace recurra {
-void register_rwkv_ops(OpTable&) {}
+namespace rwkv {
+
+// ---- shared by the three ops -------------------------------------------------------------
+
+Dims make_dims(int64_t T, int64_t H, int64_t S, int64_t N) {
+  Dims d;
+  d.T = T;
+  d.H = H;
+  d.S = S;
+  d.N = N;
+  d.n = N > 0 ? T / N : 0;
+  d.Sp = (S + kL - 1) / kL * kL;
+  d.G = d.Sp / kL;
+  return d;
+}
+
+Dims check_sources(const Graph& g, const Node& n, const std::vector<int>& tok, int hs, int st,
+                   const char* signature, bool grad) {
+  const size_t n_fwd = tok.size() + (hs >= 0 ? 1 : 0) + 1;
+  const size_t want = n_fwd + (grad ? 1 : 0);
+  if (n.src.size() != want)
+    fail_shape(g, n, "takes " + std::to_string(want) + " inputs " + signature +
+                         (grad ? " plus the packed output gradient" : ""));
+  for (size_t i = 0; i < want; ++i) require_f32(g, n, static_cast<int>(i));
+  const Shape x = g.node(n.src[tok[0]]).shape;
+  if (x.ndim != 3) fail_shape(g, n, "per-token inputs must have shape (T, H, S)");
+  for (int i : tok)
+    if (g.node(n.src[i]).shape != x)
+      fail_shape(g, n, std::string("the per-token inputs of ") + signature +
+                           " must all have the same shape (T, H, S)");
+  const int64_t T = x[0], H = x[1], S = x[2];
+  if (T < 1 || H < 1 || S < 1) fail_shape(g, n, "T, H and S must be at least 1");
+  const Shape s = g.node(n.src[st]).shape;
+  if (s.ndim != 4 || s[1] != H || s[2] != S || s[3] != S || s[0] < 1)
+    fail_shape(g, n, "the state must have shape (n_seqs, H, S, S) with the H and S of the inputs");
+  if (T % s[0] != 0)
+    fail_shape(g, n, "the token count T = " + std::to_string(T) + " is not a multiple of n_seqs = " +
+                         std::to_string(s[0]));
+  if (hs >= 0) {
+    const Shape u = g.node(n.src[hs]).shape;
+    if (u.ndim != 2 || u[0] != H || u[1] != S)
+      fail_shape(g, n, "the per-head input must have shape (H, S)");
+  }
+  Dims d = make_dims(T, H, S, s[0]);
+  if (grad) {
+    const Shape gs = g.node(n.src.back()).shape;
+    if (gs.ndim != 1 || gs[0] != d.ths() + d.nhss())
+      fail_shape(g, n, "the output gradient must be 1-D with T*H*S + n_seqs*H*S*S elements");
+  }
+  return d;
+}
+
+void reduce_blocks(ThreadPool& pool, float* out, const float* part, int64_t nb, int64_t len) {
+  pool.parallel_for(len, kGrainElems, [&](int64_t b0, int64_t e0, int) {
+    for (int64_t i = b0; i < e0; ++i) out[i] = part[i];
+    for (int64_t b = 1; b < nb; ++b) {
+      const float* p = part + b * len;
+      for (int64_t i = b0; i < e0; ++i) out[i] += p[i];
+    }
+  });
+}
+
+namespace {
+
+Dims dims_from_ctx(const KernelCtx& c, const RecurrentOp& op) {
+  const Shape& x = c.src[op.tok[0]].shape;
+  return make_dims(x[0], x[1], x[2], c.src[op.st].shape[0]);
+}
+
+}  // namespace
+
+void register_recurrent(OpTable& t, const RecurrentOp& op) {
+  const uint32_t all_srcs = (1u << (op.n_src + 1)) - 1u;  // the backward op has one more
+  {
+    OpDef d;
+    d.name = op.name;
+    d.contiguous_srcs = all_srcs;
+    d.infer = [op](Graph& g, Node& n) {
+      if (static_cast<int>(n.fp.size()) != op.n_fp)
+        fail_shape(g, n, "takes " + std::to_string(op.n_fp) + " float parameter(s)");
+      Dims dm = check_sources(g, n, op.tok, op.hs, op.st, op.signature, false);
+      n.dtype = DType::f32;
+      n.shape = Shape{dm.ths() + dm.nhss()};
+    };
+    d.forward = [op](KernelCtx& c) { op.forward(c, dims_from_ctx(c, op)); };
+    const std::string back = std::string(op.name) + "_back";
+    const int n_src = op.n_src;
+    d.backward = [back, n_src](GradSink& k) {
+      std::vector<int> src = k.node.src;
+      src.push_back(k.grad_out);
+      std::vector<Shape> shapes;
+      for (int i = 0; i < n_src; ++i) shapes.push_back(k.g.node(k.node.src[i]).shape);
+      const int packed = k.g.op(back, src, {}, k.node.fp);
+      int64_t off = 0;
+      for (int i = 0; i < n_src; ++i) {
+        if (k.needs(i)) k.add(i, k.g.unpack(packed, off, shapes[i]));
+        off += shapes[i].numel();
+      }
+    };
+    t.add(std::move(d));
+  }
+  {
+    OpDef d;
+    d.name = std::string(op.name) + "_back";
+    d.contiguous_srcs = all_srcs;
+    d.infer = [op](Graph& g, Node& n) {
+      if (static_cast<int>(n.fp.size()) != op.n_fp)
+        fail_shape(g, n, "takes " + std::to_string(op.n_fp) + " float parameter(s)");
+      check_sources(g, n, op.tok, op.hs, op.st, op.signature, true);
+      int64_t total = 0;
+      for (int i = 0; i < op.n_src; ++i) total += g.node(n.src[i]).numel();
+      n.dtype = DType::f32;
+      n.shape = Shape{total};
+    };
+    d.forward = [op](KernelCtx& c) { op.backward(c, dims_from_ctx(c, op)); };
+    t.add(std::move(d));  // no backward: not twice differentiable
+  }
+}
+
+// ---- wkv6 forward ------------------------------------------------------------------------
+
+namespace {
+
+// One token over a register block of NV lane groups: the state block `st` (S rows i, row
+// stride ld, lanes j) is updated and y[lanes] = sum_i r[i] S_old[i, :] + bonus * v.
+template <int NV>
+RWKV_INLINE void wkv6_forward_rows(float* st, int64_t ld, int64_t S, const float* r,
+                                   const float* k, const float* w, const float* v, float bonus,
+                                   float* y) {
+  vf acc[NV], vv[NV];
+  for (int c = 0; c < NV; ++c) {
+    acc[c] = vf{};
+    vv[c] = vload(v + c * kL);
+  }
+  for (int64_t i = 0; i < S; ++i) {
+    const vf ri = splat(r[i]), ki = splat(k[i]), wi = splat(w[i]);
+    float* s = st + i * ld;
+    for (int c = 0; c < NV; ++c) {
+      const vf x = vload(s + c * kL);
+      acc[c] += ri * x;
+      vstore(s + c * kL, wi * x + ki * vv[c]);
+    }
+  }
+  const vf b = splat(bonus);
+  for (int c = 0; c < NV; ++c) vstore(y + c * kL, acc[c] + b * vv[c]);
+}
+
+struct Wkv6In {
+  const float *k, *v, *r, *tf, *td;
+};
+
+// One forward task: run q, head h, value lanes [j0, j0 + W) (W a multiple of kL). `st` holds
+// the state block (S rows of W lanes) on entry and the final one on return; `buf` 2W floats.
+RC_SIMD void wkv6_forward_task(const Wkv6In& in, const Dims& d, int64_t q, int64_t h, int64_t j0,
+                               int64_t W, float* st, float* buf, float* y) {
+  const int64_t S = d.S, jn = std::min(W, S - j0);
+  const float* u = in.tf + h * S;
+  float* vb = buf;
+  float* yb = buf + W;
+  for (int64_t t = 0; t < d.n; ++t) {
+    const int64_t base = d.token(q, t, h);
+    const float *kt = in.k + base, *rt = in.r + base, *wt = in.td + base;
+    load_padded(vb, in.v + base + j0, jn, W);
+    const float bonus = dot3(rt, u, kt, S);
+    for (int64_t c = 0; c < W; c += kMaxNV * kL) {
+      const int64_t nv = std::min(kMaxNV, (W - c) / kL);
+      RWKV_DISPATCH_NV(nv, wkv6_forward_rows, st + c, W, S, rt, kt, wt, vb + c, bonus, yb + c)
+    }
+    std::memcpy(y + base + j0, yb, static_cast<size_t>(jn) * sizeof(float));
+  }
+}
+
+void wkv6_forward(KernelCtx& c, const Dims& d) {
+  const Wkv6In in{c.src[0].f32(), c.src[1].f32(), c.src[2].f32(), c.src[3].f32(), c.src[4].f32()};
+  const float* s0 = c.src[5].f32();
+  float* y = c.dst.f32();
+  float* sN = y + d.ths();
+  // Tasks: (run, head, block of lane groups); the value columns j are independent.
+  const int64_t nb = n_blocks(d.N * d.H, d.G);
+  Scratch scratch(c.pool.size());
+  c.pool.run(d.N * d.H * nb, [&](int64_t task, int tid) {
+    const int64_t b = task % nb, qh = task / nb, q = qh / d.H, h = qh % d.H;
+    const int64_t g0 = block_begin(b, nb, d.G), g1 = block_begin(b + 1, nb, d.G);
+    const int64_t j0 = g0 * kL, W = (g1 - g0) * kL, jn = std::min(W, d.S - j0);
+    float* st = scratch.get(tid, static_cast<size_t>(d.S * W + 2 * W));
+    const float* src = s0 + d.state(q, h);
+    for (int64_t i = 0; i < d.S; ++i) load_padded(st + i * W, src + i * d.S + j0, jn, W);
+    wkv6_forward_task(in, d, q, h, j0, W, st, st + d.S * W, y);
+    float* dst = sN + d.state(q, h);
+    for (int64_t i = 0; i < d.S; ++i)
+      std::memcpy(dst + i * d.S + j0, st + i * W, static_cast<size_t>(jn) * sizeof(float));
+  });
+}
+
+// ---- wkv6 backward -----------------------------------------------------------------------
+//
+// A task is (run q, head h, rows j in [j0, j1)): the value columns of the state are
+// independent, so a task needs only its own columns, kept transposed in scratch as R = j1 - j0
+// rows of Sp lanes (i). Then the sums over j in dr, dk, dtd are vector accumulations and only
+// dv needs a horizontal sum. Per task: one pass saves the state every K tokens; then, chunk by
+// chunk from the end, the chunk's states are recomputed from its checkpoint and walked
+// backwards. Peak scratch per thread: (2 + ceil(n/K) + K) * R * Sp floats plus O(Sp + R),
+// e.g. 2.1 MB for n = 4096 (K = 64), S = 64.
+
+// One backward token over a register block of NV lane groups (i). sp: S_{t-1} rows, lam:
+// lam_t rows (updated to lam_{t-1}); acc gets the block's sums over j of dr, dk, dtd (at
+// offsets 0, Sp, 2 Sp); dvrow[j] += the block's part of sum_i lam[j][i] k[i].
+template <int NV>
+RWKV_INLINE void wkv6_backward_rows(const float* sp, float* lam, int64_t Sp, int64_t R,
+                                    const float* gy, const float* v, const float* r,
+                                    const float* k, const float* w, float* dvrow, float* acc) {
+  vf dr[NV], dk[NV], dw[NV], rr[NV], kk[NV], ww[NV];
+  for (int c = 0; c < NV; ++c) {
+    dr[c] = dk[c] = dw[c] = vf{};
+    rr[c] = vload(r + c * kL);
+    kk[c] = vload(k + c * kL);
+    ww[c] = vload(w + c * kL);
+  }
+  for (int64_t j = 0; j < R; ++j) {
+    const vf g = splat(gy[j]), vj = splat(v[j]);
+    const float* s = sp + j * Sp;
+    float* l = lam + j * Sp;
+    vf dv = vf{};
+    for (int c = 0; c < NV; ++c) {
+      const vf x = vload(s + c * kL), m = vload(l + c * kL);
+      dr[c] += g * x;
+      dk[c] += vj * m;
+      dw[c] += m * x;
+      dv += m * kk[c];
+      vstore(l + c * kL, ww[c] * m + g * rr[c]);
+    }
+    dvrow[j] += hsum(dv);
+  }
+  for (int c = 0; c < NV; ++c) {
+    vstore(acc + c * kL, dr[c]);
+    vstore(acc + Sp + c * kL, dk[c]);
+    vstore(acc + 2 * Sp + c * kL, dw[c]);
+  }
+}
+
+struct Wkv6Grad {
+  float *dk, *dv, *dr, *dtd;  // (T, H, S) layouts; dk, dr, dtd may be a block's partial buffer
+  float* dtf;                 // this task's Sp partial of dtf
+  float* ds;                  // d(initial state), (N, H, S, S)
+};
+
+RC_SIMD void wkv6_backward_task(const Wkv6In& in, const float* s0, const float* gy,
+                                const float* gs, const Wkv6Grad& out, const Dims& d, int64_t q,
+                                int64_t h, int64_t j0, int64_t j1, float* scratch) {
+  const int64_t S = d.S, Sp = d.Sp, R = j1 - j0, n = d.n;
+  const int64_t K = checkpoint_interval(n), nck = (n + K - 1) / K, RS = R * Sp;
+  float* st = scratch;
+  float* lam = st + RS;
+  float* ck = lam + RS;
+  float* chunk = ck + nck * RS;
+  float* rb = chunk + K * RS;
+  float* kb = rb + Sp;
+  float* wb = kb + Sp;
+  float* ub = wb + Sp;
+  float* du = ub + Sp;
+  float* acc = du + Sp;  // 3 Sp
+  float* dvrow = acc + 3 * Sp;  // R
+
+  // Transposed, padded copies of the initial state and of the final state's gradient.
+  const float* s0h = s0 + d.state(q, h);
+  const float* gsh = gs + d.state(q, h);
+  std::memset(st, 0, static_cast<size_t>(2 * RS) * sizeof(float));
+  for (int64_t i = 0; i < S; ++i)
+    for (int64_t j = 0; j < R; ++j) {
+      st[j * Sp + i] = s0h[i * S + j0 + j];
+      lam[j * Sp + i] = gsh[i * S + j0 + j];
+    }
+  load_padded(ub, in.tf + h * S, S, Sp);
+  std::memset(du, 0, static_cast<size_t>(Sp) * sizeof(float));
+
+  // Pass 1: checkpoints (the state before tokens 0, K, 2K, ...).
+  for (int64_t t = 0; t < (nck - 1) * K; ++t) {
+    if (t % K == 0) std::memcpy(ck + (t / K) * RS, st, static_cast<size_t>(RS) * sizeof(float));
+    const int64_t base = d.token(q, t, h);
+    load_padded(kb, in.k + base, S, Sp);
+    load_padded(wb, in.td + base, S, Sp);
+    decay_step_t(st, R, Sp, kb, wb, in.v + base + j0);
+  }
+  std::memcpy(ck + (nck - 1) * RS, st, static_cast<size_t>(RS) * sizeof(float));
+  // Pass 2: chunks from the last, each recomputed from its checkpoint, then walked backwards.
+  for (int64_t ci = nck - 1; ci >= 0; --ci) {
+    const int64_t t0 = ci * K, t1 = std::min(n, t0 + K);
+    std::memcpy(st, ck + ci * RS, static_cast<size_t>(RS) * sizeof(float));
+    for (int64_t t = t0; t < t1; ++t) {
+      std::memcpy(chunk + (t - t0) * RS, st, static_cast<size_t>(RS) * sizeof(float));
+      if (t + 1 == t1) break;  // the state after the chunk's last token is not needed
+      const int64_t base = d.token(q, t, h);
+      load_padded(kb, in.k + base, S, Sp);
+      load_padded(wb, in.td + base, S, Sp);
+      decay_step_t(st, R, Sp, kb, wb, in.v + base + j0);
+    }
+    for (int64_t t = t1 - 1; t >= t0; --t) {
+      const int64_t base = d.token(q, t, h);
+      load_padded(rb, in.r + base, S, Sp);
+      load_padded(kb, in.k + base, S, Sp);
+      load_padded(wb, in.td + base, S, Sp);
+      const float* gyt = gy + base + j0;
+      const float* vt = in.v + base + j0;
+      const float gv = dot(gyt, vt, R);
+      const float bonus = dot3(rb, ub, kb, Sp);
+      std::memset(dvrow, 0, static_cast<size_t>(R) * sizeof(float));
+      const float* sp = chunk + (t - t0) * RS;
+      for (int64_t c = 0; c < Sp; c += kMaxNV * kL) {
+        const int64_t nv = std::min(kMaxNV, (Sp - c) / kL);
+        float* a = acc + c;
+        RWKV_DISPATCH_NV(nv, wkv6_backward_rows, sp + c, lam + c, Sp, R, gyt, vt, rb + c, kb + c,
+                         wb + c, dvrow, a)
+      }
+      for (int64_t i = 0; i < S; ++i) {
+        out.dr[base + i] = acc[i] + ub[i] * kb[i] * gv;
+        out.dk[base + i] = acc[Sp + i] + rb[i] * ub[i] * gv;
+        out.dtd[base + i] = acc[2 * Sp + i];
+        du[i] += rb[i] * kb[i] * gv;
+      }
+      for (int64_t j = 0; j < R; ++j) out.dv[base + j0 + j] = bonus * gyt[j] + dvrow[j];
+    }
+  }
+  float* dsh = out.ds + d.state(q, h);
+  for (int64_t i = 0; i < S; ++i)
+    for (int64_t j = 0; j < R; ++j) dsh[i * S + j0 + j] = lam[j * Sp + i];
+  std::memcpy(out.dtf, du, static_cast<size_t>(Sp) * sizeof(float));
+}
+
+void wkv6_backward(KernelCtx& c, const Dims& d) {
+  const Wkv6In in{c.src[0].f32(), c.src[1].f32(), c.src[2].f32(), c.src[3].f32(), c.src[4].f32()};
+  const float* s0 = c.src[5].f32();
+  const float* gy = c.src[6].f32();
+  const float* gs = gy + d.ths();
+  const int64_t ths = d.ths(), hs = d.H * d.S;
+  // Packed result, in source order: dk, dv, dr, dtf, dtd, dstate.
+  float* o = c.dst.f32();
+  float* dk = o;
+  float* dv = dk + ths;
+  float* dr = dv + ths;
+  float* dtf = dr + ths;
+  float* dtd = dtf + hs;
+  float* ds = dtd + ths;
+  // Rows j are split into blocks when there are few (run, head) pairs; the block sums of
+  // dr, dk, dtd then go to partial buffers, added up in block order afterwards.
+  const int64_t units = d.N * d.H, nb = n_blocks(units, d.S);
+  std::vector<float> part(nb > 1 ? static_cast<size_t>(3 * nb * ths) : 0);
+  std::vector<float> dtf_part(static_cast<size_t>(units * nb * d.Sp));
+  const int64_t K = checkpoint_interval(d.n), nck = (d.n + K - 1) / K;
+  const int64_t rmax = (d.S + nb - 1) / nb;
+  const size_t need = static_cast<size_t>((2 + nck + K) * rmax * d.Sp + 8 * d.Sp + rmax);
+  Scratch scratch(c.pool.size());
+  c.pool.run(units * nb, [&](int64_t task, int tid) {
+    const int64_t b = task % nb, qh = task / nb, q = qh / d.H, h = qh % d.H;
+    const int64_t j0 = block_begin(b, nb, d.S), j1 = block_begin(b + 1, nb, d.S);
+    Wkv6Grad g{dk, dv, dr, dtd, dtf_part.data() + task * d.Sp, ds};
+    if (nb > 1) {
+      g.dk = part.data() + b * ths;
+      g.dr = part.data() + (nb + b) * ths;
+      g.dtd = part.data() + (2 * nb + b) * ths;
+    }
+    wkv6_backward_task(in, s0, gy, gs, g, d, q, h, j0, j1, scratch.get(tid, need));
+  });
+  if (nb > 1) {
+    reduce_blocks(c.pool, dk, part.data(), nb, ths);
+    reduce_blocks(c.pool, dr, part.data() + nb * ths, nb, ths);
+    reduce_blocks(c.pool, dtd, part.data() + 2 * nb * ths, nb, ths);
+  }
+  // dtf: the task partials in (run, head, block) order.
+  for (int64_t h = 0; h < d.H; ++h)
+    for (int64_t i = 0; i < d.S; ++i) {
+      float s = 0.0f;
+      for (int64_t q = 0; q < d.N; ++q)
+        for (int64_t b = 0; b < nb; ++b) s += dtf_part[((q * d.H + h) * nb + b) * d.Sp + i];
+      dtf[h * d.S + i] = s;
+    }
+}
+
+}  // namespace
+
+}  // namespace rwkv
+
+void register_wkv6_ops(OpTable& t) {
+  rwkv::RecurrentOp op;
+  op.name = "rwkv_wkv6";
+  op.signature = "(k, v, r, tf, td, state)";
+  op.n_src = 6;
+  op.tok = {0, 1, 2, 4};
+  op.hs = 3;
+  op.st = 5;
+  op.n_fp = 0;
+  op.forward = rwkv::wkv6_forward;
+  op.backward = rwkv::wkv6_backward;
+  rwkv::register_recurrent(t, op);
+}
+
+void register_rwkv_ops(OpTable& t) {
+  register_wkv6_ops(t);
+  register_wkv7_ops(t);
+  register_gla_ops(t);
+}
+
 }  // namespace recurra

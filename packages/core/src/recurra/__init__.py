@@ -15,7 +15,16 @@ from importlib import metadata as _metadata
 from recurra import _core
 from recurra import ops as ops
 from recurra._devices import Device, parse_device
-from recurra._tensor import Tensor, is_grad_enabled, no_grad, param, plan_cache_info, tensor
+from recurra._tensor import (
+    Tensor,
+    is_grad_enabled,
+    no_grad,
+    param,
+    plan_cache_info,
+    set_strict_placement,
+    strict_placement,
+    tensor,
+)
 from recurra.graph import Graph, GraphTensor
 
 try:
@@ -26,7 +35,8 @@ except _metadata.PackageNotFoundError:  # running from a source tree
 __all__ = [
     "Device", "Graph", "GraphTensor", "Tensor", "__version__", "blas_info", "get_include",
     "get_num_threads", "is_grad_enabled", "memory_stats", "no_grad", "ops", "param",
-    "parse_device", "plan_cache_info", "set_num_threads", "tensor",
+    "parse_device", "plan_cache_info", "set_num_threads", "set_strict_placement",
+    "strict_placement", "tensor", "transfer_stats", "reset_transfer_stats",
 ]
 
 
@@ -49,6 +59,17 @@ def memory_stats() -> dict[str, dict[str, int]]:
     """Bytes in use, peak bytes and allocation counts of the persistent pool (tensors the
     user keeps: weights, optimizer state) and the transient pool (planned graph arenas)."""
     return _core.memory_stats()
+
+
+def transfer_stats() -> dict[str, dict[str, int]]:
+    """Counts and bytes of host->device and device->host copies since the start (or since
+    :func:`reset_transfer_stats`)."""
+    return _core.transfer_stats()
+
+
+def reset_transfer_stats() -> None:
+    """Sets the transfer counters back to zero."""
+    _core.reset_transfer_stats()
 
 
 def blas_info() -> str:

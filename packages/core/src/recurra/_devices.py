@@ -46,9 +46,18 @@ def parse_device(spec: str | Device | None) -> Device:
         if index != 0:
             raise ValueError(f"bad device {spec!r}: there is one CPU device, 'cpu'")
         return CPU
+    from recurra import backends
+
+    if f"{name}:{index}" in backends.registered_devices():
+        return Device(name, index)
+    infos = {b.name: b for b in backends.available()}
+    if name in infos:
+        b = infos[name]
+        why = b.reason if not b.available else f"it has {len(b.devices)} device(s)"
+        raise ValueError(f"device {spec!r} is not available: {why}")
     if name in _KNOWN_PLUGINS:
         raise ValueError(
-            f"device {spec!r} is not available: the {name} backend is not installed in this "
-            f"build of recurra (only 'cpu' is)"
+            f"device {spec!r} is not available: the {name} backend is not installed "
+            f"(pip install recurra-{name})"
         )
     raise ValueError(f"unknown device {spec!r}: expected 'cpu' or 'vulkan[:N]'")

@@ -41,6 +41,24 @@ def no_grad() -> Iterator[None]:
         _state.grad_enabled = prev
 
 
+def strict_placement() -> bool:
+    """Whether a node that no device backend supports raises instead of running on the CPU.
+
+    Set with :func:`set_strict_placement` or the environment variable RECURRA_STRICT=1.
+    """
+    v = getattr(_state, "strict", None)
+    if v is None:
+        import os
+
+        return os.environ.get("RECURRA_STRICT", "") not in ("", "0")
+    return bool(v)
+
+
+def set_strict_placement(flag: bool) -> None:
+    """Strict placement: raise RuntimeError for any node a device backend cannot run."""
+    _state.strict = bool(flag)
+
+
 def _host_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """A numpy array whose memory is counted in recurra's persistent pool."""
     n = int(np.prod(shape, dtype=np.int64))
@@ -106,10 +124,21 @@ class Tensor(TensorOps):
 
     # -- values ----------------------------------------------------------------------
     def _realized(self) -> np.ndarray:
+        """The value as a host array (computing it, and downloading it from a device)."""
         if self._value is None:
             LAZY.run([self])
-        assert self._value is not None
-        return self._value
+        v = self._value
+        if isinstance(v, _core.DeviceBuffer):
+            host = np.empty(self.shape, np.float32 if self.dtype == "float32" else np.int32)
+            v.download(host)
+            return host
+        assert v is not None
+        return v
+
+    @property
+    def is_on_device(self) -> bool:
+        """True when the value lives in a plugin backend's memory (not the host)."""
+        return self.device.backend != "cpu"
 
     def numpy(self) -> np.ndarray:
         """Runs what is pending and returns the value as a new numpy array."""
@@ -177,9 +206,13 @@ class Tensor(TensorOps):
                 )
         LAZY.run([self], loss=self, seed=seed)
 
+
     def detach(self) -> Tensor:
-        """The same value, cut from the gradient history."""
-        return Tensor._new(None, (), (), (), self.shape, self.dtype, self._realized(), False,
+        """The same value (computed now, sharing memory, on the same device), cut from the
+        gradient history."""
+        if self._value is None:
+            LAZY.run([self])
+        return Tensor._new(None, (), (), (), self.shape, self.dtype, self._value, False,
                            self.device)
 
     def requires_grad_(self, flag: bool = True) -> Tensor:
@@ -196,23 +229,42 @@ class Tensor(TensorOps):
         dev = parse_device(device)
         if dev == self.device:
             return self
-        raise ValueError(f"to(): moving tensors to {dev} is not supported yet")
+        t = _from_host(self._realized(), dev)
+        t.requires_grad = self.requires_grad and self.is_leaf
+        t._is_param = self._is_param
+        return t
 
     # In-place update of a leaf's data (used by optimizers and users alike).
     def assign_(self, value: Any) -> Tensor:
         """Overwrites this leaf's data in place with ``value`` (same shape)."""
         if not self.is_leaf:
             raise RuntimeError("assign_() works on leaf tensors only")
-        arr = np.asarray(value, dtype=self._value.dtype if self._value is not None else None)
+        want = np.float32 if self.dtype == "float32" else np.int32
+        arr = np.asarray(value._realized() if isinstance(value, Tensor) else value, dtype=want)
         if arr.shape != self.shape:
             arr = np.broadcast_to(arr, self.shape)
-        self._realized()[...] = arr
+        if isinstance(self._value, _core.DeviceBuffer):
+            self._value.upload(np.ascontiguousarray(arr))
+        else:
+            self._realized()[...] = arr
         return self
 
 
 def _wrap_value(value: np.ndarray, requires_grad: bool, device: Device) -> Tensor:
     dtype = "float32" if value.dtype == np.float32 else "int32"
     return Tensor._new(None, (), (), (), tuple(value.shape), dtype, value, requires_grad, device)
+
+
+def _result(g: Any, nid: int, like: Tensor | None, device: Device) -> Any:
+    """The value of node ``nid`` after compute, kept on ``device``."""
+    if device.backend == "cpu":
+        return g.read(nid)
+    if g.backend_of(nid) == str(device):
+        return g.copy_to_device_buffer(nid)
+    host = g.read(nid)  # computed elsewhere (CPU fallback): move it to the tensor's device
+    buf = _core.DeviceBuffer(str(device), max(host.size, 1) * 4)
+    buf.upload(host)
+    return buf
 
 
 def tensor(data: Any, device: str | Device | None = None, dtype: Any = None) -> Tensor:
@@ -227,10 +279,19 @@ def tensor(data: Any, device: str | Device | None = None, dtype: Any = None) -> 
     arr = np.asarray(data, dtype=dtype) if dtype is not None else np.asarray(data)
     if arr.dtype.kind not in "fiub":
         raise TypeError(f"unsupported dtype {arr.dtype}: recurra tensors are float32 or int32")
-    arr = to_supported(arr)
-    value = _host_array(arr.shape, arr.dtype)
-    value[...] = arr
-    return _wrap_value(value, False, dev)
+    return _from_host(to_supported(arr), dev)
+
+
+def _from_host(arr: np.ndarray, dev: Device) -> Tensor:
+    """A leaf holding a copy of host array ``arr`` on device ``dev``."""
+    if dev.backend == "cpu":
+        value = _host_array(arr.shape, arr.dtype)
+        value[...] = arr
+        return _wrap_value(value, False, dev)
+    buf = _core.DeviceBuffer(str(dev), max(arr.size, 1) * 4)
+    buf.upload(np.ascontiguousarray(arr))
+    dtype = "float32" if arr.dtype == np.float32 else "int32"
+    return Tensor._new(None, (), (), (), tuple(arr.shape), dtype, buf, False, dev)
 
 
 def param(data: Any, device: str | Device | None = None) -> Tensor:
@@ -328,7 +389,8 @@ class LazyFrontend:
         out_pos = tuple(index[id(t)] for t in outputs)
         loss_pos = index[id(loss)] if loss is not None else -1
         seed_pos = index[id(seed)] if seed is not None else -1
-        key = (tuple(key_parts), out_pos, loss_pos, seed_pos)
+        devices = tuple(sorted({str(t.device) for t in order}))
+        key = (tuple(key_parts), out_pos, loss_pos, seed_pos, devices, strict_placement())
 
         plan = self._plans.get(key)
         if plan is None:
@@ -343,20 +405,27 @@ class LazyFrontend:
 
         g = plan.graph
         for nid, t in zip(plan.leaf_ids, leaves):
-            g.bind(nid, t._realized() if t._op is not None else t._value)
+            if t._value is None:
+                t._realized()
+            if isinstance(t._value, _core.DeviceBuffer):
+                g.bind_device(nid, t._value)
+            else:
+                g.bind(nid, t._value)
         g.compute()
         for nid, t in zip(plan.out_ids, outputs):
-            t._value = g.read(nid)
+            t._value = _result(g, nid, t, t.device)
         if want_grad:
             params = [t for t in leaves if t.requires_grad]
             for gid, p in zip(plan.grad_ids, params):
                 if gid < 0:
                     continue
-                gval = g.read(gid)
+                gval = _result(g, gid, p, p.device)
                 if p.grad is None:
-                    p.grad = _wrap_value(gval, False, p.device)
+                    p.grad = Tensor._new(None, (), (), (), p.shape, "float32", gval, False,
+                                         p.device)
                 else:
-                    p.grad._value = p.grad._realized() + gval
+                    p.grad = (p.grad + Tensor._new(None, (), (), (), p.shape, "float32", gval,
+                                                   False, p.device)).detach()
             # Results of this run that nobody asked for stay pending: recomputing is cheap
             # and keeping them would pin memory.
 
@@ -364,6 +433,9 @@ class LazyFrontend:
                outputs: list[Tensor], loss: Tensor | None, seed: Tensor | None) -> _Plan:
         plan = _Plan()
         g = plan.graph
+        devices = sorted({str(t.device) for t in order if t.device.backend != "cpu"})
+        if devices:
+            g.set_backends(devices, strict=strict_placement())
         ids: list[int] = []
         want_grad = loss is not None
         for t in order:

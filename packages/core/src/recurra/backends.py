@@ -63,8 +63,35 @@ def _cpu_info() -> BackendInfo:
     return BackendInfo("cpu", True, [dev])
 
 
-def available() -> list[BackendInfo]:
-    """Every backend recurra knows of, the CPU last (it is the fallback of the scheduler)."""
+_cache: list[BackendInfo] | None = None
+_registered: dict[str, str] = {}  # "vulkan:0" -> backend name
+
+
+def available(refresh: bool = False) -> list[BackendInfo]:
+    """Every backend recurra knows of, the CPU last (it is the fallback of the scheduler).
+
+    Plugins are loaded (and their devices registered with the core) on the first call.
+    """
+    global _cache
+    if _cache is None or refresh:
+        _cache = _discover()
+    return list(_cache)
+
+
+def registered_devices() -> list[str]:
+    """Device names usable in ``device=`` ("vulkan:0", ...), after loading the plugins."""
+    available()
+    return sorted(_registered)
+
+
+def release(name: str) -> None:
+    """Releases a device backend: its memory is given back, and tensors still on it raise
+    RuntimeError when used (they never read freed memory)."""
+    _core.close_backend(name if ":" in name else f"{name}:0", True)
+    _registered.pop(name if ":" in name else f"{name}:0", None)
+
+
+def _discover() -> list[BackendInfo]:
     allowed = _allowed()
     found: list[BackendInfo] = []
     try:
@@ -81,9 +108,14 @@ def available() -> list[BackendInfo]:
             probe = ep.load()
             info = probe()
             devices = list(info.get("devices", []))
-            ok = bool(devices)
-            found.append(BackendInfo(name, ok, devices,
-                                     "" if ok else info.get("reason", "no devices"), ep.value))
+            reason = info.get("reason", "") or ("" if devices else "no devices")
+            if devices and info.get("table") is not None:
+                for dev_name in _core.register_backend(info["table"]):
+                    _registered[dev_name] = name
+            elif devices:
+                reason = "the plugin gave no backend table"
+            ok = bool(devices) and not reason
+            found.append(BackendInfo(name, ok, devices, reason, ep.value))
         except Exception as e:  # noqa: BLE001 - report, never crash
             found.append(BackendInfo(name, False, reason=f"{type(e).__name__}: {e}",
                                      source=ep.value))

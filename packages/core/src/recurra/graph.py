@@ -73,11 +73,20 @@ class GraphTensor(TensorOps):
 
 
 class Graph:
-    """An explicit computation graph on the CPU."""
+    """An explicit computation graph, run by the scheduler.
 
-    def __init__(self) -> None:
+    ``backends`` lists device backends to prefer, in order (e.g. ``["vulkan"]``); each node
+    runs on the first one that supports it and on the CPU otherwise. With ``strict=True`` a
+    node that no listed backend supports raises RuntimeError instead of falling back.
+    """
+
+    def __init__(self, backends: list[str] | None = None, strict: bool = False) -> None:
         self._g = _core.Graph()
         self._computed = False
+        if backends:
+            from recurra._devices import parse_device
+
+            self._g.set_backends([str(parse_device(b)) for b in backends], strict)
 
     # -- leaves ------------------------------------------------------------------------
     def _leaf(self, shape: Any, dtype: str, flags: int, name: str) -> GraphTensor:
@@ -163,15 +172,26 @@ class Graph:
         return self._g.read(t.id)
 
     def backend_of(self, t: GraphTensor) -> str:
-        """The backend that computes ``t``. The CPU is the only backend of the core until a
-        plugin backend and the scheduler place nodes elsewhere."""
+        """The backend that computes ``t`` (or holds it, for leaves and views): ``"cpu"``,
+        ``"vulkan:0"``, ..."""
         self._check(t)
-        return "cpu"
+        return self._g.backend_of(t.id)
 
     @property
     def n_splits(self) -> int:
-        """The number of consecutive runs of nodes on one backend (1: all on the CPU)."""
-        return 1
+        """The number of consecutive runs of nodes on one backend."""
+        return self._g.n_splits()
+
+    def splits(self) -> list[tuple[str, int, int]]:
+        """Per split: (backend, number of nodes, number of tensors copied in)."""
+        return [tuple(s) for s in self._g.splits()]
+
+    def placement(self) -> dict[str, int]:
+        """How many computed nodes each backend runs."""
+        out: dict[str, int] = {}
+        for b, n, _ in self.splits():
+            out[b] = out.get(b, 0) + n
+        return out
 
     def memory(self) -> dict[str, int]:
         """The memory plan: arena bytes (peak), bytes without reuse, planned nodes."""

@@ -1,0 +1,264 @@
+// gated_linear_attn (GLA) on the CPU, forward and backward.
+//
+// Shapes (numpy order): k, v, q, g (T, H, S); state (N, H, S, S) indexed [n, h, i key,
+// j value]; fp = [scale]; T = N runs of n tokens. The state is updated before it is read:
+//
+//   S[i, j] = g_t[i] S[i, j] + k_t[i] v_t[j]
+//   y_t[j]  = scale * sum_i q_t[i] S[i, j]
+//
+// Output, packed: y (T, H, S), then the final states (N, H, S, S).
+//
+// Backward, with lam_t = dL/dS_t from the tokens after t (lam_n = dL/d(final state)),
+// mu_t = lam_t + scale q_t gy_t^T the whole gradient of S_t and gv_t = gy_t . v_t:
+//   dq_t[i] = scale (g_t[i] sum_j S_{t-1}[i, j] gy_t[j] + k_t[i] gv_t)      (= scale S_t gy_t)
+//   dk_t[i] = sum_j mu_t[i, j] v_t[j]      dv_t[j] = sum_i mu_t[i, j] k_t[i]
+//   dg_t[i] = sum_j mu_t[i, j] S_{t-1}[i, j]
+//   lam_{t-1}[i, j] = g_t[i] mu_t[i, j];   d(state) = lam_0
+// Work split, transposed layout and checkpointing as in rwkv_wkv6.cpp.
+#include "rwkv.h"
+
+namespace recurra {
+namespace rwkv {
+namespace {
+
+struct GlaIn {
+  const float *k, *v, *q, *g;
+};
+
+// ---- forward -----------------------------------------------------------------------------
+
+// One token over a register block of NV lane groups (j): st (S rows i, row stride ld) is
+// updated, then y = scale * sum_i q[i] S_new[i, :].
+template <int NV>
+RWKV_INLINE void gla_forward_rows(float* st, int64_t ld, int64_t S, const float* q,
+                                  const float* k, const float* g, const float* v, float scale,
+                                  float* y) {
+  vf acc[NV], vv[NV];
+  for (int c = 0; c < NV; ++c) {
+    acc[c] = vf{};
+    vv[c] = vload(v + c * kL);
+  }
+  for (int64_t i = 0; i < S; ++i) {
+    const vf qi = splat(q[i]), ki = splat(k[i]), gi = splat(g[i]);
+    float* s = st + i * ld;
+    for (int c = 0; c < NV; ++c) {
+      const vf x = gi * vload(s + c * kL) + ki * vv[c];
+      vstore(s + c * kL, x);
+      acc[c] += qi * x;
+    }
+  }
+  const vf sc = splat(scale);
+  for (int c = 0; c < NV; ++c) vstore(y + c * kL, sc * acc[c]);
+}
+
+RC_SIMD void gla_forward_task(const GlaIn& in, const Dims& d, float scale, int64_t qs, int64_t h,
+                              int64_t j0, int64_t W, float* st, float* buf, float* y) {
+  const int64_t S = d.S, jn = std::min(W, S - j0);
+  float* vb = buf;
+  float* yb = buf + W;
+  for (int64_t t = 0; t < d.n; ++t) {
+    const int64_t base = d.token(qs, t, h);
+    load_padded(vb, in.v + base + j0, jn, W);
+    for (int64_t c = 0; c < W; c += kMaxNV * kL) {
+      const int64_t nv = std::min(kMaxNV, (W - c) / kL);
+      RWKV_DISPATCH_NV(nv, gla_forward_rows, st + c, W, S, in.q + base, in.k + base,
+                       in.g + base, vb + c, scale, yb + c)
+    }
+    std::memcpy(y + base + j0, yb, static_cast<size_t>(jn) * sizeof(float));
+  }
+}
+
+void gla_forward(KernelCtx& c, const Dims& d) {
+  const GlaIn in{c.src[0].f32(), c.src[1].f32(), c.src[2].f32(), c.src[3].f32()};
+  const float* s0 = c.src[4].f32();
+  const float scale = static_cast<float>(c.node.fp[0]);
+  float* y = c.dst.f32();
+  float* sN = y + d.ths();
+  const int64_t nb = n_blocks(d.N * d.H, d.G);
+  Scratch scratch(c.pool.size());
+  c.pool.run(d.N * d.H * nb, [&](int64_t task, int tid) {
+    const int64_t b = task % nb, qh = task / nb, q = qh / d.H, h = qh % d.H;
+    const int64_t g0 = block_begin(b, nb, d.G), g1 = block_begin(b + 1, nb, d.G);
+    const int64_t j0 = g0 * kL, W = (g1 - g0) * kL, jn = std::min(W, d.S - j0);
+    float* st = scratch.get(tid, static_cast<size_t>(d.S * W + 2 * W));
+    const float* src = s0 + d.state(q, h);
+    for (int64_t i = 0; i < d.S; ++i) load_padded(st + i * W, src + i * d.S + j0, jn, W);
+    gla_forward_task(in, d, scale, q, h, j0, W, st, st + d.S * W, y);
+    float* dst = sN + d.state(q, h);
+    for (int64_t i = 0; i < d.S; ++i)
+      std::memcpy(dst + i * d.S + j0, st + i * W, static_cast<size_t>(jn) * sizeof(float));
+  });
+}
+
+// ---- backward ----------------------------------------------------------------------------
+//
+// A task is (run, head, rows j in [j0, j1)) of the transposed state, R rows of Sp lanes (i),
+// as in wkv6. Peak scratch per thread: (2 + ceil(n/K) + K) * R * Sp floats plus O(Sp + R).
+
+// One backward token over a register block of NV lane groups (i). sp: S_{t-1} rows; lam:
+// lam_t rows, updated to lam_{t-1}; acc gets the block's sums over j of S_{t-1} gy, mu v and
+// mu * S_{t-1} (offsets 0, Sp, 2 Sp); dvrow[j] += the block's part of sum_i mu[j][i] k[i].
+template <int NV>
+RWKV_INLINE void gla_backward_rows(const float* sp, float* lam, int64_t Sp, int64_t R,
+                                   const float* gy, const float* v, float scale, const float* q,
+                                   const float* k, const float* g, float* dvrow, float* acc) {
+  vf sg[NV], dk[NV], dg[NV], qq[NV], kk[NV], gg[NV];
+  for (int c = 0; c < NV; ++c) {
+    sg[c] = dk[c] = dg[c] = vf{};
+    qq[c] = vload(q + c * kL);
+    kk[c] = vload(k + c * kL);
+    gg[c] = vload(g + c * kL);
+  }
+  for (int64_t j = 0; j < R; ++j) {
+    const vf gj = splat(gy[j]), gs = splat(scale * gy[j]), vj = splat(v[j]);
+    const float* s = sp + j * Sp;
+    float* l = lam + j * Sp;
+    vf dv = vf{};
+    for (int c = 0; c < NV; ++c) {
+      const vf x = vload(s + c * kL);
+      const vf m = vload(l + c * kL) + gs * qq[c];
+      sg[c] += gj * x;
+      dk[c] += vj * m;
+      dg[c] += m * x;
+      dv += m * kk[c];
+      vstore(l + c * kL, gg[c] * m);
+    }
+    dvrow[j] += hsum(dv);
+  }
+  for (int c = 0; c < NV; ++c) {
+    vstore(acc + c * kL, sg[c]);
+    vstore(acc + Sp + c * kL, dk[c]);
+    vstore(acc + 2 * Sp + c * kL, dg[c]);
+  }
+}
+
+struct GlaGrad {
+  float *dk, *dv, *dq, *dg;  // (T, H, S) layouts; dk, dq, dg may be a block's partial buffer
+  float* ds;                 // d(initial state), (N, H, S, S)
+};
+
+RC_SIMD void gla_backward_task(const GlaIn& in, const float* s0, const float* gy,
+                               const float* gs, const GlaGrad& out, const Dims& d, float scale,
+                               int64_t qs, int64_t h, int64_t j0, int64_t j1, float* scratch) {
+  const int64_t S = d.S, Sp = d.Sp, R = j1 - j0, n = d.n;
+  const int64_t K = checkpoint_interval(n), nck = (n + K - 1) / K, RS = R * Sp;
+  float* st = scratch;
+  float* lam = st + RS;
+  float* ck = lam + RS;
+  float* chunk = ck + nck * RS;
+  float* qb = chunk + K * RS;
+  float* kb = qb + Sp;
+  float* gb = kb + Sp;
+  float* acc = gb + Sp;         // 3 Sp
+  float* dvrow = acc + 3 * Sp;  // R
+
+  const float* s0h = s0 + d.state(qs, h);
+  const float* gsh = gs + d.state(qs, h);
+  std::memset(st, 0, static_cast<size_t>(2 * RS) * sizeof(float));
+  for (int64_t i = 0; i < S; ++i)
+    for (int64_t j = 0; j < R; ++j) {
+      st[j * Sp + i] = s0h[i * S + j0 + j];
+      lam[j * Sp + i] = gsh[i * S + j0 + j];
+    }
+
+  // Pass 1: checkpoints (the state before tokens 0, K, 2K, ...).
+  for (int64_t t = 0; t < (nck - 1) * K; ++t) {
+    if (t % K == 0) std::memcpy(ck + (t / K) * RS, st, static_cast<size_t>(RS) * sizeof(float));
+    const int64_t base = d.token(qs, t, h);
+    load_padded(kb, in.k + base, S, Sp);
+    load_padded(gb, in.g + base, S, Sp);
+    decay_step_t(st, R, Sp, kb, gb, in.v + base + j0);
+  }
+  std::memcpy(ck + (nck - 1) * RS, st, static_cast<size_t>(RS) * sizeof(float));
+  // Pass 2: chunks from the last, each recomputed from its checkpoint, then walked backwards.
+  for (int64_t ci = nck - 1; ci >= 0; --ci) {
+    const int64_t t0 = ci * K, t1 = std::min(n, t0 + K);
+    std::memcpy(st, ck + ci * RS, static_cast<size_t>(RS) * sizeof(float));
+    for (int64_t t = t0; t < t1; ++t) {
+      std::memcpy(chunk + (t - t0) * RS, st, static_cast<size_t>(RS) * sizeof(float));
+      if (t + 1 == t1) break;
+      const int64_t base = d.token(qs, t, h);
+      load_padded(kb, in.k + base, S, Sp);
+      load_padded(gb, in.g + base, S, Sp);
+      decay_step_t(st, R, Sp, kb, gb, in.v + base + j0);
+    }
+    for (int64_t t = t1 - 1; t >= t0; --t) {
+      const int64_t base = d.token(qs, t, h);
+      load_padded(qb, in.q + base, S, Sp);
+      load_padded(kb, in.k + base, S, Sp);
+      load_padded(gb, in.g + base, S, Sp);
+      const float* gyt = gy + base + j0;
+      const float* vt = in.v + base + j0;
+      const float gv = dot(gyt, vt, R);
+      std::memset(dvrow, 0, static_cast<size_t>(R) * sizeof(float));
+      const float* sp = chunk + (t - t0) * RS;
+      for (int64_t c = 0; c < Sp; c += kMaxNV * kL) {
+        const int64_t nv = std::min(kMaxNV, (Sp - c) / kL);
+        RWKV_DISPATCH_NV(nv, gla_backward_rows, sp + c, lam + c, Sp, R, gyt, vt, scale, qb + c,
+                         kb + c, gb + c, dvrow, acc + c)
+      }
+      for (int64_t i = 0; i < S; ++i) {
+        out.dq[base + i] = scale * (gb[i] * acc[i] + kb[i] * gv);
+        out.dk[base + i] = acc[Sp + i];
+        out.dg[base + i] = acc[2 * Sp + i];
+      }
+      for (int64_t j = 0; j < R; ++j) out.dv[base + j0 + j] = dvrow[j];
+    }
+  }
+  float* dsh = out.ds + d.state(qs, h);
+  for (int64_t i = 0; i < S; ++i)
+    for (int64_t j = 0; j < R; ++j) dsh[i * S + j0 + j] = lam[j * Sp + i];
+}
+
+void gla_backward(KernelCtx& c, const Dims& d) {
+  const GlaIn in{c.src[0].f32(), c.src[1].f32(), c.src[2].f32(), c.src[3].f32()};
+  const float* s0 = c.src[4].f32();
+  const float* gy = c.src[5].f32();
+  const float* gs = gy + d.ths();
+  const float scale = static_cast<float>(c.node.fp[0]);
+  const int64_t ths = d.ths();
+  // Packed result, in source order: dk, dv, dq, dg, dstate.
+  float* o = c.dst.f32();
+  GlaGrad full{o, o + ths, o + 2 * ths, o + 3 * ths, o + 4 * ths};
+  const int64_t units = d.N * d.H, nb = n_blocks(units, d.S);
+  std::vector<float> part(nb > 1 ? static_cast<size_t>(3 * nb * ths) : 0);
+  const int64_t K = checkpoint_interval(d.n), nck = (d.n + K - 1) / K;
+  const int64_t rmax = (d.S + nb - 1) / nb;
+  const size_t need = static_cast<size_t>((2 + nck + K) * rmax * d.Sp + 6 * d.Sp + rmax);
+  Scratch scratch(c.pool.size());
+  c.pool.run(units * nb, [&](int64_t task, int tid) {
+    const int64_t b = task % nb, qh = task / nb, q = qh / d.H, h = qh % d.H;
+    const int64_t j0 = block_begin(b, nb, d.S), j1 = block_begin(b + 1, nb, d.S);
+    GlaGrad g = full;
+    if (nb > 1) {
+      g.dk = part.data() + b * ths;
+      g.dq = part.data() + (nb + b) * ths;
+      g.dg = part.data() + (2 * nb + b) * ths;
+    }
+    gla_backward_task(in, s0, gy, gs, g, d, scale, q, h, j0, j1, scratch.get(tid, need));
+  });
+  if (nb > 1) {
+    reduce_blocks(c.pool, full.dk, part.data(), nb, ths);
+    reduce_blocks(c.pool, full.dq, part.data() + nb * ths, nb, ths);
+    reduce_blocks(c.pool, full.dg, part.data() + 2 * nb * ths, nb, ths);
+  }
+}
+
+}  // namespace
+}  // namespace rwkv
+
+void register_gla_ops(OpTable& t) {
+  rwkv::RecurrentOp op;
+  op.name = "gated_linear_attn";
+  op.signature = "(k, v, q, g, state)";
+  op.n_src = 5;
+  op.tok = {0, 1, 2, 3};
+  op.hs = -1;
+  op.st = 4;
+  op.n_fp = 1;
+  op.forward = rwkv::gla_forward;
+  op.backward = rwkv::gla_backward;
+  rwkv::register_recurrent(t, op);
+}
+
+}  // namespace recurra

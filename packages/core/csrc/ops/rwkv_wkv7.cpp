@@ -1,0 +1,317 @@
+// rwkv_wkv7: RWKV-7 time mixing on the CPU, forward and backward.
+//
+// Shapes (numpy order): r, w, k, v, a, b (T, H, S); state (N, H, S, S) indexed
+// [q, h, i value, j key] (transposed relative to wkv6); T = N runs of n tokens.
+//
+//   sa_i    = sum_j a_t[j] S[i, j]
+//   S[i, j] = S[i, j] w_t[j] + v_t[i] k_t[j] + sa_i b_t[j]
+//   y_t[i]  = sum_j S[i, j] r_t[j]
+//
+// Output, packed: y (T, H, S), then the final states (N, H, S, S).
+//
+// Backward, with Lam_t = dL/dS_t from the tokens after t (Lam_n = dL/d(final state)) and
+// M = Lam_t + gy_t r_t^T the whole gradient of S_t:
+//   dr_t  = S_t^T gy_t              dw_t[j] = sum_i M[i, j] S_{t-1}[i, j]
+//   dv_t  = M k_t                   dk_t    = M^T v_t
+//   dsa   = M b_t                   db_t    = M^T sa
+//   da_t  = S_{t-1}^T dsa           Lam_{t-1} = M diag(w_t) + dsa a_t^T;   d(state) = Lam_0
+#include "rwkv.h"
+
+namespace recurra {
+namespace rwkv {
+namespace {
+
+struct Wkv7In {
+  const float *r, *w, *k, *v, *a, *b;
+};
+
+// ---- forward -----------------------------------------------------------------------------
+//
+// The rows i of the state are independent, so a task is (run, head, block of rows i). Its
+// block is kept transposed in scratch, S rows j of W lanes i: then sa, the update and y are
+// all vector operations (two passes over the block per token, no horizontal sums).
+
+// One token over a register block of NV lane groups (i). st: S rows j, row stride ld.
+template <int NV>
+RWKV_INLINE void wkv7_forward_rows(float* st, int64_t ld, int64_t S, const float* r,
+                                   const float* w, const float* k, const float* v,
+                                   const float* a, const float* b, float* y) {
+  vf sa[NV], vv[NV], acc[NV];
+  for (int c = 0; c < NV; ++c) {
+    sa[c] = acc[c] = vf{};
+    vv[c] = vload(v + c * kL);
+  }
+  for (int64_t j = 0; j < S; ++j) {
+    const vf aj = splat(a[j]);
+    const float* s = st + j * ld;
+    for (int c = 0; c < NV; ++c) sa[c] += aj * vload(s + c * kL);
+  }
+  for (int64_t j = 0; j < S; ++j) {
+    const vf wj = splat(w[j]), kj = splat(k[j]), bj = splat(b[j]), rj = splat(r[j]);
+    float* s = st + j * ld;
+    for (int c = 0; c < NV; ++c) {
+      const vf x = wj * vload(s + c * kL) + kj * vv[c] + bj * sa[c];
+      vstore(s + c * kL, x);
+      acc[c] += rj * x;
+    }
+  }
+  for (int c = 0; c < NV; ++c) vstore(y + c * kL, acc[c]);
+}
+
+// One forward task: run q, head h, lanes i in [i0, i0 + W). `st` (S rows of W lanes) holds
+// the transposed state block on entry and the final one on return; `buf` 2W floats.
+RC_SIMD void wkv7_forward_task(const Wkv7In& in, const Dims& d, int64_t q, int64_t h, int64_t i0,
+                               int64_t W, float* st, float* buf, float* y) {
+  const int64_t S = d.S, in_ = std::min(W, S - i0);
+  float* vb = buf;
+  float* yb = buf + W;
+  for (int64_t t = 0; t < d.n; ++t) {
+    const int64_t base = d.token(q, t, h);
+    load_padded(vb, in.v + base + i0, in_, W);
+    for (int64_t c = 0; c < W; c += kMaxNV * kL) {
+      const int64_t nv = std::min(kMaxNV, (W - c) / kL);
+      RWKV_DISPATCH_NV(nv, wkv7_forward_rows, st + c, W, S, in.r + base, in.w + base,
+                       in.k + base, vb + c, in.a + base, in.b + base, yb + c)
+    }
+    std::memcpy(y + base + i0, yb, static_cast<size_t>(in_) * sizeof(float));
+  }
+}
+
+void wkv7_forward(KernelCtx& c, const Dims& d) {
+  const Wkv7In in{c.src[0].f32(), c.src[1].f32(), c.src[2].f32(),
+                  c.src[3].f32(), c.src[4].f32(), c.src[5].f32()};
+  const float* s0 = c.src[6].f32();
+  float* y = c.dst.f32();
+  float* sN = y + d.ths();
+  const int64_t nb = n_blocks(d.N * d.H, d.G);
+  Scratch scratch(c.pool.size());
+  c.pool.run(d.N * d.H * nb, [&](int64_t task, int tid) {
+    const int64_t b = task % nb, qh = task / nb, q = qh / d.H, h = qh % d.H;
+    const int64_t g0 = block_begin(b, nb, d.G), g1 = block_begin(b + 1, nb, d.G);
+    const int64_t i0 = g0 * kL, W = (g1 - g0) * kL, in_ = std::min(W, d.S - i0);
+    float* st = scratch.get(tid, static_cast<size_t>(d.S * W + 2 * W));
+    const float* src = s0 + d.state(q, h);
+    std::memset(st, 0, static_cast<size_t>(d.S * W) * sizeof(float));
+    for (int64_t i = 0; i < in_; ++i)
+      for (int64_t j = 0; j < d.S; ++j) st[j * W + i] = src[(i0 + i) * d.S + j];
+    wkv7_forward_task(in, d, q, h, i0, W, st, st + d.S * W, y);
+    float* dst = sN + d.state(q, h);
+    for (int64_t i = 0; i < in_; ++i)
+      for (int64_t j = 0; j < d.S; ++j) dst[(i0 + i) * d.S + j] = st[j * W + i];
+  });
+}
+
+// ---- backward ----------------------------------------------------------------------------
+//
+// A task is (run q, head h, rows i in [i0, i1)), its block kept as stored: R rows i of Sp
+// lanes j. The sums over i (dr, dw, dk, db, da) are then vector accumulations; dsa and dv
+// need two horizontal sums per row, and the recomputed forward one (sa, saved per token).
+// Checkpoints every K tokens as in wkv6. Peak scratch per thread:
+// (2 + ceil(n/K) + K) * R * Sp + K * R floats plus O(Sp + R), e.g. 2.1 MB for n = 4096, S = 64.
+
+// The forward update of one token on a row block; sa_out (R floats) gets sa when not null.
+RWKV_INLINE void wkv7_step(float* st, int64_t R, int64_t Sp, const float* w, const float* k,
+                           const float* a, const float* b, const float* v, float* sa_out) {
+  for (int64_t i = 0; i < R; ++i) {
+    float* s = st + i * Sp;
+    vf acc = vf{};
+    for (int64_t c = 0; c < Sp; c += kL) acc += vload(s + c) * vload(a + c);
+    const float sa = hsum(acc);
+    if (sa_out) sa_out[i] = sa;
+    const vf sv = splat(sa), vi = splat(v[i]);
+    for (int64_t c = 0; c < Sp; c += kL)
+      vstore(s + c, vload(w + c) * vload(s + c) + vi * vload(k + c) + sv * vload(b + c));
+  }
+}
+
+// One backward token over a register block of NV lane groups (j), after dsa is known. sp:
+// S_{t-1} rows; lam: Lam_t rows, updated to Lam_{t-1}; acc gets the block's sums over i of
+// dr, dw, dk, da, db (at offsets 0, Sp, ..., 4 Sp).
+template <int NV>
+RWKV_INLINE void wkv7_backward_rows(const float* sp, float* lam, int64_t Sp, int64_t R,
+                                    const float* gy, const float* v, const float* sa,
+                                    const float* dsa, const float* r, const float* w,
+                                    const float* k, const float* a, const float* b, float* acc) {
+  vf dr[NV], dw[NV], dk[NV], da[NV], db[NV];
+  for (int c = 0; c < NV; ++c) dr[c] = dw[c] = dk[c] = da[c] = db[c] = vf{};
+  for (int64_t i = 0; i < R; ++i) {
+    const vf g = splat(gy[i]), vi = splat(v[i]), si = splat(sa[i]), di = splat(dsa[i]);
+    const float* s = sp + i * Sp;
+    float* l = lam + i * Sp;
+    for (int c = 0; c < NV; ++c) {
+      const int64_t o = c * kL;
+      const vf x = vload(s + o), wj = vload(w + o);
+      const vf m = vload(l + o) + g * vload(r + o);
+      const vf xn = wj * x + vi * vload(k + o) + si * vload(b + o);
+      dr[c] += g * xn;
+      dw[c] += m * x;
+      dk[c] += vi * m;
+      db[c] += si * m;
+      da[c] += di * x;
+      vstore(l + o, wj * m + di * vload(a + o));
+    }
+  }
+  for (int c = 0; c < NV; ++c) {
+    const int64_t o = c * kL;
+    vstore(acc + o, dr[c]);
+    vstore(acc + Sp + o, dw[c]);
+    vstore(acc + 2 * Sp + o, dk[c]);
+    vstore(acc + 3 * Sp + o, da[c]);
+    vstore(acc + 4 * Sp + o, db[c]);
+  }
+}
+
+// Padded copies of one token's vectors (r only when rb is not null).
+RWKV_INLINE void load_token(const Wkv7In& in, int64_t base, int64_t S, int64_t Sp, float* rb,
+                            float* wb, float* kb, float* ab, float* bb) {
+  if (rb) load_padded(rb, in.r + base, S, Sp);
+  load_padded(wb, in.w + base, S, Sp);
+  load_padded(kb, in.k + base, S, Sp);
+  load_padded(ab, in.a + base, S, Sp);
+  load_padded(bb, in.b + base, S, Sp);
+}
+
+struct Wkv7Grad {
+  float *dr, *dw, *dk, *da, *db;  // (T, H, S) layouts, possibly a block's partial buffers
+  float* dv;                      // (T, H, S)
+  float* ds;                      // d(initial state), (N, H, S, S)
+};
+
+RC_SIMD void wkv7_backward_task(const Wkv7In& in, const float* s0, const float* gy,
+                                const float* gs, const Wkv7Grad& out, const Dims& d, int64_t q,
+                                int64_t h, int64_t i0, int64_t i1, float* scratch) {
+  const int64_t S = d.S, Sp = d.Sp, R = i1 - i0, n = d.n;
+  const int64_t K = checkpoint_interval(n), nck = (n + K - 1) / K, RS = R * Sp;
+  float* st = scratch;
+  float* lam = st + RS;
+  float* ck = lam + RS;
+  float* chunk = ck + nck * RS;
+  float* sab = chunk + K * RS;  // K * R: sa of the chunk's tokens
+  float* rb = sab + K * R;
+  float* wb = rb + Sp;
+  float* kb = wb + Sp;
+  float* ab = kb + Sp;
+  float* bb = ab + Sp;
+  float* acc = bb + Sp;         // 5 Sp
+  float* dsa = acc + 5 * Sp;    // R
+
+  const float* s0h = s0 + d.state(q, h) + i0 * S;
+  const float* gsh = gs + d.state(q, h) + i0 * S;
+  for (int64_t i = 0; i < R; ++i) {
+    load_padded(st + i * Sp, s0h + i * S, S, Sp);
+    load_padded(lam + i * Sp, gsh + i * S, S, Sp);
+  }
+
+  // Pass 1: checkpoints (the state before tokens 0, K, 2K, ...).
+  for (int64_t t = 0; t < (nck - 1) * K; ++t) {
+    if (t % K == 0) std::memcpy(ck + (t / K) * RS, st, static_cast<size_t>(RS) * sizeof(float));
+    const int64_t base = d.token(q, t, h);
+    load_token(in, base, S, Sp, nullptr, wb, kb, ab, bb);
+    wkv7_step(st, R, Sp, wb, kb, ab, bb, in.v + base + i0, nullptr);
+  }
+  std::memcpy(ck + (nck - 1) * RS, st, static_cast<size_t>(RS) * sizeof(float));
+  // Pass 2: chunks from the last, recomputed (states and sa) and walked backwards.
+  for (int64_t ci = nck - 1; ci >= 0; --ci) {
+    const int64_t t0 = ci * K, t1 = std::min(n, t0 + K);
+    std::memcpy(st, ck + ci * RS, static_cast<size_t>(RS) * sizeof(float));
+    for (int64_t t = t0; t < t1; ++t) {
+      std::memcpy(chunk + (t - t0) * RS, st, static_cast<size_t>(RS) * sizeof(float));
+      const int64_t base = d.token(q, t, h);
+      load_token(in, base, S, Sp, nullptr, wb, kb, ab, bb);
+      wkv7_step(st, R, Sp, wb, kb, ab, bb, in.v + base + i0, sab + (t - t0) * R);
+    }
+    for (int64_t t = t1 - 1; t >= t0; --t) {
+      const int64_t base = d.token(q, t, h);
+      load_token(in, base, S, Sp, rb, wb, kb, ab, bb);
+      const float* gyt = gy + base + i0;
+      const float* vt = in.v + base + i0;
+      // dsa_i = (M b)_i and dv_i = (M k)_i need whole rows before the update.
+      for (int64_t i = 0; i < R; ++i) {
+        const float* l = lam + i * Sp;
+        const vf g = splat(gyt[i]);
+        vf ab_ = vf{}, ak = vf{};
+        for (int64_t c = 0; c < Sp; c += kL) {
+          const vf m = vload(l + c) + g * vload(rb + c);
+          ab_ += m * vload(bb + c);
+          ak += m * vload(kb + c);
+        }
+        dsa[i] = hsum(ab_);
+        out.dv[base + i0 + i] = hsum(ak);
+      }
+      const float* sp = chunk + (t - t0) * RS;
+      const float* sat = sab + (t - t0) * R;
+      for (int64_t c = 0; c < Sp; c += kMaxNV * kL) {
+        const int64_t nv = std::min(kMaxNV, (Sp - c) / kL);
+        RWKV_DISPATCH_NV(nv, wkv7_backward_rows, sp + c, lam + c, Sp, R, gyt, vt, sat, dsa,
+                         rb + c, wb + c, kb + c, ab + c, bb + c, acc + c)
+      }
+      for (int64_t j = 0; j < S; ++j) {
+        out.dr[base + j] = acc[j];
+        out.dw[base + j] = acc[Sp + j];
+        out.dk[base + j] = acc[2 * Sp + j];
+        out.da[base + j] = acc[3 * Sp + j];
+        out.db[base + j] = acc[4 * Sp + j];
+      }
+    }
+  }
+  float* dsh = out.ds + d.state(q, h) + i0 * S;
+  for (int64_t i = 0; i < R; ++i)
+    std::memcpy(dsh + i * S, lam + i * Sp, static_cast<size_t>(S) * sizeof(float));
+}
+
+void wkv7_backward(KernelCtx& c, const Dims& d) {
+  const Wkv7In in{c.src[0].f32(), c.src[1].f32(), c.src[2].f32(),
+                  c.src[3].f32(), c.src[4].f32(), c.src[5].f32()};
+  const float* s0 = c.src[6].f32();
+  const float* gy = c.src[7].f32();
+  const float* gs = gy + d.ths();
+  const int64_t ths = d.ths();
+  // Packed result, in source order: dr, dw, dk, dv, da, db, dstate.
+  float* o = c.dst.f32();
+  Wkv7Grad full{o, o + ths, o + 2 * ths, o + 4 * ths, o + 5 * ths, o + 3 * ths, o + 6 * ths};
+  const int64_t units = d.N * d.H, nb = n_blocks(units, d.S);
+  // With several row blocks per head, the five sums over i go to partial buffers (block b of
+  // quantity x at (x * nb + b) * ths) and are added up in block order afterwards.
+  std::vector<float> part(nb > 1 ? static_cast<size_t>(5 * nb * ths) : 0);
+  const int64_t K = checkpoint_interval(d.n), nck = (d.n + K - 1) / K;
+  const int64_t rmax = (d.S + nb - 1) / nb;
+  const size_t need = static_cast<size_t>((2 + nck + K) * rmax * d.Sp + K * rmax + 10 * d.Sp + rmax);
+  Scratch scratch(c.pool.size());
+  c.pool.run(units * nb, [&](int64_t task, int tid) {
+    const int64_t b = task % nb, qh = task / nb, q = qh / d.H, h = qh % d.H;
+    const int64_t i0 = block_begin(b, nb, d.S), i1 = block_begin(b + 1, nb, d.S);
+    Wkv7Grad g = full;
+    if (nb > 1) {
+      float* p = part.data();
+      g.dr = p + (0 * nb + b) * ths;
+      g.dw = p + (1 * nb + b) * ths;
+      g.dk = p + (2 * nb + b) * ths;
+      g.da = p + (3 * nb + b) * ths;
+      g.db = p + (4 * nb + b) * ths;
+    }
+    wkv7_backward_task(in, s0, gy, gs, g, d, q, h, i0, i1, scratch.get(tid, need));
+  });
+  if (nb > 1) {
+    float* dst[5] = {full.dr, full.dw, full.dk, full.da, full.db};
+    for (int x = 0; x < 5; ++x) reduce_blocks(c.pool, dst[x], part.data() + x * nb * ths, nb, ths);
+  }
+}
+
+}  // namespace
+}  // namespace rwkv
+
+void register_wkv7_ops(OpTable& t) {
+  rwkv::RecurrentOp op;
+  op.name = "rwkv_wkv7";
+  op.signature = "(r, w, k, v, a, b, state)";
+  op.n_src = 7;
+  op.tok = {0, 1, 2, 3, 4, 5};
+  op.hs = -1;
+  op.st = 6;
+  op.n_fp = 0;
+  op.forward = rwkv::wkv7_forward;
+  op.backward = rwkv::wkv7_backward;
+  rwkv::register_recurrent(t, op);
+}
+
+}  // namespace recurra

@@ -1,0 +1,494 @@
+// The scheduler and the executor: placing nodes on backends, planning memory per backend,
+// copying tensors across split boundaries, and running the splits.
+//
+// Placement: each op node goes to the first backend of set_backends() whose supports_op
+// accepts it, the CPU otherwise (or an error in strict mode). Leaves live where their data
+// is bound; views live with their base. Input flags play no part, so an input never drags
+// the graph onto the CPU.
+//
+// A split is a maximal run of consecutive op nodes on one backend. A node that reads data
+// held by another backend reads a *mirror*: a copy of the whole base tensor in its own
+// backend's arena, filled once per compute at the start of the first split that needs it.
+#include <algorithm>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "graph.h"
+#include "memory.h"
+
+namespace recurra {
+
+void Graph::AlignedFree::operator()(void* p) const { std::free(p); }
+
+namespace {
+
+constexpr size_t kAlign = 64;
+size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+// Best-fit allocation of [offset, size) blocks within one growing arena.
+class ArenaAllocator {
+ public:
+  size_t alloc(size_t bytes) {
+    bytes = align_up(std::max<size_t>(bytes, 1));
+    auto best = free_.end();
+    for (auto it = free_.begin(); it != free_.end(); ++it)
+      if (it->second >= bytes && (best == free_.end() || it->second < best->second)) best = it;
+    if (best != free_.end()) {
+      size_t off = best->first, sz = best->second;
+      free_.erase(best);
+      if (sz > bytes) free_[off + bytes] = sz - bytes;
+      return off;
+    }
+    if (!free_.empty()) {  // grow from a free block that ends at the top
+      auto last = std::prev(free_.end());
+      if (last->first + last->second == top_) {
+        size_t off = last->first;
+        free_.erase(last);
+        top_ = off + bytes;
+        return off;
+      }
+    }
+    size_t off = top_;
+    top_ += bytes;
+    return off;
+  }
+  void release(size_t off, size_t bytes) {
+    bytes = align_up(std::max<size_t>(bytes, 1));
+    auto it = free_.emplace(off, bytes).first;
+    auto nx = std::next(it);
+    if (nx != free_.end() && it->first + it->second == nx->first) {
+      it->second += nx->second;
+      free_.erase(nx);
+    }
+    if (it != free_.begin()) {
+      auto pv = std::prev(it);
+      if (pv->first + pv->second == it->first) {
+        pv->second += it->second;
+        free_.erase(it);
+      }
+    }
+  }
+  size_t top() const { return top_; }
+
+ private:
+  std::map<size_t, size_t> free_;
+  size_t top_ = 0;
+};
+
+recurra_tensor_desc shape_desc(const Node& n) {
+  recurra_tensor_desc d{};
+  d.dtype = n.dtype == DType::f32 ? RECURRA_F32 : RECURRA_I32;
+  d.ndim = n.shape.ndim;
+  for (int i = 0; i < kMaxDims; ++i) {
+    d.shape[i] = i < n.shape.ndim ? n.shape.d[i] : 1;
+    d.strides[i] = i < n.shape.ndim ? n.strides[i] : 1;
+  }
+  return d;
+}
+
+}  // namespace
+
+int Graph::location(int id) const {
+  const Node& n = nodes_[id];
+  if (n.is_view()) return location(n.view_base);
+  if (n.is_leaf()) return n.dbuf ? n.dbuf->backend() : kCpuBackend;
+  return place_.where[id];
+}
+
+void Graph::set_backends(std::vector<int> ids, bool strict) {
+  for (int b : ids)
+    if (b != kCpuBackend) backend_entry(b);  // validates
+  ids.erase(std::remove(ids.begin(), ids.end(), kCpuBackend), ids.end());
+  if (ids != backends_ || strict != strict_) planned_ = false;
+  backends_ = std::move(ids);
+  strict_ = strict;
+}
+
+void Graph::assign_backends() {
+  const int n = size();
+  place_.where.assign(n, kCpuBackend);
+  const OpTable& tab = OpTable::get();
+  for (int j = 0; j < n; ++j) {
+    const Node& nd = nodes_[j];
+    if (nd.is_leaf()) {
+      place_.where[j] = nd.dbuf ? nd.dbuf->backend() : kCpuBackend;
+      continue;
+    }
+    if (nd.is_view()) {
+      place_.where[j] = place_.where[nd.view_base];
+      continue;
+    }
+    int chosen = -1;
+    for (int b : backends_) {
+      const BackendEntry& e = backend_entry(b);
+      if (e.closed) continue;
+      recurra_node_desc desc{};
+      desc.op = tab.at(nd.op).name.c_str();
+      desc.dst = shape_desc(nd);
+      desc.n_src = static_cast<int32_t>(std::min<size_t>(nd.src.size(), RECURRA_MAX_SRC));
+      if (nd.src.size() > RECURRA_MAX_SRC) continue;
+      for (size_t i = 0; i < nd.src.size(); ++i) {
+        desc.src[i] = shape_desc(nodes_[nd.src[i]]);
+        desc.src[i].offset = static_cast<size_t>(nodes_[nd.src[i]].view_offset) * 4;
+      }
+      desc.n_ip = static_cast<int32_t>(nd.ip.size());
+      desc.ip = nd.ip.data();
+      desc.n_fp = static_cast<int32_t>(nd.fp.size());
+      desc.fp = nd.fp.data();
+      if (e.table->supports_op(e.table->ctx, e.device, &desc) == 1) {
+        chosen = b;
+        break;
+      }
+    }
+    if (chosen < 0) {
+      if (strict_ && !backends_.empty()) {
+        std::string names;
+        for (int b : backends_) names += (names.empty() ? "" : ", ") + backend_name(b);
+        throw StateError("strict placement: op '" + tab.at(nd.op).name + "' with shapes " +
+                         shapes_str(*this, nd) + " -> " + nd.shape.str() + " is not supported by " +
+                         names + "; allow CPU fallback (strict=False) or change the graph");
+      }
+      chosen = kCpuBackend;
+    }
+    place_.where[j] = chosen;
+  }
+}
+
+const MemoryPlan& Graph::plan() {
+  if (planned_) return plan_;
+  const int n = size();
+  place_ = Placement{};
+  assign_backends();
+
+  auto base_of = [&](int id) { return nodes_[id].view_base >= 0 ? nodes_[id].view_base : id; };
+
+  // Splits, and the mirrors each one needs.
+  for (int j = 0; j < n; ++j) {
+    const Node& nd = nodes_[j];
+    if (nd.is_leaf() || nd.is_view()) continue;
+    int b = place_.where[j];
+    if (place_.splits.empty() || place_.splits.back().backend != b) place_.splits.push_back({b, {}, {}});
+    auto& sp = place_.splits.back();
+    sp.nodes.push_back(j);
+    for (int s : nd.src) {
+      int base = base_of(s);
+      if (location(base) == b) continue;
+      auto key = std::make_pair(base, b);
+      if (!place_.mirror_of.count(key)) {
+        place_.mirror_of[key] = static_cast<int>(place_.mirrors.size());
+        place_.mirrors.push_back({base, b, SIZE_MAX});
+        sp.mirrors.push_back(place_.mirror_of[key]);
+      }
+    }
+  }
+
+  // Liveness: the last node that reads each base, and each mirror.
+  const int kForever = INT_MAX;
+  std::vector<int> last(n, -1);
+  std::vector<int> mirror_last(place_.mirrors.size(), -1);
+  for (int j = 0; j < n; ++j) {
+    for (int s : nodes_[j].src) {
+      int base = base_of(s);
+      last[base] = std::max(last[base], j);
+      if (!nodes_[j].is_view() && !nodes_[j].is_leaf()) {
+        auto it = place_.mirror_of.find({base, place_.where[j]});
+        if (it != place_.mirror_of.end()) mirror_last[it->second] = std::max(mirror_last[it->second], j);
+      }
+    }
+  }
+  for (int j = 0; j < n; ++j)
+    if (nodes_[j].flags & (kOutput | kLoss)) last[base_of(j)] = kForever;
+
+  MemoryPlan p;
+  p.offsets.assign(n, SIZE_MAX);
+  std::map<int, ArenaAllocator> alloc;  // per backend
+  std::vector<std::vector<int>> dies_at(n), mirrors_die_at(n);
+  for (int j = 0; j < n; ++j)
+    if (last[j] >= 0 && last[j] != kForever && !nodes_[j].is_view()) dies_at[last[j]].push_back(j);
+  for (size_t m = 0; m < place_.mirrors.size(); ++m)
+    if (mirror_last[m] >= 0) mirrors_die_at[mirror_last[m]].push_back(static_cast<int>(m));
+
+  size_t split_i = 0;
+  for (int j = 0; j < n; ++j) {
+    const Node& nd = nodes_[j];
+    if (nd.is_leaf() || nd.is_view()) continue;
+    // Mirrors are written when their split starts: allocate them there, before the
+    // split's own nodes, so nothing still live in the split can share their memory.
+    while (split_i < place_.splits.size() && place_.splits[split_i].nodes.front() <= j) {
+      for (int m : place_.splits[split_i].mirrors) {
+        auto& mr = place_.mirrors[m];
+        mr.offset = alloc[mr.backend].alloc(nodes_[mr.base].nbytes());
+      }
+      ++split_i;
+    }
+    int b = place_.where[j];
+    p.offsets[j] = alloc[b].alloc(nd.nbytes());
+    p.unplanned_bytes += align_up(std::max<size_t>(nd.nbytes(), 1));
+    p.n_planned++;
+    if (last[j] < 0) dies_at[j].push_back(j);  // dead on arrival
+    for (int d : dies_at[j])
+      if (p.offsets[d] != SIZE_MAX) alloc[place_.where[d]].release(p.offsets[d], nodes_[d].nbytes());
+    for (int m : mirrors_die_at[j]) {
+      const auto& mr = place_.mirrors[m];
+      alloc[mr.backend].release(mr.offset, nodes_[mr.base].nbytes());
+    }
+  }
+  for (auto& [b, a] : alloc) {
+    place_.arena_bytes[b] = a.top();
+    p.arena_bytes += a.top();
+  }
+
+  // Memory: the host arena, and one buffer per device backend.
+  size_t host_bytes = place_.arena_bytes.count(kCpuBackend) ? place_.arena_bytes[kCpuBackend] : 0;
+  if (host_bytes > arena_capacity_) {
+    arena_.reset();
+    void* mem = nullptr;
+    if (posix_memalign(&mem, kAlign, host_bytes) != 0 || !mem) throw std::bad_alloc();
+    arena_.reset(mem);
+    memory_stats_adjust(Pool::transient, static_cast<int64_t>(host_bytes) - static_cast<int64_t>(arena_capacity_));
+    arena_capacity_ = host_bytes;
+  }
+  for (auto& [b, bytes] : place_.arena_bytes) {
+    if (b == kCpuBackend) continue;
+    auto& buf = dev_arena_[b];
+    if (!buf || buf->nbytes() < bytes || !buf->valid()) {
+      buf.reset();
+      buf = std::make_shared<DeviceBuffer>(b, std::max<size_t>(bytes, 64), Pool::transient);
+    }
+  }
+  for (int j = 0; j < n; ++j)
+    if (p.offsets[j] != SIZE_MAX && place_.where[j] == kCpuBackend)
+      nodes_[j].data = static_cast<uint8_t*>(arena_.get()) + p.offsets[j];
+  plan_ = std::move(p);
+  planned_ = true;
+  ++generation_;
+  return plan_;
+}
+
+Graph::~Graph() {
+  if (arena_capacity_) memory_stats_adjust(Pool::transient, -static_cast<int64_t>(arena_capacity_));
+}
+
+void Graph::bind(int id, void* data) {
+  Node& n = node(id);
+  if (!n.is_leaf()) throw ValueError("bind: node " + std::to_string(id) + " is not a leaf");
+  if (n.dbuf) {
+    n.dbuf.reset();
+    planned_ = false;  // the leaf moved to the host
+  }
+  n.data = data;
+}
+
+void Graph::bind_device(int id, std::shared_ptr<DeviceBuffer> buf) {
+  Node& n = node(id);
+  if (!n.is_leaf()) throw ValueError("bind: node " + std::to_string(id) + " is not a leaf");
+  if (!buf || buf->nbytes() < n.nbytes())
+    throw ValueError("bind: the device buffer is smaller than leaf " + std::to_string(id) + " (" +
+                     std::to_string(n.nbytes()) + " bytes)");
+  if (!n.dbuf || n.dbuf->backend() != buf->backend()) planned_ = false;
+  n.dbuf = std::move(buf);
+  n.data = nullptr;
+}
+
+int Graph::backend_of(int id) {
+  node(id);
+  plan();
+  return location(id);
+}
+
+int Graph::n_splits() {
+  plan();
+  return static_cast<int>(place_.splits.size());
+}
+
+TensorView Graph::host_view(int id, int consumer) const {
+  const Node& n = node(id);
+  TensorView v;
+  v.dtype = n.dtype;
+  v.shape = n.shape;
+  std::copy(n.strides, n.strides + kMaxDims, v.strides);
+  int base = n.is_view() ? n.view_base : id;
+  const Node& b = nodes_[base];
+  uint8_t* mem = nullptr;
+  if (location(base) == consumer) {
+    mem = static_cast<uint8_t*>(b.data);
+  } else {
+    auto it = place_.mirror_of.find({base, consumer});
+    if (it != place_.mirror_of.end())
+      mem = static_cast<uint8_t*>(arena_.get()) + place_.mirrors[it->second].offset;
+  }
+  v.data = mem ? mem + n.view_offset * dtype_size(n.dtype) : nullptr;
+  return v;
+}
+
+TensorView Graph::view_of(int id) const { return host_view(id, kCpuBackend); }
+
+recurra_tensor_desc Graph::desc_on(int id, int backend) const {
+  const Node& n = nodes_[id];
+  recurra_tensor_desc d = shape_desc(n);
+  int base = n.is_view() ? n.view_base : id;
+  const Node& b = nodes_[base];
+  size_t off = 0;
+  if (location(base) == backend) {
+    if (b.is_leaf()) {
+      d.buffer = b.dbuf->handle();
+    } else {
+      d.buffer = dev_arena_.at(backend)->handle();
+      off = plan_.offsets[base];
+    }
+  } else {
+    const auto& m = place_.mirrors[place_.mirror_of.at({base, backend})];
+    d.buffer = dev_arena_.at(backend)->handle();
+    off = m.offset;
+  }
+  d.offset = off + static_cast<size_t>(n.view_offset) * dtype_size(n.dtype);
+  return d;
+}
+
+void Graph::fill_mirror(const Placement::Mirror& m) {
+  const Node& b = nodes_[m.base];
+  const size_t bytes = b.nbytes();
+  if (bytes == 0) return;
+  const int src = location(m.base);
+  // Where the source bytes are.
+  auto download_src = [&](void* dst) {
+    if (b.is_leaf())
+      b.dbuf->download(0, dst, bytes);
+    else
+      dev_arena_.at(src)->download(plan_.offsets[m.base], dst, bytes);
+  };
+  if (m.backend == kCpuBackend) {
+    download_src(static_cast<uint8_t*>(arena_.get()) + m.offset);
+    return;
+  }
+  if (src == kCpuBackend) {
+    dev_arena_.at(m.backend)->upload(m.offset, b.data, bytes);
+    return;
+  }
+  std::vector<uint8_t> tmp(bytes);  // device to device through the host
+  download_src(tmp.data());
+  dev_arena_.at(m.backend)->upload(m.offset, tmp.data(), bytes);
+}
+
+void Graph::run_device_split(const Placement::Split& sp) {
+  const BackendEntry& e = backend_entry(sp.backend);
+  if (e.closed) throw StateError(e.name + " was released; rebuild the graph on another device");
+  const OpTable& tab = OpTable::get();
+  std::vector<recurra_node_desc> descs(sp.nodes.size());
+  for (size_t k = 0; k < sp.nodes.size(); ++k) {
+    const Node& nd = nodes_[sp.nodes[k]];
+    recurra_node_desc& d = descs[k];
+    d.op = tab.at(nd.op).name.c_str();
+    d.dst = desc_on(nd.id, sp.backend);
+    d.n_src = static_cast<int32_t>(nd.src.size());
+    for (size_t i = 0; i < nd.src.size(); ++i) d.src[i] = desc_on(nd.src[i], sp.backend);
+    d.n_ip = static_cast<int32_t>(nd.ip.size());
+    d.ip = nd.ip.data();
+    d.n_fp = static_cast<int32_t>(nd.fp.size());
+    d.fp = nd.fp.data();
+  }
+  check_status(sp.backend, e.table->compute(e.table->ctx, e.device, descs.data(), static_cast<int32_t>(descs.size())),
+               "compute");
+  check_status(sp.backend, e.table->synchronize(e.table->ctx, e.device), "synchronize");
+}
+
+void Graph::check_ready() const {
+  for (const Node& n : nodes_)
+    if (n.is_leaf() && !n.data && !n.dbuf && n.numel() > 0)
+      throw StateError("compute: leaf " + std::to_string(n.id) +
+                       (n.name.empty() ? "" : " ('" + n.name + "')") +
+                       " has no data; set it before computing");
+}
+
+void Graph::compute() {
+  plan();
+  check_ready();
+  const OpTable& tab = OpTable::get();
+  ThreadPool& tp = pool();
+  for (const auto& sp : place_.splits) {
+    for (int m : sp.mirrors) fill_mirror(place_.mirrors[m]);
+    if (sp.backend != kCpuBackend) {
+      run_device_split(sp);
+      continue;
+    }
+    for (int j : sp.nodes) {
+      const Node& n = nodes_[j];
+      KernelCtx ctx{n, host_view(j, kCpuBackend), {}, tp};
+      ctx.src.reserve(n.src.size());
+      for (int s : n.src) ctx.src.push_back(host_view(s, kCpuBackend));
+      tab.at(n.op).forward(ctx);
+    }
+  }
+}
+
+void Graph::read(int id, void* out) {
+  const Node& n = node(id);
+  plan();
+  const int base = n.is_view() ? n.view_base : id;
+  const int loc = location(base);
+  const size_t esz = dtype_size(n.dtype);
+  std::vector<uint8_t> staging;
+  const uint8_t* mem;
+  if (loc == kCpuBackend) {
+    mem = static_cast<const uint8_t*>(nodes_[base].data);
+    if (!mem && n.numel() > 0)
+      throw StateError("read: node " + std::to_string(id) + " has no data yet; compute the graph first");
+  } else {
+    const Node& b = nodes_[base];
+    staging.resize(b.nbytes());
+    if (b.is_leaf())
+      b.dbuf->download(0, staging.data(), b.nbytes());
+    else
+      dev_arena_.at(loc)->download(plan_.offsets[base], staging.data(), b.nbytes());
+    mem = staging.data();
+  }
+  if (n.numel() == 0) return;
+  TensorView v;
+  v.shape = n.shape;
+  std::copy(n.strides, n.strides + kMaxDims, v.strides);
+  const uint8_t* src = mem + n.view_offset * esz;
+  auto* dst = static_cast<uint8_t*>(out);
+  if (v.is_contiguous()) {
+    std::memcpy(dst, src, n.numel() * esz);
+    return;
+  }
+  int64_t idx[kMaxDims] = {0, 0, 0, 0};
+  const int nd = n.shape.ndim;
+  for (int64_t k = 0; k < n.numel(); ++k) {
+    int64_t off = 0;
+    for (int i = 0; i < nd; ++i) off += idx[i] * v.strides[i];
+    std::memcpy(dst + k * esz, src + off * esz, esz);
+    for (int i = nd - 1; i >= 0; --i) {
+      if (++idx[i] < n.shape.d[i]) break;
+      idx[i] = 0;
+    }
+  }
+}
+
+std::shared_ptr<DeviceBuffer> Graph::copy_to_device_buffer(int id) {
+  const Node& n = node(id);
+  plan();
+  const int loc = location(id);
+  if (loc == kCpuBackend) throw ValueError("copy_to_device_buffer: node " + std::to_string(id) + " is on the CPU");
+  auto out = std::make_shared<DeviceBuffer>(loc, std::max<size_t>(n.nbytes(), 4), Pool::persistent);
+  if (n.numel() == 0) return out;
+  // A dense copy made by the backend itself: one "contiguous" node.
+  const BackendEntry& e = backend_entry(loc);
+  recurra_node_desc d{};
+  d.op = "contiguous";
+  d.dst = shape_desc(n);
+  int64_t st[kMaxDims];
+  contiguous_strides(n.shape, st);
+  for (int i = 0; i < n.shape.ndim; ++i) d.dst.strides[i] = st[i];
+  d.dst.buffer = out->handle();
+  d.dst.offset = 0;
+  d.n_src = 1;
+  d.src[0] = desc_on(id, loc);
+  check_status(loc, e.table->compute(e.table->ctx, e.device, &d, 1), "copy");
+  check_status(loc, e.table->synchronize(e.table->ctx, e.device), "synchronize");
+  return out;
+}
+
+}  // namespace recurra

@@ -1,0 +1,126 @@
+"""Neural-net ops: softmax, log_softmax, losses, normalisations, the embedding lookup."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from recurra.ops._apply import apply, coerce
+
+__all__ = [
+    "softmax",
+    "log_softmax",
+    "cross_entropy",
+    "mse_loss",
+    "rms_norm",
+    "layer_norm",
+    "get_rows",
+]
+
+
+def _reshape(x: Any, shape: Sequence[int]) -> Any:
+    shape = tuple(int(s) for s in shape)
+    return x if tuple(x.shape) == shape else apply("reshape", [x], ip=shape)
+
+
+def _along_axis(name: str, x: Any, axis: int, fp: Sequence[float] = ()) -> Any:
+    """Runs last-axis op ``name`` along ``axis``: a swap of that axis with the last one
+    (a view; the op makes it dense) around the op, and the swap back."""
+    _, (x,) = coerce([x])
+    nd = x.ndim
+    if nd == 0 and axis in (0, -1):
+        return apply(name, [x], fp=fp)
+    if not -nd <= axis < nd:
+        raise ValueError(f"{name}: axis {axis} is out of range for a tensor of {nd} axes")
+    axis %= nd
+    if axis == nd - 1:
+        return apply(name, [x], fp=fp)
+    perm = list(range(nd))
+    perm[axis], perm[-1] = perm[-1], perm[axis]  # a swap is its own inverse
+    y = apply(name, [apply("permute", [x], ip=perm)], fp=fp)
+    return apply("permute", [y], ip=perm)
+
+
+def softmax(x: Any, axis: int = -1) -> Any:
+    """exp(x) / sum(exp(x)) along ``axis`` (numerically stable: the row maximum is
+    subtracted first).
+
+    Returns a float32 tensor of x's shape. Raises ValueError for an axis out of range and
+    TypeError for a non-float32 x.
+    """
+    return _along_axis("softmax", x, axis)
+
+
+def log_softmax(x: Any, axis: int = -1) -> Any:
+    """x - log(sum(exp(x))) along ``axis`` (stable, computed without forming softmax).
+
+    Returns a float32 tensor of x's shape. Raises ValueError for an axis out of range and
+    TypeError for a non-float32 x.
+    """
+    return _along_axis("log_softmax", x, axis)
+
+
+def cross_entropy(logits: Any, targets: Any) -> Any:
+    """The mean over all rows of -log_softmax(logits)[target]: the classification loss.
+
+    ``logits`` has shape (..., C) and ``targets`` the shape (...) with int32 class indices
+    in [0, C). Returns a 0-d float32 tensor; its gradient flows into the logits only.
+    Raises TypeError when the targets are not int32 (or the logits not float32), ValueError
+    for mismatched shapes, and ValueError when the graph runs with a target outside [0, C).
+    """
+    _, (logits, targets) = coerce([logits, targets])
+    if targets.dtype != "int32":
+        raise TypeError(f"cross_entropy: targets must be int32 class indices, got {targets.dtype}")
+    if logits.ndim < 1 or tuple(targets.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"cross_entropy: logits (..., C) need targets of shape (...); got logits "
+            f"{tuple(logits.shape)} and targets {tuple(targets.shape)}"
+        )
+    c = logits.shape[-1]
+    n = logits.size // c if c else targets.size
+    return apply("cross_entropy", [_reshape(logits, (n, c)), _reshape(targets, (n,))])
+
+
+def mse_loss(a: Any, b: Any) -> Any:
+    """The mean of (a - b)**2 over all elements (a and b broadcast like numpy).
+
+    Returns a 0-d float32 tensor. Raises ValueError when the shapes do not broadcast.
+    """
+    from recurra.ops._reduce import mean  # another area; imported when first needed
+
+    return mean(apply("sqr", [apply("sub", [a, b])]))
+
+
+def rms_norm(x: Any, eps: float = 1e-6) -> Any:
+    """x / sqrt(mean(x**2) + eps) along the last axis (no weight: multiply by one after).
+
+    Returns a float32 tensor of x's shape. Raises ValueError for a negative eps.
+    """
+    return apply("rms_norm", [x], fp=(float(eps),))
+
+
+def layer_norm(x: Any, eps: float = 1e-5) -> Any:
+    """(x - mean) / sqrt(var + eps) along the last axis, with the biased variance and no
+    affine part.
+
+    Returns a float32 tensor of x's shape. Raises ValueError for a negative eps.
+    """
+    return apply("layer_norm", [x], fp=(float(eps),))
+
+
+def get_rows(table: Any, idx: Any) -> Any:
+    """Rows of ``table`` (V, D) picked by int32 indices ``idx`` (0 to 3 axes): the embedding
+    lookup ``table[idx]``.
+
+    Returns a float32 tensor of shape ``idx.shape + (D,)``; its gradient flows into the
+    table (rows picked several times get the sum). Raises TypeError for non-int32 indices,
+    ValueError for a table that is not 2-D, and ValueError when the graph runs with an index
+    outside [0, V).
+    """
+    _, (table, idx) = coerce([table, idx])
+    if idx.dtype != "int32":
+        raise TypeError(f"get_rows: indices must be int32, got {idx.dtype}")
+    if idx.ndim == 0:
+        rows = apply("get_rows", [table, _reshape(idx, (1,))])
+        return _reshape(rows, rows.shape[1:])
+    return apply("get_rows", [table, idx])

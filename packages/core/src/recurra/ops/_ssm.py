@@ -1,0 +1,59 @@
+"""Mamba's sequence-mixing operators: the depthwise causal convolution and the selective scan.
+
+Semantics (shapes in numpy order) are those of ``docs/ops.md`` and of ggml's
+GGML_OP_SSM_CONV and GGML_OP_SSM_SCAN; both ops are differentiable in every float input.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from recurra.ops._apply import apply, apply_multi
+
+__all__ = ["ssm_conv", "ssm_scan"]
+
+
+def _shape_of(v: Any) -> tuple[int, ...]:
+    shape = getattr(v, "shape", None)
+    return tuple(int(d) for d in (shape if shape is not None else np.shape(v)))
+
+
+def ssm_conv(sx: Any, c: Any) -> Any:
+    """Mamba's depthwise causal convolution (a correlation, no bias, no activation).
+
+    ``sx`` is (n_seqs, d_inner, d_conv - 1 + n_tok), the d_conv - 1 positions of left
+    context first; ``c`` is (d_inner, d_conv). Returns y of shape (n_seqs, n_tok, d_inner)
+    with ``y[s, t, ch] = sum_k sx[s, ch, t + k] * c[ch, k]``.
+
+    Raises ValueError for inconsistent shapes and TypeError for non-float inputs.
+    """
+    return apply("ssm_conv", [sx, c])
+
+
+def ssm_scan(s: Any, x: Any, dt: Any, A: Any, B: Any, C: Any, ids: Any) -> tuple[Any, Any]:
+    """Mamba's selective scan (Mamba-1 and Mamba-2).
+
+    Shapes: ``s`` (n_rows, n_head, head_dim, d_state) initial states; ``x`` (n_seqs, n_tok,
+    n_head, head_dim); ``dt`` (n_seqs, n_tok, n_head) raw step sizes (softplus is applied
+    inside); ``A`` (n_head, d_state) or (n_head, 1); ``B``, ``C`` (n_seqs, n_tok, n_group,
+    d_state); ``ids`` (n_seqs,) integers: sequence i starts from ``s[ids[i]]``. ``ids`` may
+    be a numpy integer array, a list, or an int32 tensor.
+
+    Returns ``(y, state)``: y with the shape of x, and the final state of each sequence,
+    (n_seqs, n_head, head_dim, d_state), in sequence order. Both are differentiable.
+
+    Raises ValueError for inconsistent shapes or ids outside [0, n_rows) (the latter when
+    the graph runs), TypeError for non-float inputs or non-integer ids.
+    """
+    if getattr(ids, "_frontend", None) is None:
+        arr = np.asarray(ids)
+        if arr.dtype.kind not in "iu":
+            raise TypeError(f"ssm_scan: ids must be integers, got dtype {arr.dtype}")
+        ids = arr
+    xs, ss = _shape_of(x), _shape_of(s)
+    n_seqs = xs[0] if xs else 0
+    state_shape = (n_seqs, *ss[1:4])
+    y, state = apply_multi("ssm_scan", [s, x, dt, A, B, C, ids], shapes=[xs, state_shape])
+    return y, state

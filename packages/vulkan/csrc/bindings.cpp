@@ -1,0 +1,235 @@
+// recurra_vulkan._vk: the backend table as a PyCapsule, and test/benchmark entry points that
+// run single nodes through the same table functions the core calls.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+
+#include "backend.h"
+#include "ops/ops.h"
+
+namespace py = pybind11;
+using namespace recurra_vk;
+
+namespace {
+
+std::string version_str(uint32_t v) {
+  return std::to_string(VK_API_VERSION_MAJOR(v)) + "." + std::to_string(VK_API_VERSION_MINOR(v)) + "." +
+         std::to_string(VK_API_VERSION_PATCH(v));
+}
+
+// Throws the Error matching a failed table call (the module's exception translator turns it
+// into ValueError, MemoryError, NotImplementedError or RuntimeError; no Python API is
+// touched here, so this is safe without the GIL).
+void check(int st, const std::string& what) {
+  if (st == RECURRA_OK) return;
+  const char* m = backend_table()->get_last_error(nullptr);
+  throw Error(st, what + ": " + (m ? m : "failed"));
+}
+
+// Buffers of one node run, freed on scope exit.
+struct NodeRun {
+  int device;
+  std::vector<recurra_buffer> bufs;
+  recurra_node_desc node{};
+  std::string op;
+  std::vector<int64_t> ip;
+  std::vector<double> fp;
+  std::vector<ssize_t> out_shape;
+  recurra_dtype out_dtype = RECURRA_F32;
+
+  explicit NodeRun(int dev) : device(dev) {}
+  ~NodeRun() {
+    for (const auto& b : bufs) backend_table()->free(nullptr, device, b);
+  }
+
+  recurra_buffer alloc(size_t n) {
+    recurra_buffer b{};
+    check(backend_table()->alloc(nullptr, device, std::max<size_t>(n, 4), 0, &b), "alloc");
+    bufs.push_back(b);
+    return b;
+  }
+
+  // Uploads the memory a (possibly strided) numpy view spans and describes the view.
+  recurra_tensor_desc upload(const py::array& a, size_t offset) {
+    recurra_tensor_desc d{};
+    if (a.dtype().is(py::dtype::of<float>()))
+      d.dtype = RECURRA_F32;
+    else if (a.dtype().is(py::dtype::of<int32_t>()))
+      d.dtype = RECURRA_I32;
+    else
+      throw py::type_error("sources must be float32 or int32 arrays, got " + std::string(py::str(a.dtype())));
+    if (a.ndim() > RECURRA_MAX_DIMS) throw py::value_error("at most 4 axes");
+    if (offset % 4) throw py::value_error("src_offset must be a multiple of 4");
+    d.ndim = static_cast<int32_t>(a.ndim());
+    int64_t span = 0;
+    bool empty = false;
+    for (int i = 0; i < RECURRA_MAX_DIMS; ++i) {
+      d.shape[i] = 1;
+      d.strides[i] = 1;
+    }
+    for (int i = 0; i < d.ndim; ++i) {
+      const ssize_t st = a.strides(i);
+      if (st < 0 || st % 4) throw py::value_error("source strides must be non-negative multiples of 4 bytes");
+      d.shape[i] = a.shape(i);
+      d.strides[i] = st / 4;
+      if (a.shape(i) == 0) empty = true;
+      span += (a.shape(i) - 1) * d.strides[i];
+    }
+    const size_t bytes = empty ? 0 : static_cast<size_t>(span + 1) * 4;
+    d.buffer = alloc(offset + bytes);
+    d.offset = offset;
+    if (bytes) check(backend_table()->copy_in(nullptr, device, d.buffer, offset, a.data(), bytes), "copy_in");
+    return d;
+  }
+
+  void setup(const std::string& op_name, const std::vector<py::array>& srcs, const std::vector<int64_t>& ips,
+             const std::vector<double>& fps, const std::vector<ssize_t>& shape, const std::string& dtype,
+             size_t src_offset) {
+    if (srcs.size() > RECURRA_MAX_SRC) throw py::value_error("at most 8 sources");
+    if (shape.size() > RECURRA_MAX_DIMS) throw py::value_error("at most 4 axes");
+    if (dtype != "float32" && dtype != "int32") throw py::type_error("out_dtype must be 'float32' or 'int32'");
+    op = op_name;
+    ip = ips;
+    fp = fps;
+    out_shape = shape;
+    out_dtype = dtype == "float32" ? RECURRA_F32 : RECURRA_I32;
+    node.op = op.c_str();
+    node.n_src = static_cast<int32_t>(srcs.size());
+    for (size_t i = 0; i < srcs.size(); ++i) node.src[i] = upload(srcs[i], src_offset);
+    node.n_ip = static_cast<int32_t>(ip.size());
+    node.ip = ip.data();
+    node.n_fp = static_cast<int32_t>(fp.size());
+    node.fp = fp.data();
+    recurra_tensor_desc& o = node.dst;
+    o.dtype = out_dtype;
+    o.ndim = static_cast<int32_t>(shape.size());
+    int64_t n = 1;
+    for (int i = 0; i < RECURRA_MAX_DIMS; ++i) o.shape[i] = 1, o.strides[i] = 1;
+    for (int i = o.ndim - 1; i >= 0; --i) {
+      if (shape[i] < 0) throw py::value_error("negative output dimension");
+      o.shape[i] = shape[i];
+      o.strides[i] = n;
+      n *= shape[i];
+    }
+    o.buffer = alloc(static_cast<size_t>(n) * 4);
+    o.offset = 0;
+    // The placement question first, exactly as the scheduler asks it.
+    if (backend_table()->supports_op(nullptr, device, &node) != 1) {
+      const char* m = backend_table()->get_last_error(nullptr);
+      throw Error(RECURRA_ERR_UNSUPPORTED, "the Vulkan backend does not support this " + op + " node: " + (m ? m : "?"));
+    }
+  }
+
+  void compute() {
+    check(backend_table()->compute(nullptr, device, &node, 1), "compute");
+    check(backend_table()->synchronize(nullptr, device), "synchronize");
+  }
+
+  py::array read() {
+    py::array out = out_dtype == RECURRA_F32 ? py::array(py::dtype::of<float>(), out_shape)
+                                             : py::array(py::dtype::of<int32_t>(), out_shape);
+    const size_t bytes = static_cast<size_t>(out.size()) * 4;
+    if (bytes)
+      check(backend_table()->copy_out(nullptr, device, node.dst.buffer, 0, out.mutable_data(), bytes), "copy_out");
+    return out;
+  }
+};
+
+py::dict backend_info() {
+  BackendSummary s = backend_summary();
+  py::list devices;
+  for (size_t i = 0; i < s.devices.size(); ++i) {
+    const PhysicalDevice& d = s.devices[i];
+    py::dict e;
+    e["index"] = i;
+    e["name"] = d.name;
+    e["kind"] = d.kind;
+    e["memory_bytes"] = d.memory_bytes;
+    e["driver"] = d.driver;
+    e["api_version"] = version_str(d.api_version);
+    e["vk_index"] = d.vk_index;
+    devices.append(e);
+  }
+  py::dict out;
+  out["devices"] = devices;
+  out["reason"] = s.reason;
+  if (!s.devices.empty()) out["table"] = py::capsule(static_cast<void*>(backend_table()), "recurra.backend_table");
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_vk, m) {
+  m.doc() = "recurra's Vulkan backend (native part)";
+  m.attr("ABI_VERSION") = RECURRA_BACKEND_ABI_VERSION;
+  m.def("backend_info", &backend_info,
+        "Returns {'devices': [...], 'reason': str, 'table': PyCapsule} ('table' only when there are devices).");
+  m.def("op_names", &op_names, "Names of the ops with a Vulkan kernel.");
+  m.def(
+      "run_node",
+      [](const std::string& op, const std::vector<py::array>& srcs, const std::vector<int64_t>& ip,
+         const std::vector<double>& fp, const std::vector<ssize_t>& out_shape, const std::string& out_dtype,
+         size_t src_offset, int device) {
+        NodeRun r(device);
+        r.setup(op, srcs, ip, fp, out_shape, out_dtype, src_offset);
+        {
+          py::gil_scoped_release nogil;
+          r.compute();
+        }
+        return r.read();
+      },
+      py::arg("op"), py::arg("srcs"), py::arg("ip") = std::vector<int64_t>{}, py::arg("fp") = std::vector<double>{},
+      py::arg("out_shape"), py::arg("out_dtype") = "float32", py::arg("src_offset") = 0, py::arg("device") = 0,
+      "Runs one node through the backend table: allocates, uploads the sources (numpy views keep their strides; "
+      "each is placed src_offset bytes into its buffer), asks supports_op, computes, synchronizes, reads back. "
+      "Raises NotImplementedError when the node is not supported, ValueError/MemoryError/RuntimeError for failures.");
+  m.def(
+      "profile_node",
+      [](const std::string& op, const std::vector<py::array>& srcs, const std::vector<int64_t>& ip,
+         const std::vector<double>& fp, const std::vector<ssize_t>& out_shape, const std::string& out_dtype,
+         int iters, int warmup, int device) {
+        NodeRun r(device);
+        r.setup(op, srcs, ip, fp, out_shape, out_dtype, 0);
+        std::vector<ProfileRecord> recs;
+        {
+          py::gil_scoped_release nogil;
+          for (int i = 0; i < warmup; ++i) r.compute();
+          with_device(device, [&](Device& d) {
+            if (d.info().timestamp_bits == 0) fail_invalid("this device's queue has no timestamps");
+            d.set_profile_sink(&recs);
+          });
+          try {
+            for (int i = 0; i < iters; ++i) r.compute();
+          } catch (...) {
+            with_device(device, [](Device& d) { d.set_profile_sink(nullptr); });
+            throw;
+          }
+          with_device(device, [](Device& d) { d.set_profile_sink(nullptr); });
+        }
+        std::vector<double> secs;
+        for (const auto& p : recs) secs.push_back(p.seconds);
+        return secs;
+      },
+      py::arg("op"), py::arg("srcs"), py::arg("ip") = std::vector<int64_t>{}, py::arg("fp") = std::vector<double>{},
+      py::arg("out_shape"), py::arg("out_dtype") = "float32", py::arg("iters") = 10, py::arg("warmup") = 2,
+      py::arg("device") = 0,
+      "Like run_node, but runs the node warmup + iters times and returns the GPU time of each of the last iters "
+      "runs in seconds (timestamp queries).");
+  m.def("shutdown", [] { backend_table()->shutdown(nullptr); },
+        "Releases every device; the backend cannot be used afterwards.");
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Error& e) {
+      switch (e.status) {
+        case RECURRA_ERR_INVALID: PyErr_SetString(PyExc_ValueError, e.what()); break;
+        case RECURRA_ERR_OOM: PyErr_SetString(PyExc_MemoryError, e.what()); break;
+        case RECURRA_ERR_UNSUPPORTED: PyErr_SetString(PyExc_NotImplementedError, e.what()); break;
+        default: PyErr_SetString(PyExc_RuntimeError, e.what()); break;
+      }
+    }
+  });
+}

@@ -1,0 +1,618 @@
+#include "device.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "ops/ops.h"
+#include "recorder.h"
+
+namespace recurra_vk {
+
+namespace {
+
+constexpr VkDeviceSize kStagingBytes = 64ull << 20;
+constexpr size_t kMaxInFlight = 4;
+constexpr int64_t kMaxIndex = (int64_t(1) << 31) - 1;  // shaders index with 32-bit ints
+
+std::string version_str(uint32_t v) {
+  return std::to_string(VK_API_VERSION_MAJOR(v)) + "." + std::to_string(VK_API_VERSION_MINOR(v)) + "." +
+         std::to_string(VK_API_VERSION_PATCH(v));
+}
+
+int kind_rank(const std::string& k) {
+  if (k == "gpu") return 0;
+  if (k == "integrated") return 1;
+  if (k == "virtual") return 2;
+  if (k == "cpu") return 4;
+  return 3;
+}
+
+bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v && *v && std::strcmp(v, "0") != 0;
+}
+
+}  // namespace
+
+const char* vk_result_name(VkResult r) {
+  switch (r) {
+    case VK_SUCCESS: return "VK_SUCCESS";
+    case VK_NOT_READY: return "VK_NOT_READY";
+    case VK_TIMEOUT: return "VK_TIMEOUT";
+    case VK_ERROR_OUT_OF_HOST_MEMORY: return "VK_ERROR_OUT_OF_HOST_MEMORY";
+    case VK_ERROR_OUT_OF_DEVICE_MEMORY: return "VK_ERROR_OUT_OF_DEVICE_MEMORY";
+    case VK_ERROR_INITIALIZATION_FAILED: return "VK_ERROR_INITIALIZATION_FAILED";
+    case VK_ERROR_DEVICE_LOST: return "VK_ERROR_DEVICE_LOST";
+    case VK_ERROR_MEMORY_MAP_FAILED: return "VK_ERROR_MEMORY_MAP_FAILED";
+    case VK_ERROR_LAYER_NOT_PRESENT: return "VK_ERROR_LAYER_NOT_PRESENT";
+    case VK_ERROR_EXTENSION_NOT_PRESENT: return "VK_ERROR_EXTENSION_NOT_PRESENT";
+    case VK_ERROR_FEATURE_NOT_PRESENT: return "VK_ERROR_FEATURE_NOT_PRESENT";
+    case VK_ERROR_INCOMPATIBLE_DRIVER: return "VK_ERROR_INCOMPATIBLE_DRIVER";
+    case VK_ERROR_TOO_MANY_OBJECTS: return "VK_ERROR_TOO_MANY_OBJECTS";
+    default: return "VkResult error";
+  }
+}
+
+void fail_vk(VkResult r, const std::string& what) {
+  const std::string msg = what + " failed: " + vk_result_name(r) + " (" + std::to_string(static_cast<int>(r)) + ")";
+  if (r == VK_ERROR_OUT_OF_DEVICE_MEMORY || r == VK_ERROR_OUT_OF_HOST_MEMORY) fail(RECURRA_ERR_OOM, msg);
+  fail(RECURRA_ERR_DEVICE_LOST, msg);
+}
+
+// ---- instance -----------------------------------------------------------------------------
+
+Instance::Instance() {
+  uint32_t loader = VK_API_VERSION_1_0;
+  auto enum_version = reinterpret_cast<PFN_vkEnumerateInstanceVersion>(
+      vkGetInstanceProcAddr(VK_NULL_HANDLE, "vkEnumerateInstanceVersion"));
+  if (enum_version) enum_version(&loader);
+  if (loader < VK_API_VERSION_1_2) {
+    reason_ = "the Vulkan loader is version " + version_str(loader) + "; recurra-vulkan needs 1.2 or newer";
+    return;
+  }
+  uint32_t n_ext = 0;
+  vkEnumerateInstanceExtensionProperties(nullptr, &n_ext, nullptr);
+  std::vector<VkExtensionProperties> exts(n_ext);
+  vkEnumerateInstanceExtensionProperties(nullptr, &n_ext, exts.data());
+  std::vector<const char*> enable;
+  bool portability = false;
+  for (const auto& e : exts)
+    if (std::strcmp(e.extensionName, "VK_KHR_portability_enumeration") == 0) portability = true;
+  if (portability) enable.push_back("VK_KHR_portability_enumeration");  // MoltenVK
+
+  std::vector<const char*> layers;
+  if (env_flag("RECURRA_VULKAN_VALIDATE")) layers.push_back("VK_LAYER_KHRONOS_validation");
+
+  VkApplicationInfo app{VK_STRUCTURE_TYPE_APPLICATION_INFO};
+  app.pApplicationName = "recurra";
+  app.pEngineName = "recurra";
+  app.apiVersion = VK_API_VERSION_1_2;
+  VkInstanceCreateInfo ci{VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO};
+  ci.pApplicationInfo = &app;
+  ci.enabledExtensionCount = static_cast<uint32_t>(enable.size());
+  ci.ppEnabledExtensionNames = enable.data();
+  ci.enabledLayerCount = static_cast<uint32_t>(layers.size());
+  ci.ppEnabledLayerNames = layers.data();
+  if (portability) ci.flags |= 0x00000001;  // VK_INSTANCE_CREATE_ENUMERATE_PORTABILITY_BIT_KHR
+  VkResult r = vkCreateInstance(&ci, nullptr, &instance_);
+  if (r != VK_SUCCESS) {
+    instance_ = VK_NULL_HANDLE;
+    reason_ = std::string("vkCreateInstance failed (") + vk_result_name(r) +
+              "): no Vulkan driver is installed or it cannot start";
+    return;
+  }
+
+  uint32_t n = 0;
+  vkEnumeratePhysicalDevices(instance_, &n, nullptr);
+  std::vector<VkPhysicalDevice> pds(n);
+  vkEnumeratePhysicalDevices(instance_, &n, pds.data());
+  std::vector<PhysicalDevice> usable;
+  std::string skipped;
+  for (VkPhysicalDevice h : pds) {
+    VkPhysicalDeviceDriverProperties drv{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES};
+    VkPhysicalDeviceMaintenance3Properties m3{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES};
+    m3.pNext = &drv;
+    VkPhysicalDeviceProperties2 p2{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2};
+    p2.pNext = &m3;
+    vkGetPhysicalDeviceProperties2(h, &p2);
+    const VkPhysicalDeviceProperties& p = p2.properties;
+    PhysicalDevice d;
+    d.handle = h;
+    d.name = p.deviceName;
+    d.api_version = p.apiVersion;
+    switch (p.deviceType) {
+      case VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU: d.kind = "gpu"; break;
+      case VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU: d.kind = "integrated"; break;
+      case VK_PHYSICAL_DEVICE_TYPE_VIRTUAL_GPU: d.kind = "virtual"; break;
+      case VK_PHYSICAL_DEVICE_TYPE_CPU: d.kind = "cpu"; break;
+      default: d.kind = "other"; break;
+    }
+    if (p.apiVersion < VK_API_VERSION_1_2) {
+      skipped += "; " + d.name + ": Vulkan " + version_str(p.apiVersion) + " (needs 1.2)";
+      continue;
+    }
+    d.driver = std::string(drv.driverName) + (drv.driverInfo[0] ? std::string(" ") + drv.driverInfo : "");
+    d.max_allocation = m3.maxMemoryAllocationSize ? m3.maxMemoryAllocationSize : (VkDeviceSize(1) << 32);
+    d.timestamp_period_ns = p.limits.timestampPeriod;
+
+    VkPhysicalDeviceVulkan12Features f12{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES};
+    VkPhysicalDeviceFeatures2 f2{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2};
+    f2.pNext = &f12;
+    vkGetPhysicalDeviceFeatures2(h, &f2);
+    if (!f12.bufferDeviceAddress) {
+      skipped += "; " + d.name + ": no bufferDeviceAddress";
+      continue;
+    }
+    if (p.limits.maxPushConstantsSize < kPushConstantBytes || p.limits.maxComputeWorkGroupInvocations < 256 ||
+        p.limits.maxComputeSharedMemorySize < 32768) {
+      skipped += "; " + d.name + ": compute limits too small";
+      continue;
+    }
+    uint32_t nq = 0;
+    vkGetPhysicalDeviceQueueFamilyProperties(h, &nq, nullptr);
+    std::vector<VkQueueFamilyProperties> qf(nq);
+    vkGetPhysicalDeviceQueueFamilyProperties(h, &nq, qf.data());
+    int fam = -1;
+    for (uint32_t i = 0; i < nq; ++i)
+      if (qf[i].queueFlags & VK_QUEUE_COMPUTE_BIT) {
+        fam = static_cast<int>(i);
+        break;
+      }
+    if (fam < 0) {
+      skipped += "; " + d.name + ": no compute queue";
+      continue;
+    }
+    d.queue_family = static_cast<uint32_t>(fam);
+    d.timestamp_bits = qf[fam].timestampValidBits;
+    VkPhysicalDeviceMemoryProperties mp;
+    vkGetPhysicalDeviceMemoryProperties(h, &mp);
+    for (uint32_t i = 0; i < mp.memoryHeapCount; ++i)
+      if (mp.memoryHeaps[i].flags & VK_MEMORY_HEAP_DEVICE_LOCAL_BIT)
+        d.memory_bytes = std::max<uint64_t>(d.memory_bytes, mp.memoryHeaps[i].size);
+    usable.push_back(d);
+  }
+  std::stable_sort(usable.begin(), usable.end(),
+                   [](const PhysicalDevice& a, const PhysicalDevice& b) { return kind_rank(a.kind) < kind_rank(b.kind); });
+  for (size_t i = 0; i < usable.size(); ++i) usable[i].vk_index = static_cast<uint32_t>(i);
+
+  const char* sel = std::getenv("RECURRA_VULKAN_DEVICE");
+  if (sel && *sel) {
+    std::string spec(sel);
+    size_t pos = 0;
+    while (pos <= spec.size()) {
+      size_t comma = spec.find(',', pos);
+      std::string tok = spec.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+      pos = comma == std::string::npos ? spec.size() + 1 : comma + 1;
+      if (tok.empty()) continue;
+      char* end = nullptr;
+      long idx = std::strtol(tok.c_str(), &end, 10);
+      if (*end != '\0' || idx < 0 || idx >= static_cast<long>(usable.size())) {
+        reason_ = "RECURRA_VULKAN_DEVICE=" + spec + ": '" + tok + "' is not a device index in [0, " +
+                  std::to_string(usable.size()) + ")";
+        devices_.clear();
+        return;
+      }
+      devices_.push_back(usable[idx]);
+    }
+  } else {
+    devices_ = usable;
+  }
+  if (devices_.empty())
+    reason_ = pds.empty() ? "the Vulkan driver reports no devices"
+                          : "no usable Vulkan device" + (skipped.empty() ? std::string() : ":" + skipped.substr(1));
+  else if (!skipped.empty())
+    reason_ = "skipped" + skipped.substr(1);
+}
+
+Instance::~Instance() {
+  if (instance_) vkDestroyInstance(instance_, nullptr);
+}
+
+// ---- device -------------------------------------------------------------------------------
+
+Device::Device(const PhysicalDevice& pd) : info_(pd) {
+  float prio = 1.0f;
+  VkDeviceQueueCreateInfo qi{VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO};
+  qi.queueFamilyIndex = info_.queue_family;
+  qi.queueCount = 1;
+  qi.pQueuePriorities = &prio;
+  VkPhysicalDeviceVulkan12Features f12{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES};
+  f12.bufferDeviceAddress = VK_TRUE;
+  VkPhysicalDeviceFeatures2 f2{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2};
+  f2.pNext = &f12;
+  VkDeviceCreateInfo ci{VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO};
+  ci.pNext = &f2;
+  ci.queueCreateInfoCount = 1;
+  ci.pQueueCreateInfos = &qi;
+  vk_check(vkCreateDevice(info_.handle, &ci, nullptr, &dev_), "vkCreateDevice");
+  vkGetDeviceQueue(dev_, info_.queue_family, 0, &queue_);
+  try {
+    VkCommandPoolCreateInfo pi{VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO};
+    pi.flags = VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT;
+    pi.queueFamilyIndex = info_.queue_family;
+    vk_check(vkCreateCommandPool(dev_, &pi, nullptr, &pool_), "vkCreateCommandPool");
+    const bool host_visible = info_.kind == "cpu" || info_.kind == "integrated";
+    VkDeviceSize block = host_visible ? (64ull << 20) : (256ull << 20);
+    if (info_.memory_bytes) block = std::min<VkDeviceSize>(block, std::max<VkDeviceSize>(16ull << 20, info_.memory_bytes / 16));
+    block = std::min<VkDeviceSize>(block, info_.max_allocation);
+    memory_ = std::make_unique<DeviceMemory>(dev_, info_.handle, host_visible, block, info_.max_allocation);
+    pipelines_ = std::make_unique<Pipelines>(dev_);
+    errors_ = make_host_buffer(64, true);
+    std::memset(errors_.mapped, 0, 64);
+  } catch (...) {
+    release();
+    throw;
+  }
+  profile_env_ = env_flag("RECURRA_VULKAN_PROFILE");
+}
+
+Device::~Device() { release(); }
+
+void Device::release() {
+  if (!dev_) return;
+  vkDeviceWaitIdle(dev_);
+  for (auto& s : subs_) {
+    if (s->fence) vkDestroyFence(dev_, s->fence, nullptr);
+    if (s->queries) vkDestroyQueryPool(dev_, s->queries, nullptr);
+  }
+  subs_.clear();
+  destroy_host_buffer(staging_);
+  destroy_host_buffer(errors_);
+  pipelines_.reset();
+  memory_.reset();
+  if (pool_) vkDestroyCommandPool(dev_, pool_, nullptr);
+  vkDestroyDevice(dev_, nullptr);
+  dev_ = VK_NULL_HANDLE;
+}
+
+Device::HostBuffer Device::make_host_buffer(VkDeviceSize size, bool device_address) {
+  HostBuffer b;
+  b.size = size;
+  VkBufferCreateInfo bi{VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO};
+  bi.size = size;
+  bi.usage = VK_BUFFER_USAGE_TRANSFER_SRC_BIT | VK_BUFFER_USAGE_TRANSFER_DST_BIT | VK_BUFFER_USAGE_STORAGE_BUFFER_BIT |
+             (device_address ? VK_BUFFER_USAGE_SHADER_DEVICE_ADDRESS_BIT : 0);
+  vk_check(vkCreateBuffer(dev_, &bi, nullptr, &b.buffer), "vkCreateBuffer(host)");
+  VkMemoryRequirements req;
+  vkGetBufferMemoryRequirements(dev_, b.buffer, &req);
+  VkPhysicalDeviceMemoryProperties mp;
+  vkGetPhysicalDeviceMemoryProperties(info_.handle, &mp);
+  int best = -1, best_score = -1;
+  for (uint32_t i = 0; i < mp.memoryTypeCount; ++i) {
+    if (!(req.memoryTypeBits & (1u << i))) continue;
+    const VkMemoryPropertyFlags f = mp.memoryTypes[i].propertyFlags;
+    if (!(f & VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT) || !(f & VK_MEMORY_PROPERTY_HOST_COHERENT_BIT)) continue;
+    // Host memory that the CPU reads fast (cached); not the small BAR window.
+    int score = ((f & VK_MEMORY_PROPERTY_HOST_CACHED_BIT) ? 2 : 0) + ((f & VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT) ? 0 : 1);
+    if (score > best_score) best = static_cast<int>(i), best_score = score;
+  }
+  if (best < 0) {
+    vkDestroyBuffer(dev_, b.buffer, nullptr);
+    fail(RECURRA_ERR_DEVICE_LOST, "no host-visible memory type on this device");
+  }
+  VkMemoryAllocateFlagsInfo flags{VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_FLAGS_INFO};
+  flags.flags = VK_MEMORY_ALLOCATE_DEVICE_ADDRESS_BIT;
+  VkMemoryAllocateInfo ai{VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO};
+  ai.pNext = device_address ? &flags : nullptr;
+  ai.allocationSize = req.size;
+  ai.memoryTypeIndex = static_cast<uint32_t>(best);
+  VkResult r = vkAllocateMemory(dev_, &ai, nullptr, &b.memory);
+  if (r != VK_SUCCESS) {
+    vkDestroyBuffer(dev_, b.buffer, nullptr);
+    fail_vk(r, "vkAllocateMemory(host)");
+  }
+  vk_check(vkBindBufferMemory(dev_, b.buffer, b.memory, 0), "vkBindBufferMemory(host)");
+  void* p = nullptr;
+  vk_check(vkMapMemory(dev_, b.memory, 0, VK_WHOLE_SIZE, 0, &p), "vkMapMemory(host)");
+  b.mapped = static_cast<uint8_t*>(p);
+  if (device_address) {
+    VkBufferDeviceAddressInfo ad{VK_STRUCTURE_TYPE_BUFFER_DEVICE_ADDRESS_INFO};
+    ad.buffer = b.buffer;
+    b.address = vkGetBufferDeviceAddress(dev_, &ad);
+  }
+  return b;
+}
+
+void Device::destroy_host_buffer(HostBuffer& b) {
+  if (b.buffer) vkDestroyBuffer(dev_, b.buffer, nullptr);
+  if (b.memory) vkFreeMemory(dev_, b.memory, nullptr);
+  b = HostBuffer{};
+}
+
+void Device::check_lost() const {
+  if (lost_)
+    fail(RECURRA_ERR_DEVICE_LOST, "the Vulkan device '" + info_.name +
+                                      "' was lost; its memory is gone: recreate the tensors (restart the process)");
+}
+
+// ---- submissions ------------------------------------------------------------------------
+
+Submission& Device::acquire() {
+  for (auto& s : subs_)
+    if (!s->pending) return *s;
+  if (subs_.size() < kMaxInFlight) {
+    auto s = std::make_unique<Submission>();
+    VkCommandBufferAllocateInfo ai{VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO};
+    ai.commandPool = pool_;
+    ai.level = VK_COMMAND_BUFFER_LEVEL_PRIMARY;
+    ai.commandBufferCount = 1;
+    vk_check(vkAllocateCommandBuffers(dev_, &ai, &s->cb), "vkAllocateCommandBuffers");
+    VkFenceCreateInfo fi{VK_STRUCTURE_TYPE_FENCE_CREATE_INFO};
+    vk_check(vkCreateFence(dev_, &fi, nullptr, &s->fence), "vkCreateFence");
+    subs_.push_back(std::move(s));
+    return *subs_.back();
+  }
+  Submission* oldest = nullptr;
+  for (auto& s : subs_)
+    if (!oldest || s->serial < oldest->serial) oldest = s.get();
+  wait(*oldest);
+  return *oldest;
+}
+
+void Device::submit(Submission& s) {
+  vk_check(vkEndCommandBuffer(s.cb), "vkEndCommandBuffer");
+  VkSubmitInfo si{VK_STRUCTURE_TYPE_SUBMIT_INFO};
+  si.commandBufferCount = 1;
+  si.pCommandBuffers = &s.cb;
+  VkResult r = vkQueueSubmit(queue_, 1, &si, s.fence);
+  if (r != VK_SUCCESS) {
+    if (r == VK_ERROR_DEVICE_LOST) lost_ = true;
+    fail_vk(r, "vkQueueSubmit");
+  }
+  s.pending = true;
+  s.serial = next_serial_++;
+}
+
+void Device::wait(Submission& s) {
+  if (!s.pending) return;
+  VkResult r = vkWaitForFences(dev_, 1, &s.fence, VK_TRUE, UINT64_MAX);
+  if (r != VK_SUCCESS) {
+    if (r == VK_ERROR_DEVICE_LOST) lost_ = true;
+    fail_vk(r, "vkWaitForFences");
+  }
+  s.pending = false;
+  vkResetFences(dev_, 1, &s.fence);
+  for (const Allocation& a : s.scratch)
+    if (memory_->free_internal(a)) blocks_to_release_ = true;
+  s.scratch.clear();
+  if (!s.profile_ops.empty()) {
+    const uint32_t n = static_cast<uint32_t>(s.profile_ops.size());
+    std::vector<uint64_t> ts(2 * n);
+    VkResult q = vkGetQueryPoolResults(dev_, s.queries, 0, 2 * n, ts.size() * sizeof(uint64_t), ts.data(),
+                                       sizeof(uint64_t), VK_QUERY_RESULT_64_BIT | VK_QUERY_RESULT_WAIT_BIT);
+    const uint64_t mask = info_.timestamp_bits >= 64 ? ~0ull : ((1ull << info_.timestamp_bits) - 1);
+    for (uint32_t i = 0; q == VK_SUCCESS && i < n; ++i) {
+      const double sec = static_cast<double>((ts[2 * i + 1] - ts[2 * i]) & mask) * info_.timestamp_period_ns * 1e-9;
+      if (sink_)
+        sink_->push_back({s.profile_ops[i], sec});
+      else
+        std::fprintf(stderr, "recurra-vulkan[%s] %-20s %12.3f us\n", info_.name.c_str(), s.profile_ops[i].c_str(),
+                     sec * 1e6);
+    }
+    s.profile_ops.clear();
+  }
+}
+
+void Device::wait_all() {
+  std::vector<Submission*> order;
+  for (auto& s : subs_)
+    if (s->pending) order.push_back(s.get());
+  std::sort(order.begin(), order.end(), [](Submission* a, Submission* b) { return a->serial < b->serial; });
+  for (Submission* s : order) wait(*s);
+  if (blocks_to_release_) {
+    memory_->release_empty_blocks();
+    blocks_to_release_ = false;
+  }
+  auto* flags = reinterpret_cast<volatile uint32_t*>(errors_.mapped);
+  const uint32_t f = flags[0];
+  if (f) {
+    flags[0] = 0;
+    std::string what;
+    if (f & kErrGetRows) what += ", get_rows: an index is out of range [0, V)";
+    if (f & kErrGetRowsBack) what += ", get_rows_back: an index is out of range [0, V)";
+    if (f & kErrCrossEntropy) what += ", cross_entropy: a target is out of range [0, C)";
+    if (f & kErrCrossEntropyBack) what += ", cross_entropy_back: a target is out of range [0, C)";
+    fail_invalid(what.empty() ? "a kernel reported an error" : what.substr(2) + " (the affected outputs are zero)");
+  }
+}
+
+void Device::synchronize() {
+  check_lost();
+  wait_all();
+}
+
+// ---- memory and copies ------------------------------------------------------------------
+
+recurra_buffer Device::alloc(size_t nbytes, bool persistent) {
+  check_lost();
+  return memory_->alloc(nbytes, persistent);
+}
+
+void Device::free(const recurra_buffer& b) {
+  if (memory_->free(b)) blocks_to_release_ = true;
+}
+
+void Device::staged_copy(const Allocation& a, size_t offset, void* host, size_t nbytes, bool to_device) {
+  if (!staging_.buffer) staging_ = make_host_buffer(kStagingBytes, false);
+  auto* h = static_cast<uint8_t*>(host);
+  for (size_t done = 0; done < nbytes;) {
+    const size_t n = std::min<size_t>(nbytes - done, staging_.size);
+    if (to_device) std::memcpy(staging_.mapped, h + done, n);
+    Submission& s = acquire();
+    VkCommandBufferBeginInfo bi{VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO};
+    bi.flags = VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT;
+    vk_check(vkBeginCommandBuffer(s.cb, &bi), "vkBeginCommandBuffer");
+    VkMemoryBarrier mb{VK_STRUCTURE_TYPE_MEMORY_BARRIER};
+    mb.srcAccessMask = VK_ACCESS_MEMORY_WRITE_BIT;
+    mb.dstAccessMask = VK_ACCESS_TRANSFER_READ_BIT | VK_ACCESS_TRANSFER_WRITE_BIT;
+    vkCmdPipelineBarrier(s.cb, VK_PIPELINE_STAGE_ALL_COMMANDS_BIT, VK_PIPELINE_STAGE_TRANSFER_BIT, 0, 1, &mb, 0,
+                         nullptr, 0, nullptr);
+    VkBufferCopy region{};
+    region.size = n;
+    if (to_device) {
+      region.srcOffset = 0;
+      region.dstOffset = a.offset + offset + done;
+      vkCmdCopyBuffer(s.cb, staging_.buffer, memory_->vk_buffer(a), 1, &region);
+    } else {
+      region.srcOffset = a.offset + offset + done;
+      region.dstOffset = 0;
+      vkCmdCopyBuffer(s.cb, memory_->vk_buffer(a), staging_.buffer, 1, &region);
+    }
+    mb.srcAccessMask = VK_ACCESS_TRANSFER_WRITE_BIT;
+    mb.dstAccessMask = VK_ACCESS_HOST_READ_BIT | VK_ACCESS_MEMORY_READ_BIT;
+    vkCmdPipelineBarrier(s.cb, VK_PIPELINE_STAGE_TRANSFER_BIT, VK_PIPELINE_STAGE_HOST_BIT | VK_PIPELINE_STAGE_ALL_COMMANDS_BIT,
+                         0, 1, &mb, 0, nullptr, 0, nullptr);
+    submit(s);
+    wait(s);
+    if (!to_device) std::memcpy(h + done, staging_.mapped, n);
+    done += n;
+  }
+}
+
+void Device::copy_in(const recurra_buffer& dst, size_t offset, const void* src, size_t nbytes) {
+  check_lost();
+  const Allocation a = memory_->lookup(dst, "copy_in");
+  if (offset > a.nbytes || nbytes > a.nbytes - offset)
+    fail_invalid("copy_in: bytes [" + std::to_string(offset) + ", " + std::to_string(offset + nbytes) +
+                 ") lie outside the buffer of " + std::to_string(a.nbytes) + " bytes");
+  if (nbytes == 0) return;
+  if (!src) fail_invalid("copy_in: null source pointer");
+  wait_all();
+  if (uint8_t* p = memory_->mapped(a)) {
+    std::memcpy(p + offset, src, nbytes);
+    return;
+  }
+  staged_copy(a, offset, const_cast<void*>(src), nbytes, true);
+}
+
+void Device::copy_out(const recurra_buffer& src, size_t offset, void* dst, size_t nbytes) {
+  check_lost();
+  const Allocation a = memory_->lookup(src, "copy_out");
+  if (offset > a.nbytes || nbytes > a.nbytes - offset)
+    fail_invalid("copy_out: bytes [" + std::to_string(offset) + ", " + std::to_string(offset + nbytes) +
+                 ") lie outside the buffer of " + std::to_string(a.nbytes) + " bytes");
+  if (nbytes == 0) return;
+  if (!dst) fail_invalid("copy_out: null destination pointer");
+  wait_all();
+  if (const uint8_t* p = memory_->mapped(a)) {
+    std::memcpy(dst, p + offset, nbytes);
+    return;
+  }
+  staged_copy(a, offset, dst, nbytes, false);
+}
+
+// ---- compute ------------------------------------------------------------------------------
+
+std::string Device::check(const recurra_node_desc& n) const {
+  const OpImpl* op = find_op(n.op);
+  if (!op) return std::string("op '") + (n.op ? n.op : "?") + "' has no Vulkan kernel";
+  if (n.n_src < 0 || n.n_src > RECURRA_MAX_SRC) return "bad source count";
+  if ((n.n_ip > 0 && !n.ip) || (n.n_fp > 0 && !n.fp)) return "null parameter array";
+  auto tensor_ok = [](const recurra_tensor_desc& d) -> std::string {
+    if (d.ndim < 0 || d.ndim > RECURRA_MAX_DIMS) return "bad ndim";
+    if (d.dtype != RECURRA_F32 && d.dtype != RECURRA_I32) return "unknown dtype";
+    for (int i = 0; i < d.ndim; ++i) {
+      if (d.shape[i] < 0) return "negative dimension";
+      if (d.shape[i] > 1 && d.strides[i] < 0) return "negative strides are not supported";
+    }
+    if (numel(d) > kMaxIndex || max_offset(d) > kMaxIndex) return "tensors past 2^31 elements are not supported";
+    if (d.offset % 4) return "offsets must be multiples of 4 bytes";
+    return "";
+  };
+  std::string why = tensor_ok(n.dst);
+  if (!why.empty()) return "output: " + why;
+  if (!is_dense(n.dst)) return "the output must be dense";
+  for (int i = 0; i < n.n_src; ++i) {
+    why = tensor_ok(n.src[i]);
+    if (!why.empty()) return "source " + std::to_string(i) + ": " + why;
+  }
+  return op->check(n);
+}
+
+void Device::compute(const recurra_node_desc* nodes, int32_t n) {
+  check_lost();
+  if (n < 0 || (n > 0 && !nodes)) fail_invalid("compute: bad node list");
+  if (n == 0) return;
+  // Validate everything before recording anything: a failure leaves no half-built work.
+  std::vector<const OpImpl*> impls(n);
+  for (int32_t i = 0; i < n; ++i) {
+    const std::string why = check(nodes[i]);
+    if (!why.empty())
+      fail(RECURRA_ERR_UNSUPPORTED, std::string("node ") + std::to_string(i) + " (" + (nodes[i].op ? nodes[i].op : "?") +
+                                        "): " + why);
+    impls[i] = find_op(nodes[i].op);
+  }
+  auto resolve = [&](const recurra_tensor_desc& d, int node, const char* what) {
+    Tensor t;
+    t.d = &d;
+    const Allocation a = memory_->lookup(d.buffer, "compute");
+    const int64_t count = numel(d);
+    const uint64_t bytes = count == 0 ? 0 : static_cast<uint64_t>(max_offset(d) + 1) * 4;
+    if (d.offset > a.nbytes || bytes > a.nbytes - d.offset)
+      fail_invalid("compute: node " + std::to_string(node) + " (" + nodes[node].op + "): the " + what + " view " +
+                   shape_str(d) + " at byte " + std::to_string(d.offset) + " reaches past the end of its buffer (" +
+                   std::to_string(a.nbytes) + " bytes)");
+    t.addr = memory_->address(a) + d.offset;
+    t.range = {a.block, a.offset + d.offset, a.offset + d.offset + bytes};
+    return t;
+  };
+  std::vector<std::vector<Tensor>> tensors(n);
+  for (int32_t i = 0; i < n; ++i) {
+    tensors[i].push_back(resolve(nodes[i].dst, i, "output"));
+    for (int k = 0; k < nodes[i].n_src; ++k) tensors[i].push_back(resolve(nodes[i].src[k], i, "source"));
+  }
+
+  Submission& s = acquire();
+  VkCommandBufferBeginInfo bi{VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO};
+  bi.flags = VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT;
+  vk_check(vkBeginCommandBuffer(s.cb, &bi), "vkBeginCommandBuffer");
+  try {
+    const bool prof = profiling();
+    if (prof) {
+      const uint32_t need = 2 * static_cast<uint32_t>(n);
+      if (s.query_capacity < need) {
+        if (s.queries) vkDestroyQueryPool(dev_, s.queries, nullptr);
+        s.queries = VK_NULL_HANDLE;
+        VkQueryPoolCreateInfo qi{VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO};
+        qi.queryType = VK_QUERY_TYPE_TIMESTAMP;
+        qi.queryCount = std::max<uint32_t>(need, 64);
+        vk_check(vkCreateQueryPool(dev_, &qi, nullptr, &s.queries), "vkCreateQueryPool");
+        s.query_capacity = qi.queryCount;
+      }
+      vkCmdResetQueryPool(s.cb, s.queries, 0, need);
+    }
+    // Earlier submissions (and transfers) wrote memory this one may read: order them.
+    VkMemoryBarrier mb{VK_STRUCTURE_TYPE_MEMORY_BARRIER};
+    mb.srcAccessMask = VK_ACCESS_MEMORY_WRITE_BIT;
+    mb.dstAccessMask = VK_ACCESS_SHADER_READ_BIT | VK_ACCESS_SHADER_WRITE_BIT;
+    vkCmdPipelineBarrier(s.cb, VK_PIPELINE_STAGE_ALL_COMMANDS_BIT, VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, 0, 1, &mb, 0,
+                         nullptr, 0, nullptr);
+    Recorder rec(*this, s);
+    for (int32_t i = 0; i < n; ++i) {
+      NodeCall call{nodes[i], tensors[i][0], {}, rec};
+      for (int k = 0; k < nodes[i].n_src; ++k) call.src[k] = tensors[i][k + 1];
+      rec.begin_node(nodes[i].op);
+      impls[i]->record(call);
+      rec.end_node();
+    }
+    // Results become visible to the host (copy_out of host-visible memory) and transfers.
+    mb.srcAccessMask = VK_ACCESS_SHADER_WRITE_BIT;
+    mb.dstAccessMask = VK_ACCESS_HOST_READ_BIT | VK_ACCESS_TRANSFER_READ_BIT;
+    vkCmdPipelineBarrier(s.cb, VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
+                         VK_PIPELINE_STAGE_HOST_BIT | VK_PIPELINE_STAGE_TRANSFER_BIT, 0, 1, &mb, 0, nullptr, 0, nullptr);
+    submit(s);
+  } catch (...) {
+    if (!s.pending) {
+      vkEndCommandBuffer(s.cb);
+      vkResetCommandBuffer(s.cb, 0);
+      for (const Allocation& a : s.scratch) memory_->free_internal(a);
+      s.scratch.clear();
+      s.profile_ops.clear();
+    }
+    throw;
+  }
+}
+
+}  // namespace recurra_vk

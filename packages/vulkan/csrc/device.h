@@ -1,0 +1,143 @@
+// The Vulkan instance, the devices it offers, and one logical device with its queue,
+// memory, pipelines and the ring of in-flight submissions.
+//
+// Ordering and synchronization (what the core may rely on):
+// - compute() records all nodes of a split into ONE command buffer (barriers only between
+//   dependent dispatches), submits it once and returns without waiting.
+// - synchronize() waits for every submission, then reports errors found by the shaders
+//   (out-of-range indices of get_rows / cross_entropy) as RECURRA_ERR_INVALID.
+// - copy_in() and copy_out() first wait for all submitted work, then copy synchronously: a
+//   buffer read or written by a pending compute is never raced, and a copy_out sees the
+//   results of every compute submitted before it.
+// - free() may be called while work using the buffer is in flight: memory is only reused
+//   by later submissions on the same queue (ordered by a barrier at the start of every
+//   command buffer) and blocks go back to the driver only after a wait.
+#pragma once
+
+#include <deque>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "memory.h"
+#include "pipelines.h"
+
+namespace recurra_vk {
+
+struct PhysicalDevice {
+  VkPhysicalDevice handle = VK_NULL_HANDLE;
+  std::string name, kind, driver;  // kind: "gpu", "integrated", "virtual", "cpu"
+  uint32_t api_version = 0;
+  uint64_t memory_bytes = 0;       // the largest device-local heap
+  uint32_t queue_family = 0;
+  uint32_t timestamp_bits = 0;
+  float timestamp_period_ns = 1.0f;
+  uint32_t vk_index = 0;  // position among usable devices (what RECURRA_VULKAN_DEVICE counts)
+  VkDeviceSize max_allocation = 0;
+};
+
+// The process-wide instance and the usable devices, sorted best first (discrete GPUs, then
+// integrated, virtual, CPU) and filtered by RECURRA_VULKAN_DEVICE ("1" or "0,2").
+class Instance {
+ public:
+  Instance();  // never throws: failures leave no devices and a reason
+  ~Instance();
+  Instance(const Instance&) = delete;
+  Instance& operator=(const Instance&) = delete;
+
+  VkInstance handle() const { return instance_; }
+  const std::vector<PhysicalDevice>& devices() const { return devices_; }
+  const std::string& reason() const { return reason_; }  // why there are no (or fewer) devices
+
+ private:
+  VkInstance instance_ = VK_NULL_HANDLE;
+  std::vector<PhysicalDevice> devices_;
+  std::string reason_;
+};
+
+// Time of one profiled node, filled when its submission completes.
+struct ProfileRecord {
+  std::string op;
+  double seconds = 0.0;
+};
+
+class Recorder;
+
+// A recorded command buffer and what must live until its fence signals.
+struct Submission {
+  VkCommandBuffer cb = VK_NULL_HANDLE;
+  VkFence fence = VK_NULL_HANDLE;
+  VkQueryPool queries = VK_NULL_HANDLE;
+  uint32_t query_capacity = 0;
+  bool pending = false;
+  uint64_t serial = 0;
+  std::vector<Allocation> scratch;      // freed on completion
+  std::vector<std::string> profile_ops;  // node i: timestamps 2i, 2i+1
+};
+
+class Device {
+ public:
+  explicit Device(const PhysicalDevice& pd);
+  ~Device();
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
+
+  const PhysicalDevice& info() const { return info_; }
+
+  // --- the table's operations ------------------------------------------------------------
+  recurra_buffer alloc(size_t nbytes, bool persistent);
+  void free(const recurra_buffer& b);
+  void copy_in(const recurra_buffer& dst, size_t offset, const void* src, size_t nbytes);
+  void copy_out(const recurra_buffer& src, size_t offset, void* dst, size_t nbytes);
+  // "" when the node can run here, else why not.
+  std::string check(const recurra_node_desc& node) const;
+  void compute(const recurra_node_desc* nodes, int32_t n);
+  void synchronize();
+
+  // --- used by the recorder and the ops ------------------------------------------------------
+  VkDevice vk() const { return dev_; }
+  DeviceMemory& memory() { return *memory_; }
+  Pipelines& pipelines() { return *pipelines_; }
+  VkDeviceAddress error_flags_address() const { return errors_.address; }
+
+  // Profiling: RECURRA_VULKAN_PROFILE=1 prints per-node GPU times to stderr; a sink (set by
+  // the benchmark entry point) collects them instead.
+  void set_profile_sink(std::vector<ProfileRecord>* sink) { sink_ = sink; }
+  bool profiling() const { return (profile_env_ || sink_) && info_.timestamp_bits > 0; }
+
+ private:
+  struct HostBuffer {
+    VkBuffer buffer = VK_NULL_HANDLE;
+    VkDeviceMemory memory = VK_NULL_HANDLE;
+    uint8_t* mapped = nullptr;
+    VkDeviceSize size = 0;
+    VkDeviceAddress address = 0;
+  };
+  void release();
+  HostBuffer make_host_buffer(VkDeviceSize size, bool device_address);
+  void destroy_host_buffer(HostBuffer& b);
+
+  Submission& acquire();
+  void submit(Submission& s);
+  void wait(Submission& s);  // waits for one pending submission and retires it
+  void wait_all();           // all of them; reports shader-detected errors
+  void check_lost() const;
+  void staged_copy(const Allocation& a, size_t offset, void* host, size_t nbytes, bool to_device);
+
+  PhysicalDevice info_;
+  VkDevice dev_ = VK_NULL_HANDLE;
+  VkQueue queue_ = VK_NULL_HANDLE;
+  VkCommandPool pool_ = VK_NULL_HANDLE;
+  std::unique_ptr<DeviceMemory> memory_;
+  std::unique_ptr<Pipelines> pipelines_;
+  HostBuffer staging_, errors_;
+  std::deque<std::unique_ptr<Submission>> subs_;
+  uint64_t next_serial_ = 1;
+  bool lost_ = false;
+  bool blocks_to_release_ = false;
+  bool profile_env_ = false;
+  std::vector<ProfileRecord>* sink_ = nullptr;
+};
+
+}  // namespace recurra_vk

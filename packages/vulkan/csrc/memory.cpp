@@ -1,0 +1,225 @@
+#include "memory.h"
+
+#include <algorithm>
+
+namespace recurra_vk {
+
+namespace {
+
+constexpr VkDeviceSize kAlign = 256;  // sub-allocation alignment: vec4 loads, cache lines
+
+std::string mib(VkDeviceSize n) { return std::to_string((n + (1 << 20) - 1) >> 20) + " MiB"; }
+
+}  // namespace
+
+DeviceMemory::DeviceMemory(VkDevice dev, VkPhysicalDevice pd, bool host_visible_preferred,
+                           VkDeviceSize block_size, VkDeviceSize max_allocation)
+    : dev_(dev), host_visible_preferred_(host_visible_preferred), block_size_(block_size),
+      max_allocation_(max_allocation) {
+  vkGetPhysicalDeviceMemoryProperties(pd, &mem_props_);
+}
+
+DeviceMemory::~DeviceMemory() {
+  for (Block& b : blocks_) destroy_block(b);
+}
+
+void DeviceMemory::destroy_block(Block& b) {
+  if (b.buffer) vkDestroyBuffer(dev_, b.buffer, nullptr);
+  if (b.memory) {
+    if (b.mapped) vkUnmapMemory(dev_, b.memory);
+    vkFreeMemory(dev_, b.memory, nullptr);
+    reserved_ -= b.size;
+  }
+  b = Block{};
+}
+
+size_t DeviceMemory::block_count() const {
+  size_t n = 0;
+  for (const Block& b : blocks_) n += b.memory != VK_NULL_HANDLE;
+  return n;
+}
+
+uint32_t DeviceMemory::new_block(VkDeviceSize size, int pool, bool dedicated) {
+  if (size > max_allocation_)
+    fail(RECURRA_ERR_OOM, "a buffer of " + mib(size) + " exceeds this device's largest allocation (" +
+                              mib(max_allocation_) + ")");
+  Block b;
+  b.size = size;
+  b.pool = pool;
+  b.dedicated = dedicated;
+  VkBufferCreateInfo bi{VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO};
+  bi.size = size;
+  bi.usage = VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | VK_BUFFER_USAGE_TRANSFER_SRC_BIT |
+             VK_BUFFER_USAGE_TRANSFER_DST_BIT | VK_BUFFER_USAGE_SHADER_DEVICE_ADDRESS_BIT;
+  bi.sharingMode = VK_SHARING_MODE_EXCLUSIVE;
+  vk_check(vkCreateBuffer(dev_, &bi, nullptr, &b.buffer), "vkCreateBuffer");
+  VkMemoryRequirements req;
+  vkGetBufferMemoryRequirements(dev_, b.buffer, &req);
+
+  // Pick the memory type: see the header (host-visible device memory on CPU/integrated
+  // devices, plain device-local memory on discrete GPUs).
+  int best = -1, best_score = -1;
+  for (uint32_t i = 0; i < mem_props_.memoryTypeCount; ++i) {
+    if (!(req.memoryTypeBits & (1u << i))) continue;
+    const VkMemoryPropertyFlags f = mem_props_.memoryTypes[i].propertyFlags;
+    const bool local = f & VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT;
+    const bool visible = (f & VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT) && (f & VK_MEMORY_PROPERTY_HOST_COHERENT_BIT);
+    const bool cached = f & VK_MEMORY_PROPERTY_HOST_CACHED_BIT;
+    int score = 0;
+    if (host_visible_preferred_)
+      score = (local ? 4 : 0) + (visible ? 2 : 0) + (cached ? 1 : 0);
+    else
+      score = (local ? 4 : 0) + (visible ? 0 : 2);
+    if (score > best_score) best = static_cast<int>(i), best_score = score;
+  }
+  if (best < 0) {
+    vkDestroyBuffer(dev_, b.buffer, nullptr);
+    fail(RECURRA_ERR_DEVICE_LOST, "no memory type can hold a storage buffer on this device");
+  }
+  VkMemoryAllocateFlagsInfo flags{VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_FLAGS_INFO};
+  flags.flags = VK_MEMORY_ALLOCATE_DEVICE_ADDRESS_BIT;
+  VkMemoryAllocateInfo ai{VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO};
+  ai.pNext = &flags;
+  ai.allocationSize = req.size;
+  ai.memoryTypeIndex = static_cast<uint32_t>(best);
+  VkResult r = vkAllocateMemory(dev_, &ai, nullptr, &b.memory);
+  if (r != VK_SUCCESS) {
+    vkDestroyBuffer(dev_, b.buffer, nullptr);
+    if (r == VK_ERROR_OUT_OF_DEVICE_MEMORY || r == VK_ERROR_OUT_OF_HOST_MEMORY)
+      fail(RECURRA_ERR_OOM, "out of device memory allocating " + mib(size) + " (" + mib(in_use_) +
+                                " in use, " + mib(reserved_) + " reserved by recurra)");
+    fail_vk(r, "vkAllocateMemory");
+  }
+  reserved_ += size;
+  const VkMemoryPropertyFlags f = mem_props_.memoryTypes[best].propertyFlags;
+  try {
+    vk_check(vkBindBufferMemory(dev_, b.buffer, b.memory, 0), "vkBindBufferMemory");
+    if ((f & VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT) && (f & VK_MEMORY_PROPERTY_HOST_COHERENT_BIT) &&
+        host_visible_preferred_) {
+      void* p = nullptr;
+      vk_check(vkMapMemory(dev_, b.memory, 0, VK_WHOLE_SIZE, 0, &p), "vkMapMemory");
+      b.mapped = static_cast<uint8_t*>(p);
+    }
+  } catch (...) {
+    destroy_block(b);
+    throw;
+  }
+  VkBufferDeviceAddressInfo ad{VK_STRUCTURE_TYPE_BUFFER_DEVICE_ADDRESS_INFO};
+  ad.buffer = b.buffer;
+  b.address = vkGetBufferDeviceAddress(dev_, &ad);
+  b.free[0] = size;
+  for (uint32_t i = 0; i < blocks_.size(); ++i)
+    if (blocks_[i].memory == VK_NULL_HANDLE) {
+      blocks_[i] = std::move(b);
+      return i;
+    }
+  blocks_.push_back(std::move(b));
+  return static_cast<uint32_t>(blocks_.size() - 1);
+}
+
+Allocation DeviceMemory::take(VkDeviceSize nbytes, int pool) {
+  VkDeviceSize size = align_up(std::max<VkDeviceSize>(nbytes, 4), kAlign);
+  if (size > block_size_ / 2) {  // a block of its own: large buffers do not fragment blocks
+    uint32_t id = new_block(size, pool, true);
+    Block& b = blocks_[id];
+    b.free.clear();
+    b.used = size;
+    in_use_ += size;
+    return {id, 0, size, nbytes};
+  }
+  // Best fit over the pool's blocks.
+  uint32_t best_block = UINT32_MAX;
+  VkDeviceSize best_off = 0, best_size = ~VkDeviceSize(0);
+  for (uint32_t i = 0; i < blocks_.size(); ++i) {
+    const Block& b = blocks_[i];
+    if (!b.memory || b.pool != pool || b.dedicated) continue;
+    for (const auto& [off, sz] : b.free)
+      if (sz >= size && sz < best_size) best_block = i, best_off = off, best_size = sz;
+  }
+  if (best_block == UINT32_MAX) {
+    best_block = new_block(block_size_, pool, false);
+    best_off = 0;
+    best_size = block_size_;
+  }
+  Block& b = blocks_[best_block];
+  b.free.erase(best_off);
+  if (best_size > size) b.free[best_off + size] = best_size - size;
+  b.used += size;
+  in_use_ += size;
+  return {best_block, best_off, size, nbytes};
+}
+
+bool DeviceMemory::give_back(const Allocation& a) {
+  Block& b = blocks_[a.block];
+  b.used -= a.size;
+  in_use_ -= a.size;
+  if (b.dedicated) return true;
+  auto it = b.free.emplace(a.offset, a.size).first;
+  auto nx = std::next(it);
+  if (nx != b.free.end() && it->first + it->second == nx->first) {
+    it->second += nx->second;
+    b.free.erase(nx);
+  }
+  if (it != b.free.begin()) {
+    auto pv = std::prev(it);
+    if (pv->first + pv->second == it->first) {
+      pv->second += it->second;
+      b.free.erase(it);
+    }
+  }
+  return b.used == 0;
+}
+
+recurra_buffer DeviceMemory::alloc(size_t nbytes, bool persistent) {
+  if (nbytes == 0) fail_invalid("alloc: a buffer needs at least one byte");
+  Allocation a = take(nbytes, persistent ? kPersistent : kTransient);
+  uint32_t slot;
+  if (!free_slots_.empty()) {
+    slot = free_slots_.back();
+    free_slots_.pop_back();
+  } else {
+    slot = static_cast<uint32_t>(slots_.size());
+    slots_.emplace_back();
+  }
+  slots_[slot].a = a;
+  slots_[slot].generation = next_generation_++;
+  recurra_buffer out;
+  out.handle = slot + 1;
+  out.generation = slots_[slot].generation;
+  out.nbytes = nbytes;
+  return out;
+}
+
+const Allocation& DeviceMemory::lookup(const recurra_buffer& b, const char* what) const {
+  if (b.handle == 0 || b.handle > slots_.size() || b.generation == 0 ||
+      slots_[b.handle - 1].generation != b.generation)
+    fail_invalid(std::string(what) + ": stale or unknown buffer handle (handle " + std::to_string(b.handle) +
+                 ", generation " + std::to_string(b.generation) +
+                 "): the buffer was freed or belongs to another backend");
+  return slots_[b.handle - 1].a;
+}
+
+bool DeviceMemory::free(const recurra_buffer& b) {
+  const Allocation a = lookup(b, "free");
+  slots_[b.handle - 1].generation = 0;
+  free_slots_.push_back(static_cast<uint32_t>(b.handle - 1));
+  return give_back(a);
+}
+
+Allocation DeviceMemory::alloc_internal(size_t nbytes) { return take(nbytes, kInternal); }
+
+bool DeviceMemory::free_internal(const Allocation& a) { return give_back(a); }
+
+void DeviceMemory::release_empty_blocks() {
+  bool kept[3] = {false, false, false};
+  for (Block& b : blocks_) {
+    if (!b.memory || b.used != 0) continue;
+    if (!b.dedicated && !kept[b.pool]) {
+      kept[b.pool] = true;  // keep one empty block per pool: the next graph reuses it
+      continue;
+    }
+    destroy_block(b);
+  }
+}
+
+}  // namespace recurra_vk

@@ -1,0 +1,95 @@
+// Device memory: large blocks sub-allocated into buffers, and handles with generations.
+//
+// Drivers cap the number of VkDeviceMemory allocations (4096 on many), so memory comes in
+// blocks (64-256 MiB, see Device) each carrying one VkBuffer with a device address; a
+// recurra_buffer is a range of a block. Shaders reach memory through buffer device
+// addresses, so a sub-allocation is nothing more than block address + offset.
+//
+// A recurra_buffer is {handle = slot + 1, generation, nbytes}. Freeing a buffer clears its
+// slot's generation; every lookup compares generations, so a stale copy of a handle is an
+// error (RECURRA_ERR_INVALID) instead of a read of memory that now belongs to someone else.
+#pragma once
+
+#include <map>
+#include <vector>
+
+#include "common.h"
+
+namespace recurra_vk {
+
+// A range of one block.
+struct Allocation {
+  uint32_t block = 0;
+  VkDeviceSize offset = 0;
+  VkDeviceSize size = 0;    // reserved bytes (aligned)
+  VkDeviceSize nbytes = 0;  // bytes asked for: what copies and views may touch
+};
+
+class DeviceMemory {
+ public:
+  // host_visible_preferred: put blocks in host-visible device memory when there is such
+  // (CPU and integrated devices), so copies are plain memcpy.
+  DeviceMemory(VkDevice dev, VkPhysicalDevice pd, bool host_visible_preferred, VkDeviceSize block_size,
+               VkDeviceSize max_allocation);
+  ~DeviceMemory();
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+
+  // A new buffer of nbytes (> 0). Throws Error(OOM) when the device is full.
+  recurra_buffer alloc(size_t nbytes, bool persistent);
+  // The allocation behind a live handle; throws Error(INVALID) naming `what` when stale.
+  const Allocation& lookup(const recurra_buffer& b, const char* what) const;
+  // Frees a live handle (throws when stale). Returns true when a block became empty and
+  // can be released with release_empty_blocks() once the GPU no longer uses it.
+  bool free(const recurra_buffer& b);
+  // Internal memory (scratch of multi-pass ops), not reachable through handles.
+  Allocation alloc_internal(size_t nbytes);
+  bool free_internal(const Allocation& a);
+  // Gives empty blocks back to the driver (keeps one per pool). Call only when no
+  // submitted work can touch them.
+  void release_empty_blocks();
+
+  VkDeviceAddress address(const Allocation& a) const { return blocks_[a.block].address + a.offset; }
+  VkBuffer vk_buffer(const Allocation& a) const { return blocks_[a.block].buffer; }
+  // Host pointer to the allocation, or nullptr when its block is not host-visible.
+  uint8_t* mapped(const Allocation& a) const {
+    return blocks_[a.block].mapped ? blocks_[a.block].mapped + a.offset : nullptr;
+  }
+  uint64_t bytes_in_use() const { return in_use_; }
+  uint64_t bytes_reserved() const { return reserved_; }
+  size_t block_count() const;
+
+ private:
+  enum Pool { kPersistent = 0, kTransient = 1, kInternal = 2 };
+  struct Block {
+    VkDeviceMemory memory = VK_NULL_HANDLE;
+    VkBuffer buffer = VK_NULL_HANDLE;
+    VkDeviceAddress address = 0;
+    uint8_t* mapped = nullptr;
+    VkDeviceSize size = 0, used = 0;
+    int pool = kTransient;
+    bool dedicated = false;  // made for one large buffer
+    std::map<VkDeviceSize, VkDeviceSize> free;  // offset -> size, coalesced
+  };
+  struct Slot {
+    Allocation a;
+    uint64_t generation = 0;  // 0: free slot
+  };
+
+  Allocation take(VkDeviceSize size, int pool);
+  bool give_back(const Allocation& a);
+  uint32_t new_block(VkDeviceSize size, int pool, bool dedicated);
+  void destroy_block(Block& b);
+
+  VkDevice dev_;
+  VkPhysicalDeviceMemoryProperties mem_props_{};
+  bool host_visible_preferred_;
+  VkDeviceSize block_size_, max_allocation_;
+  std::vector<Block> blocks_;  // destroyed blocks stay as empty entries (ids are stable)
+  std::vector<Slot> slots_;
+  std::vector<uint32_t> free_slots_;
+  uint64_t next_generation_ = 1;
+  uint64_t in_use_ = 0, reserved_ = 0;
+};
+
+}  // namespace recurra_vk

@@ -1,0 +1,120 @@
+// Matrix products on matmul.comp: matmul and out_prod, batched with numpy broadcasting of
+// up to two batch axes, any operand strides (transposed views run without copies).
+//
+//   matmul    a (B..., m, k) @ b (B..., k, n)   -> (B..., m, n)
+//   out_prod  a (B..., k, m), b (B..., k, n)    -> (B..., m, n) = a^T @ b
+#include <algorithm>
+#include <cstring>
+
+#include "ops.h"
+
+namespace recurra_vk {
+
+namespace {
+
+struct MatmulPC {
+  uint64_t a, b, c;
+  int32_t M, N, K;
+  int32_t a_rs, a_cs, b_rs, b_cs;
+  int32_t nb1;
+  int32_t a_b0, a_b1, b_b0, b_b1;
+};
+
+template <bool OUT_PROD>
+std::string product_check(const recurra_node_desc& n) {
+  std::string why = require_srcs(n, 2);
+  if (why.empty()) why = require_f32(n, 2);
+  if (!why.empty()) return why;
+  const recurra_tensor_desc &a = n.src[0], &b = n.src[1], &d = n.dst;
+  if (a.ndim < 2 || b.ndim < 2 || d.ndim < 2) return "needs at least 2 axes";
+  if (d.ndim != std::max(a.ndim, b.ndim)) return "output rank must be the larger source rank";
+  const int64_t m = OUT_PROD ? a.shape[a.ndim - 1] : a.shape[a.ndim - 2];
+  const int64_t k = OUT_PROD ? a.shape[a.ndim - 2] : a.shape[a.ndim - 1];
+  if (b.shape[b.ndim - 2] != k) return "the contracted dimensions differ";
+  if (d.shape[d.ndim - 2] != m || d.shape[d.ndim - 1] != b.shape[b.ndim - 1]) return "wrong output shape";
+  const int nbd = d.ndim - 2;
+  int64_t batch = 1;
+  for (int i = 0; i < nbd; ++i) {
+    const int ia = a.ndim - d.ndim + i, ib = b.ndim - d.ndim + i;
+    const int64_t da = ia >= 0 ? a.shape[ia] : 1, db = ib >= 0 ? b.shape[ib] : 1;
+    if ((da != d.shape[i] && da != 1) || (db != d.shape[i] && db != 1)) return "batch axes do not broadcast";
+    batch *= d.shape[i];
+  }
+  if (batch > 65535) return "more than 65535 batch matrices";
+  if ((m + 63) / 64 > 65535) return "too many rows";
+  return "";
+}
+
+template <bool OUT_PROD>
+void product_record(NodeCall& c) {
+  const recurra_tensor_desc &a = *c.src[0].d, &b = *c.src[1].d, &d = *c.dst.d;
+  const int na = a.ndim, nb = b.ndim, nd = d.ndim;
+  MatmulPC pc{};
+  pc.a = addr(c.src[0]);
+  pc.b = addr(c.src[1]);
+  pc.c = addr(c.dst);
+  pc.M = static_cast<int32_t>(d.shape[nd - 2]);
+  pc.N = static_cast<int32_t>(d.shape[nd - 1]);
+  pc.K = static_cast<int32_t>(OUT_PROD ? a.shape[na - 2] : a.shape[na - 1]);
+  // A(m, k): matmul reads a's last two axes as (m, k); out_prod as (k, m).
+  pc.a_rs = static_cast<int32_t>(OUT_PROD ? a.strides[na - 1] : a.strides[na - 2]);
+  pc.a_cs = static_cast<int32_t>(OUT_PROD ? a.strides[na - 2] : a.strides[na - 1]);
+  pc.b_rs = static_cast<int32_t>(b.strides[nb - 2]);
+  pc.b_cs = static_cast<int32_t>(b.strides[nb - 1]);
+  // Size-1 axes: their stride is never used to move, make it neutral for layout checks.
+  if (pc.M == 1) pc.a_rs = 0;
+  if (pc.K == 1) pc.a_cs = 0, pc.b_rs = 0;
+  if (pc.N == 1) pc.b_cs = 0;
+  // Batch axes (at most two), right-aligned, stride 0 where broadcast.
+  int64_t bdim[2] = {1, 1}, sa[2] = {0, 0}, sb[2] = {0, 0};
+  const int nbd = nd - 2;
+  for (int i = 0; i < nbd; ++i) {
+    const int slot = 2 - nbd + i;
+    bdim[slot] = d.shape[i];
+    const int ia = na - nd + i, ib = nb - nd + i;
+    sa[slot] = (ia < 0 || a.shape[ia] == 1) ? 0 : a.strides[ia];
+    sb[slot] = (ib < 0 || b.shape[ib] == 1) ? 0 : b.strides[ib];
+  }
+  pc.nb1 = static_cast<int32_t>(bdim[1]);
+  pc.a_b0 = static_cast<int32_t>(sa[0]);
+  pc.a_b1 = static_cast<int32_t>(sa[1]);
+  pc.b_b0 = static_cast<int32_t>(sb[0]);
+  pc.b_b1 = static_cast<int32_t>(sb[1]);
+  const int64_t batch = bdim[0] * bdim[1];
+  if (batch * pc.M * pc.N == 0) return;
+
+  // Layouts: which axis of each operand is contiguous (k-contiguous also covers general
+  // strides: the scalar loads use both strides).
+  const int a_kc = !(pc.a_rs == 1 && pc.a_cs != 1);
+  const int b_kc = pc.b_rs == 1 && pc.b_cs != 1;
+  auto aligned = [](uint64_t p, std::initializer_list<int64_t> strides, int64_t extent) {
+    if (p % 16 || extent % 4) return false;
+    for (int64_t s : strides)
+      if (s % 4) return false;
+    return true;
+  };
+  // vec4 loads along the contiguous axis: that axis' extent, the other stride and the batch
+  // strides multiples of 4, the address 16-byte aligned.
+  const int vec_a = a_kc ? (pc.a_cs == 1 && aligned(pc.a, {pc.a_rs, sa[0], sa[1]}, pc.K))
+                         : aligned(pc.a, {pc.a_cs, sa[0], sa[1]}, pc.M);
+  const int vec_b = b_kc ? aligned(pc.b, {pc.b_cs, sb[0], sb[1]}, pc.K)
+                         : (pc.b_cs == 1 && aligned(pc.b, {pc.b_rs, sb[0], sb[1]}, pc.N));
+  const int vec_c = pc.N % 4 == 0 && pc.c % 16 == 0;
+
+  // Big tiles when there are enough of them to fill a large GPU (two per SM on an H200).
+  const int64_t tiles128 = ((pc.M + 127) / 128) * ((pc.N + 127) / 128) * batch;
+  const bool big = tiles128 >= 264;
+  const int64_t tile = big ? 128 : 64;
+  c.rec.dispatch(big ? "matmul_128" : "matmul_64", {a_kc, b_kc, vec_a, vec_b, vec_c}, pc,
+                 static_cast<uint32_t>((pc.N + tile - 1) / tile), static_cast<uint32_t>((pc.M + tile - 1) / tile),
+                 static_cast<uint32_t>(batch), {c.src[0].range, c.src[1].range}, {c.dst.range});
+}
+
+}  // namespace
+
+void register_matmul_ops() {
+  add_op("matmul", {product_check<false>, product_record<false>});
+  add_op("out_prod", {product_check<true>, product_record<true>});
+}
+
+}  // namespace recurra_vk

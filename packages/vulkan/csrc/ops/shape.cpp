@@ -1,0 +1,255 @@
+// Ops that move data: contiguous, fill, slice_grad, concat, pad, cumsum. Elements are moved
+// as 4-byte words, so float32 and int32 share the kernels. Shaders: copy.comp, fill.comp,
+// pad.comp, cumsum.comp.
+//
+//   concat:     a, b (.., A|B, ..), ip [axis] -> (.., A + B, ..)
+//   pad:        x, ip [before0, after0, ...], fp [value] -> padded
+//   slice_grad: g (the slice's shape), ip [full shape..., (start, stop, step) per axis] -> zeros
+//               of the full shape with g written into the slice
+//   cumsum:     x dense, ip [axis, reverse]
+#include <cstring>
+
+#include "ops.h"
+
+namespace recurra_vk {
+
+namespace {
+
+struct CopyPC {
+  uint64_t s, d;
+  uint32_t n;
+  int32_t shape[4], ss[4], sd[4];
+};
+
+// d[view] = s[view] over `shape` (nd axes) with the given element strides.
+void copy_view(Recorder& rec, int nd, const int64_t* shape, uint64_t s_addr, const int64_t* s_st, const Range& s_range,
+               uint64_t d_addr, const int64_t* d_st, const Range& d_range) {
+  int64_t n = 1;
+  for (int i = 0; i < nd; ++i) n *= shape[i];
+  if (n == 0) return;
+  int64_t st[2][4];
+  for (int i = 0; i < nd; ++i) st[0][i] = s_st[i], st[1][i] = d_st[i];
+  const Collapsed col = collapse(2, nd, shape, st);
+  CopyPC pc{};
+  pc.s = s_addr;
+  pc.d = d_addr;
+  pc.n = static_cast<uint32_t>(n);
+  std::memcpy(pc.shape, col.shape, sizeof pc.shape);
+  std::memcpy(pc.ss, col.strides[0], sizeof pc.ss);
+  std::memcpy(pc.sd, col.strides[1], sizeof pc.sd);
+  const bool flat = col.nd == 0 || (col.nd == 1 && col.strides[0][3] == 1 && col.strides[1][3] == 1);
+  rec.dispatch("copy", {flat ? 1 : 0}, pc, grid_groups(n, 256), 1, 1, {s_range}, {d_range});
+}
+
+struct FillPC {
+  uint64_t d;
+  uint32_t n;
+  uint32_t bits;
+};
+
+void fill_words(Recorder& rec, uint64_t d_addr, int64_t n, uint32_t bits, const Range& range) {
+  if (n == 0) return;
+  FillPC pc{d_addr, static_cast<uint32_t>(n), bits};
+  rec.dispatch("fill", {}, pc, grid_groups(n, 256), 1, 1, {}, {range});
+}
+
+uint32_t value_bits(recurra_dtype dt, double v) {
+  uint32_t bits;
+  if (dt == RECURRA_F32) {
+    const float f = static_cast<float>(v);
+    std::memcpy(&bits, &f, 4);
+  } else {
+    const int32_t i = static_cast<int32_t>(v);
+    std::memcpy(&bits, &i, 4);
+  }
+  return bits;
+}
+
+bool same_shape(const recurra_tensor_desc& a, const recurra_tensor_desc& b) {
+  if (a.ndim != b.ndim) return false;
+  for (int i = 0; i < a.ndim; ++i)
+    if (a.shape[i] != b.shape[i]) return false;
+  return true;
+}
+
+// ---- contiguous -----------------------------------------------------------------------
+
+std::string contiguous_check(const recurra_node_desc& n) {
+  std::string why = require_srcs(n, 1);
+  if (!why.empty()) return why;
+  if (n.src[0].dtype != n.dst.dtype) return "contiguous keeps the dtype";
+  if (!same_shape(n.src[0], n.dst)) return "contiguous keeps the shape";
+  return "";
+}
+
+void contiguous_record(NodeCall& c) {
+  const recurra_tensor_desc& d = *c.dst.d;
+  int64_t dst_st[4];
+  dense_strides(d, dst_st);
+  copy_view(c.rec, d.ndim, d.shape, addr(c.src[0]), c.src[0].d->strides, c.src[0].range, addr(c.dst), dst_st,
+            c.dst.range);
+}
+
+// ---- fill -----------------------------------------------------------------------------
+
+std::string fill_check(const recurra_node_desc& n) {
+  std::string why = require_srcs(n, 0);
+  if (!why.empty()) return why;
+  if (n.n_fp != 2) return "fill takes (value, dtype)";
+  if (static_cast<int>(n.fp[1]) != static_cast<int>(n.dst.dtype)) return "fill: dtype code and output dtype differ";
+  return "";
+}
+
+void fill_record(NodeCall& c) {
+  fill_words(c.rec, addr(c.dst), numel(*c.dst.d), value_bits(c.dst.d->dtype, c.node.fp[0]), c.dst.range);
+}
+
+// ---- slice_grad -----------------------------------------------------------------------
+
+std::string slice_grad_check(const recurra_node_desc& n) {
+  std::string why = require_srcs(n, 1);
+  if (why.empty()) why = require_f32(n, 1);
+  if (!why.empty()) return why;
+  const int nd = n.dst.ndim;
+  if (n.n_ip != 4 * nd || n.src[0].ndim != nd) return "slice_grad takes the full shape and (start, stop, step) per axis";
+  for (int i = 0; i < nd; ++i) {
+    const int64_t b = n.ip[nd + 3 * i], st = n.ip[nd + 3 * i + 2], len = n.src[0].shape[i];
+    if (n.ip[i] != n.dst.shape[i]) return "slice_grad: the output must have the full shape";
+    if (st <= 0 || b < 0 || (len > 0 && b + (len - 1) * st >= n.dst.shape[i])) return "slice_grad: the slice lies outside";
+  }
+  return "";
+}
+
+void slice_grad_record(NodeCall& c) {
+  const recurra_tensor_desc& d = *c.dst.d;
+  const int nd = d.ndim;
+  fill_words(c.rec, addr(c.dst), numel(d), 0u, c.dst.range);
+  int64_t dense[4], wst[4];
+  dense_strides(d, dense);
+  int64_t off = 0;
+  for (int i = 0; i < nd; ++i) {
+    off += c.node.ip[nd + 3 * i] * dense[i];
+    wst[i] = dense[i] * c.node.ip[nd + 3 * i + 2];
+  }
+  copy_view(c.rec, nd, c.src[0].d->shape, addr(c.src[0]), c.src[0].d->strides, c.src[0].range,
+            addr(c.dst) + static_cast<uint64_t>(off) * 4, wst, c.dst.range);
+}
+
+// ---- concat ---------------------------------------------------------------------------
+
+std::string concat_check(const recurra_node_desc& n) {
+  std::string why = require_srcs(n, 2);
+  if (!why.empty()) return why;
+  const recurra_tensor_desc &a = n.src[0], &b = n.src[1], &d = n.dst;
+  if (a.dtype != d.dtype || b.dtype != d.dtype) return "concat: sources and output must share one dtype";
+  if (n.n_ip != 1 || a.ndim != d.ndim || b.ndim != d.ndim || d.ndim == 0) return "concat takes an axis and equal ranks";
+  const int64_t ax = n.ip[0];
+  if (ax < 0 || ax >= d.ndim) return "concat: axis out of range";
+  for (int i = 0; i < d.ndim; ++i) {
+    const int64_t want = i == ax ? a.shape[i] + b.shape[i] : a.shape[i];
+    if (d.shape[i] != want || (i != ax && b.shape[i] != a.shape[i])) return "concat: shapes do not fit";
+  }
+  return "";
+}
+
+void concat_record(NodeCall& c) {
+  const recurra_tensor_desc& d = *c.dst.d;
+  const int ax = static_cast<int>(c.node.ip[0]);
+  int64_t dense[4];
+  dense_strides(d, dense);
+  copy_view(c.rec, d.ndim, c.src[0].d->shape, addr(c.src[0]), c.src[0].d->strides, c.src[0].range, addr(c.dst),
+            dense, c.dst.range);
+  const uint64_t off = static_cast<uint64_t>(c.src[0].d->shape[ax] * dense[ax]) * 4;
+  copy_view(c.rec, d.ndim, c.src[1].d->shape, addr(c.src[1]), c.src[1].d->strides, c.src[1].range, addr(c.dst) + off,
+            dense, c.dst.range);
+}
+
+// ---- pad ------------------------------------------------------------------------------
+
+struct PadPC {
+  uint64_t x, y;
+  uint32_t n;
+  uint32_t bits;
+  int32_t shape[4], xshape[4], sx[4], before[4];
+};
+
+std::string pad_check(const recurra_node_desc& n) {
+  std::string why = require_srcs(n, 1);
+  if (!why.empty()) return why;
+  const recurra_tensor_desc &x = n.src[0], &d = n.dst;
+  if (x.dtype != d.dtype) return "pad keeps the dtype";
+  if (n.n_ip != 2 * x.ndim || n.n_fp != 1 || d.ndim != x.ndim) return "pad takes (before, after) per axis and a value";
+  for (int i = 0; i < x.ndim; ++i)
+    if (n.ip[2 * i] < 0 || n.ip[2 * i + 1] < 0 || d.shape[i] != x.shape[i] + n.ip[2 * i] + n.ip[2 * i + 1])
+      return "pad: shapes do not fit";
+  return "";
+}
+
+void pad_record(NodeCall& c) {
+  const recurra_tensor_desc &x = *c.src[0].d, &d = *c.dst.d;
+  const int64_t n = numel(d);
+  if (n == 0) return;
+  PadPC pc{};
+  pc.x = addr(c.src[0]);
+  pc.y = addr(c.dst);
+  pc.n = static_cast<uint32_t>(n);
+  pc.bits = value_bits(d.dtype, c.node.fp[0]);
+  for (int j = 0; j < 4; ++j) pc.shape[j] = 1, pc.xshape[j] = 1, pc.sx[j] = 0, pc.before[j] = 0;
+  for (int i = 0; i < d.ndim; ++i) {
+    const int j = 4 - d.ndim + i;
+    pc.shape[j] = static_cast<int32_t>(d.shape[i]);
+    pc.xshape[j] = static_cast<int32_t>(x.shape[i]);
+    pc.sx[j] = static_cast<int32_t>(x.strides[i]);
+    pc.before[j] = static_cast<int32_t>(c.node.ip[2 * i]);
+  }
+  c.rec.dispatch("pad", {}, pc, grid_groups(n, 256), 1, 1, {c.src[0].range}, {c.dst.range});
+}
+
+// ---- cumsum ---------------------------------------------------------------------------
+
+struct CumsumPC {
+  uint64_t x, y;
+  uint32_t O, L, I;
+};
+
+std::string cumsum_check(const recurra_node_desc& n) {
+  std::string why = require_srcs(n, 1);
+  if (why.empty()) why = require_f32(n, 1);
+  if (!why.empty()) return why;
+  if (n.n_ip != 2 || n.ip[0] < 0 || n.ip[0] >= n.dst.ndim || (n.ip[1] != 0 && n.ip[1] != 1))
+    return "cumsum takes (axis, reverse)";
+  if (!is_dense(n.src[0]) || !same_shape(n.src[0], n.dst)) return "cumsum needs a dense source of the output's shape";
+  return "";
+}
+
+void cumsum_record(NodeCall& c) {
+  const recurra_tensor_desc& d = *c.dst.d;
+  const int ax = static_cast<int>(c.node.ip[0]);
+  int64_t O = 1, I = 1;
+  for (int i = 0; i < ax; ++i) O *= d.shape[i];
+  for (int i = ax + 1; i < d.ndim; ++i) I *= d.shape[i];
+  const int64_t L = d.shape[ax];
+  if (O * I * L == 0) return;
+  CumsumPC pc{addr(c.src[0]), addr(c.dst), static_cast<uint32_t>(O), static_cast<uint32_t>(L), static_cast<uint32_t>(I)};
+  const int32_t rev = static_cast<int32_t>(c.node.ip[1]);
+  if (I == 1) {
+    uint32_t gx, gy;
+    grid_2d(O, gx, gy);
+    c.rec.dispatch("cumsum", {0, rev}, pc, gx, gy, 1, {c.src[0].range}, {c.dst.range});
+  } else {
+    c.rec.dispatch("cumsum", {1, rev}, pc, grid_groups(O * I, 256), 1, 1, {c.src[0].range}, {c.dst.range});
+  }
+}
+
+}  // namespace
+
+void register_shape_ops() {
+  add_op("contiguous", {contiguous_check, contiguous_record});
+  add_op("fill", {fill_check, fill_record});
+  add_op("slice_grad", {slice_grad_check, slice_grad_record});
+  add_op("concat", {concat_check, concat_record});
+  add_op("pad", {pad_check, pad_record});
+  add_op("cumsum", {cumsum_check, cumsum_record});
+}
+
+}  // namespace recurra_vk

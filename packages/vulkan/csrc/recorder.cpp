@@ -1,0 +1,83 @@
+#include "recorder.h"
+
+#include "device.h"
+
+namespace recurra_vk {
+
+namespace {
+
+bool overlap(const Range& a, const Range& b) {
+  return a.block == b.block && a.lo < b.hi && b.lo < a.hi;
+}
+
+}  // namespace
+
+Recorder::Recorder(Device& dev, Submission& sub)
+    : dev_(dev), sub_(sub), cb_(sub.cb), profiling_(dev.profiling()) {}
+
+bool Recorder::conflicts(std::initializer_list<Range> reads, std::initializer_list<Range> writes) const {
+  for (const Range& r : reads)
+    for (const Range& w : writes_)
+      if (overlap(r, w)) return true;
+  for (const Range& w : writes) {
+    for (const Range& p : writes_)
+      if (overlap(w, p)) return true;
+    for (const Range& p : reads_)
+      if (overlap(w, p)) return true;
+  }
+  return false;
+}
+
+void Recorder::barrier() {
+  VkMemoryBarrier mb{VK_STRUCTURE_TYPE_MEMORY_BARRIER};
+  mb.srcAccessMask = VK_ACCESS_SHADER_WRITE_BIT | VK_ACCESS_SHADER_READ_BIT;
+  mb.dstAccessMask = VK_ACCESS_SHADER_READ_BIT | VK_ACCESS_SHADER_WRITE_BIT;
+  vkCmdPipelineBarrier(cb_, VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, 0, 1, &mb,
+                       0, nullptr, 0, nullptr);
+  reads_.clear();
+  writes_.clear();
+}
+
+void Recorder::dispatch_raw(const std::string& module, const std::vector<int32_t>& spec, const void* pc,
+                            size_t pc_bytes, uint32_t gx, uint32_t gy, uint32_t gz,
+                            std::initializer_list<Range> reads, std::initializer_list<Range> writes) {
+  if (gx == 0 || gy == 0 || gz == 0) return;
+  VkPipeline p = dev_.pipelines().get(module, spec);
+  if (conflicts(reads, writes)) barrier();
+  for (const Range& r : reads)
+    if (r.hi > r.lo) reads_.push_back(r);
+  for (const Range& w : writes)
+    if (w.hi > w.lo) writes_.push_back(w);
+  if (p != bound_) {
+    vkCmdBindPipeline(cb_, VK_PIPELINE_BIND_POINT_COMPUTE, p);
+    bound_ = p;
+  }
+  vkCmdPushConstants(cb_, dev_.pipelines().layout(), VK_SHADER_STAGE_COMPUTE_BIT, 0,
+                     static_cast<uint32_t>(pc_bytes), pc);
+  vkCmdDispatch(cb_, gx, gy, gz);
+}
+
+Recorder::Scratch Recorder::scratch(size_t nbytes) {
+  Allocation a = dev_.memory().alloc_internal(nbytes);
+  sub_.scratch.push_back(a);
+  Scratch s;
+  s.addr = dev_.memory().address(a);
+  s.range = {a.block, a.offset, a.offset + a.size};
+  return s;
+}
+
+void Recorder::begin_node(const char* op) {
+  if (!profiling_) return;
+  barrier();  // profiled nodes run one at a time so each one's time is its own
+  vkCmdWriteTimestamp(cb_, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, sub_.queries, 2 * n_profiled_);
+  sub_.profile_ops.push_back(op);
+}
+
+void Recorder::end_node() {
+  if (!profiling_) return;
+  barrier();
+  vkCmdWriteTimestamp(cb_, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, sub_.queries, 2 * n_profiled_ + 1);
+  ++n_profiled_;
+}
+
+}  // namespace recurra_vk

@@ -1,0 +1,73 @@
+// Records the dispatches of one submission and places barriers only where needed.
+//
+// Every dispatch states the memory it reads and writes (block + byte range). A barrier is
+// inserted before a dispatch that reads what an earlier dispatch since the last barrier
+// wrote (read-after-write), or writes what one read or wrote (write-after-read/-write: the
+// memory planner reuses the buffers of dead tensors). Independent nodes of a split thus run
+// concurrently; dependent ones are ordered.
+#pragma once
+
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "pipelines.h"
+
+namespace recurra_vk {
+
+class Device;
+struct Submission;
+
+struct Range {
+  uint32_t block = 0;
+  VkDeviceSize lo = 0, hi = 0;  // byte range within the block; empty when lo == hi
+};
+
+class Recorder {
+ public:
+  Recorder(Device& dev, Submission& sub);
+
+  Device& device() { return dev_; }
+
+  void dispatch_raw(const std::string& module, const std::vector<int32_t>& spec, const void* pc,
+                    size_t pc_bytes, uint32_t gx, uint32_t gy, uint32_t gz,
+                    std::initializer_list<Range> reads, std::initializer_list<Range> writes);
+
+  // One dispatch of `module` with specialization constants `spec`, push constants `pc`
+  // and gx * gy * gz workgroups (none when any is 0).
+  template <class PC>
+  void dispatch(const std::string& module, const std::vector<int32_t>& spec, const PC& pc, uint32_t gx,
+                uint32_t gy, uint32_t gz, std::initializer_list<Range> reads,
+                std::initializer_list<Range> writes) {
+    static_assert(sizeof(PC) <= kPushConstantBytes, "push constants exceed 128 bytes");
+    dispatch_raw(module, spec, &pc, sizeof(PC), gx, gy, gz, reads, writes);
+  }
+
+  // Device memory that lives until this submission completes.
+  struct Scratch {
+    VkDeviceAddress addr = 0;
+    Range range;
+  };
+  Scratch scratch(size_t nbytes);
+
+  // Profiling marks around one node (no-ops unless profiling).
+  void begin_node(const char* op);
+  void end_node();
+
+  // A full compute-to-compute memory barrier.
+  void barrier();
+
+ private:
+  bool conflicts(std::initializer_list<Range> reads, std::initializer_list<Range> writes) const;
+
+  Device& dev_;
+  Submission& sub_;
+  VkCommandBuffer cb_;
+  bool profiling_;
+  uint32_t n_profiled_ = 0;
+  std::vector<Range> reads_, writes_;  // since the last barrier
+  VkPipeline bound_ = VK_NULL_HANDLE;
+};
+
+}  // namespace recurra_vk

@@ -1,0 +1,53 @@
+// add / sub / mul / div with numpy broadcasting over strided sources.
+//
+//   a, b: any strides (0 on broadcast axes), d: dense, all of the collapsed shape `shape`
+//   MODE 0: general (4-D index math), 1: all dense, same shape, 2: like 1 with vec4 access
+#version 450
+#include "common.glsl"
+
+layout(local_size_x = 256) in;
+layout(constant_id = 0) const int OP = 0;  // 0 add, 1 sub, 2 mul, 3 div
+layout(constant_id = 1) const int MODE = 0;
+
+layout(push_constant) uniform PC {
+  uvec2 a, b, d;
+  uint n;
+  int shape[4];
+  int sa[4];
+  int sb[4];
+} pc;
+
+float op(float x, float y) {
+  if (OP == 0) return x + y;
+  if (OP == 1) return x - y;
+  if (OP == 2) return x * y;
+  return x / y;
+}
+
+vec4 op4(vec4 x, vec4 y) {
+  if (OP == 0) return x + y;
+  if (OP == 1) return x - y;
+  if (OP == 2) return x * y;
+  return x / y;
+}
+
+void main() {
+  const uint stride = gl_NumWorkGroups.x * 256u;
+  uint i = gl_GlobalInvocationID.x;
+  if (MODE == 2) {
+    F4Buf a4 = F4Buf(pc.a), b4 = F4Buf(pc.b), d4 = F4Buf(pc.d);
+    const uint n4 = pc.n / 4u;
+    for (uint j = i; j < n4; j += stride) d4.v[j] = op4(a4.v[j], b4.v[j]);
+    // The tail (n % 4 elements).
+    const uint t = n4 * 4u + i;
+    if (t < pc.n) FBuf(pc.d).v[t] = op(FBuf(pc.a).v[t], FBuf(pc.b).v[t]);
+    return;
+  }
+  FBuf a = FBuf(pc.a), b = FBuf(pc.b), d = FBuf(pc.d);
+  for (; i < pc.n; i += stride) {
+    if (MODE == 1)
+      d.v[i] = op(a.v[i], b.v[i]);
+    else
+      d.v[i] = op(a.v[offset4(i, pc.shape, pc.sa)], b.v[offset4(i, pc.shape, pc.sb)]);
+  }
+}

@@ -1,0 +1,37 @@
+// Shared by every shader: buffer references (tensors are device addresses passed in push
+// constants), index helpers, the error flags word.
+//
+// Conventions: shapes and strides are in elements, right-aligned in 4 slots (slot 3 is the
+// fastest axis; unused leading slots have size 1). Indices are 32-bit: the host refuses
+// tensors past 2^31 elements.
+#extension GL_EXT_buffer_reference : require
+#extension GL_EXT_buffer_reference_uvec2 : require
+#extension GL_EXT_control_flow_attributes : require
+
+layout(buffer_reference, std430, buffer_reference_align = 4) buffer FBuf { float v[]; };
+layout(buffer_reference, std430, buffer_reference_align = 4) buffer IBuf { int v[]; };
+layout(buffer_reference, std430, buffer_reference_align = 4) buffer UBuf { uint v[]; };
+layout(buffer_reference, std430, buffer_reference_align = 16) buffer F4Buf { vec4 v[]; };
+
+// Error flags (Device::wait_all reports them); must match ShaderError in ops/ops.h.
+const uint ERR_GET_ROWS = 1u;
+const uint ERR_GET_ROWS_BACK = 2u;
+const uint ERR_CROSS_ENTROPY = 4u;
+const uint ERR_CROSS_ENTROPY_BACK = 8u;
+
+// The linear index of this workgroup in a 2-D grid (one workgroup per item, see grid_2d).
+uint group_index() { return gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x; }
+
+// Element offset of linear (row-major) index i of `shape` under `st`.
+int offset4(uint i, int shape[4], int st[4]) {
+  int off = 0;
+  [[unroll]] for (int a = 3; a >= 1; --a) {
+    const uint d = uint(shape[a]);
+    off += int(i % d) * st[a];
+    i /= d;
+  }
+  return off + int(i) * st[0];
+}
+
+// The maximum numpy computes: a NaN wins.
+float max_nan(float m, float v) { return (v > m || isnan(v)) ? v : m; }

@@ -1,0 +1,28 @@
+// Strided copy of 4-byte elements (float32 or int32 alike): d[view] = s[view], both views of
+// the collapsed shape `shape`. Serves contiguous, concat (into windows of the output) and
+// slice_grad (into a strided window of a zeroed output).
+//   MODE 0: general, 1: both dense (flat copy)
+#version 450
+#include "common.glsl"
+
+layout(local_size_x = 256) in;
+layout(constant_id = 0) const int MODE = 0;
+
+layout(push_constant) uniform PC {
+  uvec2 s, d;
+  uint n;
+  int shape[4];
+  int ss[4];
+  int sd[4];
+} pc;
+
+void main() {
+  const uint stride = gl_NumWorkGroups.x * 256u;
+  UBuf s = UBuf(pc.s), d = UBuf(pc.d);
+  for (uint i = gl_GlobalInvocationID.x; i < pc.n; i += stride) {
+    if (MODE == 1)
+      d.v[i] = s.v[i];
+    else
+      d.v[offset4(i, pc.shape, pc.sd)] = s.v[offset4(i, pc.shape, pc.ss)];
+  }
+}

@@ -1,0 +1,57 @@
+// Inclusive prefix sums along one axis of a dense tensor seen as (O, L, I).
+//   MODE 0 (I == 1, the last axis): one workgroup per row, a shared-memory scan per chunk of
+//          256 elements carried across chunks
+//   MODE 1 (I > 1): one thread per (o, i) column walking L in order (the CPU's order)
+//   REVERSE: sums from the end of the axis
+#version 450
+#include "common.glsl"
+
+layout(local_size_x = 256) in;
+layout(constant_id = 0) const int MODE = 0;
+layout(constant_id = 1) const int REVERSE = 0;
+
+layout(push_constant) uniform PC {
+  uvec2 x, y;
+  uint O, L, I;
+} pc;
+
+shared float sh[256];
+
+void main() {
+  FBuf x = FBuf(pc.x), y = FBuf(pc.y);
+  if (MODE == 1) {
+    const uint stride = gl_NumWorkGroups.x * 256u;
+    const uint cols = pc.O * pc.I;
+    for (uint c = gl_GlobalInvocationID.x; c < cols; c += stride) {
+      const uint o = c / pc.I, i = c % pc.I;
+      const uint base = o * pc.L * pc.I + i;
+      float acc = 0.0;
+      for (uint k = 0u; k < pc.L; ++k) {
+        const uint l = REVERSE != 0 ? pc.L - 1u - k : k;
+        acc += x.v[base + l * pc.I];
+        y.v[base + l * pc.I] = acc;
+      }
+    }
+    return;
+  }
+  const uint row = group_index();
+  if (row >= pc.O) return;
+  const uint t = gl_LocalInvocationID.x;
+  const uint base = row * pc.L;
+  float carry = 0.0;
+  for (uint c0 = 0u; c0 < pc.L; c0 += 256u) {
+    const uint k = c0 + t;
+    const uint l = REVERSE != 0 ? pc.L - 1u - k : k;
+    sh[t] = k < pc.L ? x.v[base + l] : 0.0;
+    barrier();
+    [[unroll]] for (uint off = 1u; off < 256u; off <<= 1) {
+      const float add = t >= off ? sh[t - off] : 0.0;
+      barrier();
+      sh[t] += add;
+      barrier();
+    }
+    if (k < pc.L) y.v[base + l] = carry + sh[t];
+    carry += sh[255];
+    barrier();
+  }
+}

@@ -1,0 +1,141 @@
+// Ops along the last axis of dense (rows, C) tensors, one workgroup per row: softmax,
+// log_softmax, rms_norm, layer_norm, their *_back kernels, and the per-row parts of
+// cross_entropy. The formulas are those of the core's nn.cpp.
+//   OP 0 softmax(x)            y = exp(x - max) / sum
+//      1 log_softmax(x)        y = x - max - log(sum exp(x - max))
+//      2 softmax_back(g, y)    dx = y (g - sum(g y))             (x holds y)
+//      3 log_softmax_back(g,y) dx = g - exp(y) sum(g)            (x holds y)
+//      4 rms_norm(x)           y = x / sqrt(mean(x^2) + eps)
+//      5 rms_norm_back(g, x)   dx = r g - x r^3 sum(g x) / C
+//      6 layer_norm(x)         y = (x - mu) r, r = 1 / sqrt(var + eps)
+//      7 layer_norm_back(g, x) dx = r (g - mean(g) - (x - mu) r mean(g (x - mu)) r)
+//      8 cross_entropy rows    y[row] = logsumexp(x) - x[t[row]]  (y: per-row losses)
+//      9 cross_entropy_back    dx = (softmax(x) - onehot(t)) g[0] / rows
+#version 450
+#include "common.glsl"
+
+layout(local_size_x = 256) in;
+layout(constant_id = 0) const int OP = 0;
+
+layout(push_constant) uniform PC {
+  uvec2 x, g, y, t, err;
+  uint rows, C;
+  float eps;
+} pc;
+
+shared float red[256];
+
+float wg_sum(float v) {
+  const uint t = gl_LocalInvocationID.x;
+  red[t] = v;
+  barrier();
+  [[unroll]] for (uint w = 128u; w > 0u; w >>= 1) {
+    if (t < w) red[t] += red[t + w];
+    barrier();
+  }
+  const float r = red[0];
+  barrier();
+  return r;
+}
+
+float wg_max(float v) {
+  const uint t = gl_LocalInvocationID.x;
+  red[t] = v;
+  barrier();
+  [[unroll]] for (uint w = 128u; w > 0u; w >>= 1) {
+    if (t < w) red[t] = max_nan(red[t], red[t + w]);
+    barrier();
+  }
+  const float r = red[0];
+  barrier();
+  return r;
+}
+
+void main() {
+  const uint row = group_index();
+  if (row >= pc.rows) return;
+  const uint C = pc.C, t = gl_LocalInvocationID.x, base = row * C;
+  FBuf x = FBuf(pc.x), g = FBuf(pc.g), y = FBuf(pc.y);
+  const float n = float(C);
+
+  if (OP == 0 || OP == 1 || OP == 8 || OP == 9) {
+    float m = uintBitsToFloat(0xff800000u);
+    for (uint i = t; i < C; i += 256u) m = max_nan(m, x.v[base + i]);
+    m = wg_max(m);
+    float s = 0.0;
+    for (uint i = t; i < C; i += 256u) s += exp(x.v[base + i] - m);
+    s = wg_sum(s);
+    if (OP == 0) {
+      const float inv = 1.0 / s;
+      for (uint i = t; i < C; i += 256u) y.v[base + i] = exp(x.v[base + i] - m) * inv;
+    } else if (OP == 1) {
+      const float lse = m + log(s);
+      for (uint i = t; i < C; i += 256u) y.v[base + i] = x.v[base + i] - lse;
+    } else {
+      const int tv = IBuf(pc.t).v[row];
+      const bool ok = tv >= 0 && uint(tv) < C;
+      if (!ok && t == 0u) atomicOr(UBuf(pc.err).v[0], OP == 8 ? ERR_CROSS_ENTROPY : ERR_CROSS_ENTROPY_BACK);
+      if (OP == 8) {
+        if (t == 0u) y.v[row] = ok ? m + log(s) - x.v[base + uint(tv)] : 0.0;
+      } else {
+        const float gs = g.v[0] / float(pc.rows);
+        const float sc = gs / s;
+        for (uint i = t; i < C; i += 256u) {
+          float v = exp(x.v[base + i] - m) * sc;
+          if (ok && i == uint(tv)) v -= gs;
+          y.v[base + i] = ok ? v : 0.0;
+        }
+      }
+    }
+  } else if (OP == 2) {
+    float d = 0.0;
+    for (uint i = t; i < C; i += 256u) d += g.v[base + i] * x.v[base + i];
+    d = wg_sum(d);
+    for (uint i = t; i < C; i += 256u) y.v[base + i] = x.v[base + i] * (g.v[base + i] - d);
+  } else if (OP == 3) {
+    float s = 0.0;
+    for (uint i = t; i < C; i += 256u) s += g.v[base + i];
+    s = wg_sum(s);
+    for (uint i = t; i < C; i += 256u) y.v[base + i] = g.v[base + i] - exp(x.v[base + i]) * s;
+  } else if (OP == 4 || OP == 5) {
+    float ss = 0.0;
+    for (uint i = t; i < C; i += 256u) {
+      const float v = x.v[base + i];
+      ss += v * v;
+    }
+    const float r = 1.0 / sqrt(wg_sum(ss) / n + pc.eps);
+    if (OP == 4) {
+      for (uint i = t; i < C; i += 256u) y.v[base + i] = x.v[base + i] * r;
+    } else {
+      float dot = 0.0;
+      for (uint i = t; i < C; i += 256u) dot += g.v[base + i] * x.v[base + i];
+      const float cx = r * r * r * wg_sum(dot) / n;
+      for (uint i = t; i < C; i += 256u) y.v[base + i] = r * g.v[base + i] - cx * x.v[base + i];
+    }
+  } else {  // 6, 7: layer_norm and its backward
+    float s = 0.0;
+    for (uint i = t; i < C; i += 256u) s += x.v[base + i];
+    const float mu = wg_sum(s) / n;
+    float vs = 0.0;
+    for (uint i = t; i < C; i += 256u) {
+      const float d = x.v[base + i] - mu;
+      vs += d * d;
+    }
+    const float r = 1.0 / sqrt(wg_sum(vs) / n + pc.eps);
+    if (OP == 6) {
+      for (uint i = t; i < C; i += 256u) y.v[base + i] = (x.v[base + i] - mu) * r;
+    } else {
+      float sg = 0.0, sgx = 0.0;
+      for (uint i = t; i < C; i += 256u) {
+        const float gv = g.v[base + i];
+        sg += gv;
+        sgx += gv * (x.v[base + i] - mu);
+      }
+      const float a = wg_sum(sg) / n;
+      const float b = wg_sum(sgx) * r / n;
+      const float rb = r * b;
+      for (uint i = t; i < C; i += 256u)
+        y.v[base + i] = r * (g.v[base + i] - a - (x.v[base + i] - mu) * rb);
+    }
+  }
+}

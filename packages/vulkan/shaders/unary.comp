@@ -1,0 +1,56 @@
+// Unary maths and activations on a strided source; the output is dense.
+//
+//   x: any strides (collapsed shape `shape`, strides `sx`), y: dense, n elements
+//   OP: 0 neg, 1 abs, 2 sqr, 3 sqrt, 4 exp, 5 log, 6 scale (p0), 7 clamp (p0, p1), 8 relu,
+//       9 silu, 10 gelu, 11 sigmoid, 12 tanh, 13 softplus
+//   MODE 0: general, 1: dense source, 2: dense with vec4 access
+#version 450
+#include "common.glsl"
+#include "act.glsl"
+
+layout(local_size_x = 256) in;
+layout(constant_id = 0) const int OP = 0;
+layout(constant_id = 1) const int MODE = 0;
+
+layout(push_constant) uniform PC {
+  uvec2 x, y;
+  uint n;
+  float p0, p1;
+  int shape[4];
+  int sx[4];
+} pc;
+
+float f(float x) {
+  if (OP == 0) return -x;
+  if (OP == 1) return abs(x);
+  if (OP == 2) return x * x;
+  if (OP == 3) return sqrt(x);
+  if (OP == 4) return exp(x);
+  if (OP == 5) return log(x);
+  if (OP == 6) return x * pc.p0;
+  if (OP == 7) return min(max(x, pc.p0), pc.p1);
+  if (OP == 8) return x > 0.0 ? x : 0.0;
+  if (OP == 9) return x * sigmoid_f(x);
+  if (OP == 10) return 0.5 * x * (1.0 + erf_f(x * INV_SQRT2));
+  if (OP == 11) return sigmoid_f(x);
+  if (OP == 12) return tanh_f(x);
+  return softplus_f(x);
+}
+
+void main() {
+  const uint stride = gl_NumWorkGroups.x * 256u;
+  uint i = gl_GlobalInvocationID.x;
+  if (MODE == 2) {
+    F4Buf x4 = F4Buf(pc.x), y4 = F4Buf(pc.y);
+    const uint n4 = pc.n / 4u;
+    for (uint j = i; j < n4; j += stride) {
+      const vec4 v = x4.v[j];
+      y4.v[j] = vec4(f(v.x), f(v.y), f(v.z), f(v.w));
+    }
+    const uint t = n4 * 4u + i;
+    if (t < pc.n) FBuf(pc.y).v[t] = f(FBuf(pc.x).v[t]);
+    return;
+  }
+  FBuf x = FBuf(pc.x), y = FBuf(pc.y);
+  for (; i < pc.n; i += stride) y.v[i] = f(MODE == 1 ? x.v[i] : x.v[offset4(i, pc.shape, pc.sx)]);
+}

@@ -1,0 +1,58 @@
+"""recurra's Vulkan backend.
+
+The core finds this package through its ``recurra.backends`` entry point, which names
+:func:`backend_info`. Importing this package never fails because of the machine: without a
+Vulkan driver, a usable device or a loadable extension, :func:`backend_info` says why and
+offers no devices (the way JAX plugins stay quiet when their driver is missing).
+
+Environment:
+    RECURRA_VULKAN_DEVICE   index (or comma list) of the devices to expose, best first
+                            (discrete GPUs, integrated, then CPU devices such as lavapipe)
+    RECURRA_VULKAN_PROFILE  1: print each node's GPU time to stderr
+    RECURRA_VULKAN_VALIDATE 1: enable the Khronos validation layer (when installed)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["backend_info", "op_names", "run_node"]
+
+try:
+    from recurra_vulkan import _vk
+except ImportError as _e:  # libvulkan.so.1 missing, or a broken build
+    _vk = None
+    _IMPORT_ERROR = f"the recurra_vulkan extension could not be loaded: {_e}"
+else:
+    _IMPORT_ERROR = ""
+
+
+def backend_info() -> dict[str, Any]:
+    """Returns the backend for ``recurra.backends``.
+
+    A dict with ``devices`` (one dict per device: index, name, kind, memory_bytes, driver,
+    api_version, vk_index), ``reason`` ("" or why devices are missing) and, when there is
+    at least one device, ``table``: a PyCapsule named ``"recurra.backend_table"`` holding
+    the C backend table of ``recurra/backend.h``. Never raises.
+    """
+    if _vk is None:
+        return {"devices": [], "reason": _IMPORT_ERROR}
+    try:
+        return _vk.backend_info()
+    except Exception as e:  # noqa: BLE001 - a plugin must never break recurra
+        return {"devices": [], "reason": f"Vulkan backend failed to start: {type(e).__name__}: {e}"}
+
+
+def op_names() -> list[str]:
+    """Names of the ops this backend runs (an empty list when the extension is missing)."""
+    return [] if _vk is None else list(_vk.op_names())
+
+
+def run_node(*args: Any, **kwargs: Any) -> Any:
+    """Runs one node on the device (see ``recurra_vulkan._vk.run_node``); for tests.
+
+    Raises RuntimeError when the extension is not loaded.
+    """
+    if _vk is None:
+        raise RuntimeError(_IMPORT_ERROR)
+    return _vk.run_node(*args, **kwargs)

@@ -1,0 +1,290 @@
+"""ssm_conv and ssm_scan: forward against float64 numpy references, gradients against
+finite differences, thread-count independence, and error handling.
+
+Tolerances: forward results are float32 sums of a few hundred terms at most, compared with
+rtol 1e-4 / atol 1e-5 (relative to values of order 1); gradients use the finite-difference
+helper's defaults (rtol 1e-2, atol 1e-3), which float32 rounding stays well inside while a
+wrong term of a gradient does not.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gradcheck import check_grads
+from reference_ssm import ssm_conv_ref, ssm_scan_ref
+
+import recurra as rc
+from recurra import ops
+
+RNG = np.random.default_rng(20261129)
+
+
+def f32(a: np.ndarray) -> np.ndarray:
+    return np.asarray(a, np.float32)
+
+
+@pytest.fixture
+def restore_threads():
+    n = rc.get_num_threads()
+    yield
+    rc.set_num_threads(n)
+
+
+# ---- ssm_conv --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "n_seqs,d_inner,d_conv,n_tok",
+    [(2, 37, 4, 19), (1, 16, 4, 64), (3, 5, 1, 7), (2, 33, 3, 1), (1, 48, 4, 131), (2, 17, 2, 40)],
+)
+def test_ssm_conv_forward(n_seqs, d_inner, d_conv, n_tok):
+    sx = f32(RNG.standard_normal((n_seqs, d_inner, d_conv - 1 + n_tok)))
+    c = f32(RNG.standard_normal((d_inner, d_conv)))
+    y = ops.ssm_conv(rc.tensor(sx), rc.tensor(c)).numpy()
+    assert y.shape == (n_seqs, n_tok, d_inner)
+    np.testing.assert_allclose(y, ssm_conv_ref(sx, c), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_seqs,d_inner,d_conv,n_tok", [(2, 3, 4, 5), (1, 17, 2, 3), (2, 2, 1, 4)])
+def test_ssm_conv_grads(n_seqs, d_inner, d_conv, n_tok):
+    sx = RNG.standard_normal((n_seqs, d_inner, d_conv - 1 + n_tok))
+    c = RNG.standard_normal((d_inner, d_conv))
+    check_grads(lambda a, b: ops.ssm_conv(a, b), [sx, c])
+
+
+def test_ssm_conv_grad_large_tiles():
+    # Exercises the 16x16 transposes of the backward (full channel blocks, > 64 positions)
+    # against the closed-form gradient, checked in float64.
+    sx = f32(RNG.standard_normal((2, 32, 3 + 100)))
+    c = f32(RNG.standard_normal((32, 4)))
+    dy = f32(RNG.standard_normal((2, 100, 32)))
+    ps, pc = rc.param(sx), rc.param(c)
+    y = ops.ssm_conv(ps, pc)
+    (y * rc.tensor(dy)).sum().backward()
+    d_sx = np.zeros(sx.shape)
+    for k in range(4):
+        d_sx[:, :, k : k + 100] += np.transpose(dy, (0, 2, 1)) * c[:, k][None, :, None]
+    d_c = np.stack([np.einsum("stc,sct->c", dy, sx[:, :, k : k + 100]) for k in range(4)], axis=1)
+    np.testing.assert_allclose(ps.grad.numpy(), d_sx, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(pc.grad.numpy(), d_c, rtol=1e-4, atol=1e-3)
+
+
+def test_ssm_conv_errors():
+    with pytest.raises(ValueError):
+        ops.ssm_conv(np.zeros((2, 4, 6), np.float32), np.zeros((5, 4), np.float32))
+    with pytest.raises(ValueError):
+        ops.ssm_conv(np.zeros((2, 4, 2), np.float32), np.zeros((4, 4), np.float32))
+    with pytest.raises(ValueError):
+        ops.ssm_conv(np.zeros((4, 6), np.float32), np.zeros((4, 4), np.float32))
+    with pytest.raises(TypeError):
+        ops.ssm_conv(np.zeros((2, 4, 6), np.int32), np.zeros((4, 4), np.float32))
+
+
+# ---- ssm_scan --------------------------------------------------------------------------
+
+
+def scan_inputs(
+    n_seqs, n_tok, n_head, head_dim, d_state, n_group, *, per_state, n_rows=None, ids=None,
+    dt_scale=1.0, rng=RNG,
+):
+    n_rows = n_seqs + 1 if n_rows is None else n_rows
+    s = rng.standard_normal((n_rows, n_head, head_dim, d_state))
+    x = rng.standard_normal((n_seqs, n_tok, n_head, head_dim))
+    dt = rng.standard_normal((n_seqs, n_tok, n_head)) * dt_scale - 1.0
+    A = -np.exp(rng.uniform(-1.0, 1.5, (n_head, d_state if per_state else 1)))
+    B = rng.standard_normal((n_seqs, n_tok, n_group, d_state))
+    C = rng.standard_normal((n_seqs, n_tok, n_group, d_state))
+    if ids is None:
+        ids = rng.permutation(n_rows)[:n_seqs]
+    return [s, x, dt, A, B, C, np.asarray(ids, np.int32)]
+
+
+def run_scan(args):
+    ts = [rc.tensor(f32(a)) if a.dtype.kind == "f" else a for a in args]
+    y, st = ops.ssm_scan(*ts)
+    return y.numpy(), st.numpy()
+
+
+SCAN_LAYOUTS = [
+    # n_seqs, n_tok, n_head, head_dim, d_state, n_group, per_state
+    (2, 9, 4, 16, 128, 2, False),   # Mamba-2
+    (2, 7, 3, 64, 256, 1, False),   # Mamba-2, d_state 256, n_head not a power of two
+    (3, 5, 6, 17, 17, 3, False),    # odd head_dim and d_state, 3 groups
+    (2, 6, 5, 5, 1, 5, False),      # d_state 1
+    (2, 8, 37, 1, 16, 1, True),     # Mamba-1 (head_dim 1), a partial 16-head block
+    (2, 6, 6, 1, 17, 3, True),      # Mamba-1 layout, groups of 2 heads, d_state 17
+    (2, 5, 4, 1, 16, 2, False),     # head_dim 1 with one decay per head
+    (2, 6, 4, 3, 16, 2, True),      # head_dim 3 with one decay per state
+    (3, 1, 8, 8, 16, 4, False),     # one-token sequences
+    (1, 40, 2, 32, 33, 1, True),    # 40 tokens, per-state decay in the rows kernel
+]
+
+
+@pytest.mark.parametrize("layout", SCAN_LAYOUTS)
+def test_ssm_scan_forward(layout):
+    args = scan_inputs(*layout[:6], per_state=layout[6])
+    y, st = run_scan(args)
+    y_ref, st_ref = ssm_scan_ref(*args)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=2e-5 * np.abs(y_ref).max())
+    np.testing.assert_allclose(st, st_ref, rtol=1e-4, atol=2e-5 * np.abs(st_ref).max())
+
+
+@pytest.mark.parametrize("per_state", [False, True])
+@pytest.mark.parametrize("head_dim", [1, 8])
+def test_ssm_scan_strong_decay_and_long_sequence(per_state, head_dim):
+    # Decays down to exp(-80) per token and 300 tokens: exercises the renormalisation of
+    # the scaled state, underflowing decay factors and the checkpoint segments.
+    args = scan_inputs(2, 300, 4, head_dim, 16, 1, per_state=per_state, dt_scale=3.0)
+    args[2][0, 5:9] = 5.0  # softplus ~ 5 with A down to -16: a ~ exp(-80)
+    args[3] *= np.where(np.arange(args[3].size).reshape(args[3].shape) % 2 == 0, 1.0, 4.0)
+    y, st = run_scan(args)
+    y_ref, st_ref = ssm_scan_ref(*args)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=5e-5 * np.abs(y_ref).max())
+    np.testing.assert_allclose(st, st_ref, rtol=1e-4, atol=5e-5 * np.abs(st_ref).max())
+
+
+def test_ssm_scan_large_dt_and_growth():
+    # dt > 20 (softplus is the identity) and a positive A (growing state).
+    args = scan_inputs(1, 12, 2, 4, 8, 1, per_state=False)
+    args[2][0, 3] = 25.0
+    args[3][:] = np.array([[-0.3], [0.05]])
+    args[2] = np.clip(args[2], -5, None)
+    y, st = run_scan(args)
+    y_ref, st_ref = ssm_scan_ref(*args)
+    np.testing.assert_allclose(y, y_ref, rtol=2e-4, atol=1e-5 * np.abs(y_ref).max())
+    np.testing.assert_allclose(st, st_ref, rtol=2e-4, atol=1e-5 * np.abs(st_ref).max())
+
+
+def _scan_fn(ids):
+    def fn(s, x, dt, A, B, C):
+        return ops.ssm_scan(s, x, dt, A, B, C, ids)
+
+    return fn
+
+
+GRAD_LAYOUTS = [
+    # n_seqs, n_tok, n_head, head_dim, d_state, n_group, per_state, n_rows, ids
+    (2, 4, 4, 3, 5, 2, False, 3, [2, 0]),   # Mamba-2 style, permuted ids, spare row 1
+    (2, 3, 3, 2, 4, 1, True, 2, [1, 1]),    # per-state decay, two sequences share row 1
+    (2, 4, 5, 1, 3, 1, True, 3, [0, 2]),    # Mamba-1 (head_dim 1)
+    (1, 3, 4, 1, 2, 2, False, 1, [0]),      # head_dim 1, one decay per head, 2 groups
+    (2, 1, 2, 2, 1, 2, False, 2, [1, 0]),   # one token, d_state 1
+]
+
+
+@pytest.mark.parametrize("layout", GRAD_LAYOUTS)
+def test_ssm_scan_grads(layout):
+    *dims, per_state, n_rows, ids = layout
+    args = scan_inputs(*dims, per_state=per_state, n_rows=n_rows, ids=ids)
+    args[2] = args[2] * 0.5  # keep softplus away from its flat region: larger gradients
+    check_grads(_scan_fn(args[6]), args[:6], rtol=1e-2, atol=2e-3)
+
+
+def test_ssm_scan_grad_d_state_16_and_17():
+    for d_state, head_dim, per_state in [(16, 2, False), (17, 1, True)]:
+        args = scan_inputs(1, 3, 2, head_dim, d_state, 1, per_state=per_state, n_rows=1, ids=[0])
+        check_grads(_scan_fn(args[6]), args[:6], rtol=1e-2, atol=2e-3)
+
+
+def _grads(args, threads, only_state=False):
+    rc.set_num_threads(threads)
+    ps = [rc.param(f32(a)) for a in args[:6]]
+    y, st = ops.ssm_scan(*ps, args[6])
+    r1 = rc.tensor(f32(np.random.default_rng(7).standard_normal(y.shape)))
+    r2 = rc.tensor(f32(np.random.default_rng(8).standard_normal(st.shape)))
+    loss = (st * r2).sum() if only_state else (y * r1).sum() + (st * r2).sum()
+    loss.backward()
+    return [y.numpy(), st.numpy()] + [p.grad.numpy() for p in ps]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [(3, 70, 8, 16, 32, 2, False), (2, 70, 40, 1, 16, 1, True), (2, 40, 4, 24, 20, 1, True)],
+)
+def test_ssm_scan_threads_agree(layout, restore_threads):
+    args = scan_inputs(*layout[:6], per_state=layout[6])
+    one = _grads(args, 1)
+    two = _grads(args, 2)
+    for a, b in zip(one, two):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6 * np.abs(a).max())
+
+
+def test_ssm_scan_backward_matches_float64_gradient():
+    # The analytic backward against a float64 gradient of the reference (central differences
+    # in float64, so the tolerance can be much tighter than gradcheck's float32 one).
+    args = scan_inputs(2, 6, 4, 3, 4, 2, per_state=False, n_rows=3, ids=[2, 0])
+    r1 = np.random.default_rng(3).standard_normal(args[1].shape)
+    r2 = np.random.default_rng(4).standard_normal((2, 4, 3, 4))
+
+    def loss64(vals):
+        y, st = ssm_scan_ref(*vals, args[6])
+        return float(np.sum(y * r1) + np.sum(st * r2))
+
+    ps = [rc.param(f32(a)) for a in args[:6]]
+    y, st = ops.ssm_scan(*ps, args[6])
+    ((y * rc.tensor(f32(r1))).sum() + (st * rc.tensor(f32(r2))).sum()).backward()
+    vals = [a.astype(np.float64) for a in args[:6]]
+    vals = [f32(v).astype(np.float64) for v in vals]
+    for k in range(6):
+        num = np.zeros(vals[k].shape)
+        flat = vals[k].reshape(-1)
+        for j in range(flat.size):
+            o = flat[j]
+            flat[j] = o + 1e-6
+            up = loss64(vals)
+            flat[j] = o - 1e-6
+            down = loss64(vals)
+            flat[j] = o
+            num.reshape(-1)[j] = (up - down) / 2e-6
+        got = ps[k].grad.numpy()
+        np.testing.assert_allclose(got, num, rtol=2e-4, atol=2e-4 * np.abs(num).max(), err_msg=f"input {k}")
+
+
+def test_ssm_scan_only_state_gradient():
+    args = scan_inputs(2, 5, 4, 4, 8, 1, per_state=False)
+    g = _grads(args, rc.get_num_threads(), only_state=True)
+    assert np.abs(g[3]).max() > 0  # dx is reached through the state alone
+
+
+def test_ssm_scan_accepts_int32_tensor_ids():
+    args = scan_inputs(2, 3, 2, 4, 8, 1, per_state=False)
+    ts = [rc.tensor(f32(a)) for a in args[:6]]
+    y, st = ops.ssm_scan(*ts, rc.tensor(args[6]))
+    y_ref, st_ref = ssm_scan_ref(*args)
+    np.testing.assert_allclose(y.numpy(), y_ref, rtol=1e-4, atol=1e-5 * np.abs(y_ref).max())
+    np.testing.assert_allclose(st.numpy(), st_ref, rtol=1e-4, atol=1e-5 * np.abs(st_ref).max())
+
+
+def _bad(args, k, shape):
+    out = list(args)
+    out[k] = np.zeros(shape, np.float32)
+    return out
+
+
+def test_ssm_scan_errors():
+    args = [f32(a) if a.dtype.kind == "f" else a for a in scan_inputs(2, 3, 4, 2, 8, 2, per_state=False)]
+    bad = [
+        _bad(args, 0, (1, 4, 2, 8)),       # fewer state rows than sequences
+        _bad(args, 0, (3, 4, 3, 8)),       # head_dim mismatch
+        _bad(args, 1, (2, 3, 4)),          # x not 4-D
+        _bad(args, 2, (2, 3, 5)),          # dt n_head mismatch
+        _bad(args, 3, (4, 3)),             # A neither (H, N) nor (H, 1)
+        _bad(args, 4, (2, 3, 3, 8)),       # n_head % n_group != 0 (B and C differ too)
+        _bad(args, 5, (2, 3, 2, 7)),       # C differs from B
+    ]
+    for b in bad:
+        with pytest.raises(ValueError):
+            ops.ssm_scan(*b)
+    with pytest.raises(ValueError):
+        ops.ssm_scan(*args[:6], np.array([0, 1, 2], np.int32))  # wrong number of ids
+    with pytest.raises(TypeError):
+        ops.ssm_scan(*args[:6], np.array([0.0, 1.0]))
+    with pytest.raises(TypeError):
+        ops.ssm_scan(rc.tensor(args[0].astype(np.int32)), *args[1:])
+    y, _ = ops.ssm_scan(*args[:6], np.array([0, 3], np.int32))  # row 3 of 3
+    with pytest.raises(ValueError, match="ids"):
+        y.numpy()
+    y, _ = ops.ssm_scan(*args[:6], np.array([-1, 0], np.int32))
+    with pytest.raises(ValueError, match="ids"):
+        y.numpy()

@@ -1,0 +1,530 @@
+"""The Vulkan backend against the CPU: every op with a Vulkan kernel, run as one node through
+the backend's C table (``recurra_vulkan._vk.run_node``), compared with the same op computed
+by the core on the CPU (``recurra.ops.apply``).
+
+Metric: normalized mean squared error sum((vk - cpu)^2) / sum(cpu^2) <= 1e-7 (integer
+results: exact). Odd sizes (1, 3, 17, 1000), broadcasting, strided sources (transposed,
+sliced, broadcast numpy views keep their strides on the device) and misaligned buffers
+(``src_offset``) exercise every shader variant.
+
+Without a Vulkan device these tests skip, or fail when RECURRA_EXPECT_VULKAN=1.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+import pytest
+
+recurra_vulkan = pytest.importorskip("recurra_vulkan")
+rc = pytest.importorskip("recurra")
+
+pytestmark = pytest.mark.vulkan
+
+NMSE_MAX = 1e-7
+RNG = np.random.default_rng(20261129)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _device() -> None:
+    """Skips (or fails with RECURRA_EXPECT_VULKAN=1) when the backend offers no device."""
+    info = recurra_vulkan.backend_info()
+    if info["devices"]:
+        return
+    reason = f"no Vulkan device: {info['reason']}"
+    if os.environ.get("RECURRA_EXPECT_VULKAN", "").strip() not in ("", "0", "false", "no"):
+        pytest.fail(f"RECURRA_EXPECT_VULKAN=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+# ---- helpers ----------------------------------------------------------------------------
+
+
+def cpu(name: str, srcs: list[np.ndarray], ip=(), fp=()) -> np.ndarray:
+    """The op on the CPU through recurra's Python API."""
+    ts = [rc.tensor(np.ascontiguousarray(s)) for s in srcs]
+    return np.asarray(rc.ops.apply(name, ts, ip=ip, fp=fp).numpy())
+
+
+def vk(name: str, srcs: list[np.ndarray], ip=(), fp=(), *, out_shape, out_dtype="float32",
+       src_offset: int = 0) -> np.ndarray:
+    """The op on the Vulkan device (sources keep their numpy strides)."""
+    return recurra_vulkan.run_node(name, srcs, list(ip), list(fp), tuple(out_shape), out_dtype,
+                                   src_offset)
+
+
+def nmse(got: np.ndarray, want: np.ndarray) -> float:
+    want64 = want.astype(np.float64)
+    den = float(np.sum(want64 * want64))
+    num = float(np.sum((got.astype(np.float64) - want64) ** 2))
+    return num / den if den > 0 else num
+
+
+def check(name: str, srcs: list[np.ndarray], ip=(), fp=(), *, src_offset: int = 0) -> np.ndarray:
+    """Runs `name` on both backends and asserts they agree; returns the Vulkan result."""
+    want = cpu(name, srcs, ip, fp)
+    dtype = "int32" if want.dtype == np.int32 else "float32"
+    got = vk(name, srcs, ip, fp, out_shape=want.shape, out_dtype=dtype, src_offset=src_offset)
+    assert got.shape == want.shape
+    if dtype == "int32":
+        np.testing.assert_array_equal(got, want)
+    else:
+        assert np.isnan(got).sum() == np.isnan(want).sum(), f"{name}: NaN pattern differs"
+        ok = ~np.isnan(want)
+        err = nmse(got[ok], want[ok])
+        assert err <= NMSE_MAX, f"{name}: normalized MSE {err:.3g} > {NMSE_MAX}"
+    return got
+
+
+def randn(*shape: int, scale: float = 1.0) -> np.ndarray:
+    return (RNG.standard_normal(shape) * scale).astype(np.float32)
+
+
+# ---- elementwise ------------------------------------------------------------------------
+
+BINARY = ["add", "sub", "mul", "div"]
+
+
+def _binary_pair(name: str, sa, sb) -> tuple[np.ndarray, np.ndarray]:
+    a, b = randn(*sa), randn(*sb)
+    if name == "div":  # keep the denominator away from zero
+        b = np.where(np.abs(b) < 0.3, 0.7, b).astype(np.float32)
+    return a, b
+
+
+@pytest.mark.parametrize("name", BINARY)
+@pytest.mark.parametrize(
+    "sa,sb",
+    [((1,), (1,)), ((3,), (3,)), ((17,), (17,)), ((1000,), (1000,)), ((3, 17), (17,)),
+     ((4, 1, 5), (3, 1)), ((), (3, 4)), ((2, 3, 4, 5), (1, 3, 1, 5))],
+    ids=str,
+)
+@pytest.mark.parametrize("offset", [0, 4])
+def test_binary(name, sa, sb, offset):
+    a, b = _binary_pair(name, sa, sb)
+    check(name, [a, b], src_offset=offset)
+
+
+@pytest.mark.parametrize("name", BINARY)
+def test_binary_strided(name):
+    a, b = _binary_pair(name, (17, 9), (9, 17))
+    check(name, [a.T, b])  # transposed
+    c, d = _binary_pair(name, (6, 40), (6, 20))
+    check(name, [c[:, ::2], d])  # sliced with a step
+    e = np.broadcast_to(randn(1, 5), (4, 5))  # a stride-0 numpy view
+    check(name, [e, _binary_pair(name, (4, 5), (4, 5))[1]])
+
+
+UNARY = {
+    "neg": ((), lambda s: randn(*s)),
+    "abs": ((), lambda s: randn(*s)),
+    "sqr": ((), lambda s: randn(*s)),
+    "sqrt": ((), lambda s: RNG.uniform(0.1, 3.0, s).astype(np.float32)),
+    "exp": ((), lambda s: RNG.uniform(-3, 3, s).astype(np.float32)),
+    "log": ((), lambda s: RNG.uniform(0.1, 3.0, s).astype(np.float32)),
+    "scale": ((1.7,), lambda s: randn(*s)),
+    "clamp": ((-0.5, 0.7), lambda s: randn(*s)),
+    "relu": ((), lambda s: randn(*s)),
+    "silu": ((), lambda s: randn(*s, scale=3)),
+    "gelu": ((), lambda s: randn(*s, scale=2)),
+    "sigmoid": ((), lambda s: randn(*s, scale=3)),
+    "tanh": ((), lambda s: randn(*s, scale=2)),
+    "softplus": ((), lambda s: randn(*s, scale=8)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNARY))
+@pytest.mark.parametrize("shape", [(1,), (3,), (17,), (1000,), (3, 5, 7)], ids=str)
+def test_unary(name, shape):
+    fp, sample = UNARY[name]
+    check(name, [sample(shape)], fp=fp)
+
+
+@pytest.mark.parametrize("name", sorted(UNARY))
+def test_unary_strided(name):
+    fp, sample = UNARY[name]
+    x = sample((17, 6))
+    check(name, [x.T], fp=fp)
+    check(name, [x[1::3, ::2]], fp=fp)
+    check(name, [sample((1000,))], fp=fp, src_offset=4)  # misaligned: no vec4 path
+
+
+# act_grad codes (the core's Act enum) and the forward op each belongs to.
+ACT = {0: "abs", 1: "sqrt", 2: "log", 3: "clamp", 4: "relu", 5: "silu", 6: "gelu", 7: "sigmoid",
+       8: "tanh", 9: "softplus"}
+
+
+@pytest.mark.parametrize("code", sorted(ACT))
+@pytest.mark.parametrize("n", [1, 17, 1000])
+def test_act_grad(code, n):
+    fwd = ACT[code]
+    fp, sample = UNARY[fwd]
+    x = sample((n,))
+    if fwd in ("abs", "relu", "clamp"):  # away from the kinks
+        x = np.where(np.abs(x) < 0.05, 0.3, x).astype(np.float32)
+        x = np.where(np.abs(x - 0.7) < 0.05, 0.9, x).astype(np.float32)
+        x = np.where(np.abs(x + 0.5) < 0.05, -0.9, x).astype(np.float32)
+    y = cpu(fwd, [x], fp=fp)
+    check("act_grad", [randn(n), x, y], ip=(code,), fp=fp)
+
+
+# ---- data movement ----------------------------------------------------------------------
+
+def test_contiguous():
+    x = randn(5, 6, 7)
+    check("contiguous", [x.transpose(2, 0, 1)])
+    check("contiguous", [x[1:4, ::2, 3:]])
+    check("contiguous", [x[:, :, 2]])
+    check("contiguous", [np.broadcast_to(randn(1, 7), (3, 7))])
+    check("contiguous", [randn(2, 3, 4, 5).transpose(3, 1, 0, 2)], src_offset=4)
+    ints = RNG.integers(-100, 100, (4, 9)).astype(np.int32)
+    check("contiguous", [ints.T])
+
+
+@pytest.mark.parametrize("shape", [(1,), (3, 17), (1000,)], ids=str)
+def test_fill(shape):
+    want = cpu("fill", [], ip=shape, fp=(2.5, 0))
+    np.testing.assert_array_equal(vk("fill", [], shape, (2.5, 0), out_shape=shape), want)
+    want_i = cpu("fill", [], ip=shape, fp=(-7, 1))
+    got_i = vk("fill", [], shape, (-7, 1), out_shape=shape, out_dtype="int32")
+    np.testing.assert_array_equal(got_i, want_i)
+
+
+def test_slice_grad():
+    g = randn(3, 3)
+    check("slice_grad", [g], ip=(7, 9, 1, 6, 2, 0, 9, 3))
+    check("slice_grad", [randn(17)], ip=(17, 0, 17, 1))
+    check("slice_grad", [randn(2, 1, 4)], ip=(3, 5, 8, 1, 3, 1, 2, 3, 1, 0, 8, 2))
+    check("slice_grad", [randn(4, 2).T], ip=(2, 9, 0, 2, 1, 1, 9, 2))  # strided gradient
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2])
+def test_concat(axis):
+    shape_a, shape_b = [3, 4, 5], [3, 4, 5]
+    shape_b[axis] = 2
+    a, b = randn(*shape_a), randn(*shape_b)
+    check("concat", [a, b], ip=(axis,))
+    check("concat", [a, b], ip=(axis,), src_offset=4)
+    ia = RNG.integers(0, 9, shape_a).astype(np.int32)
+    ib = RNG.integers(0, 9, shape_b).astype(np.int32)
+    check("concat", [ia, ib], ip=(axis,))
+
+
+def test_concat_strided():
+    a = randn(6, 3)
+    check("concat", [a.T, randn(3, 17)], ip=(1,))
+    check("concat", [randn(17, 3)[::2], randn(1, 3)], ip=(0,))
+
+
+def test_pad():
+    check("pad", [randn(17)], ip=(2, 3), fp=(0.0,))
+    check("pad", [randn(3, 4)], ip=(1, 0, 2, 5), fp=(-1.5,))
+    check("pad", [randn(2, 3, 4)[:, ::2, :].transpose(1, 0, 2)], ip=(0, 1, 1, 1, 3, 0), fp=(7.0,))
+    check("pad", [RNG.integers(0, 9, (3, 5)).astype(np.int32)], ip=(1, 1, 0, 2), fp=(4.0,))
+    check("pad", [randn(1, 1, 1, 1)], ip=(1, 0, 0, 1, 2, 0, 0, 3), fp=(1.0,))
+
+
+@pytest.mark.parametrize("shape", [(1,), (17,), (1000,), (3, 17), (4, 5, 6)], ids=str)
+@pytest.mark.parametrize("reverse", [0, 1])
+def test_cumsum(shape, reverse):
+    x = randn(*shape)
+    for axis in range(len(shape)):
+        check("cumsum", [x], ip=(axis, reverse))
+
+
+# ---- reductions -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["sum", "max"])
+@pytest.mark.parametrize("shape", [(1,), (17,), (1000,), (3, 17, 5), (2, 3, 4, 5)], ids=str)
+def test_reduce(name, shape):
+    x = randn(*shape)
+    for axis in range(len(shape)):
+        check(name, [x], ip=(axis,))
+
+
+@pytest.mark.parametrize("name", ["sum", "max"])
+def test_reduce_strided_and_long(name):
+    x = randn(17, 30)
+    check(name, [x.T], ip=(0,))
+    check(name, [x.T], ip=(1,))
+    check(name, [x[::3, 1::2]], ip=(1,))
+    check(name, [randn(100_003)], ip=(0,))  # split into chunks, two passes
+    check(name, [randn(1000, 300)], ip=(0,))  # column reduction, two passes
+    check(name, [randn(3, 1000, 2)], ip=(1,))
+
+
+def test_sum_to():
+    check("sum_to", [randn(3, 17)], ip=(17,))
+    check("sum_to", [randn(3, 17)], ip=(3, 1))
+    check("sum_to", [randn(4, 3, 5)], ip=(3, 1))
+    check("sum_to", [randn(2, 3, 4, 5)], ip=(1, 3, 1, 5))
+    check("sum_to", [randn(1000)], ip=(1,))
+    check("sum_to", [randn(5, 7).T], ip=(1, 5))
+    check("sum_to", [randn(2, 3)], ip=(2, 3))
+
+
+@pytest.mark.parametrize("shape,axis", [((17,), 0), ((3, 17, 5), 1), ((3, 17, 5), 2), ((4, 6), 0)],
+                         ids=str)
+def test_max_grad(shape, axis):
+    x = randn(*shape)
+    x.flat[::4] = 1.0  # ties: the first maximum takes the gradient
+    m = cpu("max", [x], ip=(axis,))
+    g = randn(*m.shape)
+    check("max_grad", [g, x, m], ip=(axis,))
+
+
+# ---- matrix products --------------------------------------------------------------------
+
+MATMUL_SHAPES = [
+    ((1, 1), (1, 1)), ((3, 17), (17, 5)), ((17, 33), (33, 1)), ((65, 129), (129, 67)),
+    ((8, 12), (12, 16)), ((2, 3, 4, 5), (5, 6)), ((2, 1, 4, 5), (3, 5, 6)), ((3, 0), (0, 4)),
+    ((1, 1000), (1000, 3)),
+]
+
+
+@pytest.mark.parametrize("sa,sb", MATMUL_SHAPES, ids=str)
+@pytest.mark.parametrize("offset", [0, 4])
+def test_matmul(sa, sb, offset):
+    check("matmul", [randn(*sa), randn(*sb)], src_offset=offset)
+
+
+@pytest.mark.parametrize("ta", [False, True])
+@pytest.mark.parametrize("tb", [False, True])
+def test_matmul_transposed(ta, tb):
+    m, k, n = 33, 20, 44
+    a = randn(k, m).T if ta else randn(m, k)
+    b = randn(n, k).T if tb else randn(k, n)
+    check("matmul", [a, b])
+    # Batched, transposed inside the batch, and a sliced operand.
+    a3 = randn(3, k, m).transpose(0, 2, 1) if ta else randn(3, m, k)
+    b3 = randn(3, n, k).transpose(0, 2, 1) if tb else randn(3, k, n)
+    check("matmul", [a3, b3])
+    check("matmul", [randn(m, 2 * k)[:, ::2], b])
+
+
+def test_matmul_big_tiles():
+    # Enough 128x128 tiles to take the large-tile kernel (small K keeps lavapipe fast).
+    check("matmul", [randn(264, 128, 8), randn(8, 128)])
+    check("matmul", [randn(264, 8, 130).transpose(0, 2, 1), randn(264, 8, 129)])
+
+
+@pytest.mark.parametrize(
+    "sa,sb", [((1, 1), (1, 1)), ((17, 3), (17, 5)), ((20, 33), (20, 12)), ((2, 7, 4), (7, 6)),
+              ((3, 1, 9, 5), (2, 9, 4))], ids=str)
+def test_out_prod(sa, sb):
+    check("out_prod", [randn(*sa), randn(*sb)])
+    check("out_prod", [randn(*sa), randn(*sb)], src_offset=4)
+
+
+def test_out_prod_strided():
+    check("out_prod", [randn(5, 17).T, randn(17, 6)])
+    check("out_prod", [randn(17, 8)[:, ::2], randn(6, 17).T])
+
+
+# ---- nn ---------------------------------------------------------------------------------
+
+ROW_SHAPES = [(1,), (3,), (17,), (1000,), (3, 17), (2, 3, 300)]
+
+
+@pytest.mark.parametrize("name", ["softmax", "log_softmax"])
+@pytest.mark.parametrize("shape", ROW_SHAPES, ids=str)
+def test_softmax(name, shape):
+    x = randn(*shape, scale=3)
+    y = check(name, [x])
+    check(f"{name}_back", [randn(*shape), cpu(name, [x])])
+    assert y.shape == shape
+
+
+@pytest.mark.parametrize("name", ["rms_norm", "layer_norm"])
+@pytest.mark.parametrize("shape", ROW_SHAPES, ids=str)
+def test_norms(name, shape):
+    x = randn(*shape) + 0.5
+    check(name, [x], fp=(1e-5,))
+    check(f"{name}_back", [randn(*shape), x], fp=(1e-5,))
+
+
+@pytest.mark.parametrize("n,c", [(1, 1), (3, 17), (17, 1000), (64, 5)])
+def test_cross_entropy(n, c):
+    logits = randn(n, c, scale=3)
+    targets = RNG.integers(0, c, n).astype(np.int32)
+    check("cross_entropy", [logits, targets])
+    check("cross_entropy_back", [np.array(0.7, np.float32), logits, targets])
+
+
+@pytest.mark.parametrize("idx_shape", [(1,), (5,), (2, 3), (2, 2, 2), (1000,)], ids=str)
+@pytest.mark.parametrize("d", [1, 3, 100])
+def test_get_rows(idx_shape, d):
+    v = 17
+    table = randn(v, d)
+    idx = RNG.integers(0, v, idx_shape).astype(np.int32)
+    check("get_rows", [table, idx])
+    grad = randn(*idx_shape, d)
+    check("get_rows_back", [grad, idx], ip=(v,))  # duplicates summed in index order
+
+
+def test_get_rows_back_unused_rows():
+    idx = np.array([4, 4, 0, 4], np.int32)
+    got = check("get_rows_back", [randn(4, 3), idx], ip=(9,))
+    assert np.all(got[[1, 2, 3, 5, 6, 7, 8]] == 0)
+
+
+def test_bad_indices_raise():
+    table = randn(5, 3)
+    with pytest.raises(ValueError, match="get_rows"):
+        vk("get_rows", [table, np.array([0, 5], np.int32)], out_shape=(2, 3))
+    with pytest.raises(ValueError, match="get_rows_back"):
+        vk("get_rows_back", [randn(2, 3), np.array([-1, 0], np.int32)], (5,), out_shape=(5, 3))
+    with pytest.raises(ValueError, match="cross_entropy"):
+        vk("cross_entropy", [randn(2, 3), np.array([0, 3], np.int32)], out_shape=())
+    # The device is usable afterwards.
+    check("add", [randn(3), randn(3)])
+
+
+# ---- support answers and the C table ----------------------------------------------------
+
+def test_every_kernel_is_a_core_op():
+    core_ops = set(rc._core.op_names())
+    assert set(recurra_vulkan.op_names()) <= core_ops
+
+
+def test_unsupported_node():
+    with pytest.raises(NotImplementedError):
+        vk("no_such_op", [randn(3)], out_shape=(3,))
+    with pytest.raises(NotImplementedError):  # act_grad needs dense sources
+        vk("act_grad", [randn(3, 4).T] * 3, (4,), out_shape=(4, 3))
+
+
+class Buffer(ctypes.Structure):
+    _fields_ = [("handle", ctypes.c_uint64), ("generation", ctypes.c_uint64),
+                ("nbytes", ctypes.c_size_t)]
+
+
+class TensorDesc(ctypes.Structure):
+    _fields_ = [("dtype", ctypes.c_int), ("ndim", ctypes.c_int32),
+                ("shape", ctypes.c_int64 * 4), ("strides", ctypes.c_int64 * 4),
+                ("buffer", Buffer), ("offset", ctypes.c_size_t)]
+
+
+class NodeDesc(ctypes.Structure):
+    _fields_ = [("op", ctypes.c_char_p), ("dst", TensorDesc), ("n_src", ctypes.c_int32),
+                ("src", TensorDesc * 8), ("n_ip", ctypes.c_int32),
+                ("ip", ctypes.POINTER(ctypes.c_int64)), ("n_fp", ctypes.c_int32),
+                ("fp", ctypes.POINTER(ctypes.c_double))]
+
+
+_VOIDP = ctypes.c_void_p
+
+
+class Table(ctypes.Structure):
+    _fields_ = [
+        ("abi_version", ctypes.c_uint32), ("name", ctypes.c_char_p), ("ctx", _VOIDP),
+        ("device_count", ctypes.CFUNCTYPE(ctypes.c_int, _VOIDP)),
+        ("device_info", ctypes.CFUNCTYPE(ctypes.c_int, _VOIDP, ctypes.c_int, _VOIDP)),
+        ("alloc", ctypes.CFUNCTYPE(ctypes.c_int, _VOIDP, ctypes.c_int, ctypes.c_size_t,
+                                   ctypes.c_int, ctypes.POINTER(Buffer))),
+        ("free", ctypes.CFUNCTYPE(ctypes.c_int, _VOIDP, ctypes.c_int, Buffer)),
+        ("copy_in", ctypes.CFUNCTYPE(ctypes.c_int, _VOIDP, ctypes.c_int, Buffer, ctypes.c_size_t,
+                                     _VOIDP, ctypes.c_size_t)),
+        ("copy_out", ctypes.CFUNCTYPE(ctypes.c_int, _VOIDP, ctypes.c_int, Buffer, ctypes.c_size_t,
+                                      _VOIDP, ctypes.c_size_t)),
+        ("supports_op", ctypes.CFUNCTYPE(ctypes.c_int, _VOIDP, ctypes.c_int,
+                                         ctypes.POINTER(NodeDesc))),
+        ("compute", ctypes.CFUNCTYPE(ctypes.c_int, _VOIDP, ctypes.c_int, ctypes.POINTER(NodeDesc),
+                                     ctypes.c_int32)),
+        ("synchronize", ctypes.CFUNCTYPE(ctypes.c_int, _VOIDP, ctypes.c_int)),
+        ("get_last_error", ctypes.CFUNCTYPE(ctypes.c_char_p, _VOIDP)),
+        ("shutdown", ctypes.CFUNCTYPE(None, _VOIDP)),
+    ]
+
+
+@pytest.fixture(scope="module")
+def table() -> Table:
+    cap = recurra_vulkan.backend_info()["table"]
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype = ctypes.c_void_p
+    get.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    t = Table.from_address(get(cap, b"recurra.backend_table"))
+    assert t.abi_version == recurra_vulkan._vk.ABI_VERSION
+    assert t.name == b"vulkan"
+    assert t.device_count(t.ctx) >= 1
+    return t
+
+
+def _desc(buf: Buffer, shape, offset=0) -> TensorDesc:
+    d = TensorDesc()
+    d.dtype, d.ndim, d.buffer, d.offset = 0, len(shape), buf, offset
+    stride = 1
+    for i in reversed(range(4)):
+        d.shape[i] = shape[i] if i < len(shape) else 1
+        d.strides[i] = stride if i < len(shape) else 1
+        if i < len(shape):
+            stride *= shape[i]
+    return d
+
+
+def test_stale_handles_are_refused(table):
+    buf = Buffer()
+    assert table.alloc(table.ctx, 0, 64, 1, ctypes.byref(buf)) == 0
+    assert buf.generation != 0
+    host = (ctypes.c_float * 16)()
+    assert table.copy_in(table.ctx, 0, buf, 0, host, 64) == 0
+    assert table.copy_in(table.ctx, 0, buf, 8, host, 64) == -1  # past the end
+    assert table.free(table.ctx, 0, buf) == 0
+    assert table.copy_out(table.ctx, 0, buf, 0, host, 64) == -1
+    assert b"stale" in table.get_last_error(table.ctx)
+    assert table.free(table.ctx, 0, buf) == -1  # double free
+    again = Buffer()
+    assert table.alloc(table.ctx, 0, 64, 1, ctypes.byref(again)) == 0
+    assert again.generation != buf.generation
+    assert table.copy_in(table.ctx, 0, buf, 0, host, 64) == -1  # the old handle stays stale
+    assert table.free(table.ctx, 0, again) == 0
+
+
+def test_dependent_nodes_in_one_compute(table):
+    """Three nodes in one compute(): t = a + b; u = t * a (reads t); t2 = u - b written over
+    a's memory after a was read (write-after-read): the recorder must order them."""
+    n = 1000
+    a, b = randn(n), randn(n)
+    bufs = []
+
+    def alloc(nbytes):
+        buf = Buffer()
+        assert table.alloc(table.ctx, 0, nbytes, 0, ctypes.byref(buf)) == 0
+        bufs.append(buf)
+        return buf
+
+    try:
+        ba, bb, bt, bu = alloc(4 * n), alloc(4 * n), alloc(4 * n), alloc(4 * n)
+        assert table.copy_in(table.ctx, 0, ba, 0, a.ctypes.data, 4 * n) == 0
+        assert table.copy_in(table.ctx, 0, bb, 0, b.ctypes.data, 4 * n) == 0
+        nodes = (NodeDesc * 3)()
+        for node, op, dst, srcs in [(nodes[0], b"add", bt, [ba, bb]), (nodes[1], b"mul", bu, [bt, ba]),
+                                    (nodes[2], b"sub", ba, [bu, bb])]:
+            node.op, node.dst, node.n_src = op, _desc(dst, (n,)), len(srcs)
+            for i, s in enumerate(srcs):
+                node.src[i] = _desc(s, (n,))
+            assert table.supports_op(table.ctx, 0, ctypes.byref(node)) == 1
+        assert table.compute(table.ctx, 0, nodes, 3) == 0
+        assert table.synchronize(table.ctx, 0) == 0
+        out = np.empty(n, np.float32)
+        assert table.copy_out(table.ctx, 0, ba, 0, out.ctypes.data, 4 * n) == 0
+        want = (a + b) * a - b
+        assert nmse(out, want) <= NMSE_MAX
+    finally:
+        for buf in bufs:
+            table.free(table.ctx, 0, buf)
+
+
+def test_view_past_buffer_end_is_refused(table):
+    buf = Buffer()
+    assert table.alloc(table.ctx, 0, 16, 0, ctypes.byref(buf)) == 0
+    try:
+        node = NodeDesc()
+        node.op, node.dst, node.n_src = b"neg", _desc(buf, (4,)), 1
+        node.src[0] = _desc(buf, (4,), offset=8)  # reaches 8 bytes past the end
+        assert table.compute(table.ctx, 0, ctypes.byref(node), 1) == -1
+        assert b"past the end" in table.get_last_error(table.ctx)
+    finally:
+        table.free(table.ctx, 0, buf)
