@@ -1,29 +1,24 @@
 """Optimizer benchmarks: one Adam step, recurra-optim against torch.optim.Adam.
 
-    python bench/optim.py [--threads 2] [--reps 15] [--only adam-10M,adam-100x100K,adam-tiny]
+    python bench/optim.py [--threads 2] [--reps 21] [--only adam-10M,adam-100x100K,adam-tiny]
 
 Cases (as /work/shared/peers/bench_adam.py): 10M fp32 parameters in one tensor, and in 100
 tensors of 100K; plus 1,000 tensors of 64 elements, where the per-tensor overhead shows.
-PyTorch's fused CPU Adam, foreach and single-tensor paths are timed in the same process.
+PyTorch's fused CPU Adam, foreach and single-tensor paths are timed in the same process,
+taking turns step by step (ours, fused, foreach, single, ours, ...) so that the load of a
+shared machine hits every side alike; the figures are medians.
 The step is memory-bound: it reads p, g, m, v and writes p, m, v (28 bytes per parameter);
 GB/s below are 28 * n / time. The target is ours <= PyTorch fused (ratio >= 1.0x).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from common import (
-    Case,
-    PeerUnavailable,
-    Table,
-    environment,
-    load_recurra,
-    measure,
-    parse_args,
-    run_side,
-)
+from common import Case, PeerUnavailable, Table, Timing, environment, load_recurra, parse_args
 
 CASES = {
     "adam-10M": [(10_000_000,)],
@@ -41,39 +36,65 @@ def gbps(n: int, ms: float | None) -> str:
 def bench_case(name: str, shapes: list[tuple[int, ...]], rc: Any, args: Any,
                table: Table) -> None:
     n = sum(int(np.prod(s)) for s in shapes)
-    timing = dict(reps=args.reps, warmup=args.warmup, budget_s=args.budget)
     case = Case(f"{name}", target="<= torch fused (ratio >= 1.0x)", target_ratio=1.0)
     rng = np.random.default_rng(0)
     inits = [rng.standard_normal(s, dtype=np.float32) for s in shapes]
     grads = [rng.standard_normal(s, dtype=np.float32) for s in shapes]
-
-    def ours() -> Any:
+    steps: dict[str, Callable[[], Any]] = {}
+    ours_opt: Any = None
+    ours_params: list[Any] = []
+    try:
         if rc is None:
             raise RuntimeError("recurra not importable")
         import recurra_optim
 
-        ps = [rc.param(a) for a in inits]
-        for p, g in zip(ps, grads):
+        ours_params = [rc.param(a) for a in inits]
+        for p, g in zip(ours_params, grads):
             p.grad = rc.tensor(g)
-        opt = recurra_optim.Adam(ps, lr=1e-3)
-        t = measure(opt.step, **timing)
-        if not args.no_check:
-            check_against_torch(inits, grads, opt, ps, case)
-        return t
-
-    run_side(case, ours)
+        ours_opt = recurra_optim.Adam(ours_params, lr=1e-3)
+        steps["ours"] = ours_opt.step
+    except Exception as exc:  # reported in the table, never raised
+        case.ours_note = f"error: {type(exc).__name__}: {exc}"
+    notes: dict[str, str] = {}
     for label, kw in PEERS:
-        run_side(case, lambda kw=kw: torch_adam(shapes, inits, grads, args, kw, timing),
-                 peer=label)
-    case.ours_note = f"ours {gbps(n, case.ours_ms)}" if case.ours_ms else case.ours_note
+        try:
+            steps[label] = torch_adam(inits, grads, args, kw)
+        except PeerUnavailable as exc:
+            notes[label] = f"n/a ({exc})"
+    timings = measure_interleaved(steps, args.reps, args.warmup)
+    case.ours_ms = timings["ours"].median_ms if "ours" in timings else None
     for label, _ in PEERS:
-        if case.peers.get(label):
+        case.peers[label] = timings[label].median_ms if label in timings else None
+        if label in notes:
+            case.peer_notes[label] = notes[label]
+        elif case.peers[label]:
             case.peer_notes[label] = gbps(n, case.peers[label])
+    if case.ours_ms:
+        case.ours_note = f"ours {gbps(n, case.ours_ms)}"
+        if not args.no_check:
+            check_against_torch(inits, grads, ours_opt, ours_params, case)
     table.add(case)
 
 
-def torch_adam(shapes: list[tuple[int, ...]], inits: list[np.ndarray], grads: list[np.ndarray],
-               args: Any, kw: dict[str, Any], timing: dict[str, Any]) -> Any:
+def measure_interleaved(steps: dict[str, Callable[[], Any]], reps: int,
+                        warmup: int) -> dict[str, Timing]:
+    """Times each step function ``reps`` times, taking turns (ours, peer 1, peer 2, ...), so
+    that a change in the machine's load hits every side alike; returns each side's runs."""
+    for _ in range(max(1, warmup)):
+        for fn in steps.values():
+            fn()
+    runs: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(max(3, reps)):
+        for k, fn in steps.items():
+            t0 = time.perf_counter()
+            fn()
+            runs[k].append((time.perf_counter() - t0) * 1e3)
+    return {k: Timing(v) for k, v in runs.items()}
+
+
+def torch_adam(inits: list[np.ndarray], grads: list[np.ndarray], args: Any,
+               kw: dict[str, Any]) -> Callable[[], Any]:
+    """PyTorch's Adam over copies of the same parameters and gradients; returns its step."""
     try:
         import torch
     except ImportError as e:
@@ -82,8 +103,7 @@ def torch_adam(shapes: list[tuple[int, ...]], inits: list[np.ndarray], grads: li
     params = [torch.nn.Parameter(torch.from_numpy(a.copy())) for a in inits]
     for p, g in zip(params, grads):
         p.grad = torch.from_numpy(g.copy())
-    opt = torch.optim.Adam(params, lr=1e-3, **kw)
-    return measure(opt.step, **timing)
+    return torch.optim.Adam(params, lr=1e-3, **kw).step
 
 
 def check_against_torch(inits: list[np.ndarray], grads: list[np.ndarray], opt: Any,

@@ -88,7 +88,11 @@ def check_grads(
             flat[j] = orig
             numeric.reshape(-1)[j] = (up - down) / (2 * eps)
         np.testing.assert_allclose(
-            analytic[i], numeric, rtol=rtol, atol=atol,
-            err_msg=f"gradient of input {i} (shape {work[i].shape}) differs from finite differences",
+            analytic[i],
+            numeric,
+            rtol=rtol,
+            atol=atol,
+            err_msg=f"gradient of input {i} (shape {work[i].shape}) differs from finite "
+            "differences",
         )
     return analytic

@@ -31,8 +31,10 @@ UNARY = {
     "gelu": (lambda x: 0.5 * x * (1 + erf64(x / np.sqrt(2))), lambda s: RNG.standard_normal(s) * 2),
     "sigmoid": (lambda x: 1 / (1 + np.exp(-x)), lambda s: RNG.standard_normal(s) * 3),
     "tanh": (np.tanh, lambda s: RNG.standard_normal(s) * 2),
-    "softplus": (lambda x: np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20)))),
-                 lambda s: RNG.standard_normal(s) * 8),
+    "softplus": (
+        lambda x: np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20)))),
+        lambda s: RNG.standard_normal(s) * 8,
+    ),
 }
 
 BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
@@ -60,7 +62,8 @@ def test_unary_grad(name):
 
 @pytest.mark.parametrize("name", sorted(BINARY))
 @pytest.mark.parametrize(
-    "sa,sb", [((17,), (17,)), ((3, 4), (4,)), ((3, 1), (1, 5)), ((2, 1, 4), (3, 1)), ((1,), (1000003,))],
+    "sa,sb",
+    [((17,), (17,)), ((3, 4), (4,)), ((3, 1), (1, 5)), ((2, 1, 4), (3, 1)), ((1,), (1000003,))],
     ids=str,
 )
 def test_binary_forward_broadcast(name, sa, sb):

@@ -25,9 +25,17 @@ dtypes = st.sampled_from(["float32", "float32", "float32", "int32"])
 def arrays(draw):
     shape = draw(shapes)
     if draw(dtypes) == "int32":
-        return np.asarray(draw(st.lists(st.integers(-3, 6), min_size=int(np.prod(shape)),
-                                        max_size=int(np.prod(shape)))), np.int32).reshape(shape)
-    return np.random.default_rng(draw(st.integers(0, 2**16))).standard_normal(shape).astype(np.float32)
+        return np.asarray(
+            draw(
+                st.lists(
+                    st.integers(-3, 6), min_size=int(np.prod(shape)), max_size=int(np.prod(shape))
+                )
+            ),
+            np.int32,
+        ).reshape(shape)
+    return (
+        np.random.default_rng(draw(st.integers(0, 2**16))).standard_normal(shape).astype(np.float32)
+    )
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -51,14 +59,17 @@ def test_any_op_with_any_arguments_raises_cleanly(name, srcs, ip, fp):
 
 @settings(max_examples=150, deadline=None)
 @given(
-    a=shapes, b=shapes,
+    a=shapes,
+    b=shapes,
     name=st.sampled_from(["add", "sub", "mul", "div"]),
 )
 def test_binary_broadcasting_matches_numpy_or_raises(a, b, name):
     x = np.ones(a, np.float32)
     y = np.full(b, 2.0, np.float32)
     try:
-        want = getattr(np, {"add": "add", "sub": "subtract", "mul": "multiply", "div": "divide"}[name])(x, y)
+        want = getattr(
+            np, {"add": "add", "sub": "subtract", "mul": "multiply", "div": "divide"}[name]
+        )(x, y)
     except ValueError:
         try:
             getattr(ops, name)(rc.tensor(x), rc.tensor(y))

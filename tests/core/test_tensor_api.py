@@ -34,7 +34,9 @@ def test_numpy_interop_and_copy_keyword():
     b = np.asarray(t, copy=True)
     b[0, 0] = 5
     assert t.numpy()[0, 0] == 0
-    np.testing.assert_array_equal(np.asarray(t, dtype=np.float64), x.astype(np.float64) * (x != 100))
+    np.testing.assert_array_equal(
+        np.asarray(t, dtype=np.float64), x.astype(np.float64) * (x != 100)
+    )
     with pytest.raises(ValueError):
         np.asarray(t, dtype=np.float64, copy=False)
     n = t.numpy()

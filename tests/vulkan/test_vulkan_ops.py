@@ -79,7 +79,7 @@ def check(name: str, srcs: list[np.ndarray], ip=(), fp=(), *, src_offset: int = 
 
 
 def randn(*shape: int, scale: float = 1.0) -> np.ndarray:
-    return (RNG.standard_normal(shape) * scale).astype(np.float32)
+    return np.asarray(RNG.standard_normal(shape) * scale, dtype=np.float32)
 
 
 # ---- elementwise ------------------------------------------------------------------------
@@ -341,8 +341,11 @@ def test_softmax(name, shape):
 @pytest.mark.parametrize("shape", ROW_SHAPES, ids=str)
 def test_norms(name, shape):
     x = randn(*shape) + 0.5
-    check(name, [x], fp=(1e-5,))
-    check(f"{name}_back", [randn(*shape), x], fp=(1e-5,))
+    # One-element rows: the backward is r g eps / (x^2 + eps), pure cancellation with a tiny
+    # eps on both backends; a large eps keeps it well conditioned.
+    eps = 0.5 if shape[-1] == 1 else 1e-5
+    check(name, [x], fp=(eps,))
+    check(f"{name}_back", [randn(*shape), x], fp=(eps,))
 
 
 @pytest.mark.parametrize("n,c", [(1, 1), (3, 17), (17, 1000), (64, 5)])
@@ -528,3 +531,45 @@ def test_view_past_buffer_end_is_refused(table):
         assert b"past the end" in table.get_last_error(table.ctx)
     finally:
         table.free(table.ctx, 0, buf)
+
+
+# ---- through the core's scheduler -------------------------------------------------------
+
+def _mlp_step(device: str | None) -> tuple[float, list[np.ndarray]]:
+    """Loss and gradients of a small MLP classifier (matmul, bias broadcast, activations,
+    layer_norm, softmax cross-entropy, reductions) on `device`."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((17, 12)).astype(np.float32)
+    w1 = (rng.standard_normal((12, 33)) * 0.3).astype(np.float32)
+    b1 = (rng.standard_normal(33) * 0.1).astype(np.float32)
+    w2 = (rng.standard_normal((33, 5)) * 0.3).astype(np.float32)
+    targets = rng.integers(0, 5, 17).astype(np.int32)
+    ps = [rc.param(v, device=device) for v in (w1, b1, w2)]
+    h = rc.ops.gelu(rc.ops.matmul(rc.tensor(x, device=device), ps[0]) + ps[1])
+    h = rc.ops.layer_norm(h) if hasattr(rc.ops, "layer_norm") else h
+    logits = rc.ops.matmul(h, ps[2])
+    loss = rc.ops.cross_entropy(logits, rc.tensor(targets, device=device))
+    loss.backward()
+    return float(loss.numpy()), [np.asarray(p.grad.numpy()) for p in ps]
+
+
+def test_training_step_through_the_core():
+    """The same graph (forward and backward) placed on Vulkan by the core's scheduler, in
+    strict mode (no CPU fallback), against the CPU."""
+    try:
+        rc.parse_device("vulkan")
+    except ValueError as e:
+        pytest.skip(f"the core does not offer the vulkan device yet: {e}")
+    set_strict = getattr(rc._tensor, "set_strict_placement", None)
+    want_loss, want_grads = _mlp_step(None)
+    if set_strict is not None:
+        set_strict(True)
+    try:
+        got_loss, got_grads = _mlp_step("vulkan")
+    finally:
+        if set_strict is not None:
+            set_strict(False)
+    assert abs(got_loss - want_loss) <= 1e-5 * max(1.0, abs(want_loss))
+    for got, want in zip(got_grads, want_grads):
+        assert got.shape == want.shape
+        assert nmse(got, want) <= NMSE_MAX

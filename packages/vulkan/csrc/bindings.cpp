@@ -154,7 +154,10 @@ py::dict backend_info() {
   }
   py::dict out;
   out["devices"] = devices;
-  out["reason"] = s.reason;
+  // "reason" is empty whenever there is a device (the core reads a reason as "unusable");
+  // devices that were passed over are listed under "skipped".
+  out["reason"] = s.devices.empty() ? s.reason : std::string();
+  if (!s.devices.empty() && !s.reason.empty()) out["skipped"] = s.reason;
   if (!s.devices.empty()) out["table"] = py::capsule(static_cast<void*>(backend_table()), "recurra.backend_table");
   return out;
 }

@@ -203,7 +203,7 @@ Instance::Instance() {
     reason_ = pds.empty() ? "the Vulkan driver reports no devices"
                           : "no usable Vulkan device" + (skipped.empty() ? std::string() : ":" + skipped.substr(1));
   else if (!skipped.empty())
-    reason_ = "skipped" + skipped.substr(1);
+    reason_ = skipped.substr(2);
 }
 
 Instance::~Instance() {
@@ -406,16 +406,16 @@ void Device::wait_all() {
     blocks_to_release_ = false;
   }
   auto* flags = reinterpret_cast<volatile uint32_t*>(errors_.mapped);
-  const uint32_t f = flags[0];
-  if (f) {
-    flags[0] = 0;
-    std::string what;
-    if (f & kErrGetRows) what += ", get_rows: an index is out of range [0, V)";
-    if (f & kErrGetRowsBack) what += ", get_rows_back: an index is out of range [0, V)";
-    if (f & kErrCrossEntropy) what += ", cross_entropy: a target is out of range [0, C)";
-    if (f & kErrCrossEntropyBack) what += ", cross_entropy_back: a target is out of range [0, C)";
-    fail_invalid(what.empty() ? "a kernel reported an error" : what.substr(2) + " (the affected outputs are zero)");
-  }
+  static const char* const kWhat[kNumShaderErrors] = {
+      "get_rows: an index is out of range [0, V)", "get_rows_back: an index is out of range [0, V)",
+      "cross_entropy: a target is out of range [0, C)", "cross_entropy_back: a target is out of range [0, C)"};
+  std::string what;
+  for (uint32_t i = 0; i < kNumShaderErrors; ++i)
+    if (flags[i]) {
+      flags[i] = 0;
+      what += std::string(what.empty() ? "" : ", ") + kWhat[i];
+    }
+  if (!what.empty()) fail_invalid(what + " (the affected outputs are zero)");
 }
 
 void Device::synchronize() {

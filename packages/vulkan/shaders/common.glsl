@@ -13,11 +13,15 @@ layout(buffer_reference, std430, buffer_reference_align = 4) buffer IBuf { int v
 layout(buffer_reference, std430, buffer_reference_align = 4) buffer UBuf { uint v[]; };
 layout(buffer_reference, std430, buffer_reference_align = 16) buffer F4Buf { vec4 v[]; };
 
-// Error flags (Device::wait_all reports them); must match ShaderError in ops/ops.h.
-const uint ERR_GET_ROWS = 1u;
-const uint ERR_GET_ROWS_BACK = 2u;
-const uint ERR_CROSS_ENTROPY = 4u;
-const uint ERR_CROSS_ENTROPY_BACK = 8u;
+// Error flags (Device::wait_all reports them): one word per op, set with a plain store (no
+// atomics: the words live in host memory, where GPU atomics need PCIe atomic support).
+// Must match ShaderError in ops/ops.h.
+const uint ERR_GET_ROWS = 0u;
+const uint ERR_GET_ROWS_BACK = 1u;
+const uint ERR_CROSS_ENTROPY = 2u;
+const uint ERR_CROSS_ENTROPY_BACK = 3u;
+
+void set_error(uvec2 err, uint which) { UBuf(err).v[which] = 1u; }
 
 // The linear index of this workgroup in a 2-D grid (one workgroup per item, see grid_2d).
 uint group_index() { return gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x; }

@@ -19,7 +19,7 @@ void main() {
     const uint n = i / pc.D, d = i % pc.D;
     const int v = idx.v[n];
     if (v < 0 || uint(v) >= pc.V) {
-      if (d == 0u) atomicOr(UBuf(pc.err).v[0], ERR_GET_ROWS);
+      if (d == 0u) set_error(pc.err, ERR_GET_ROWS);
       out_.v[i] = 0.0;
     } else {
       out_.v[i] = table.v[uint(v) * pc.D + d];

@@ -29,7 +29,7 @@ void main() {
     const uint i = g0 + t;
     const int v = i < pc.N ? idx.v[i] : -1;
     const bool valid = v >= 0 && uint(v) < pc.V;
-    if (i < pc.N && !valid) atomicOr(UBuf(pc.err).v[0], ERR_GET_ROWS_BACK);
+    if (i < pc.N && !valid) set_error(pc.err, ERR_GET_ROWS_BACK);
     const uint last = min(pc.N, g0 + 256u);  // every thread of the group walks j < last
     uint r = 0u;
     for (uint j0 = 0u; j0 < last; j0 += 256u) {

@@ -74,7 +74,7 @@ void main() {
     } else {
       const int tv = IBuf(pc.t).v[row];
       const bool ok = tv >= 0 && uint(tv) < C;
-      if (!ok && t == 0u) atomicOr(UBuf(pc.err).v[0], OP == 8 ? ERR_CROSS_ENTROPY : ERR_CROSS_ENTROPY_BACK);
+      if (!ok && t == 0u) set_error(pc.err, OP == 8 ? ERR_CROSS_ENTROPY : ERR_CROSS_ENTROPY_BACK);
       if (OP == 8) {
         if (t == 0u) y.v[row] = ok ? m + log(s) - x.v[base + uint(tv)] : 0.0;
       } else {

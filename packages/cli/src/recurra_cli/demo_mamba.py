@@ -43,8 +43,15 @@ class DemoConfig:
 
     @classmethod
     def small(cls, epochs: int | None = None) -> DemoConfig:
-        return cls(d_state=4, head_dim=2, n_head=2, n_tok=6, d_conv=3, n_samples=24,
-                   epochs=40 if epochs is None else epochs)
+        return cls(
+            d_state=4,
+            head_dim=2,
+            n_head=2,
+            n_tok=6,
+            d_conv=3,
+            n_samples=24,
+            epochs=40 if epochs is None else epochs,
+        )
 
 
 @dataclass
@@ -59,16 +66,18 @@ class RunResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def make_problem(cfg: DemoConfig) -> tuple[list[dict[str, np.ndarray]], dict[str, np.ndarray], float]:
+def make_problem(
+    cfg: DemoConfig,
+) -> tuple[list[dict[str, np.ndarray]], dict[str, np.ndarray], float]:
     """Batches, initial parameters and the predict-zero baseline, all from cfg.seed."""
     rng = np.random.default_rng(cfg.seed)
     S, T, D, H, N, K = cfg.n_seqs, cfg.n_tok, cfg.d_inner, cfg.n_head, cfg.d_state, cfg.d_conv
     batches = []
     for _ in range(cfg.n_samples):
         x = rng.uniform(-1, 1, (S, T, D)).astype(np.float32)
-        y = (np.cumsum(x.astype(np.float64), axis=1) / np.arange(1, T + 1)[None, :, None])
+        y = np.cumsum(x.astype(np.float64), axis=1) / np.arange(1, T + 1)[None, :, None]
         sx = np.zeros((S, D, K - 1 + T), np.float32)
-        sx[:, :, K - 1:] = x.transpose(0, 2, 1)
+        sx[:, :, K - 1 :] = x.transpose(0, 2, 1)
         batches.append({"sx": sx, "target": y.astype(np.float32).reshape(S, T, H, cfg.head_dim)})
     params = {
         "conv": rng.uniform(-0.3, 0.3, (D, K)).astype(np.float32),
@@ -104,8 +113,9 @@ class MambaBlockGraph:
         p = self.params
         self.conv_out = ops.ssm_conv(self.sx, p["conv"])  # (S, T, D)
         x_scan = self.conv_out.reshape(S, T, H, P)
-        self.y, self.state = ops.ssm_scan(self.s0, x_scan, p["dt"], p["A"], p["B"], p["C"],
-                                          self.ids)
+        self.y, self.state = ops.ssm_scan(
+            self.s0, x_scan, p["dt"], p["A"], p["B"], p["C"], self.ids
+        )
         n_out = S * T * H * P
         self.loss = ops.scale(ops.sum(ops.sqr(self.y - self.target)), 1.0 / n_out)
         g.set_output(self.conv_out)
@@ -115,7 +125,9 @@ class MambaBlockGraph:
         g.set_data(self.s0, np.zeros((S, H, P, N), np.float32))
         g.set_data(self.ids, np.arange(S, dtype=np.int32))
 
-    def step(self, params: dict[str, np.ndarray], batch: dict[str, np.ndarray]) -> tuple[float, dict[str, np.ndarray]]:
+    def step(
+        self, params: dict[str, np.ndarray], batch: dict[str, np.ndarray]
+    ) -> tuple[float, dict[str, np.ndarray]]:
         g = self.graph
         g.set_data(self.sx, batch["sx"])
         g.set_data(self.target, batch["target"])
@@ -129,12 +141,17 @@ class MambaBlockGraph:
 
     def placement(self) -> tuple[dict[str, str], int]:
         g = self.graph
-        where = {"ssm_conv": g.backend_of(self.conv_out), "ssm_scan": g.backend_of(self.y),
-                 "loss": g.backend_of(self.loss)}
+        where = {
+            "ssm_conv": g.backend_of(self.conv_out),
+            "ssm_scan": g.backend_of(self.y),
+            "loss": g.backend_of(self.loss),
+        }
         return where, g.n_splits
 
 
-def sgd_update(params: dict[str, np.ndarray], grads: dict[str, np.ndarray], cfg: DemoConfig) -> None:
+def sgd_update(
+    params: dict[str, np.ndarray], grads: dict[str, np.ndarray], cfg: DemoConfig
+) -> None:
     """Plain SGD with each gradient clipped to norm cfg.clip; A kept < 0 and dt > 0."""
     for k, gval in grads.items():
         gval = np.where(np.isfinite(gval), gval, 0.0)
@@ -156,8 +173,9 @@ def verdict(final: float, baseline: float) -> str:
     return "OK"
 
 
-def train(cfg: DemoConfig, backend: str,
-          on_epoch: Callable[[int, float], None] | None = None) -> RunResult:
+def train(
+    cfg: DemoConfig, backend: str, on_epoch: Callable[[int, float], None] | None = None
+) -> RunResult:
     """Trains the block from cfg's initial weights on one backend."""
     if backend != "cpu":
         raise ValueError(f"backend {backend!r} is not available in this build")
@@ -177,9 +195,16 @@ def train(cfg: DemoConfig, backend: str,
             on_epoch(epoch + 1, history[-1])
     seconds = time.perf_counter() - t0
     final = history[-1]
-    return RunResult(backend, history, seconds, placement, n_splits, verdict(final, baseline),
-                     100.0 * final / baseline if np.isfinite(final) else float("nan"),
-                     {"baseline": baseline})
+    return RunResult(
+        backend,
+        history,
+        seconds,
+        placement,
+        n_splits,
+        verdict(final, baseline),
+        100.0 * final / baseline if np.isfinite(final) else float("nan"),
+        {"baseline": baseline},
+    )
 
 
 def compare(a: RunResult, b: RunResult, tol: float = 0.05) -> dict[str, Any]:
@@ -197,8 +222,11 @@ def compare(a: RunResult, b: RunResult, tol: float = 0.05) -> dict[str, Any]:
         status = "MISMATCH"
     else:
         status = "AGREE"
-    return {"max_rel_gap": float(np.nanmax(rel)), "median_rel_gap": float(np.nanmedian(rel)),
-            "status": status}
+    return {
+        "max_rel_gap": float(np.nanmax(rel)),
+        "median_rel_gap": float(np.nanmedian(rel)),
+        "status": status,
+    }
 
 
 def config_dict(cfg: DemoConfig) -> dict[str, Any]:

@@ -10,7 +10,6 @@ import json
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -51,8 +50,8 @@ def _available_backends() -> dict[str, str]:
 def mamba_train(
     backend: str = typer.Option("cpu", help="cpu, vulkan, or both (trains on each and compares)"),
     small: bool = typer.Option(False, "--small", help="tiny sizes: a quick check in a second"),
-    epochs: Optional[int] = typer.Option(None, min=1, help="epochs (default 60, or 40 with --small)"),
-    plot: Optional[Path] = typer.Option(None, help="write the loss curves to this PNG file"),
+    epochs: int | None = typer.Option(None, min=1, help="epochs (default 60, or 40 with --small)"),
+    plot: Path | None = typer.Option(None, help="write the loss curves to this PNG file"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of tables"),
 ) -> None:
     """Train a Mamba-style block (ssm_conv -> ssm_scan -> MSE) and report whether it learned.
@@ -100,8 +99,14 @@ def mamba_train(
         if not quiet:
             console.print(f"\n[bold]=== {name.upper()} ===[/]")
         with Progress(
-            TextColumn("  {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-            TimeElapsedColumn(), TimeRemainingColumn(), console=console, disable=quiet, transient=False,
+            TextColumn("  {task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=console,
+            disable=quiet,
+            transient=False,
         ) as progress:
             task = progress.add_task("epoch", total=cfg.epochs)
 
@@ -120,11 +125,15 @@ def mamba_train(
             for i, h in enumerate(res.history, start=1):
                 if i == 1 or i % step == 0 or i == cfg.epochs:
                     console.print(f"  epoch {i:3d}   loss {h:.5f}")
-            console.print(f"  {res.seconds:.1f} s total, {res.seconds / cfg.epochs:.3f} s per epoch")
+            console.print(
+                f"  {res.seconds:.1f} s total, {res.seconds / cfg.epochs:.3f} s per epoch"
+            )
 
     baseline = demo_mamba.make_problem(cfg)[2]
     comparison = demo_mamba.compare(results[0], results[1]) if len(results) == 2 else None
-    ok = all(r.verdict == "OK" for r in results) and (comparison is None or comparison["status"] == "AGREE")
+    ok = all(r.verdict == "OK" for r in results) and (
+        comparison is None or comparison["status"] == "AGREE"
+    )
 
     if as_json:
         out = {
@@ -132,10 +141,17 @@ def mamba_train(
             "baseline": baseline,
             "notes": notes,
             "runs": [
-                {"backend": r.backend, "first_loss": r.history[0], "final_loss": r.history[-1],
-                 "final_pct_of_zero": r.final_pct_of_zero, "seconds": r.seconds,
-                 "verdict": r.verdict, "placement": r.placement, "n_splits": r.n_splits,
-                 "history": r.history}
+                {
+                    "backend": r.backend,
+                    "first_loss": r.history[0],
+                    "final_loss": r.history[-1],
+                    "final_pct_of_zero": r.final_pct_of_zero,
+                    "seconds": r.seconds,
+                    "verdict": r.verdict,
+                    "placement": r.placement,
+                    "n_splits": r.n_splits,
+                    "history": r.history,
+                }
                 for r in results
             ],
             "comparison": comparison,
@@ -148,8 +164,14 @@ def mamba_train(
         for col in ("backend", "first loss", "final loss", "% of zero", "sec", "verdict"):
             table.add_column(col, justify="right" if col not in ("backend", "verdict") else "left")
         for r in results:
-            table.add_row(r.backend, f"{r.history[0]:.4f}", f"{r.history[-1]:.4f}",
-                          f"{r.final_pct_of_zero:.1f}%", f"{r.seconds:.1f}", r.verdict)
+            table.add_row(
+                r.backend,
+                f"{r.history[0]:.4f}",
+                f"{r.history[-1]:.4f}",
+                f"{r.final_pct_of_zero:.1f}%",
+                f"{r.seconds:.1f}",
+                r.verdict,
+            )
         console.print(table)
         if comparison is not None:
             console.print(
@@ -195,8 +217,20 @@ def devices(as_json: bool = typer.Option(False, "--json", help="print JSON")) ->
 
     infos = recurra.backends.available()
     if as_json:
-        print(json.dumps([{"name": b.name, "available": b.available, "devices": b.devices,
-                           "reason": b.reason, "source": b.source} for b in infos]))
+        print(
+            json.dumps(
+                [
+                    {
+                        "name": b.name,
+                        "available": b.available,
+                        "devices": b.devices,
+                        "reason": b.reason,
+                        "source": b.source,
+                    }
+                    for b in infos
+                ]
+            )
+        )
         return
     table = Table(title=f"recurra {recurra.__version__} backends")
     for col in ("backend", "status", "device", "memory", "details"):
@@ -207,10 +241,16 @@ def devices(as_json: bool = typer.Option(False, "--json", help="print JSON")) ->
             continue
         for d in b.devices:
             mem = d.get("memory_bytes", 0)
-            details = ", ".join(f"{k}={v}" for k, v in d.items()
-                                if k not in ("name", "memory_bytes", "index"))
-            table.add_row(b.name, "[green]ok[/]", f"{d.get('index', 0)}: {d.get('name', '?')}",
-                          f"{mem / 2**30:.1f} GiB" if mem else "-", details)
+            details = ", ".join(
+                f"{k}={v}" for k, v in d.items() if k not in ("name", "memory_bytes", "index")
+            )
+            table.add_row(
+                b.name,
+                "[green]ok[/]",
+                f"{d.get('index', 0)}: {d.get('name', '?')}",
+                f"{mem / 2**30:.1f} GiB" if mem else "-",
+                details,
+            )
     console.print(table)
 
 

@@ -166,25 +166,32 @@ float act_derivative(int64_t code, float x, float y, const std::vector<double>& 
 }  // namespace
 
 void register_elementwise_ops(OpTable& t) {
+  // Shapes are copied before any node is added: adding a node may move the node list.
   add_binary(t, "add", add_row, [](GradSink& k) {
-    k.add(0, k.g.reduce_to(k.grad_out, k.g.node(k.node.src[0]).shape));
-    k.add(1, k.g.reduce_to(k.grad_out, k.g.node(k.node.src[1]).shape));
+    const Shape sa = k.g.node(k.node.src[0]).shape, sb = k.g.node(k.node.src[1]).shape;
+    k.add(0, k.g.reduce_to(k.grad_out, sa));
+    k.add(1, k.g.reduce_to(k.grad_out, sb));
   });
   add_binary(t, "sub", sub_row, [](GradSink& k) {
-    k.add(0, k.g.reduce_to(k.grad_out, k.g.node(k.node.src[0]).shape));
-    k.add(1, k.g.reduce_to(k.g.neg(k.grad_out), k.g.node(k.node.src[1]).shape));
+    const Shape sa = k.g.node(k.node.src[0]).shape, sb = k.g.node(k.node.src[1]).shape;
+    k.add(0, k.g.reduce_to(k.grad_out, sa));
+    k.add(1, k.g.reduce_to(k.g.neg(k.grad_out), sb));
   });
   add_binary(t, "mul", mul_row, [](GradSink& k) {
     const int a = k.node.src[0], b = k.node.src[1];
-    k.add(0, k.g.reduce_to(k.g.mul(k.grad_out, b), k.g.node(a).shape));
-    k.add(1, k.g.reduce_to(k.g.mul(k.grad_out, a), k.g.node(b).shape));
+    const Shape sa = k.g.node(a).shape, sb = k.g.node(b).shape;
+    if (k.needs(0)) k.add(0, k.g.reduce_to(k.g.mul(k.grad_out, b), sa));
+    if (k.needs(1)) k.add(1, k.g.reduce_to(k.g.mul(k.grad_out, a), sb));
   });
   add_binary(t, "div", div_row, [](GradSink& k) {
     const int a = k.node.src[0], b = k.node.src[1];
-    k.add(0, k.g.reduce_to(k.g.div(k.grad_out, b), k.g.node(a).shape));
-    // d(a/b)/db = -(a/b)/b
-    int gb = k.g.neg(k.g.mul(k.grad_out, k.g.div(k.node.id, b)));
-    k.add(1, k.g.reduce_to(gb, k.g.node(b).shape));
+    const Shape sa = k.g.node(a).shape, sb = k.g.node(b).shape;
+    if (k.needs(0)) k.add(0, k.g.reduce_to(k.g.div(k.grad_out, b), sa));
+    if (k.needs(1)) {
+      // d(a/b)/db = -(a/b)/b
+      int gb = k.g.neg(k.g.mul(k.grad_out, k.g.div(k.node.id, b)));
+      k.add(1, k.g.reduce_to(gb, sb));
+    }
   });
 
   using FP = const std::vector<double>&;

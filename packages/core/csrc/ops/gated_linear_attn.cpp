@@ -27,28 +27,36 @@ struct GlaIn {
 
 // ---- forward -----------------------------------------------------------------------------
 
+// One row i of the state block: S[i, :] = g_i S[i, :] + k_i v, then acc += q_i S[i, :].
+template <int NV>
+RWKV_INLINE void gla_forward_row(float* s, const vf* vv, float q, float k, float g, vf* acc) {
+  const vf qi = RWKV_SPLAT(q), ki = RWKV_SPLAT(k), gi = RWKV_SPLAT(g);
+  for (int c = 0; c < NV; ++c) {
+    const vf x = gi * vload(s + c * kL) + ki * vv[c];
+    vstore(s + c * kL, x);
+    acc[c] += qi * x;
+  }
+}
+
 // One token over a register block of NV lane groups (j): st (S rows i, row stride ld) is
-// updated, then y = scale * sum_i q[i] S_new[i, :].
+// updated, then y = scale * sum_i q[i] S_new[i, :] (even and odd rows summed apart).
 template <int NV>
 RWKV_INLINE void gla_forward_rows(float* st, int64_t ld, int64_t S, const float* q,
                                   const float* k, const float* g, const float* v, float scale,
                                   float* y) {
-  vf acc[NV], vv[NV];
+  vf acc0[NV], acc1[NV], vv[NV];
   for (int c = 0; c < NV; ++c) {
-    acc[c] = vf{};
+    acc0[c] = acc1[c] = vf{};
     vv[c] = vload(v + c * kL);
   }
-  for (int64_t i = 0; i < S; ++i) {
-    const vf qi = splat(q[i]), ki = splat(k[i]), gi = splat(g[i]);
-    float* s = st + i * ld;
-    for (int c = 0; c < NV; ++c) {
-      const vf x = gi * vload(s + c * kL) + ki * vv[c];
-      vstore(s + c * kL, x);
-      acc[c] += qi * x;
-    }
+  int64_t i = 0;
+  for (; i + 1 < S; i += 2) {
+    gla_forward_row<NV>(st + i * ld, vv, q[i], k[i], g[i], acc0);
+    gla_forward_row<NV>(st + (i + 1) * ld, vv, q[i + 1], k[i + 1], g[i + 1], acc1);
   }
-  const vf sc = splat(scale);
-  for (int c = 0; c < NV; ++c) vstore(y + c * kL, sc * acc[c]);
+  if (i < S) gla_forward_row<NV>(st + i * ld, vv, q[i], k[i], g[i], acc0);
+  const vf sc = RWKV_SPLAT(scale);
+  for (int c = 0; c < NV; ++c) vstore(y + c * kL, sc * (acc0[c] + acc1[c]));
 }
 
 RC_SIMD void gla_forward_task(const GlaIn& in, const Dims& d, float scale, int64_t qs, int64_t h,
@@ -58,13 +66,27 @@ RC_SIMD void gla_forward_task(const GlaIn& in, const Dims& d, float scale, int64
   float* yb = buf + W;
   for (int64_t t = 0; t < d.n; ++t) {
     const int64_t base = d.token(qs, t, h);
-    load_padded(vb, in.v + base + j0, jn, W);
+    if (t + kPrefetchTokens < d.n) {
+      const int64_t ahead = d.token(qs, t + kPrefetchTokens, h);
+      prefetch(in.k + ahead, S);
+      prefetch(in.q + ahead, S);
+      prefetch(in.g + ahead, S);
+      prefetch(in.v + ahead + j0, jn);
+      prefetch(y + ahead + j0, jn, true);
+    }
+    // Without padding in this block, v is read and y written in place.
+    const float* vt = in.v + base + j0;
+    float* yt = jn == W ? y + base + j0 : yb;
+    if (jn < W) {
+      load_padded(vb, vt, jn, W);
+      vt = vb;
+    }
     for (int64_t c = 0; c < W; c += kMaxNV * kL) {
       const int64_t nv = std::min(kMaxNV, (W - c) / kL);
       RWKV_DISPATCH_NV(nv, gla_forward_rows, st + c, W, S, in.q + base, in.k + base,
-                       in.g + base, vb + c, scale, yb + c)
+                       in.g + base, vt + c, scale, yt + c)
     }
-    std::memcpy(y + base + j0, yb, static_cast<size_t>(jn) * sizeof(float));
+    if (jn < W) copy_floats(y + base + j0, yb, jn);
   }
 }
 
@@ -93,15 +115,17 @@ void gla_forward(KernelCtx& c, const Dims& d) {
 // ---- backward ----------------------------------------------------------------------------
 //
 // A task is (run, head, rows j in [j0, j1)) of the transposed state, R rows of Sp lanes (i),
-// as in wkv6. Peak scratch per thread: (2 + ceil(n/K) + K) * R * Sp floats plus O(Sp + R).
+// as in wkv6. Peak scratch per thread: (2 + ceil(n/K) + K) * R * Sp + R (kL + 1) + 6 Sp floats.
 
 // One backward token over a register block of NV lane groups (i). sp: S_{t-1} rows; lam:
 // lam_t rows, updated to lam_{t-1}; acc gets the block's sums over j of S_{t-1} gy, mu v and
-// mu * S_{t-1} (offsets 0, Sp, 2 Sp); dvrow[j] += the block's part of sum_i mu[j][i] k[i].
+// mu * S_{t-1} (offsets 0, Sp, 2 Sp); dvp[j] (kL lanes) gets, or with `add` adds, the block's
+// lane-wise part of sum_i mu[j][i] k[i].
 template <int NV>
 RWKV_INLINE void gla_backward_rows(const float* sp, float* lam, int64_t Sp, int64_t R,
                                    const float* gy, const float* v, float scale, const float* q,
-                                   const float* k, const float* g, float* dvrow, float* acc) {
+                                   const float* k, const float* g, float* dvp, bool add,
+                                   float* acc) {
   vf sg[NV], dk[NV], dg[NV], qq[NV], kk[NV], gg[NV];
   for (int c = 0; c < NV; ++c) {
     sg[c] = dk[c] = dg[c] = vf{};
@@ -110,7 +134,7 @@ RWKV_INLINE void gla_backward_rows(const float* sp, float* lam, int64_t Sp, int6
     gg[c] = vload(g + c * kL);
   }
   for (int64_t j = 0; j < R; ++j) {
-    const vf gj = splat(gy[j]), gs = splat(scale * gy[j]), vj = splat(v[j]);
+    const vf gj = RWKV_SPLAT(gy[j]), gs = RWKV_SPLAT(scale * gy[j]), vj = RWKV_SPLAT(v[j]);
     const float* s = sp + j * Sp;
     float* l = lam + j * Sp;
     vf dv = vf{};
@@ -123,7 +147,7 @@ RWKV_INLINE void gla_backward_rows(const float* sp, float* lam, int64_t Sp, int6
       dv += m * kk[c];
       vstore(l + c * kL, gg[c] * m);
     }
-    dvrow[j] += hsum(dv);
+    vstore(dvp + j * kL, add ? vload(dvp + j * kL) + dv : dv);
   }
   for (int c = 0; c < NV; ++c) {
     vstore(acc + c * kL, sg[c]);
@@ -151,58 +175,44 @@ RC_SIMD void gla_backward_task(const GlaIn& in, const float* s0, const float* gy
   float* gb = kb + Sp;
   float* acc = gb + Sp;         // 3 Sp
   float* dvrow = acc + 3 * Sp;  // R
+  float* dvp = dvrow + R;       // R * kL
 
-  const float* s0h = s0 + d.state(qs, h);
-  const float* gsh = gs + d.state(qs, h);
-  std::memset(st, 0, static_cast<size_t>(2 * RS) * sizeof(float));
-  for (int64_t i = 0; i < S; ++i)
-    for (int64_t j = 0; j < R; ++j) {
-      st[j * Sp + i] = s0h[i * S + j0 + j];
-      lam[j * Sp + i] = gsh[i * S + j0 + j];
-    }
-
-  // Pass 1: checkpoints (the state before tokens 0, K, 2K, ...).
-  for (int64_t t = 0; t < (nck - 1) * K; ++t) {
-    if (t % K == 0) std::memcpy(ck + (t / K) * RS, st, static_cast<size_t>(RS) * sizeof(float));
-    const int64_t base = d.token(qs, t, h);
-    load_padded(kb, in.k + base, S, Sp);
-    load_padded(gb, in.g + base, S, Sp);
-    decay_step_t(st, R, Sp, kb, gb, in.v + base + j0);
-  }
-  std::memcpy(ck + (nck - 1) * RS, st, static_cast<size_t>(RS) * sizeof(float));
-  // Pass 2: chunks from the last, each recomputed from its checkpoint, then walked backwards.
+  load_transposed(ck, s0 + d.state(qs, h), lam, gs + d.state(qs, h), S, Sp, j0, R);
+  decay_checkpoints(ck, st, d, qs, h, j0, R, K, nck, in.k, in.g, in.v, kb, gb);
+  // Chunks from the last: recomputed from the checkpoint, then walked backwards.
   for (int64_t ci = nck - 1; ci >= 0; --ci) {
     const int64_t t0 = ci * K, t1 = std::min(n, t0 + K);
-    std::memcpy(st, ck + ci * RS, static_cast<size_t>(RS) * sizeof(float));
-    for (int64_t t = t0; t < t1; ++t) {
-      std::memcpy(chunk + (t - t0) * RS, st, static_cast<size_t>(RS) * sizeof(float));
-      if (t + 1 == t1) break;
-      const int64_t base = d.token(qs, t, h);
-      load_padded(kb, in.k + base, S, Sp);
-      load_padded(gb, in.g + base, S, Sp);
-      decay_step_t(st, R, Sp, kb, gb, in.v + base + j0);
-    }
+    decay_recompute(chunk, ck + ci * RS, d, qs, h, j0, R, t0, t1, in.k, in.g, in.v, kb, gb);
     for (int64_t t = t1 - 1; t >= t0; --t) {
       const int64_t base = d.token(qs, t, h);
-      load_padded(qb, in.q + base, S, Sp);
-      load_padded(kb, in.k + base, S, Sp);
-      load_padded(gb, in.g + base, S, Sp);
+      if (t - kPrefetchTokens >= t0) {  // walking backwards: no hardware prefetch
+        const int64_t ahead = d.token(qs, t - kPrefetchTokens, h);
+        prefetch(in.q + ahead, S);
+        prefetch(gy + ahead + j0, R);
+        for (float* o : {out.dq, out.dk, out.dg}) prefetch(o + ahead, S, true);
+        prefetch(out.dv + ahead + j0, R, true);
+      }
+      const float* qp = padded(qb, in.q + base, S, Sp);
+      const float* kp = padded(kb, in.k + base, S, Sp);
+      const float* gp = padded(gb, in.g + base, S, Sp);
       const float* gyt = gy + base + j0;
       const float* vt = in.v + base + j0;
       const float gv = dot(gyt, vt, R);
-      std::memset(dvrow, 0, static_cast<size_t>(R) * sizeof(float));
       const float* sp = chunk + (t - t0) * RS;
       for (int64_t c = 0; c < Sp; c += kMaxNV * kL) {
         const int64_t nv = std::min(kMaxNV, (Sp - c) / kL);
-        RWKV_DISPATCH_NV(nv, gla_backward_rows, sp + c, lam + c, Sp, R, gyt, vt, scale, qb + c,
-                         kb + c, gb + c, dvrow, acc + c)
+        RWKV_DISPATCH_NV(nv, gla_backward_rows, sp + c, lam + c, Sp, R, gyt, vt, scale, qp + c,
+                         kp + c, gp + c, dvp, c > 0, acc + c)
       }
-      for (int64_t i = 0; i < S; ++i) {
-        out.dq[base + i] = scale * (gb[i] * acc[i] + kb[i] * gv);
-        out.dk[base + i] = acc[Sp + i];
-        out.dg[base + i] = acc[2 * Sp + i];
-      }
-      for (int64_t j = 0; j < R; ++j) out.dv[base + j0 + j] = dvrow[j];
+      hsum_rows(dvp, R, dvrow);
+      // dq = scale (g * sum_j S_{t-1} gy + k gv), finished in padded scratch.
+      const vf sg = RWKV_SPLAT(scale), g = RWKV_SPLAT(gv);
+      for (int64_t c = 0; c < Sp; c += kL)
+        vstore(acc + c, sg * (vload(gp + c) * vload(acc + c) + vload(kp + c) * g));
+      copy_floats(out.dq + base, acc, S);
+      copy_floats(out.dk + base, acc + Sp, S);
+      copy_floats(out.dg + base, acc + 2 * Sp, S);
+      copy_floats(out.dv + base + j0, dvrow, R);
     }
   }
   float* dsh = out.ds + d.state(qs, h);
@@ -224,7 +234,8 @@ void gla_backward(KernelCtx& c, const Dims& d) {
   std::vector<float> part(nb > 1 ? static_cast<size_t>(3 * nb * ths) : 0);
   const int64_t K = checkpoint_interval(d.n), nck = (d.n + K - 1) / K;
   const int64_t rmax = (d.S + nb - 1) / nb;
-  const size_t need = static_cast<size_t>((2 + nck + K) * rmax * d.Sp + 6 * d.Sp + rmax);
+  const size_t need =
+      static_cast<size_t>((2 + nck + K) * rmax * d.Sp + 6 * d.Sp + rmax * (kL + 1));
   Scratch scratch(c.pool.size());
   c.pool.run(units * nb, [&](int64_t task, int tid) {
     const int64_t b = task % nb, qh = task / nb, q = qh / d.H, h = qh % d.H;

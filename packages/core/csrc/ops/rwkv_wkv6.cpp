@@ -56,8 +56,8 @@ Dims check_sources(const Graph& g, const Node& n, const std::vector<int>& tok, i
   if (s.ndim != 4 || s[1] != H || s[2] != S || s[3] != S || s[0] < 1)
     fail_shape(g, n, "the state must have shape (n_seqs, H, S, S) with the H and S of the inputs");
   if (T % s[0] != 0)
-    fail_shape(g, n, "the token count T = " + std::to_string(T) + " is not a multiple of n_seqs = " +
-                         std::to_string(s[0]));
+    fail_shape(g, n, "the token count T = " + std::to_string(T) +
+                         " is not a multiple of n_seqs = " + std::to_string(s[0]));
   if (hs >= 0) {
     const Shape u = g.node(n.src[hs]).shape;
     if (u.ndim != 2 || u[0] != H || u[1] != S)
@@ -143,28 +143,37 @@ void register_recurrent(OpTable& t, const RecurrentOp& op) {
 
 namespace {
 
+// One row i of the state block: acc += r_i S[i, :], then S[i, :] = w_i S[i, :] + k_i v.
+template <int NV>
+RWKV_INLINE void wkv6_forward_row(float* s, const vf* vv, float r, float k, float w, vf* acc) {
+  const vf ri = RWKV_SPLAT(r), ki = RWKV_SPLAT(k), wi = RWKV_SPLAT(w);
+  for (int c = 0; c < NV; ++c) {
+    const vf x = vload(s + c * kL);
+    acc[c] += ri * x;
+    vstore(s + c * kL, wi * x + ki * vv[c]);
+  }
+}
+
 // One token over a register block of NV lane groups: the state block `st` (S rows i, row
-// stride ld, lanes j) is updated and y[lanes] = sum_i r[i] S_old[i, :] + bonus * v.
+// stride ld, lanes j) is updated and y[lanes] = sum_i r[i] S_old[i, :] + bonus * v. Even and
+// odd rows go to separate sums, two dependency chains instead of one.
 template <int NV>
 RWKV_INLINE void wkv6_forward_rows(float* st, int64_t ld, int64_t S, const float* r,
                                    const float* k, const float* w, const float* v, float bonus,
                                    float* y) {
-  vf acc[NV], vv[NV];
+  vf acc0[NV], acc1[NV], vv[NV];
   for (int c = 0; c < NV; ++c) {
-    acc[c] = vf{};
+    acc0[c] = acc1[c] = vf{};
     vv[c] = vload(v + c * kL);
   }
-  for (int64_t i = 0; i < S; ++i) {
-    const vf ri = splat(r[i]), ki = splat(k[i]), wi = splat(w[i]);
-    float* s = st + i * ld;
-    for (int c = 0; c < NV; ++c) {
-      const vf x = vload(s + c * kL);
-      acc[c] += ri * x;
-      vstore(s + c * kL, wi * x + ki * vv[c]);
-    }
+  int64_t i = 0;
+  for (; i + 1 < S; i += 2) {
+    wkv6_forward_row<NV>(st + i * ld, vv, r[i], k[i], w[i], acc0);
+    wkv6_forward_row<NV>(st + (i + 1) * ld, vv, r[i + 1], k[i + 1], w[i + 1], acc1);
   }
-  const vf b = splat(bonus);
-  for (int c = 0; c < NV; ++c) vstore(y + c * kL, acc[c] + b * vv[c]);
+  if (i < S) wkv6_forward_row<NV>(st + i * ld, vv, r[i], k[i], w[i], acc0);
+  const vf b = RWKV_SPLAT(bonus);
+  for (int c = 0; c < NV; ++c) vstore(y + c * kL, (acc0[c] + acc1[c]) + b * vv[c]);
 }
 
 struct Wkv6In {
@@ -181,14 +190,28 @@ RC_SIMD void wkv6_forward_task(const Wkv6In& in, const Dims& d, int64_t q, int64
   float* yb = buf + W;
   for (int64_t t = 0; t < d.n; ++t) {
     const int64_t base = d.token(q, t, h);
+    if (t + kPrefetchTokens < d.n) {
+      const int64_t ahead = d.token(q, t + kPrefetchTokens, h);
+      prefetch(in.k + ahead, S);
+      prefetch(in.r + ahead, S);
+      prefetch(in.td + ahead, S);
+      prefetch(in.v + ahead + j0, jn);
+      prefetch(y + ahead + j0, jn, true);
+    }
     const float *kt = in.k + base, *rt = in.r + base, *wt = in.td + base;
-    load_padded(vb, in.v + base + j0, jn, W);
+    // Without padding in this block, v is read and y written in place.
+    const float* vt = in.v + base + j0;
+    float* yt = jn == W ? y + base + j0 : yb;
+    if (jn < W) {
+      load_padded(vb, vt, jn, W);
+      vt = vb;
+    }
     const float bonus = dot3(rt, u, kt, S);
     for (int64_t c = 0; c < W; c += kMaxNV * kL) {
       const int64_t nv = std::min(kMaxNV, (W - c) / kL);
-      RWKV_DISPATCH_NV(nv, wkv6_forward_rows, st + c, W, S, rt, kt, wt, vb + c, bonus, yb + c)
+      RWKV_DISPATCH_NV(nv, wkv6_forward_rows, st + c, W, S, rt, kt, wt, vt + c, bonus, yt + c)
     }
-    std::memcpy(y + base + j0, yb, static_cast<size_t>(jn) * sizeof(float));
+    if (jn < W) copy_floats(y + base + j0, yb, jn);
   }
 }
 
@@ -221,16 +244,18 @@ void wkv6_forward(KernelCtx& c, const Dims& d) {
 // rows of Sp lanes (i). Then the sums over j in dr, dk, dtd are vector accumulations and only
 // dv needs a horizontal sum. Per task: one pass saves the state every K tokens; then, chunk by
 // chunk from the end, the chunk's states are recomputed from its checkpoint and walked
-// backwards. Peak scratch per thread: (2 + ceil(n/K) + K) * R * Sp floats plus O(Sp + R),
+// backwards. Peak scratch per thread: (2 + ceil(n/K) + K) * R * Sp + R (kL + 1) + 8 Sp floats,
 // e.g. 2.1 MB for n = 4096 (K = 64), S = 64.
 
 // One backward token over a register block of NV lane groups (i). sp: S_{t-1} rows, lam:
 // lam_t rows (updated to lam_{t-1}); acc gets the block's sums over j of dr, dk, dtd (at
-// offsets 0, Sp, 2 Sp); dvrow[j] += the block's part of sum_i lam[j][i] k[i].
+// offsets 0, Sp, 2 Sp); dvp[j] (kL lanes) gets, or with `add` adds, the block's lane-wise
+// part of sum_i lam[j][i] k[i] (summed across lanes later, 16 rows at a time).
 template <int NV>
 RWKV_INLINE void wkv6_backward_rows(const float* sp, float* lam, int64_t Sp, int64_t R,
                                     const float* gy, const float* v, const float* r,
-                                    const float* k, const float* w, float* dvrow, float* acc) {
+                                    const float* k, const float* w, float* dvp, bool add,
+                                    float* acc) {
   vf dr[NV], dk[NV], dw[NV], rr[NV], kk[NV], ww[NV];
   for (int c = 0; c < NV; ++c) {
     dr[c] = dk[c] = dw[c] = vf{};
@@ -239,7 +264,7 @@ RWKV_INLINE void wkv6_backward_rows(const float* sp, float* lam, int64_t Sp, int
     ww[c] = vload(w + c * kL);
   }
   for (int64_t j = 0; j < R; ++j) {
-    const vf g = splat(gy[j]), vj = splat(v[j]);
+    const vf g = RWKV_SPLAT(gy[j]), vj = RWKV_SPLAT(v[j]);
     const float* s = sp + j * Sp;
     float* l = lam + j * Sp;
     vf dv = vf{};
@@ -251,7 +276,7 @@ RWKV_INLINE void wkv6_backward_rows(const float* sp, float* lam, int64_t Sp, int
       dv += m * kk[c];
       vstore(l + c * kL, ww[c] * m + g * rr[c]);
     }
-    dvrow[j] += hsum(dv);
+    vstore(dvp + j * kL, add ? vload(dvp + j * kL) + dv : dv);
   }
   for (int c = 0; c < NV; ++c) {
     vstore(acc + c * kL, dr[c]);
@@ -282,64 +307,56 @@ RC_SIMD void wkv6_backward_task(const Wkv6In& in, const float* s0, const float* 
   float* du = ub + Sp;
   float* acc = du + Sp;  // 3 Sp
   float* dvrow = acc + 3 * Sp;  // R
+  float* dvp = dvrow + R;       // R * kL
 
-  // Transposed, padded copies of the initial state and of the final state's gradient.
-  const float* s0h = s0 + d.state(q, h);
-  const float* gsh = gs + d.state(q, h);
-  std::memset(st, 0, static_cast<size_t>(2 * RS) * sizeof(float));
-  for (int64_t i = 0; i < S; ++i)
-    for (int64_t j = 0; j < R; ++j) {
-      st[j * Sp + i] = s0h[i * S + j0 + j];
-      lam[j * Sp + i] = gsh[i * S + j0 + j];
-    }
+  // Transposed, padded copies of the initial state (the first checkpoint) and of the final
+  // state's gradient.
+  load_transposed(ck, s0 + d.state(q, h), lam, gs + d.state(q, h), S, Sp, j0, R);
   load_padded(ub, in.tf + h * S, S, Sp);
   std::memset(du, 0, static_cast<size_t>(Sp) * sizeof(float));
 
-  // Pass 1: checkpoints (the state before tokens 0, K, 2K, ...).
-  for (int64_t t = 0; t < (nck - 1) * K; ++t) {
-    if (t % K == 0) std::memcpy(ck + (t / K) * RS, st, static_cast<size_t>(RS) * sizeof(float));
-    const int64_t base = d.token(q, t, h);
-    load_padded(kb, in.k + base, S, Sp);
-    load_padded(wb, in.td + base, S, Sp);
-    decay_step_t(st, R, Sp, kb, wb, in.v + base + j0);
-  }
-  std::memcpy(ck + (nck - 1) * RS, st, static_cast<size_t>(RS) * sizeof(float));
-  // Pass 2: chunks from the last, each recomputed from its checkpoint, then walked backwards.
+  decay_checkpoints(ck, st, d, q, h, j0, R, K, nck, in.k, in.td, in.v, kb, wb);
+  // Chunks from the last: recomputed from the checkpoint, then walked backwards.
   for (int64_t ci = nck - 1; ci >= 0; --ci) {
     const int64_t t0 = ci * K, t1 = std::min(n, t0 + K);
-    std::memcpy(st, ck + ci * RS, static_cast<size_t>(RS) * sizeof(float));
-    for (int64_t t = t0; t < t1; ++t) {
-      std::memcpy(chunk + (t - t0) * RS, st, static_cast<size_t>(RS) * sizeof(float));
-      if (t + 1 == t1) break;  // the state after the chunk's last token is not needed
-      const int64_t base = d.token(q, t, h);
-      load_padded(kb, in.k + base, S, Sp);
-      load_padded(wb, in.td + base, S, Sp);
-      decay_step_t(st, R, Sp, kb, wb, in.v + base + j0);
-    }
+    decay_recompute(chunk, ck + ci * RS, d, q, h, j0, R, t0, t1, in.k, in.td, in.v, kb, wb);
     for (int64_t t = t1 - 1; t >= t0; --t) {
       const int64_t base = d.token(q, t, h);
-      load_padded(rb, in.r + base, S, Sp);
-      load_padded(kb, in.k + base, S, Sp);
-      load_padded(wb, in.td + base, S, Sp);
+      if (t - kPrefetchTokens >= t0) {  // walking backwards: no hardware prefetch
+        const int64_t ahead = d.token(q, t - kPrefetchTokens, h);
+        prefetch(in.r + ahead, S);
+        prefetch(gy + ahead + j0, R);
+        for (float* o : {out.dr, out.dk, out.dtd}) prefetch(o + ahead, S, true);
+        prefetch(out.dv + ahead + j0, R, true);
+      }
+      const float* rp = padded(rb, in.r + base, S, Sp);
+      const float* kp = padded(kb, in.k + base, S, Sp);
+      const float* wp = padded(wb, in.td + base, S, Sp);
       const float* gyt = gy + base + j0;
       const float* vt = in.v + base + j0;
       const float gv = dot(gyt, vt, R);
-      const float bonus = dot3(rb, ub, kb, Sp);
-      std::memset(dvrow, 0, static_cast<size_t>(R) * sizeof(float));
+      const float bonus = dot3(rp, ub, kp, Sp);
       const float* sp = chunk + (t - t0) * RS;
       for (int64_t c = 0; c < Sp; c += kMaxNV * kL) {
         const int64_t nv = std::min(kMaxNV, (Sp - c) / kL);
         float* a = acc + c;
-        RWKV_DISPATCH_NV(nv, wkv6_backward_rows, sp + c, lam + c, Sp, R, gyt, vt, rb + c, kb + c,
-                         wb + c, dvrow, a)
+        RWKV_DISPATCH_NV(nv, wkv6_backward_rows, sp + c, lam + c, Sp, R, gyt, vt, rp + c, kp + c,
+                         wp + c, dvp, c > 0, a)
       }
-      for (int64_t i = 0; i < S; ++i) {
-        out.dr[base + i] = acc[i] + ub[i] * kb[i] * gv;
-        out.dk[base + i] = acc[Sp + i] + rb[i] * ub[i] * gv;
-        out.dtd[base + i] = acc[2 * Sp + i];
-        du[i] += rb[i] * kb[i] * gv;
+      hsum_rows(dvp, R, dvrow);
+      // Finish in padded scratch (whole vectors), then copy S values out.
+      const vf g = RWKV_SPLAT(gv);
+      for (int64_t c = 0; c < Sp; c += kL) {
+        const vf r_ = vload(rp + c), k_ = vload(kp + c), u_ = vload(ub + c);
+        vstore(acc + c, vload(acc + c) + u_ * k_ * g);
+        vstore(acc + Sp + c, vload(acc + Sp + c) + r_ * u_ * g);
+        vstore(du + c, vload(du + c) + r_ * k_ * g);
       }
-      for (int64_t j = 0; j < R; ++j) out.dv[base + j0 + j] = bonus * gyt[j] + dvrow[j];
+      copy_floats(out.dr + base, acc, S);
+      copy_floats(out.dk + base, acc + Sp, S);
+      copy_floats(out.dtd + base, acc + 2 * Sp, S);
+      for (int64_t j = 0; j < R; ++j) dvrow[j] += bonus * gyt[j];
+      copy_floats(out.dv + base + j0, dvrow, R);
     }
   }
   float* dsh = out.ds + d.state(q, h);
@@ -369,7 +386,8 @@ void wkv6_backward(KernelCtx& c, const Dims& d) {
   std::vector<float> dtf_part(static_cast<size_t>(units * nb * d.Sp));
   const int64_t K = checkpoint_interval(d.n), nck = (d.n + K - 1) / K;
   const int64_t rmax = (d.S + nb - 1) / nb;
-  const size_t need = static_cast<size_t>((2 + nck + K) * rmax * d.Sp + 8 * d.Sp + rmax);
+  const size_t need =
+      static_cast<size_t>((2 + nck + K) * rmax * d.Sp + 8 * d.Sp + rmax * (kL + 1));
   Scratch scratch(c.pool.size());
   c.pool.run(units * nb, [&](int64_t task, int tid) {
     const int64_t b = task % nb, qh = task / nb, q = qh / d.H, h = qh % d.H;

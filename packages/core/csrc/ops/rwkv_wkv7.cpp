@@ -31,31 +31,49 @@ struct Wkv7In {
 // block is kept transposed in scratch, S rows j of W lanes i: then sa, the update and y are
 // all vector operations (two passes over the block per token, no horizontal sums).
 
-// One token over a register block of NV lane groups (i). st: S rows j, row stride ld.
+// One row j of the transposed block: S[:, j] = w_j S[:, j] + k_j v + b_j sa; acc += r_j S[:, j].
+template <int NV>
+RWKV_INLINE void wkv7_forward_row(float* s, const vf* vv, const vf* sa, float r, float w, float k,
+                                  float b, vf* acc) {
+  const vf wj = RWKV_SPLAT(w), kj = RWKV_SPLAT(k), bj = RWKV_SPLAT(b), rj = RWKV_SPLAT(r);
+  for (int c = 0; c < NV; ++c) {
+    const vf x = wj * vload(s + c * kL) + kj * vv[c] + bj * sa[c];
+    vstore(s + c * kL, x);
+    acc[c] += rj * x;
+  }
+}
+
+// One token over a register block of NV lane groups (i). st: S rows j, row stride ld. Even
+// and odd rows j go to separate sums (two dependency chains).
 template <int NV>
 RWKV_INLINE void wkv7_forward_rows(float* st, int64_t ld, int64_t S, const float* r,
                                    const float* w, const float* k, const float* v,
                                    const float* a, const float* b, float* y) {
-  vf sa[NV], vv[NV], acc[NV];
+  vf sa[NV], sb[NV], vv[NV], acc0[NV], acc1[NV];
   for (int c = 0; c < NV; ++c) {
-    sa[c] = acc[c] = vf{};
+    sa[c] = sb[c] = acc0[c] = acc1[c] = vf{};
     vv[c] = vload(v + c * kL);
   }
-  for (int64_t j = 0; j < S; ++j) {
-    const vf aj = splat(a[j]);
+  int64_t j = 0;
+  for (; j + 1 < S; j += 2) {
+    const vf a0 = RWKV_SPLAT(a[j]), a1 = RWKV_SPLAT(a[j + 1]);
     const float* s = st + j * ld;
-    for (int c = 0; c < NV; ++c) sa[c] += aj * vload(s + c * kL);
-  }
-  for (int64_t j = 0; j < S; ++j) {
-    const vf wj = splat(w[j]), kj = splat(k[j]), bj = splat(b[j]), rj = splat(r[j]);
-    float* s = st + j * ld;
     for (int c = 0; c < NV; ++c) {
-      const vf x = wj * vload(s + c * kL) + kj * vv[c] + bj * sa[c];
-      vstore(s + c * kL, x);
-      acc[c] += rj * x;
+      sa[c] += a0 * vload(s + c * kL);
+      sb[c] += a1 * vload(s + ld + c * kL);
     }
   }
-  for (int c = 0; c < NV; ++c) vstore(y + c * kL, acc[c]);
+  if (j < S) {
+    const vf a0 = RWKV_SPLAT(a[j]);
+    for (int c = 0; c < NV; ++c) sa[c] += a0 * vload(st + j * ld + c * kL);
+  }
+  for (int c = 0; c < NV; ++c) sa[c] += sb[c];
+  for (j = 0; j + 1 < S; j += 2) {
+    wkv7_forward_row<NV>(st + j * ld, vv, sa, r[j], w[j], k[j], b[j], acc0);
+    wkv7_forward_row<NV>(st + (j + 1) * ld, vv, sa, r[j + 1], w[j + 1], k[j + 1], b[j + 1], acc1);
+  }
+  if (j < S) wkv7_forward_row<NV>(st + j * ld, vv, sa, r[j], w[j], k[j], b[j], acc0);
+  for (int c = 0; c < NV; ++c) vstore(y + c * kL, acc0[c] + acc1[c]);
 }
 
 // One forward task: run q, head h, lanes i in [i0, i0 + W). `st` (S rows of W lanes) holds
@@ -67,13 +85,25 @@ RC_SIMD void wkv7_forward_task(const Wkv7In& in, const Dims& d, int64_t q, int64
   float* yb = buf + W;
   for (int64_t t = 0; t < d.n; ++t) {
     const int64_t base = d.token(q, t, h);
-    load_padded(vb, in.v + base + i0, in_, W);
+    if (t + kPrefetchTokens < d.n) {
+      const int64_t ahead = d.token(q, t + kPrefetchTokens, h);
+      for (const float* x : {in.r, in.w, in.k, in.a, in.b}) prefetch(x + ahead, S);
+      prefetch(in.v + ahead + i0, in_);
+      prefetch(y + ahead + i0, in_, true);
+    }
+    // Without padding in this block, v is read and y written in place.
+    const float* vt = in.v + base + i0;
+    float* yt = in_ == W ? y + base + i0 : yb;
+    if (in_ < W) {
+      load_padded(vb, vt, in_, W);
+      vt = vb;
+    }
     for (int64_t c = 0; c < W; c += kMaxNV * kL) {
       const int64_t nv = std::min(kMaxNV, (W - c) / kL);
       RWKV_DISPATCH_NV(nv, wkv7_forward_rows, st + c, W, S, in.r + base, in.w + base,
-                       in.k + base, vb + c, in.a + base, in.b + base, yb + c)
+                       in.k + base, vt + c, in.a + base, in.b + base, yt + c)
     }
-    std::memcpy(y + base + i0, yb, static_cast<size_t>(in_) * sizeof(float));
+    if (in_ < W) copy_floats(y + base + i0, yb, in_);
   }
 }
 
@@ -107,21 +137,98 @@ void wkv7_forward(KernelCtx& c, const Dims& d) {
 // lanes j. The sums over i (dr, dw, dk, db, da) are then vector accumulations; dsa and dv
 // need two horizontal sums per row, and the recomputed forward one (sa, saved per token).
 // Checkpoints every K tokens as in wkv6. Peak scratch per thread:
-// (2 + ceil(n/K) + K) * R * Sp + K * R floats plus O(Sp + R), e.g. 2.1 MB for n = 4096, S = 64.
+// (2 + ceil(n/K) + K) * R * Sp + K R + R (2 kL + 2) + 10 Sp floats, e.g. 2.1 MB for n = 4096,
+// S = 64.
 
-// The forward update of one token on a row block; sa_out (R floats) gets sa when not null.
-RWKV_INLINE void wkv7_step(float* st, int64_t R, int64_t Sp, const float* w, const float* k,
-                           const float* a, const float* b, const float* v, float* sa_out) {
+// part[i] (kL lanes) gets, or with `add` adds, the lane-wise partial sums of src[i] * a over
+// NV lane groups of a row block (R rows, row stride Sp).
+template <int NV>
+RWKV_INLINE void wkv7_dot_rows(const float* src, int64_t R, int64_t Sp, const float* a,
+                               float* part, bool add) {
+  vf aa[NV];
+  for (int c = 0; c < NV; ++c) aa[c] = vload(a + c * kL);
   for (int64_t i = 0; i < R; ++i) {
-    float* s = st + i * Sp;
-    vf acc = vf{};
-    for (int64_t c = 0; c < Sp; c += kL) acc += vload(s + c) * vload(a + c);
-    const float sa = hsum(acc);
-    if (sa_out) sa_out[i] = sa;
-    const vf sv = splat(sa), vi = splat(v[i]);
-    for (int64_t c = 0; c < Sp; c += kL)
-      vstore(s + c, vload(w + c) * vload(s + c) + vi * vload(k + c) + sv * vload(b + c));
+    vf acc = add ? vload(part + i * kL) : vf{};
+    for (int c = 0; c < NV; ++c) acc += vload(src + i * Sp + c * kL) * aa[c];
+    vstore(part + i * kL, acc);
   }
+}
+
+// dst[i] = w * src[i] + v[i] k + sa[i] b over NV lane groups of a row block.
+template <int NV>
+RWKV_INLINE void wkv7_update_rows(float* dst, const float* src, int64_t R, int64_t Sp,
+                                  const float* w, const float* k, const float* b,
+                                  const float* v, const float* sa) {
+  vf ww[NV], kk[NV], bb[NV];
+  for (int c = 0; c < NV; ++c) {
+    ww[c] = vload(w + c * kL);
+    kk[c] = vload(k + c * kL);
+    bb[c] = vload(b + c * kL);
+  }
+  for (int64_t i = 0; i < R; ++i) {
+    const vf vi = RWKV_SPLAT(v[i]), si = RWKV_SPLAT(sa[i]);
+    for (int c = 0; c < NV; ++c) {
+      const int64_t o = i * Sp + c * kL;
+      vstore(dst + o, ww[c] * vload(src + o) + vi * kk[c] + si * bb[c]);
+    }
+  }
+}
+
+// The forward update of one token on a row block, dst = step(src) (dst may be src). sa (R
+// floats) gets sa = src a; part is scratch for R * kL floats.
+RWKV_INLINE void wkv7_step(float* dst, const float* src, int64_t R, int64_t Sp, const float* w,
+                           const float* k, const float* a, const float* b, const float* v,
+                           float* sa, float* part) {
+  for (int64_t c = 0; c < Sp; c += kMaxNV * kL) {
+    const int64_t nv = std::min(kMaxNV, (Sp - c) / kL);
+    RWKV_DISPATCH_NV(nv, wkv7_dot_rows, src + c, R, Sp, a + c, part, c > 0)
+  }
+  hsum_rows(part, R, sa);
+  for (int64_t c = 0; c < Sp; c += kMaxNV * kL) {
+    const int64_t nv = std::min(kMaxNV, (Sp - c) / kL);
+    RWKV_DISPATCH_NV(nv, wkv7_update_rows, dst + c, src + c, R, Sp, w + c, k + c, b + c, v, sa)
+  }
+}
+
+// Backward, before the update: with M[i] = lam[i] + gy[i] r, pb[i] and pk[i] (kL lanes) get,
+// or with `add` add, the lane-wise partial sums of M[i] * b and M[i] * k over NV lane groups.
+template <int NV>
+RWKV_INLINE void wkv7_mbk_rows(const float* lam, int64_t R, int64_t Sp, const float* gy,
+                               const float* r, const float* b, const float* k, float* pb,
+                               float* pk, bool add) {
+  vf rr[NV], bb[NV], kk[NV];
+  for (int c = 0; c < NV; ++c) {
+    rr[c] = vload(r + c * kL);
+    bb[c] = vload(b + c * kL);
+    kk[c] = vload(k + c * kL);
+  }
+  for (int64_t i = 0; i < R; ++i) {
+    const vf g = RWKV_SPLAT(gy[i]);
+    vf mb = add ? vload(pb + i * kL) : vf{};
+    vf mk = add ? vload(pk + i * kL) : vf{};
+    for (int c = 0; c < NV; ++c) {
+      const vf m = vload(lam + i * Sp + c * kL) + g * rr[c];
+      mb += m * bb[c];
+      mk += m * kk[c];
+    }
+    vstore(pb + i * kL, mb);
+    vstore(pk + i * kL, mk);
+  }
+}
+
+// A token's w, k, a, b (and r when rb is set), padded to Sp lanes where needed.
+struct Wkv7Token {
+  const float *r, *w, *k, *a, *b;
+};
+RWKV_INLINE Wkv7Token token_vectors(const Wkv7In& in, int64_t base, int64_t S, int64_t Sp,
+                                    float* buf, bool with_r) {
+  Wkv7Token x{nullptr, nullptr, nullptr, nullptr, nullptr};
+  if (with_r) x.r = padded(buf, in.r + base, S, Sp);
+  x.w = padded(buf + Sp, in.w + base, S, Sp);
+  x.k = padded(buf + 2 * Sp, in.k + base, S, Sp);
+  x.a = padded(buf + 3 * Sp, in.a + base, S, Sp);
+  x.b = padded(buf + 4 * Sp, in.b + base, S, Sp);
+  return x;
 }
 
 // One backward token over a register block of NV lane groups (j), after dsa is known. sp:
@@ -135,7 +242,8 @@ RWKV_INLINE void wkv7_backward_rows(const float* sp, float* lam, int64_t Sp, int
   vf dr[NV], dw[NV], dk[NV], da[NV], db[NV];
   for (int c = 0; c < NV; ++c) dr[c] = dw[c] = dk[c] = da[c] = db[c] = vf{};
   for (int64_t i = 0; i < R; ++i) {
-    const vf g = splat(gy[i]), vi = splat(v[i]), si = splat(sa[i]), di = splat(dsa[i]);
+    const vf g = RWKV_SPLAT(gy[i]), vi = RWKV_SPLAT(v[i]);
+    const vf si = RWKV_SPLAT(sa[i]), di = RWKV_SPLAT(dsa[i]);
     const float* s = sp + i * Sp;
     float* l = lam + i * Sp;
     for (int c = 0; c < NV; ++c) {
@@ -161,16 +269,6 @@ RWKV_INLINE void wkv7_backward_rows(const float* sp, float* lam, int64_t Sp, int
   }
 }
 
-// Padded copies of one token's vectors (r only when rb is not null).
-RWKV_INLINE void load_token(const Wkv7In& in, int64_t base, int64_t S, int64_t Sp, float* rb,
-                            float* wb, float* kb, float* ab, float* bb) {
-  if (rb) load_padded(rb, in.r + base, S, Sp);
-  load_padded(wb, in.w + base, S, Sp);
-  load_padded(kb, in.k + base, S, Sp);
-  load_padded(ab, in.a + base, S, Sp);
-  load_padded(bb, in.b + base, S, Sp);
-}
-
 struct Wkv7Grad {
   float *dr, *dw, *dk, *da, *db;  // (T, H, S) layouts, possibly a block's partial buffers
   float* dv;                      // (T, H, S)
@@ -187,76 +285,81 @@ RC_SIMD void wkv7_backward_task(const Wkv7In& in, const float* s0, const float* 
   float* ck = lam + RS;
   float* chunk = ck + nck * RS;
   float* sab = chunk + K * RS;  // K * R: sa of the chunk's tokens
-  float* rb = sab + K * R;
-  float* wb = rb + Sp;
-  float* kb = wb + Sp;
-  float* ab = kb + Sp;
-  float* bb = ab + Sp;
-  float* acc = bb + Sp;         // 5 Sp
+  float* tb = sab + K * R;      // 5 Sp: padded token vectors
+  float* acc = tb + 5 * Sp;     // 5 Sp
   float* dsa = acc + 5 * Sp;    // R
+  float* sa1 = dsa + R;         // R: pass 1's sa
+  float* part = sa1 + R;        // 2 R kL: lane-wise partial sums
 
   const float* s0h = s0 + d.state(q, h) + i0 * S;
   const float* gsh = gs + d.state(q, h) + i0 * S;
   for (int64_t i = 0; i < R; ++i) {
-    load_padded(st + i * Sp, s0h + i * S, S, Sp);
+    load_padded(ck + i * Sp, s0h + i * S, S, Sp);
     load_padded(lam + i * Sp, gsh + i * S, S, Sp);
   }
+  auto prefetch_token = [&](int64_t t, bool backward) {
+    const int64_t ahead = d.token(q, t, h);
+    for (const float* x : {in.w, in.k, in.a, in.b}) prefetch(x + ahead, S);
+    prefetch(in.v + ahead + i0, R);
+    if (backward) {
+      prefetch(in.r + ahead, S);
+      prefetch(gy + ahead + i0, R);
+      for (float* o : {out.dr, out.dw, out.dk, out.da, out.db}) prefetch(o + ahead, S, true);
+      prefetch(out.dv + ahead + i0, R, true);
+    }
+  };
 
-  // Pass 1: checkpoints (the state before tokens 0, K, 2K, ...).
+  // Pass 1: checkpoints ck[c] = the state before token c K (as in decay_checkpoints).
   for (int64_t t = 0; t < (nck - 1) * K; ++t) {
-    if (t % K == 0) std::memcpy(ck + (t / K) * RS, st, static_cast<size_t>(RS) * sizeof(float));
+    const float* src = t % K == 0 ? ck + (t / K) * RS : st;
+    float* dst = t % K == K - 1 ? ck + (t / K + 1) * RS : st;
+    if (t + kPrefetchTokens < n) prefetch_token(t + kPrefetchTokens, false);
     const int64_t base = d.token(q, t, h);
-    load_token(in, base, S, Sp, nullptr, wb, kb, ab, bb);
-    wkv7_step(st, R, Sp, wb, kb, ab, bb, in.v + base + i0, nullptr);
+    const Wkv7Token x = token_vectors(in, base, S, Sp, tb, false);
+    wkv7_step(dst, src, R, Sp, x.w, x.k, x.a, x.b, in.v + base + i0, sa1, part);
   }
-  std::memcpy(ck + (nck - 1) * RS, st, static_cast<size_t>(RS) * sizeof(float));
   // Pass 2: chunks from the last, recomputed (states and sa) and walked backwards.
   for (int64_t ci = nck - 1; ci >= 0; --ci) {
     const int64_t t0 = ci * K, t1 = std::min(n, t0 + K);
-    std::memcpy(st, ck + ci * RS, static_cast<size_t>(RS) * sizeof(float));
+    std::memcpy(chunk, ck + ci * RS, static_cast<size_t>(RS) * sizeof(float));
     for (int64_t t = t0; t < t1; ++t) {
-      std::memcpy(chunk + (t - t0) * RS, st, static_cast<size_t>(RS) * sizeof(float));
       const int64_t base = d.token(q, t, h);
-      load_token(in, base, S, Sp, nullptr, wb, kb, ab, bb);
-      wkv7_step(st, R, Sp, wb, kb, ab, bb, in.v + base + i0, sab + (t - t0) * R);
+      const Wkv7Token x = token_vectors(in, base, S, Sp, tb, false);
+      // The last token's state is not needed, only its sa: it is written to st.
+      float* dst = t + 1 < t1 ? chunk + (t - t0 + 1) * RS : st;
+      wkv7_step(dst, chunk + (t - t0) * RS, R, Sp, x.w, x.k, x.a, x.b, in.v + base + i0,
+                sab + (t - t0) * R, part);
     }
     for (int64_t t = t1 - 1; t >= t0; --t) {
+      if (t - kPrefetchTokens >= t0) prefetch_token(t - kPrefetchTokens, true);
       const int64_t base = d.token(q, t, h);
-      load_token(in, base, S, Sp, rb, wb, kb, ab, bb);
+      const Wkv7Token x = token_vectors(in, base, S, Sp, tb, true);
       const float* gyt = gy + base + i0;
       const float* vt = in.v + base + i0;
       // dsa_i = (M b)_i and dv_i = (M k)_i need whole rows before the update.
-      for (int64_t i = 0; i < R; ++i) {
-        const float* l = lam + i * Sp;
-        const vf g = splat(gyt[i]);
-        vf ab_ = vf{}, ak = vf{};
-        for (int64_t c = 0; c < Sp; c += kL) {
-          const vf m = vload(l + c) + g * vload(rb + c);
-          ab_ += m * vload(bb + c);
-          ak += m * vload(kb + c);
-        }
-        dsa[i] = hsum(ab_);
-        out.dv[base + i0 + i] = hsum(ak);
+      for (int64_t c = 0; c < Sp; c += kMaxNV * kL) {
+        const int64_t nv = std::min(kMaxNV, (Sp - c) / kL);
+        RWKV_DISPATCH_NV(nv, wkv7_mbk_rows, lam + c, R, Sp, gyt, x.r + c, x.b + c, x.k + c, part,
+                         part + R * kL, c > 0)
       }
+      hsum_rows(part, R, dsa);
+      hsum_rows(part + R * kL, R, out.dv + base + i0);
       const float* sp = chunk + (t - t0) * RS;
       const float* sat = sab + (t - t0) * R;
       for (int64_t c = 0; c < Sp; c += kMaxNV * kL) {
         const int64_t nv = std::min(kMaxNV, (Sp - c) / kL);
         RWKV_DISPATCH_NV(nv, wkv7_backward_rows, sp + c, lam + c, Sp, R, gyt, vt, sat, dsa,
-                         rb + c, wb + c, kb + c, ab + c, bb + c, acc + c)
+                         x.r + c, x.w + c, x.k + c, x.a + c, x.b + c, acc + c)
       }
-      for (int64_t j = 0; j < S; ++j) {
-        out.dr[base + j] = acc[j];
-        out.dw[base + j] = acc[Sp + j];
-        out.dk[base + j] = acc[2 * Sp + j];
-        out.da[base + j] = acc[3 * Sp + j];
-        out.db[base + j] = acc[4 * Sp + j];
-      }
+      copy_floats(out.dr + base, acc, S);
+      copy_floats(out.dw + base, acc + Sp, S);
+      copy_floats(out.dk + base, acc + 2 * Sp, S);
+      copy_floats(out.da + base, acc + 3 * Sp, S);
+      copy_floats(out.db + base, acc + 4 * Sp, S);
     }
   }
   float* dsh = out.ds + d.state(q, h) + i0 * S;
-  for (int64_t i = 0; i < R; ++i)
-    std::memcpy(dsh + i * S, lam + i * Sp, static_cast<size_t>(S) * sizeof(float));
+  for (int64_t i = 0; i < R; ++i) copy_floats(dsh + i * S, lam + i * Sp, S);
 }
 
 void wkv7_backward(KernelCtx& c, const Dims& d) {
@@ -275,7 +378,8 @@ void wkv7_backward(KernelCtx& c, const Dims& d) {
   std::vector<float> part(nb > 1 ? static_cast<size_t>(5 * nb * ths) : 0);
   const int64_t K = checkpoint_interval(d.n), nck = (d.n + K - 1) / K;
   const int64_t rmax = (d.S + nb - 1) / nb;
-  const size_t need = static_cast<size_t>((2 + nck + K) * rmax * d.Sp + K * rmax + 10 * d.Sp + rmax);
+  const size_t need =
+      static_cast<size_t>((2 + nck + K) * rmax * d.Sp + K * rmax + 10 * d.Sp + rmax * (2 * kL + 2));
   Scratch scratch(c.pool.size());
   c.pool.run(units * nb, [&](int64_t task, int tid) {
     const int64_t b = task % nb, qh = task / nb, q = qh / d.H, h = qh % d.H;

@@ -25,14 +25,19 @@ namespace ssm {
 
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
-// The same vector at any 4-byte alignment, allowed to alias float memory.
-typedef float vfu __attribute__((vector_size(64), aligned(4), may_alias));
+// The same vector at any 4-byte alignment. (GCC gives a vector type the alias set of its
+// element type, so these accesses alias float memory only; no may_alias, which would make
+// every store clobber every pointer and scalar in reach.)
+typedef float vfu __attribute__((vector_size(64), aligned(4)));
 
 #define RC_INLINE inline __attribute__((always_inline))
 
 RC_INLINE vf vload(const float* p) { return *reinterpret_cast<const vfu*>(p); }
 RC_INLINE void vstore(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
-RC_INLINE vf vsplat(float s) { return vf{} + s; }
+// A broadcast, written as a shuffle of lane 0: GCC expands a uniform initialiser
+// (`vf{s, s, ...}`, also what `s - vf{}` folds to) lane by lane in some contexts, and
+// `vf{} + s` is a real addition of +0.0 without -ffast-math.
+RC_INLINE vf vsplat(float s) { return __builtin_shuffle(vf{s}, vi{}); }
 RC_INLINE vf vmax(vf a, vf b) { return a > b ? a : b; }
 RC_INLINE vf vmin(vf a, vf b) { return a < b ? a : b; }
 

@@ -281,47 +281,43 @@ RC_INLINE void rows_fwd_token(float* __restrict St, const float* __restrict b, c
   for (int v = 0; v < V; ++v) out[v] = e[v] + o[v];
 }
 
-// Two tokens per sweep over the state: each element is loaded and stored once for both,
-// which halves the load/store traffic that otherwise limits the loop.
-template <int V>
-RC_INLINE void rows_fwd_token2(float* __restrict St, const float* __restrict b0, const float* __restrict c0,
-                               const float* __restrict b1, const float* __restrict c1, const vf* u0,
-                               const vf* u1, vf* out0, vf* out1, int64_t N) {
+// M tokens per sweep over the state: each element is loaded and stored once for all M,
+// which takes the load/store traffic off the critical path (M FMAs pairs per element).
+template <int V, int M>
+RC_INLINE void rows_fwd_tokens(float* __restrict St, const float* const* b, const float* const* c,
+                               const vf (*u)[V], vf (*out)[V], int64_t N) {
   constexpr int L = 16 * V;
-  vf e0[V], e1[V], o0[V], o1[V];
-  for (int v = 0; v < V; ++v) e0[v] = e1[v] = o0[v] = o1[v] = vf{};
+  vf e[M][V], o[M][V];
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < V; ++v) e[m][v] = o[m][v] = vf{};
   int64_t n = 0;
   for (; n + 2 <= N; n += 2) {
     float* sp = St + n * L;
-    const float p0 = b0[n], q0 = c0[n], p1 = b1[n], q1 = c1[n];
-    const float r0 = b0[n + 1], w0 = c0[n + 1], r1 = b1[n + 1], w1 = c1[n + 1];
     for (int v = 0; v < V; ++v) {
-      vf s = vload(sp + 16 * v) + p0 * u0[v];
-      e0[v] += q0 * s;
-      s += p1 * u1[v];
-      e1[v] += q1 * s;
-      vstore(sp + 16 * v, s);
-      vf t = vload(sp + L + 16 * v) + r0 * u0[v];
-      o0[v] += w0 * t;
-      t += r1 * u1[v];
-      o1[v] += w1 * t;
-      vstore(sp + L + 16 * v, t);
+      vf s0 = vload(sp + 16 * v), s1 = vload(sp + L + 16 * v);
+      for (int m = 0; m < M; ++m) {
+        s0 += b[m][n] * u[m][v];
+        s1 += b[m][n + 1] * u[m][v];
+        e[m][v] += c[m][n] * s0;
+        o[m][v] += c[m][n + 1] * s1;
+      }
+      vstore(sp + 16 * v, s0);
+      vstore(sp + L + 16 * v, s1);
     }
   }
   if (n < N) {
     float* sp = St + n * L;
     for (int v = 0; v < V; ++v) {
-      vf s = vload(sp + 16 * v) + b0[n] * u0[v];
-      e0[v] += c0[n] * s;
-      s += b1[n] * u1[v];
-      e1[v] += c1[n] * s;
-      vstore(sp + 16 * v, s);
+      vf s0 = vload(sp + 16 * v);
+      for (int m = 0; m < M; ++m) {
+        s0 += b[m][n] * u[m][v];
+        e[m][v] += c[m][n] * s0;
+      }
+      vstore(sp + 16 * v, s0);
     }
   }
-  for (int v = 0; v < V; ++v) {
-    out0[v] = e0[v] + o0[v];
-    out1[v] = e1[v] + o1[v];
-  }
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < V; ++v) out[m][v] = e[m][v] + o[m][v];
 }
 
 constexpr int64_t kPrefetch = 4;  // tokens ahead: rows of x, y, dt are far apart in memory
@@ -384,30 +380,46 @@ RC_INLINE void rows_fwd_run(RowsFwd& f, int64_t t0, int64_t t1) {
   float* bt = an + Np;
   float* ct = bt + Np;
   float P = f.P;
-  vf u0[V], u1[V], o0[V], o1[V];
+  vf u0[V], o0[V];
   for (int64_t t = t0; t < t1;) {
-    for (int64_t k = 0; k < 2; ++k)
-      if (t + kPrefetch + k < T) {
-        prefetch_row(f.x + (t + kPrefetch + k) * f.xs, pl, false);
-        prefetch_row(f.y + (t + kPrefetch + k) * f.xs, pl, true);
+    for (int64_t k = 0; k < 4; ++k)
+      if (t + 2 * kPrefetch + k < T) {
+        prefetch_row(f.x + (t + 2 * kPrefetch + k) * f.xs, pl, false);
+        prefetch_row(f.y + (t + 2 * kPrefetch + k) * f.xs, pl, true);
       }
     const float* Bt = f.B + t * f.bs;
     const float* Ct = f.C + t * f.bs;
     const float* xt = f.x + t * f.xs;
     float* yt = f.y + t * f.xs;
     if (f.a) {
-      const float p0 = P * f.a[t];
-      const float p1 = t + 1 < t1 ? p0 * f.a[t + 1] : 0.0f;
-      if (t + 1 < t1 && in_range(p0) && in_range(p1)) {  // the common case: two tokens
-        load_u<V>(xt, pl, f.dtp[t] / p0, u0);
-        load_u<V>(xt + f.xs, pl, f.dtp[t + 1] / p1, u1);
-        rows_fwd_token2<V>(St, Bt, Ct, Bt + f.bs, Ct + f.bs, u0, u1, o0, o1, N);
-        store_y<V>(yt, pl, p0, o0);
-        store_y<V>(yt + f.xs, pl, p1, o1);
-        P = p1;
-        t += 2;
-        continue;
+      // The common case: kM tokens in one sweep, when no renormalisation falls inside.
+      constexpr int kM = 2;
+      if (t + kM <= t1) {
+        float pm[kM];
+        bool ok = true;
+        float q = P;
+        for (int m = 0; m < kM; ++m) {
+          q *= f.a[t + m];
+          pm[m] = q;
+          ok &= in_range(q);
+        }
+        if (ok) {
+          vf um[kM][V], om[kM][V];
+          const float* bm[kM];
+          const float* cm[kM];
+          for (int m = 0; m < kM; ++m) {
+            load_u<V>(xt + m * f.xs, pl, f.dtp[t + m] / pm[m], um[m]);
+            bm[m] = Bt + m * f.bs;
+            cm[m] = Ct + m * f.bs;
+          }
+          rows_fwd_tokens<V, kM>(St, bm, cm, um, om, N);
+          for (int m = 0; m < kM; ++m) store_y<V>(yt + m * f.xs, pl, pm[m], om[m]);
+          P = pm[kM - 1];
+          t += kM;
+          continue;
+        }
       }
+      const float p0 = P * f.a[t];
       if (!in_range(p0)) {  // multiply the state out (also catches a == 0 and NaN)
         for (int64_t k = 0; k < N * L; ++k) St[k] *= p0;
         P = 1.0f;
@@ -637,6 +649,9 @@ void scan_forward(KernelCtx& c) {
 // Backward, rows layout: one (sequence, head, block of PB channels), state [p][n].
 // ======================================================================================
 
+// One unit of the rows backward: (sequence, head, block of pl channels), state [p][n]. A
+// task advances a few units chunk by chunk, forward then in reverse, so that the dB and dC
+// rows of a chunk stay in L1 while every unit adds to them.
 struct RowsBwd {
   const float* s0;   // s[row, h, p0, 0]
   const float* x;    // x[i, 0, h, p0]: token stride xs (also dy, dx)
@@ -653,90 +668,132 @@ struct RowsBwd {
   float* dA;    // NA, summed over the head's channel blocks
   float* dB;    // partial-sum slot [i, 0, g, 0]: token stride bs
   float* dC;
-  bool first_in_task;  // write dB, dC instead of adding
   bool first_in_head;  // write ddtp, dA instead of adding
   int64_t T, N, pl, xs, bs, K;
-  float* work;
+  // state kept between chunks
+  float* S;     // [pl][Np]: S / P in the forward sweep, lam / R in the reverse sweep
+  float* anch;  // ceil(T / K) x [pl][Np]: S_t at t = K-1, 2K-1, ..., T-1
+  float* zc;    // T x (Np or 1): C_t . dC_t
+  float* v;     // rows_bwd_scratch(): per-state vectors and staging
+  float P, Zs, dAs;
 };
 
-// Forward sweep of one token: S[p][:] += u[p] b; dc = sum_p dy[p] S[p][:].
-template <int NV>
-RC_INLINE void fwd_pn_chunk(float* __restrict S, const float* __restrict b, const float* u, const float* dy,
-                            float* dc, int64_t pl, int64_t Np) {
-  vf bv[NV], acc[NV];
-  for (int j = 0; j < NV; ++j) {
-    bv[j] = vload(b + 16 * j);
-    acc[j] = vf{};
-  }
-  for (int64_t p = 0; p < pl; ++p) {
-    float* sp = S + p * Np;
-    const float up = u[p], dp = dy[p];
+// Scratch of a unit (f.v), in floats: per-state vectors, then per-token staging.
+//   0 Pv / Rv | 1 pn | 2 an (bh) | 3 bt (cr) | 4 dc | 5 Z | 6 db | 7 dAv   (Np each)
+//   8 Np: for each of two tokens: uv, dyv, du (plp each), dupart (16 plp); then bt2, dc2 /
+//   cr2, bh2, db2 (Np each) for the second token of a pair.
+size_t rows_bwd_scratch(int64_t Np, int64_t plp) { return static_cast<size_t>(8 * Np + 2 * 19 * plp + 3 * Np); }
+
+size_t rows_bwd_unit_floats(int64_t T, int64_t N, int64_t pl, int64_t K, bool per_n) {
+  const int64_t Np = (N + 15) / 16 * 16, plp = (pl + 15) / 16 * 16, nanch = (T + K - 1) / K;
+  return static_cast<size_t>(pl * Np * (1 + nanch) + T * (per_n ? Np : 1)) + rows_bwd_scratch(Np, plp);
+}
+
+void rows_bwd_begin(RowsBwd& f) {
+  const int64_t N = f.N, Np = (N + 15) / 16 * 16, plp = (f.pl + 15) / 16 * 16;
+  const size_t nv = rows_bwd_scratch(Np, plp);
+  for (size_t k = 0; k < nv; ++k) f.v[k] = 0.0f;
+  for (int64_t p = 0; p < f.pl; ++p)
+    for (int64_t n = 0; n < Np; ++n) f.S[p * Np + n] = n < N ? f.s0[p * N + n] : 0.0f;
+  for (int64_t n = 0; n < Np; ++n) f.v[n] = 1.0f;  // Pv
+  f.P = 1.0f;
+}
+
+// Forward sweep of M tokens: for each token m in turn, S[p][:] += u[m][p] b[m] and
+// dc[m] = sum_p dy[m][p] S[p][:]. One load and one store of the state serve all M tokens.
+template <int NV, int M>
+RC_INLINE void fwd_pn_chunk(float* __restrict S, const float* const* b, const float* const* u,
+                            const float* const* dy, float* const* dc, int64_t n0, int64_t pl, int64_t Np) {
+  vf bv[M][NV], acc[M][NV];
+  for (int m = 0; m < M; ++m)
     for (int j = 0; j < NV; ++j) {
-      vf sv = vload(sp + 16 * j) + up * bv[j];
-      vstore(sp + 16 * j, sv);
-      acc[j] += dp * sv;
+      bv[m][j] = vload(b[m] + n0 + 16 * j);
+      acc[m][j] = vf{};
     }
-  }
-  for (int j = 0; j < NV; ++j) vstore(dc + 16 * j, acc[j]);
-}
-
-RC_SIMD void fwd_pn(float* S, const float* b, const float* u, const float* dy, float* dc, int64_t pl, int64_t Np) {
-  int64_t n = 0;
-  for (; n + 64 <= Np; n += 64) fwd_pn_chunk<4>(S + n, b + n, u, dy, dc + n, pl, Np);
-  switch ((Np - n) / 16) {
-    case 3: fwd_pn_chunk<3>(S + n, b + n, u, dy, dc + n, pl, Np); break;
-    case 2: fwd_pn_chunk<2>(S + n, b + n, u, dy, dc + n, pl, Np); break;
-    case 1: fwd_pn_chunk<1>(S + n, b + n, u, dy, dc + n, pl, Np); break;
-    default: break;
-  }
-}
-
-// Reverse sweep of one token: lam[p][:] += dy[p] c; db = sum_p u[p] lam[p][:];
-// dupart[p] (16 lanes) += lam[p][:] * bh (lane sums taken later).
-template <int NV>
-RC_INLINE void rev_pn_chunk(float* __restrict lam, const float* __restrict c, const float* __restrict bh,
-                            const float* u, const float* dy, float* db, float* dupart, bool first,
-                            int64_t pl, int64_t Np) {
-  vf cv[NV], bv[NV], acc[NV];
-  for (int j = 0; j < NV; ++j) {
-    cv[j] = vload(c + 16 * j);
-    bv[j] = vload(bh + 16 * j);
-    acc[j] = vf{};
-  }
   for (int64_t p = 0; p < pl; ++p) {
-    float* lp = lam + p * Np;
-    const float up = u[p], dp = dy[p];
-    vf du = first ? vf{} : vload(dupart + 16 * p);
-    for (int j = 0; j < NV; ++j) {
-      vf lv = vload(lp + 16 * j) + dp * cv[j];
-      vstore(lp + 16 * j, lv);
-      acc[j] += up * lv;
-      du += lv * bv[j];
+    float* sp = S + p * Np + n0;
+    vf sv[NV];
+    for (int j = 0; j < NV; ++j) sv[j] = vload(sp + 16 * j);
+    for (int m = 0; m < M; ++m) {
+      const vf up = vsplat(u[m][p]), dp = vsplat(dy[m][p]);
+      for (int j = 0; j < NV; ++j) {
+        sv[j] += up * bv[m][j];
+        acc[m][j] += dp * sv[j];
+      }
     }
-    vstore(dupart + 16 * p, du);
+    for (int j = 0; j < NV; ++j) vstore(sp + 16 * j, sv[j]);
   }
-  for (int j = 0; j < NV; ++j) vstore(db + 16 * j, acc[j]);
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < NV; ++j) vstore(dc[m] + n0 + 16 * j, acc[m][j]);
 }
 
-RC_SIMD void rev_pn(float* lam, const float* c, const float* bh, const float* u, const float* dy, float* db,
-                    float* dupart, float* du, int64_t pl, int64_t Np) {
+template <int M>
+RC_INLINE void fwd_pn(float* S, const float* const* b, const float* const* u, const float* const* dy,
+                      float* const* dc, int64_t pl, int64_t Np) {
+  constexpr int NV = M == 1 ? 4 : 2;
   int64_t n = 0;
-  for (; n + 64 <= Np; n += 64)
-    rev_pn_chunk<4>(lam + n, c + n, bh + n, u, dy, db + n, dupart, n == 0, pl, Np);
-  switch ((Np - n) / 16) {
-    case 3: rev_pn_chunk<3>(lam + n, c + n, bh + n, u, dy, db + n, dupart, n == 0, pl, Np); break;
-    case 2: rev_pn_chunk<2>(lam + n, c + n, bh + n, u, dy, db + n, dupart, n == 0, pl, Np); break;
-    case 1: rev_pn_chunk<1>(lam + n, c + n, bh + n, u, dy, db + n, dupart, n == 0, pl, Np); break;
-    default: break;
+  for (; n + 16 * NV <= Np; n += 16 * NV) fwd_pn_chunk<NV, M>(S, b, u, dy, dc, n, pl, Np);
+  for (; n < Np; n += 16) fwd_pn_chunk<1, M>(S, b, u, dy, dc, n, pl, Np);
+}
+
+// Reverse sweep of M tokens: for each token m in turn, lam[p][:] += dy[m][p] c[m];
+// db[m] = sum_p u[m][p] lam[p][:]; du[m][p] = lam[p][:] . bh[m] (lane sums taken at the end
+// from dupart[m], 16 lanes per p).
+template <int NV, int M, bool FIRST>
+RC_INLINE void rev_pn_chunk(float* __restrict lam, const float* const* c, const float* const* bh,
+                            const float* const* u, const float* const* dy, float* const* db,
+                            float* const* dupart, int64_t n0, int64_t pl, int64_t Np) {
+  vf cv[M][NV], bv[M][NV], acc[M][NV];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < NV; ++j) {
+      cv[m][j] = vload(c[m] + n0 + 16 * j);
+      bv[m][j] = vload(bh[m] + n0 + 16 * j);
+      acc[m][j] = vf{};
+    }
+  for (int64_t p = 0; p < pl; ++p) {
+    float* lp = lam + p * Np + n0;
+    vf lv[NV];
+    for (int j = 0; j < NV; ++j) lv[j] = vload(lp + 16 * j);
+    for (int m = 0; m < M; ++m) {
+      const vf up = vsplat(u[m][p]), dp = vsplat(dy[m][p]);
+      vf du = FIRST ? vf{} : vload(dupart[m] + 16 * p);
+      for (int j = 0; j < NV; ++j) {
+        lv[j] += dp * cv[m][j];
+        acc[m][j] += up * lv[j];
+        du += lv[j] * bv[m][j];
+      }
+      vstore(dupart[m] + 16 * p, du);
+    }
+    for (int j = 0; j < NV; ++j) vstore(lp + 16 * j, lv[j]);
   }
-  for (int64_t p0 = 0; p0 < pl; p0 += 16) {
-    vf r = hsum16x16(dupart + 16 * p0);
-    vstore_part(du + p0, r, std::min<int64_t>(16, pl - p0));
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < NV; ++j) vstore(db[m] + n0 + 16 * j, acc[m][j]);
+}
+
+template <int M>
+RC_INLINE void rev_pn(float* lam, const float* const* c, const float* const* bh, const float* const* u,
+                      const float* const* dy, float* const* db, float* const* dupart, float* const* du,
+                      int64_t pl, int64_t Np) {
+  constexpr int NV = M == 1 ? 4 : 2;
+  int64_t n = 0;
+  if (Np >= 16 * NV) {
+    rev_pn_chunk<NV, M, true>(lam, c, bh, u, dy, db, dupart, 0, pl, Np);
+    n = 16 * NV;
+  } else {
+    rev_pn_chunk<1, M, true>(lam, c, bh, u, dy, db, dupart, 0, pl, Np);
+    n = 16;
   }
+  for (; n + 16 * NV <= Np; n += 16 * NV) rev_pn_chunk<NV, M, false>(lam, c, bh, u, dy, db, dupart, n, pl, Np);
+  for (; n < Np; n += 16) rev_pn_chunk<1, M, false>(lam, c, bh, u, dy, db, dupart, n, pl, Np);
+  for (int m = 0; m < M; ++m)
+    for (int64_t p0 = 0; p0 < pl; p0 += 16) {
+      vf r = hsum16x16(dupart[m] + 16 * p0);
+      vstore_part(du[m] + p0, r, std::min<int64_t>(16, pl - p0));
+    }
 }
 
 // z[n] = sum_p lam[p][n] * S[p][n]
-RC_SIMD void dot_pn(const float* lam, const float* S, float* z, int64_t pl, int64_t Np) {
+RC_INLINE void dot_pn(const float* lam, const float* S, float* z, int64_t pl, int64_t Np) {
   for (int64_t n = 0; n < Np; n += 16) {
     vf acc = {};
     for (int64_t p = 0; p < pl; ++p) acc += vload(lam + p * Np + n) * vload(S + p * Np + n);
@@ -744,199 +801,367 @@ RC_SIMD void dot_pn(const float* lam, const float* S, float* z, int64_t pl, int6
   }
 }
 
-RC_SIMD void scale_pn(float* S, const float* f, int64_t pl, int64_t Np) {
+RC_INLINE void scale_pn(float* S, const float* f, int64_t pl, int64_t Np) {
   for (int64_t p = 0; p < pl; ++p)
     for (int64_t n = 0; n < Np; n += 16) vstore(S + p * Np + n, vload(S + p * Np + n) * vload(f + n));
 }
 
-void rows_bwd(const RowsBwd& f) {
+// Sum of the 16 lanes, in a fixed order.
+RC_INLINE float hsum(vf v) {
+  const vi s8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+  const vi s4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+  const vi s2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+  const vi s1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+  v += __builtin_shuffle(v, s8);
+  v += __builtin_shuffle(v, s4);
+  v += __builtin_shuffle(v, s2);
+  v += __builtin_shuffle(v, s1);
+  return v[0];
+}
+
+// Lanes n0 .. n0 + 15 of a row of N floats (zero past N).
+RC_INLINE vf row_at(const float* p, int64_t n0, int64_t N) {
+  return n0 + 16 <= N ? vload(p + n0) : vload_part(p + n0, N - n0);
+}
+RC_INLINE void row_put(float* p, int64_t n0, int64_t N, vf v, bool add) {
+  if (add) v += row_at(p, n0, N);
+  if (n0 + 16 <= N)
+    vstore(p + n0, v);
+  else
+    vstore_part(p + n0, v, N - n0);
+}
+
+
+struct Stage {
+  float *uv, *dyv, *du, *dupart;
+};
+RC_INLINE Stage stage_of(float* v, int64_t Np, int64_t plp, int m) {
+  float* b = v + 8 * Np + m * 19 * plp;
+  return {b, b + plp, b + 2 * plp, b + 3 * plp};
+}
+
+// K is a power of two.
+RC_INLINE bool is_anchor(int64_t t, int64_t K, int64_t T) { return (t & (K - 1)) == K - 1 || t == T - 1; }
+
+// uv = x_t * d_t, dyv = dy_t (the rows of this unit's channels).
+RC_INLINE void stage_rows(const RowsBwd& f, int64_t t, const Stage& st) {
+  const float d = f.dtp[t];
+  const float* xt = f.x + t * f.xs;
+  const float* dyt = f.dy + t * f.xs;
+  for (int64_t p = 0; p < f.pl; ++p) {
+    st.uv[p] = xt[p] * d;
+    st.dyv[p] = dyt[p];
+  }
+}
+
+// After a token of the forward sweep: dC_t = P dc into the slot, C_t . dC_t, the anchor.
+RC_INLINE void fwd_post(RowsBwd& f, int64_t t, const float* S, const float* dc, const float* Pv, float P,
+                        bool first) {
+  const int64_t N = f.N, Np = (N + 15) / 16 * 16, pl = f.pl;
+  const bool per_n = f.a == nullptr;
+  const float* Ct = f.C + t * f.bs;
+  float* dCt = f.dC + t * f.bs;
+  vf zacc = {};
+  for (int64_t n0 = 0; n0 < Np; n0 += 16) {
+    const vf dcn = vload(dc + n0) * (per_n ? vload(Pv + n0) : vsplat(P));
+    row_put(dCt, n0, N, dcn, !first);
+    const vf z = row_at(Ct, n0, N) * dcn;
+    if (per_n)
+      vstore(f.zc + t * Np + n0, z);
+    else
+      zacc += z;
+  }
+  if (!per_n) f.zc[t] = hsum(zacc);
+  if (is_anchor(t, f.K, f.T)) {
+    float* at = f.anch + (t / f.K) * pl * Np;
+    for (int64_t p = 0; p < pl; ++p)
+      for (int64_t n0 = 0; n0 < Np; n0 += 16)
+        vstore(at + p * Np + n0, vload(S + p * Np + n0) * (per_n ? vload(Pv + n0) : vsplat(P)));
+  }
+}
+
+// Forward sweep over tokens [t0, t1): S~, dC (added to the slot; `first` writes it), C.dC,
+// anchors. Two tokens per sweep over the state where no renormalisation or anchor falls
+// between them.
+RC_SIMD void rows_bwd_fwd(RowsBwd& f, int64_t t0, int64_t t1, bool first) {
   const int64_t N = f.N, Np = (N + 15) / 16 * 16, pl = f.pl, T = f.T, K = f.K;
   const int64_t plp = (pl + 15) / 16 * 16;
-  const int64_t nanch = (T + K - 1) / K;
   const bool per_n = f.a == nullptr;
-  float* S = f.work;             // [pl][Np]: the state, then lam
-  float* anch = S + pl * Np;     // nanch x [pl][Np]: S_t at t = K-1, 2K-1, ..., T-1
-  float* zc = anch + nanch * pl * Np;  // T x (Np or 1): C_t . dC_t
-  float* v = zc + T * (per_n ? Np : 1);
-  float *Pv = v, *pn = v + Np, *an = v + 2 * Np, *bt = v + 3 * Np, *dc = v + 4 * Np, *Z = v + 5 * Np;
-  float *g = v + 6 * Np, *db = v + 7 * Np;
-  float* uv = v + 8 * Np;         // plp
-  float* dyv = uv + plp;          // plp
-  float* du = dyv + plp;          // plp
-  float* dupart = du + plp;       // plp x 16
-  for (int64_t k = 0; k < 8 * Np + 3 * plp + 16 * plp; ++k) v[k] = 0.0f;
-  auto is_anchor = [&](int64_t t) { return t % K == K - 1 || t == T - 1; };
-
-  // ---- forward sweep: S~, dC, anchors --------------------------------------------------
-  for (int64_t p = 0; p < pl; ++p)
-    for (int64_t n = 0; n < Np; ++n) S[p * Np + n] = n < N ? f.s0[p * N + n] : 0.0f;
-  for (int64_t n = 0; n < Np; ++n) Pv[n] = 1.0f;
-  float P = 1.0f;
-  for (int64_t t = 0; t < T; ++t) {
-    if (t + kPrefetch < T) {
-      prefetch_row(f.x + (t + kPrefetch) * f.xs, pl, false);
-      prefetch_row(f.dy + (t + kPrefetch) * f.xs, pl, false);
-    }
-    const float d = f.dtp[t];
+  float* S = f.S;
+  float* v = f.v;
+  float *Pv = v, *pn = v + Np, *an = v + 2 * Np, *bt = v + 3 * Np, *dc = v + 4 * Np;
+  float* ext = v + 8 * Np + 2 * 19 * plp;
+  float *bt2 = ext, *dc2 = ext + Np;
+  const Stage s0 = stage_of(v, Np, plp, 0), s1 = stage_of(v, Np, plp, 1);
+  float P = f.P;
+  for (int64_t t = t0; t < t1;) {
+    for (int64_t k = 0; k < 2; ++k)
+      if (t + 2 * kPrefetch + k < T) {
+        prefetch_row(f.x + (t + 2 * kPrefetch + k) * f.xs, pl, false);
+        prefetch_row(f.dy + (t + 2 * kPrefetch + k) * f.xs, pl, false);
+      }
     const float* Bt = f.B + t * f.bs;
-    const float* Ct = f.C + t * f.bs;
+    if (!per_n && t + 1 < t1 && !is_anchor(t, K, T)) {
+      const float p0 = P * f.a[t], p1 = p0 * f.a[t + 1];
+      if (in_range(p0) && in_range(p1)) {
+        const float i0 = 1.0f / p0, i1 = 1.0f / p1;
+        for (int64_t n0 = 0; n0 < Np; n0 += 16) {
+          vstore(bt + n0, row_at(Bt, n0, N) * i0);
+          vstore(bt2 + n0, row_at(Bt + f.bs, n0, N) * i1);
+        }
+        stage_rows(f, t, s0);
+        stage_rows(f, t + 1, s1);
+        const float* bb[2] = {bt, bt2};
+        const float* uu[2] = {s0.uv, s1.uv};
+        const float* dd[2] = {s0.dyv, s1.dyv};
+        float* cc[2] = {dc, dc2};
+        fwd_pn<2>(S, bb, uu, dd, cc, pl, Np);
+        fwd_post(f, t, S, dc, Pv, p0, first);
+        fwd_post(f, t + 1, S, dc2, Pv, p1, first);
+        P = p1;
+        t += 2;
+        continue;
+      }
+    }
     if (!per_n) {
       const float p = P * f.a[t];
       if (!in_range(p)) {
-        for (int64_t k = 0; k < pl * Np; ++k) S[k] *= p;
+        for (int64_t k = 0; k < pl * Np; k += 16) vstore(S + k, vload(S + k) * p);
         P = 1.0f;
       } else {
         P = p;
       }
       const float ip = 1.0f / P;
-      for (int64_t n = 0; n < N; ++n) bt[n] = Bt[n] * ip;
+      for (int64_t n0 = 0; n0 < Np; n0 += 16) vstore(bt + n0, row_at(Bt, n0, N) * ip);
     } else {
-      exp_row(f.Ah, d, N, Np, an);
-      bool renorm = false;
-      for (int64_t n = 0; n < N; ++n) {
-        pn[n] = Pv[n] * an[n];
-        renorm |= !in_range(pn[n]);
+      exp_row(f.Ah, f.dtp[t], N, Np, an);
+      vi bad = {};
+      for (int64_t n0 = 0; n0 < Np; n0 += 16) {
+        vf q = vload(Pv + n0) * vload(an + n0);
+        bad |= !(q >= kPMin && q <= kPMax);
+        vstore(pn + n0, q);
       }
+      bool renorm = false;
+      for (int l = 0; l < 16; ++l) renorm |= bad[l] != 0;
       if (renorm) {
         scale_pn(S, pn, pl, Np);
-        for (int64_t n = 0; n < N; ++n) Pv[n] = 1.0f;
+        for (int64_t n = 0; n < Np; ++n) Pv[n] = 1.0f;
       } else {
-        for (int64_t n = 0; n < N; ++n) Pv[n] = pn[n];
+        for (int64_t n0 = 0; n0 < Np; n0 += 16) vstore(Pv + n0, vload(pn + n0));
       }
-      for (int64_t n = 0; n < N; ++n) bt[n] = Bt[n] / Pv[n];
+      for (int64_t n0 = 0; n0 < Np; n0 += 16) vstore(bt + n0, row_at(Bt, n0, N) / vload(Pv + n0));
     }
-    const float* xt = f.x + t * f.xs;
-    const float* dyt = f.dy + t * f.xs;
-    for (int64_t p = 0; p < pl; ++p) {
-      uv[p] = xt[p] * d;
-      dyv[p] = dyt[p];
-    }
-    fwd_pn(S, bt, uv, dyv, dc, pl, Np);
-    float* dCt = f.dC + t * f.bs;
-    float zs = 0.0f;
-    for (int64_t n = 0; n < N; ++n) {
-      const float dcn = dc[n] * (per_n ? Pv[n] : P);
-      dCt[n] = f.first_in_task ? dcn : dCt[n] + dcn;
-      if (per_n)
-        zc[t * Np + n] = Ct[n] * dcn;
-      else
-        zs += Ct[n] * dcn;
-    }
-    if (!per_n) zc[t] = zs;
-    if (is_anchor(t)) {
-      float* an_t = anch + (t / K) * pl * Np;
-      for (int64_t p = 0; p < pl; ++p)
-        for (int64_t n = 0; n < Np; ++n) an_t[p * Np + n] = S[p * Np + n] * (per_n ? Pv[n] : P);
-    }
+    stage_rows(f, t, s0);
+    const float* bb[1] = {bt};
+    const float* uu[1] = {s0.uv};
+    const float* dd[1] = {s0.dyv};
+    float* cc[1] = {dc};
+    fwd_pn<1>(S, bb, uu, dd, cc, pl, Np);
+    fwd_post(f, t, S, dc, Pv, P, first);
+    t += 1;
   }
+  f.P = P;
+}
 
-  // ---- reverse sweep: lam~ = lam / R ----------------------------------------------------
-  float* lam = S;
-  for (int64_t p = 0; p < pl; ++p)
-    for (int64_t n = 0; n < Np; ++n) lam[p * Np + n] = n < N ? f.dsf[p * N + n] : 0.0f;
-  float* Rv = Pv;  // per-state R
-  for (int64_t n = 0; n < Np; ++n) Rv[n] = 1.0f;
-  float R = 1.0f, Zs = 0.0f, dAs = 0.0f;
-  float* dAv = pn;  // per-state dA accumulator
-  for (int64_t n = 0; n < Np; ++n) dAv[n] = 0.0f;
-  float* cr = bt;  // C / R
-  float* bh = an;  // B * R
-  for (int64_t t = T - 1; t >= 0; --t) {
-    if (t >= kPrefetch) {
-      prefetch_row(f.x + (t - kPrefetch) * f.xs, pl, false);
-      prefetch_row(f.dy + (t - kPrefetch) * f.xs, pl, false);
-      prefetch_row(f.dx + (t - kPrefetch) * f.xs, pl, true);
+// Between the sweeps: lam = dL/d(final state), R = 1.
+void rows_bwd_mid(RowsBwd& f) {
+  const int64_t N = f.N, Np = (N + 15) / 16 * 16;
+  for (int64_t p = 0; p < f.pl; ++p)
+    for (int64_t n = 0; n < Np; ++n) f.S[p * Np + n] = n < N ? f.dsf[p * N + n] : 0.0f;
+  for (int64_t n = 0; n < Np; ++n) {
+    f.v[n] = 1.0f;           // Rv
+    f.v[7 * Np + n] = 0.0f;  // dAv
+  }
+  f.P = 1.0f;  // R
+  f.Zs = f.dAs = 0.0f;
+}
+
+// cr = C_t / R, bh = B_t * R (one decay per head).
+RC_INLINE void rev_pre(const RowsBwd& f, int64_t t, float R, float* cr, float* bh) {
+  const int64_t N = f.N, Np = (N + 15) / 16 * 16;
+  const float ir = 1.0f / R;
+  const float* Bt = f.B + t * f.bs;
+  const float* Ct = f.C + t * f.bs;
+  for (int64_t n0 = 0; n0 < Np; n0 += 16) {
+    vstore(cr + n0, row_at(Ct, n0, N) * ir);
+    vstore(bh + n0, row_at(Bt, n0, N) * R);
+  }
+}
+
+// After a token of the reverse sweep (one decay per head): dx, dB into the slot, the
+// decay gradient G_t = Z_t - B_t . dB_t, dA, ddtp, and Z_{t-1}.
+RC_INLINE void rev_post(RowsBwd& f, int64_t t, float R, const float* lam, const float* db, const float* du,
+                        float* Z, bool first) {
+  const int64_t N = f.N, Np = (N + 15) / 16 * 16, pl = f.pl;
+  const float d = f.dtp[t];
+  const float* Bt = f.B + t * f.bs;
+  const float* xt = f.x + t * f.xs;
+  float* dBt = f.dB + t * f.bs;
+  float* dxt = f.dx + t * f.xs;
+  vf ddv = {};
+  for (int64_t p0 = 0; p0 < pl; p0 += 16) {
+    const int64_t m = std::min<int64_t>(16, pl - p0);
+    const vf dv = vload(du + p0);  // du is padded to a multiple of 16
+    if (m == 16)
+      vstore(dxt + p0, dv * d);
+    else
+      vstore_part(dxt + p0, dv * d, m);
+    ddv += dv * (m == 16 ? vload(xt + p0) : vload_part(xt + p0, m));
+  }
+  float dd = hsum(ddv);
+  if (is_anchor(t, f.K, f.T)) {  // Z_t exactly from the stored state
+    dot_pn(lam, f.anch + (t / f.K) * pl * Np, Z, pl, Np);
+    vf z = {};
+    for (int64_t n0 = 0; n0 < Np; n0 += 16) z += vload(Z + n0);
+    f.Zs = hsum(z) * R;
+  }
+  vf bdb = {};
+  for (int64_t n0 = 0; n0 < Np; n0 += 16) {
+    const vf dbn = vload(db + n0) * R;
+    row_put(dBt, n0, N, dbn, !first);
+    bdb += row_at(Bt, n0, N) * dbn;
+  }
+  const float G = f.Zs - hsum(bdb);
+  f.dAs += G * d;
+  dd += G * f.Ah[0];
+  if (t > 0) f.Zs = G + f.zc[t - 1];
+  f.ddtp[t] = f.first_in_head ? dd : f.ddtp[t] + dd;
+}
+
+// Reverse sweep over tokens t1 - 1 down to t0: lam~, dB (added to the slot; `first` writes
+// it), dx, ddtp, dA. Two tokens per sweep where no renormalisation or anchor falls between.
+RC_SIMD void rows_bwd_rev(RowsBwd& f, int64_t t0, int64_t t1, bool first) {
+  const int64_t N = f.N, Np = (N + 15) / 16 * 16, pl = f.pl, T = f.T, K = f.K;
+  const int64_t plp = (pl + 15) / 16 * 16;
+  const bool per_n = f.a == nullptr;
+  float* lam = f.S;
+  float* v = f.v;
+  float *Rv = v, *an = v + 2 * Np, *cr = v + 3 * Np, *Z = v + 5 * Np, *db = v + 6 * Np, *dAv = v + 7 * Np;
+  float* bh = an;  // B * R (dead by the time `an` is needed)
+  float* ext = v + 8 * Np + 2 * 19 * plp;
+  float *cr2 = ext, *bh2 = ext + Np, *db2 = ext + 2 * Np;
+  const Stage s0 = stage_of(v, Np, plp, 0), s1 = stage_of(v, Np, plp, 1);
+  for (int64_t t = t1 - 1; t >= t0;) {
+    for (int64_t k = 0; k < 2; ++k)
+      if (t - 2 * kPrefetch - k >= 0) {
+        const int64_t o = (t - 2 * kPrefetch - k) * f.xs;
+        prefetch_row(f.x + o, pl, false);
+        prefetch_row(f.dy + o, pl, false);
+        prefetch_row(f.dx + o, pl, true);
+      }
+    if (!per_n && t - 1 >= t0 && !is_anchor(t, K, T)) {
+      const float R0 = f.P, R1 = R0 * f.a[t];
+      if (in_range(R1)) {
+        rev_pre(f, t, R0, cr, bh);
+        rev_pre(f, t - 1, R1, cr2, bh2);
+        stage_rows(f, t, s0);
+        stage_rows(f, t - 1, s1);
+        const float* cc[2] = {cr, cr2};
+        const float* bb[2] = {bh, bh2};
+        const float* uu[2] = {s0.uv, s1.uv};
+        const float* dd[2] = {s0.dyv, s1.dyv};
+        float* dbs[2] = {db, db2};
+        float* dup[2] = {s0.dupart, s1.dupart};
+        float* dus[2] = {s0.du, s1.du};
+        rev_pn<2>(lam, cc, bb, uu, dd, dbs, dup, dus, pl, Np);
+        rev_post(f, t, R0, lam, db, s0.du, Z, first);
+        rev_post(f, t - 1, R1, lam, db2, s1.du, Z, first);
+        float R = R1 * f.a[t - 1];
+        if (!in_range(R)) {
+          for (int64_t k = 0; k < pl * Np; k += 16) vstore(lam + k, vload(lam + k) * R);
+          R = 1.0f;
+        }
+        f.P = R;
+        t -= 2;
+        continue;
+      }
     }
     const float d = f.dtp[t];
     const float* Bt = f.B + t * f.bs;
     const float* Ct = f.C + t * f.bs;
-    const float* xt = f.x + t * f.xs;
-    const float* dyt = f.dy + t * f.xs;
     if (per_n) {
-      for (int64_t n = 0; n < N; ++n) {
-        cr[n] = Ct[n] / Rv[n];
-        bh[n] = Bt[n] * Rv[n];
+      for (int64_t n0 = 0; n0 < Np; n0 += 16) {
+        vstore(cr + n0, row_at(Ct, n0, N) / vload(Rv + n0));
+        vstore(bh + n0, row_at(Bt, n0, N) * vload(Rv + n0));
       }
     } else {
-      const float ir = 1.0f / R;
-      for (int64_t n = 0; n < N; ++n) {
-        cr[n] = Ct[n] * ir;
-        bh[n] = Bt[n] * R;
+      rev_pre(f, t, f.P, cr, bh);
+    }
+    stage_rows(f, t, s0);
+    {
+      const float* cc[1] = {cr};
+      const float* bb[1] = {bh};
+      const float* uu[1] = {s0.uv};
+      const float* dd[1] = {s0.dyv};
+      float* dbs[1] = {db};
+      float* dup[1] = {s0.dupart};
+      float* dus[1] = {s0.du};
+      rev_pn<1>(lam, cc, bb, uu, dd, dbs, dup, dus, pl, Np);
+    }
+    if (!per_n) {
+      rev_post(f, t, f.P, lam, db, s0.du, Z, first);
+      float R = f.P * f.a[t];
+      if (!in_range(R)) {
+        for (int64_t k = 0; k < pl * Np; k += 16) vstore(lam + k, vload(lam + k) * R);
+        R = 1.0f;
       }
+      f.P = R;
+      t -= 1;
+      continue;
     }
-    for (int64_t p = 0; p < pl; ++p) {
-      uv[p] = xt[p] * d;
-      dyv[p] = dyt[p];
-    }
-    rev_pn(lam, cr, bh, uv, dyv, db, dupart, du, pl, Np);
+    // One decay per state: the same steps with per-state R.
+    const float* xt = f.x + t * f.xs;
     float* dBt = f.dB + t * f.bs;
     float* dxt = f.dx + t * f.xs;
     float dd = 0.0f;
     for (int64_t p = 0; p < pl; ++p) {
-      dxt[p] = du[p] * d;
-      dd += du[p] * xt[p];
+      dxt[p] = s0.du[p] * d;
+      dd += s0.du[p] * xt[p];
     }
-    if (is_anchor(t)) {  // Z_t exactly from the stored state
-      dot_pn(lam, anch + (t / K) * pl * Np, Z, pl, Np);
-      if (per_n) {
-        for (int64_t n = 0; n < N; ++n) Z[n] *= Rv[n];
-      } else {
-        float z = 0.0f;
-        for (int64_t n = 0; n < N; ++n) z += Z[n];
-        Zs = z * R;
-      }
+    const bool anchor = is_anchor(t, K, T);
+    if (anchor) dot_pn(lam, f.anch + (t / K) * pl * Np, Z, pl, Np);  // Z_t exactly
+    vf gs = {};
+    for (int64_t n0 = 0; n0 < Np; n0 += 16) {
+      const vf rv = vload(Rv + n0);
+      const vf dbn = vload(db + n0) * rv;
+      row_put(dBt, n0, N, dbn, !first);
+      const vf z = anchor ? vload(Z + n0) * rv : vload(Z + n0);
+      const vf g = z - row_at(Bt, n0, N) * dbn;  // dL/d log a_t[n]
+      vstore(dAv + n0, vload(dAv + n0) + g * d);
+      gs += g * row_at(f.Ah, n0, N);
+      if (t > 0) vstore(Z + n0, g + vload(f.zc + (t - 1) * Np + n0));
     }
-    if (per_n) {
-      float gs = 0.0f;
-      for (int64_t n = 0; n < N; ++n) {
-        const float dbn = db[n] * Rv[n];
-        dBt[n] = f.first_in_task ? dbn : dBt[n] + dbn;
-        g[n] = Z[n] - Bt[n] * dbn;  // dL/d log a_t[n]
-        dAv[n] += g[n] * d;
-        gs += g[n] * f.Ah[n];
-      }
-      dd += gs;
-      if (t > 0)
-        for (int64_t n = 0; n < N; ++n) Z[n] = g[n] + zc[(t - 1) * Np + n];
-    } else {
-      float bdb = 0.0f;
-      for (int64_t n = 0; n < N; ++n) {
-        const float dbn = db[n] * R;
-        dBt[n] = f.first_in_task ? dbn : dBt[n] + dbn;
-        bdb += Bt[n] * dbn;
-      }
-      const float G = Zs - bdb;
-      dAs += G * d;
-      dd += G * f.Ah[0];
-      if (t > 0) Zs = G + zc[t - 1];
-    }
+    dd += hsum(gs);
     f.ddtp[t] = f.first_in_head ? dd : f.ddtp[t] + dd;
-    // lam_{t-1} = a_t lam_t (+ the next token's dy C, added at the top of the loop)
-    if (per_n) {
-      exp_row(f.Ah, d, N, Np, an);  // bh is dead here: an aliases it
-      bool renorm = false;
-      for (int64_t n = 0; n < N; ++n) {
-        Rv[n] *= an[n];
-        renorm |= !in_range(Rv[n]);
-      }
-      if (renorm) {
-        scale_pn(lam, Rv, pl, Np);
-        for (int64_t n = 0; n < N; ++n) Rv[n] = 1.0f;
-      }
-    } else {
-      R *= f.a[t];
-      if (!in_range(R)) {
-        for (int64_t k = 0; k < pl * Np; ++k) lam[k] *= R;
-        R = 1.0f;
-      }
+    exp_row(f.Ah, d, N, Np, an);
+    vi bad = {};
+    for (int64_t n0 = 0; n0 < Np; n0 += 16) {
+      vf q = vload(Rv + n0) * vload(an + n0);
+      bad |= !(q >= kPMin && q <= kPMax);
+      vstore(Rv + n0, q);
     }
+    bool renorm = false;
+    for (int l = 0; l < 16; ++l) renorm |= bad[l] != 0;
+    if (renorm) {
+      scale_pn(lam, Rv, pl, Np);
+      for (int64_t n = 0; n < Np; ++n) Rv[n] = 1.0f;
+    }
+    t -= 1;
   }
-  for (int64_t p = 0; p < pl; ++p)
-    for (int64_t n = 0; n < N; ++n) f.ds[p * N + n] = lam[p * Np + n] * (per_n ? Rv[n] : R);
+}
+
+// After the reverse sweep: d_s = lam (times R) and the unit's dA.
+void rows_bwd_end(const RowsBwd& f) {
+  const int64_t N = f.N, Np = (N + 15) / 16 * 16;
+  const bool per_n = f.a == nullptr;
+  const float* Rv = f.v;
+  const float* dAv = f.v + 7 * Np;
+  for (int64_t p = 0; p < f.pl; ++p)
+    for (int64_t n = 0; n < N; ++n) f.ds[p * N + n] = f.S[p * Np + n] * (per_n ? Rv[n] : f.P);
   if (per_n) {
     for (int64_t n = 0; n < N; ++n) f.dA[n] = f.first_in_head ? dAv[n] : f.dA[n] + dAv[n];
   } else {
-    f.dA[0] = f.first_in_head ? dAs : f.dA[0] + dAs;
+    f.dA[0] = f.first_in_head ? f.dAs : f.dA[0] + f.dAs;
   }
 }
 
@@ -945,153 +1170,131 @@ int64_t rows_bwd_block(const Dims& d) {
   return std::max<int64_t>(1, std::min<int64_t>(d.P, 4096 / Np));
 }
 
-size_t rows_bwd_work(const Dims& d, int64_t PB, int64_t K) {
-  const int64_t Np = (d.N + 15) / 16 * 16, plp = (PB + 15) / 16 * 16;
-  const int64_t nanch = (d.T + K - 1) / K;
-  return static_cast<size_t>(PB * Np * (1 + nanch) + d.T * (d.per_n ? Np : 1) + 8 * Np + 19 * plp);
-}
-
 // ======================================================================================
 // Backward, heads layout (P == 1): 16 heads of one group per vector, state [n][16].
 // ======================================================================================
 
+// One block of 16 heads (P == 1). A task walks the segments of K tokens in reverse and,
+// within a segment, all its blocks; the per-lane dB and dC terms of the segment are summed
+// over the blocks first and reduced across lanes once.
 struct HeadsBwd {
   const float* s0;  // s[row, h0, 0, 0]
   const float* x;   // x[i, 0, h0, 0]: token stride H (also dt, dy, dx, ddt)
   const float* dt;
   const float* dy;
   const float* dsf;  // [i, h0, 0, 0]
-  const float* A;    // A[h0, 0]: head stride NA
   const float* B;    // B[i, 0, g, 0]: token stride bs
   const float* C;
   float* dx;
   float* ddt;
   float* ds;  // [i, h0, 0, 0]
   float* dA;  // partial [i, h0, :]: head stride NA
-  float* dB;  // slot [i, 0, g, 0]
-  float* dC;
-  bool first_in_task;
-  int64_t T, N, NA, nl, H, bs, K;
-  float* work;
+  int64_t T, N, NA, nl, H, bs;
+  float* AT;   // [N][16]: A of the 16 heads
+  float* St;   // [N][16]: the state (pass 1), then lam
+  float* dAa;  // [N][16]: dA terms
+  float* ck;   // nseg x [N][16]: the state before each segment
 };
 
-size_t heads_bwd_work(const Dims& d, int64_t K) {
-  const int64_t Np = (d.N + 15) / 16 * 16, nseg = (d.T + K - 1) / K;
-  return static_cast<size_t>(16 * Np * (6 + nseg + 2 * K) + 48 * K + 16);
+// Softplus, exps and state of one block over tokens [t0, t1), t1 - t0 <= K: d and u = x d
+// go to dbuf/ubuf (16 per token), a to abuf (na rows of 16 per token), S_t to sbuf when
+// not null. S is advanced in place.
+RC_SIMD void heads_seg_forward(const HeadsBwd& f, float* S, int64_t t0, int64_t t1, float* dbuf, float* ubuf,
+                               float* abuf, float* sbuf) {
+  const int64_t N = f.N, nl = f.nl, na = f.NA == 1 ? 1 : N;
+  for (int64_t t = t0; t < t1; ++t) {
+    if (t + kChunk < f.T) {
+      __builtin_prefetch(f.dt + (t + kChunk) * f.H);
+      __builtin_prefetch(f.x + (t + kChunk) * f.H);
+    }
+    const float* dtt = f.dt + t * f.H;
+    const float* xt = f.x + t * f.H;
+    vf z = nl == 16 ? vload(dtt) : vload_part(dtt, nl);
+    vf xv = nl == 16 ? vload(xt) : vload_part(xt, nl);
+    vf d = vsoftplus(z);
+    vstore(dbuf + (t - t0) * 16, d);
+    vstore(ubuf + (t - t0) * 16, xv * d);
+  }
+  exp_rows(dbuf, f.AT, na, t1 - t0, abuf);
+  const int64_t as = na == 1 ? 0 : 16;
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* Bt = f.B + t * f.bs;
+    const float* at = abuf + (t - t0) * na * 16;
+    const vf u = vload(ubuf + (t - t0) * 16);
+    float* so = sbuf ? sbuf + (t - t0) * N * 16 : nullptr;
+    for (int64_t n = 0; n < N; ++n) {
+      vf sv = vload(S + n * 16) * vload(at + n * as) + Bt[n] * u;
+      vstore(S + n * 16, sv);
+      if (so) vstore(so + n * 16, sv);
+    }
+  }
 }
 
-RC_SIMD void heads_bwd(const HeadsBwd& f) {
-  const int64_t N = f.N, Np = (N + 15) / 16 * 16, nl = f.nl, T = f.T, K = f.K;
-  const int64_t nseg = (T + K - 1) / K;
-  float* AT = f.work;          // [N][16]
-  float* St = AT + Np * 16;    // [N][16]
-  float* lam = St + Np * 16;   // [N][16]
-  float* dAacc = lam + Np * 16;
-  float* dcv = dAacc + Np * 16;  // [Np][16]: per-lane dC terms of one token
-  float* dbv = dcv + Np * 16;
-  float* ck = dbv + Np * 16;        // nseg x [N][16]: state before token seg * K
-  float* sbuf = ck + nseg * Np * 16;  // K x [N][16]: S_t within the segment
-  float* abuf = sbuf + K * Np * 16;   // K x [N][16]: a_t
-  float* dtpb = abuf + K * Np * 16;   // K x 16
-  for (int64_t k = 0; k < 6 * Np * 16; ++k) f.work[k] = 0.0f;
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t l = 0; l < nl; ++l) {
-      AT[n * 16 + l] = f.A[l * f.NA + (f.NA == 1 ? 0 : n)];
-      St[n * 16 + l] = f.s0[l * N + n];
-    }
+// Reverse walk of one block over tokens t1 - 1 down to t0, given S_t (sbuf), the state
+// before t0 (sprev), a_t, d_t, u_t from heads_seg_forward. Adds the per-lane dC and dB
+// terms to dcv/dbv ([token][Np][16]); writes dx, ddt; updates lam (f.St) and dA terms.
+RC_SIMD void heads_seg_reverse(const HeadsBwd& f, int64_t t0, int64_t t1, const float* sprev, const float* sbuf,
+                               const float* abuf, const float* dbuf, const float* ubuf, float* dcv,
+                               float* dbv, int64_t Np) {
+  const int64_t N = f.N, nl = f.nl, na = f.NA == 1 ? 1 : N, as = na == 1 ? 0 : 16;
+  float* lam = f.St;
+  float* dAa = f.dAa;
+  const float* AT = f.AT;
   auto lanes = [&](const float* p) { return nl == 16 ? vload(p) : vload_part(p, nl); };
-  // One forward step; a_out/s_out (N x 16) receive a_t and S_t when not null.
-  auto step = [&](int64_t t, float* S, float* a_out, float* s_out, float* dtp_out) {
-    if (t + kPrefetch < T) {
-      __builtin_prefetch(f.dt + (t + kPrefetch) * f.H);
-      __builtin_prefetch(f.x + (t + kPrefetch) * f.H);
+  for (int64_t t = t1 - 1; t >= t0; --t) {
+    if (t >= kChunk) {
+      const int64_t o = (t - kChunk) * f.H;
+      __builtin_prefetch(f.dy + o);
+      __builtin_prefetch(f.dx + o, 1);
+      __builtin_prefetch(f.ddt + o, 1);
     }
+    const int64_t tt = t - t0;
+    const float* Sc = sbuf + tt * N * 16;
+    const float* Sp = tt > 0 ? sbuf + (tt - 1) * N * 16 : sprev;
+    const float* at = abuf + tt * na * 16;
     const float* Bt = f.B + t * f.bs;
-    vf dv = vsoftplus(lanes(f.dt + t * f.H));
-    vf u = lanes(f.x + t * f.H) * dv;
-    if (dtp_out) vstore(dtp_out, dv);
+    const float* Ct = f.C + t * f.bs;
+    float* dct = dcv + tt * Np * 16;
+    float* dbt = dbv + tt * Np * 16;
+    const vf dv = vload(dbuf + tt * 16);
+    const vf u = vload(ubuf + tt * 16);
+    const vf dyv = lanes(f.dy + t * f.H);
+    const vf xv = lanes(f.x + t * f.H);
+    vf du = {}, gA = {};
     for (int64_t n = 0; n < N; ++n) {
-      vf a = vexp(dv * vload(AT + n * 16));
-      vf sv = vload(S + n * 16) * a + Bt[n] * u;
-      vstore(S + n * 16, sv);
-      if (a_out) vstore(a_out + n * 16, a);
-      if (s_out) vstore(s_out + n * 16, sv);
+      const vf av = vload(at + n * as);
+      const vf lv = vload(lam + n * 16) + dyv * Ct[n];
+      vstore(dct + n * 16, vload(dct + n * 16) + dyv * vload(Sc + n * 16));
+      vstore(dbt + n * 16, vload(dbt + n * 16) + lv * u);
+      du += lv * Bt[n];
+      const vf gv = lv * av * vload(Sp + n * 16);  // dL/d log a_t
+      vstore(dAa + n * 16, vload(dAa + n * 16) + gv * dv);
+      gA += gv * vload(AT + n * 16);
+      vstore(lam + n * 16, lv * av);
     }
-  };
-  for (int64_t t = 0; t < T; ++t) {
-    if (t % K == 0) std::memcpy(ck + (t / K) * Np * 16, St, N * 16 * sizeof(float));
-    step(t, St, nullptr, nullptr, nullptr);
-  }
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t l = 0; l < nl; ++l) lam[n * 16 + l] = f.dsf[l * N + n];
-  for (int64_t seg = nseg - 1; seg >= 0; --seg) {
-    const int64_t t0 = seg * K, t1 = std::min(T, t0 + K);
-    std::memcpy(St, ck + seg * Np * 16, N * 16 * sizeof(float));
-    for (int64_t t = t0; t < t1; ++t) {
-      step(t, St, abuf + (t - t0) * Np * 16, sbuf + (t - t0) * Np * 16, dtpb + (t - t0) * 16);
-    }
-    for (int64_t t = t1 - 1; t >= t0; --t) {
-      if (t >= kPrefetch) {
-        const int64_t o = (t - kPrefetch) * f.H;
-        __builtin_prefetch(f.dy + o);
-        __builtin_prefetch(f.dx + o, 1);
-        __builtin_prefetch(f.ddt + o, 1);
-      }
-      const float* Sc = sbuf + (t - t0) * Np * 16;
-      const float* Sp = t > t0 ? sbuf + (t - t0 - 1) * Np * 16 : ck + seg * Np * 16;
-      const float* at = abuf + (t - t0) * Np * 16;
-      const float* Bt = f.B + t * f.bs;
-      const float* Ct = f.C + t * f.bs;
-      const vf dv = vload(dtpb + (t - t0) * 16);
-      const vf dyv = lanes(f.dy + t * f.H);
-      const vf xv = lanes(f.x + t * f.H);
-      const vf u = xv * dv;
-      vf du = {}, gA = {};
-      for (int64_t n = 0; n < N; ++n) {
-        const vf av = vload(at + n * 16);
-        vf lv = vload(lam + n * 16) + dyv * Ct[n];
-        vstore(dcv + n * 16, dyv * vload(Sc + n * 16));
-        vstore(dbv + n * 16, lv * u);
-        du += lv * Bt[n];
-        vf gv = lv * av * vload(Sp + n * 16);  // dL/d log a_t
-        vstore(dAacc + n * 16, vload(dAacc + n * 16) + gv * dv);
-        gA += gv * vload(AT + n * 16);
-        vstore(lam + n * 16, lv * av);
-      }
-      const vf dx = du * dv;
-      const vf ddt = (du * xv + gA) * vsigmoid(lanes(f.dt + t * f.H));
-      float* dxt = f.dx + t * f.H;
-      float* ddtt = f.ddt + t * f.H;
-      if (nl == 16) {
-        vstore(dxt, dx);
-        vstore(ddtt, ddt);
-      } else {
-        vstore_part(dxt, dx, nl);
-        vstore_part(ddtt, ddt, nl);
-      }
-      float* dBt = f.dB + t * f.bs;
-      float* dCt = f.dC + t * f.bs;
-      for (int64_t n0 = 0; n0 < N; n0 += 16) {
-        const int64_t m = std::min<int64_t>(16, N - n0);
-        vf rc = hsum16x16(dcv + n0 * 16), rb = hsum16x16(dbv + n0 * 16);
-        if (!f.first_in_task) {
-          rc += vload_part(dCt + n0, m);
-          rb += vload_part(dBt + n0, m);
-        }
-        vstore_part(dCt + n0, rc, m);
-        vstore_part(dBt + n0, rb, m);
-      }
-    }
-  }
-  for (int64_t l = 0; l < nl; ++l)
-    for (int64_t n = 0; n < N; ++n) f.ds[l * N + n] = lam[n * 16 + l];
-  for (int64_t l = 0; l < nl; ++l) {
-    if (f.NA == 1) {
-      float sacc = 0.0f;
-      for (int64_t n = 0; n < N; ++n) sacc += dAacc[n * 16 + l];
-      f.dA[l] = sacc;
+    const vf dx = du * dv;
+    const vf ddt = (du * xv + gA) * vsigmoid(lanes(f.dt + t * f.H));
+    float* dxt = f.dx + t * f.H;
+    float* ddtt = f.ddt + t * f.H;
+    if (nl == 16) {
+      vstore(dxt, dx);
+      vstore(ddtt, ddt);
     } else {
-      for (int64_t n = 0; n < N; ++n) f.dA[l * f.NA + n] = dAacc[n * 16 + l];
+      vstore_part(dxt, dx, nl);
+      vstore_part(ddtt, ddt, nl);
+    }
+  }
+}
+
+// Sums the lanes of the segment's dC and dB terms into the slot rows of tokens [t0, t1).
+RC_SIMD void heads_seg_reduce(const float* dcv, const float* dbv, int64_t t0, int64_t t1, int64_t N, int64_t Np,
+                              float* dC, float* dB, int64_t bs) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t tt = t - t0;
+    for (int64_t n0 = 0; n0 < N; n0 += 16) {
+      const int64_t m = std::min<int64_t>(16, N - n0);
+      vstore_part(dC + t * bs + n0, hsum16x16(dcv + (tt * Np + n0) * 16), m);
+      vstore_part(dB + t * bs + n0, hsum16x16(dbv + (tt * Np + n0) * 16), m);
     }
   }
 }
@@ -1150,85 +1353,163 @@ void scan_backward(KernelCtx& c) {
   if (d.T == 0) {  // no tokens: dB, dC are empty, d_s = dL/d(final state)
     for (int64_t i = 0; i < d.S; ++i) std::memcpy(ds_of(i), gs + i * nstate, nstate * sizeof(float));
   } else if (heads) {
-    const int64_t K = std::max<int64_t>(16, (d.T + 255) / 256);
+    const int64_t K = std::max<int64_t>(32, (d.T + 63) / 64);  // segment: at most 64 of them
+    const int64_t nseg = (d.T + K - 1) / K, Np = (d.N + 15) / 16 * 16, na = d.NA == 1 ? 1 : d.N;
+    const int64_t blk_floats = d.N * 16 * (3 + nseg);
+    const int64_t seg_floats = K * 16 * (2 + na + d.N + 2 * Np);
     c.pool.run(d.S * d.G * nsplit, [&](int64_t task, int tid) {
       const int64_t i = task / (d.G * nsplit), g = task / nsplit % d.G, j = task % nsplit;
-      const int64_t b0 = j * units / nsplit, b1 = (j + 1) * units / nsplit;
-      float* wk = work[tid].get(heads_bwd_work(d, K));
-      for (int64_t blk = b0; blk < b1; ++blk) {
-        const int64_t h0 = g * d.hpg + blk * 16;
-        HeadsBwd f;
+      const int64_t b0 = j * units / nsplit, nb = (j + 1) * units / nsplit - b0;
+      float* wk = work[tid].get(nb * blk_floats + seg_floats);
+      float* dbuf = wk + nb * blk_floats;
+      float* ubuf = dbuf + K * 16;
+      float* abuf = ubuf + K * 16;
+      float* sbuf = abuf + K * na * 16;
+      float* dcv = sbuf + K * d.N * 16;
+      float* dbv = dcv + K * Np * 16;
+      std::vector<HeadsBwd> fs(nb);
+      for (int64_t k = 0; k < nb; ++k) {
+        const int64_t h0 = g * d.hpg + (b0 + k) * 16;
+        HeadsBwd& f = fs[k];
         f.s0 = s + (ids[i] * d.H + h0) * d.N;
         f.x = x + i * d.T * d.H + h0;
         f.dt = dt + i * d.T * d.H + h0;
         f.dy = gy + i * d.T * d.H + h0;
         f.dsf = gs + (i * d.H + h0) * d.N;
-        f.A = A + h0 * d.NA;
         f.B = B + (i * d.T * d.G + g) * d.N;
         f.C = C + (i * d.T * d.G + g) * d.N;
         f.dx = o_dx + i * d.T * d.H + h0;
         f.ddt = o_ddt + i * d.T * d.H + h0;
         f.ds = ds_of(i) + h0 * d.N;
         f.dA = dA_part.data() + (i * d.H + h0) * d.NA;
-        f.dB = slot_B(j) + (i * d.T * d.G + g) * d.N;
-        f.dC = slot_C(j) + (i * d.T * d.G + g) * d.N;
-        f.first_in_task = blk == b0;
         f.T = d.T;
         f.N = d.N;
         f.NA = d.NA;
-        f.nl = std::min<int64_t>(16, d.hpg - blk * 16);
+        f.nl = std::min<int64_t>(16, d.hpg - (b0 + k) * 16);
         f.H = d.H;
         f.bs = d.G * d.N;
-        f.K = K;
-        f.work = wk;
-        heads_bwd(f);
+        f.AT = wk + k * blk_floats;
+        f.St = f.AT + d.N * 16;
+        f.dAa = f.St + d.N * 16;
+        f.ck = f.dAa + d.N * 16;
+        for (int64_t n = 0; n < d.N; ++n)
+          for (int64_t l = 0; l < 16; ++l) {
+            const bool on = l < f.nl;
+            f.AT[n * 16 + l] = on ? A[(h0 + l) * d.NA + (d.NA == 1 ? 0 : n)] : 0.0f;
+            f.St[n * 16 + l] = on ? f.s0[l * d.N + n] : 0.0f;
+            f.dAa[n * 16 + l] = 0.0f;
+          }
+      }
+      // Pass 1: the state before each segment.
+      for (int64_t sg = 0; sg < nseg; ++sg) {
+        const int64_t t0 = sg * K, t1 = std::min(d.T, t0 + K);
+        for (HeadsBwd& f : fs) {
+          std::memcpy(f.ck + sg * d.N * 16, f.St, d.N * 16 * sizeof(float));
+          heads_seg_forward(f, f.St, t0, t1, dbuf, ubuf, abuf, nullptr);
+        }
+      }
+      // Pass 2: segments in reverse; lam starts as dL/d(final state).
+      for (HeadsBwd& f : fs)
+        for (int64_t n = 0; n < d.N; ++n)
+          for (int64_t l = 0; l < 16; ++l) f.St[n * 16 + l] = l < f.nl ? f.dsf[l * d.N + n] : 0.0f;
+      std::vector<float> stmp(d.N * 16);
+      for (int64_t sg = nseg - 1; sg >= 0; --sg) {
+        const int64_t t0 = sg * K, t1 = std::min(d.T, t0 + K);
+        std::fill(dcv, dcv + 2 * K * Np * 16, 0.0f);
+        for (HeadsBwd& f : fs) {
+          const float* sprev = f.ck + sg * d.N * 16;
+          std::memcpy(stmp.data(), sprev, d.N * 16 * sizeof(float));
+          heads_seg_forward(f, stmp.data(), t0, t1, dbuf, ubuf, abuf, sbuf);
+          heads_seg_reverse(f, t0, t1, sprev, sbuf, abuf, dbuf, ubuf, dcv, dbv, Np);
+        }
+        heads_seg_reduce(dcv, dbv, t0, t1, d.N, Np, slot_C(j) + (i * d.T * d.G + g) * d.N,
+                         slot_B(j) + (i * d.T * d.G + g) * d.N, d.G * d.N);
+      }
+      for (const HeadsBwd& f : fs) {
+        for (int64_t l = 0; l < f.nl; ++l)
+          for (int64_t n = 0; n < d.N; ++n) f.ds[l * d.N + n] = f.St[n * 16 + l];
+        for (int64_t l = 0; l < f.nl; ++l) {
+          if (d.NA == 1) {
+            float sacc = 0.0f;
+            for (int64_t n = 0; n < d.N; ++n) sacc += f.dAa[n * 16 + l];
+            f.dA[l] = sacc;
+          } else {
+            for (int64_t n = 0; n < d.N; ++n) f.dA[l * d.NA + n] = f.dAa[n * 16 + l];
+          }
+        }
       }
     });
   } else {
     const int64_t PB = rows_bwd_block(d), npb = (d.P + PB - 1) / PB;
-    const int64_t K = std::max<int64_t>(16, (d.T + 63) / 64);
-    const size_t wsz = rows_bwd_work(d, PB, K);
+    int64_t K = 64;  // anchor interval: a power of two, at most 16 (+1) anchors
+    while (K * 16 < d.T) K *= 2;
+    const int64_t hpu = std::max<int64_t>(1, 4 / npb);          // heads advanced together
+    const size_t ufl = rows_bwd_unit_floats(d.T, d.N, PB, K, d.per_n);
     c.pool.run(d.S * d.G * nsplit, [&](int64_t task, int tid) {
       const int64_t i = task / (d.G * nsplit), g = task / nsplit % d.G, j = task % nsplit;
       const int64_t hb = g * d.hpg + j * units / nsplit, he = g * d.hpg + (j + 1) * units / nsplit;
-      float* wk = work[tid].get(wsz + 4 * d.T);
-      float* dtp = wk + wsz;
-      float* a = dtp + d.T;
-      float* sig = a + d.T;
-      float* ddtp = sig + d.T;  // dL/d softplus(dt) of one head, summed over its blocks
-      for (int64_t h = hb; h < he; ++h) {
-        dt_column(dt + i * d.T * d.H + h, d.H, d.T, A[h * d.NA], dtp, d.per_n ? nullptr : a, sig);
-        for (int64_t pb = 0; pb < npb; ++pb) {
-          const int64_t p0 = pb * PB;
-          RowsBwd f;
-          f.s0 = s + ((ids[i] * d.H + h) * d.P + p0) * d.N;
-          f.x = x + (i * d.T * d.H + h) * d.P + p0;
-          f.dy = gy + (i * d.T * d.H + h) * d.P + p0;
-          f.dsf = gs + ((i * d.H + h) * d.P + p0) * d.N;
-          f.dtp = dtp;
-          f.a = d.per_n ? nullptr : a;
-          f.Ah = A + h * d.NA;
-          f.B = B + (i * d.T * d.G + g) * d.N;
-          f.C = C + (i * d.T * d.G + g) * d.N;
-          f.dx = o_dx + (i * d.T * d.H + h) * d.P + p0;
-          f.ddtp = ddtp;
-          f.ds = ds_of(i) + (h * d.P + p0) * d.N;
-          f.dA = dA_part.data() + (i * d.H + h) * d.NA;
-          f.dB = slot_B(j) + (i * d.T * d.G + g) * d.N;
-          f.dC = slot_C(j) + (i * d.T * d.G + g) * d.N;
-          f.first_in_task = h == hb && pb == 0;
-          f.first_in_head = pb == 0;
-          f.T = d.T;
-          f.N = d.N;
-          f.pl = std::min(PB, d.P - p0);
-          f.xs = d.H * d.P;
-          f.bs = d.G * d.N;
-          f.K = K;
-          f.work = wk;
-          rows_bwd(f);
+      float* wk = work[tid].get(hpu * (npb * ufl + 4 * d.T));
+      std::vector<RowsBwd> fs;
+      for (int64_t h0 = hb; h0 < he; h0 += hpu) {
+        const int64_t nh = std::min(hpu, he - h0);
+        fs.clear();
+        for (int64_t hh = 0; hh < nh; ++hh) {
+          const int64_t h = h0 + hh;
+          float* hw = wk + hh * (npb * ufl + 4 * d.T);
+          float* dtp = hw + npb * ufl;
+          float* a = dtp + d.T;
+          float* sig = a + d.T;
+          float* ddtp = sig + d.T;  // dL/d softplus(dt) of this head, summed over its blocks
+          dt_column(dt + i * d.T * d.H + h, d.H, d.T, A[h * d.NA], dtp, d.per_n ? nullptr : a, sig);
+          for (int64_t pb = 0; pb < npb; ++pb) {
+            const int64_t p0 = pb * PB;
+            RowsBwd f;
+            f.s0 = s + ((ids[i] * d.H + h) * d.P + p0) * d.N;
+            f.x = x + (i * d.T * d.H + h) * d.P + p0;
+            f.dy = gy + (i * d.T * d.H + h) * d.P + p0;
+            f.dsf = gs + ((i * d.H + h) * d.P + p0) * d.N;
+            f.dtp = dtp;
+            f.a = d.per_n ? nullptr : a;
+            f.Ah = A + h * d.NA;
+            f.B = B + (i * d.T * d.G + g) * d.N;
+            f.C = C + (i * d.T * d.G + g) * d.N;
+            f.dx = o_dx + (i * d.T * d.H + h) * d.P + p0;
+            f.ddtp = ddtp;
+            f.ds = ds_of(i) + (h * d.P + p0) * d.N;
+            f.dA = dA_part.data() + (i * d.H + h) * d.NA;
+            f.dB = slot_B(j) + (i * d.T * d.G + g) * d.N;
+            f.dC = slot_C(j) + (i * d.T * d.G + g) * d.N;
+            f.first_in_head = pb == 0;
+            f.T = d.T;
+            f.N = d.N;
+            f.pl = std::min(PB, d.P - p0);
+            f.xs = d.H * d.P;
+            f.bs = d.G * d.N;
+            f.K = K;
+            const int64_t Np = (d.N + 15) / 16 * 16, nanch = (d.T + K - 1) / K;
+            f.S = hw + pb * ufl;
+            f.anch = f.S + f.pl * Np;
+            f.zc = f.anch + nanch * f.pl * Np;
+            f.v = f.zc + d.T * (d.per_n ? Np : 1);
+            rows_bwd_begin(f);
+            fs.push_back(f);
+          }
         }
-        float* o = o_ddt + i * d.T * d.H + h;
-        for (int64_t t = 0; t < d.T; ++t) o[t * d.H] = ddtp[t] * sig[t];
+        const bool first_group = h0 == hb;
+        for (int64_t t0 = 0; t0 < d.T; t0 += kChunk)
+          for (size_t u = 0; u < fs.size(); ++u)
+            rows_bwd_fwd(fs[u], t0, std::min(d.T, t0 + kChunk), first_group && u == 0);
+        for (RowsBwd& f : fs) rows_bwd_mid(f);
+        for (int64_t t1 = d.T; t1 > 0; t1 -= kChunk)
+          for (size_t u = 0; u < fs.size(); ++u)
+            rows_bwd_rev(fs[u], std::max<int64_t>(0, t1 - kChunk), t1, first_group && u == 0);
+        for (const RowsBwd& f : fs) rows_bwd_end(f);
+        for (int64_t hh = 0; hh < nh; ++hh) {
+          const float* sig = wk + hh * (npb * ufl + 4 * d.T) + npb * ufl + 2 * d.T;
+          const float* ddtp = sig + d.T;
+          float* o = o_ddt + i * d.T * d.H + h0 + hh;
+          for (int64_t t = 0; t < d.T; ++t) o[t * d.H] = ddtp[t] * sig[t];
+        }
       }
     });
   }

@@ -33,10 +33,27 @@ except _metadata.PackageNotFoundError:  # running from a source tree
     __version__ = "0+unknown"
 
 __all__ = [
-    "Device", "Graph", "GraphTensor", "Tensor", "__version__", "blas_info", "get_include",
-    "get_num_threads", "is_grad_enabled", "memory_stats", "no_grad", "ops", "param",
-    "parse_device", "plan_cache_info", "set_num_threads", "set_strict_placement",
-    "strict_placement", "tensor", "transfer_stats", "reset_transfer_stats",
+    "Device",
+    "Graph",
+    "GraphTensor",
+    "Tensor",
+    "__version__",
+    "blas_info",
+    "get_include",
+    "get_num_threads",
+    "is_grad_enabled",
+    "memory_stats",
+    "no_grad",
+    "ops",
+    "param",
+    "parse_device",
+    "plan_cache_info",
+    "set_num_threads",
+    "set_strict_placement",
+    "strict_placement",
+    "tensor",
+    "transfer_stats",
+    "reset_transfer_stats",
 ]
 
 
@@ -46,7 +63,9 @@ def get_include() -> str:
 
 
 def set_num_threads(n: int) -> None:
-    """Sets the number of CPU threads recurra uses (default: all cores). Raises ValueError if n < 1."""
+    """Sets the number of CPU threads recurra uses (default: all cores).
+
+    Raises ValueError if n < 1."""
     _core.set_num_threads(int(n))
 
 

@@ -37,7 +37,9 @@ def parse_device(spec: str | Device | None) -> Device:
         try:
             index = int(idx)
         except ValueError:
-            raise ValueError(f"bad device {spec!r}: the index after ':' must be an integer") from None
+            raise ValueError(
+                f"bad device {spec!r}: the index after ':' must be an integer"
+            ) from None
         if index < 0:
             raise ValueError(f"bad device {spec!r}: the index must be >= 0")
     else:

@@ -206,14 +206,14 @@ class Tensor(TensorOps):
                 )
         LAZY.run([self], loss=self, seed=seed)
 
-
     def detach(self) -> Tensor:
         """The same value (computed now, sharing memory, on the same device), cut from the
         gradient history."""
         if self._value is None:
             LAZY.run([self])
-        return Tensor._new(None, (), (), (), self.shape, self.dtype, self._value, False,
-                           self.device)
+        return Tensor._new(
+            None, (), (), (), self.shape, self.dtype, self._value, False, self.device
+        )
 
     def requires_grad_(self, flag: bool = True) -> Tensor:
         if not self.is_leaf:
@@ -334,14 +334,16 @@ class LazyFrontend:
         for s in srcs[1:]:
             if s.device != dev:
                 raise ValueError(f"{name}: inputs are on different devices ({dev} and {s.device})")
-        dtype, shape = _core.infer(name, [(s.dtype, list(s.shape)) for s in srcs], list(ip),
-                                   list(fp))
+        dtype, shape = _core.infer(
+            name, [(s.dtype, list(s.shape)) for s in srcs], list(ip), list(fp)
+        )
         rg = is_grad_enabled() and any(s.requires_grad for s in srcs)
         return Tensor._new(name, tuple(srcs), ip, fp, tuple(shape), dtype, None, rg, dev)
 
     # -- running -----------------------------------------------------------------------
-    def run(self, outputs: list[Tensor], loss: Tensor | None = None,
-            seed: Tensor | None = None) -> None:
+    def run(
+        self, outputs: list[Tensor], loss: Tensor | None = None, seed: Tensor | None = None
+    ) -> None:
         """Computes ``outputs`` (and, with ``loss``, the gradients of its parameters)."""
         with self._lock:
             self._run(outputs, loss, seed)
@@ -421,16 +423,26 @@ class LazyFrontend:
                     continue
                 gval = _result(g, gid, p, p.device)
                 if p.grad is None:
-                    p.grad = Tensor._new(None, (), (), (), p.shape, "float32", gval, False,
-                                         p.device)
+                    p.grad = Tensor._new(
+                        None, (), (), (), p.shape, "float32", gval, False, p.device
+                    )
                 else:
-                    p.grad = (p.grad + Tensor._new(None, (), (), (), p.shape, "float32", gval,
-                                                   False, p.device)).detach()
+                    p.grad = (
+                        p.grad
+                        + Tensor._new(None, (), (), (), p.shape, "float32", gval, False, p.device)
+                    ).detach()
             # Results of this run that nobody asked for stay pending: recomputing is cheap
             # and keeping them would pin memory.
 
-    def _build(self, order: list[Tensor], expand: Any, index: dict[int, int],
-               outputs: list[Tensor], loss: Tensor | None, seed: Tensor | None) -> _Plan:
+    def _build(
+        self,
+        order: list[Tensor],
+        expand: Any,
+        index: dict[int, int],
+        outputs: list[Tensor],
+        loss: Tensor | None,
+        seed: Tensor | None,
+    ) -> _Plan:
         plan = _Plan()
         g = plan.graph
         devices = sorted({str(t.device) for t in order if t.device.backend != "cpu"})

@@ -101,8 +101,9 @@ def _discover() -> list[BackendInfo]:
     for ep in eps:
         name = ep.name.lower()
         if allowed is not None and name not in allowed:
-            found.append(BackendInfo(name, False, reason="disabled by RECURRA_BACKENDS",
-                                     source=ep.value))
+            found.append(
+                BackendInfo(name, False, reason="disabled by RECURRA_BACKENDS", source=ep.value)
+            )
             continue
         try:
             probe = ep.load()
@@ -117,7 +118,8 @@ def _discover() -> list[BackendInfo]:
             ok = bool(devices) and not reason
             found.append(BackendInfo(name, ok, devices, reason, ep.value))
         except Exception as e:  # noqa: BLE001 - report, never crash
-            found.append(BackendInfo(name, False, reason=f"{type(e).__name__}: {e}",
-                                     source=ep.value))
+            found.append(
+                BackendInfo(name, False, reason=f"{type(e).__name__}: {e}", source=ep.value)
+            )
     found.append(_cpu_info())
     return found

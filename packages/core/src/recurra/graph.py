@@ -28,8 +28,9 @@ class GraphTensor(TensorOps):
 
     __slots__ = ("graph", "id", "shape", "dtype", "name")
 
-    def __init__(self, graph: Graph, node_id: int, shape: tuple[int, ...], dtype: str,
-                 name: str = "") -> None:
+    def __init__(
+        self, graph: Graph, node_id: int, shape: tuple[int, ...], dtype: str, name: str = ""
+    ) -> None:
         self.graph = graph
         self.id = node_id
         self.shape = shape
@@ -90,7 +91,9 @@ class Graph:
 
     # -- leaves ------------------------------------------------------------------------
     def _leaf(self, shape: Any, dtype: str, flags: int, name: str) -> GraphTensor:
-        shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+        shape = (
+            (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+        )
         if dtype not in ("float32", "int32"):
             raise TypeError(f"unsupported dtype {dtype!r}: use 'float32' or 'int32'")
         nid = self._g.leaf(dtype, list(shape), flags, name)
@@ -116,8 +119,9 @@ class Graph:
         return t
 
     # -- frontend protocol (used by recurra.ops) --------------------------------------------
-    def apply(self, name: str, srcs: list[GraphTensor], ip: tuple[int, ...],
-              fp: tuple[float, ...]) -> GraphTensor:
+    def apply(
+        self, name: str, srcs: list[GraphTensor], ip: tuple[int, ...], fp: tuple[float, ...]
+    ) -> GraphTensor:
         nid = self._g.op(name, [s.id for s in srcs], list(ip), list(fp))
         info = self._g.info(nid)
         return GraphTensor(self, nid, tuple(info["shape"]), info["dtype"])

@@ -41,7 +41,8 @@ std::string product_check(const recurra_node_desc& n) {
     batch *= d.shape[i];
   }
   if (batch > 65535) return "more than 65535 batch matrices";
-  if ((m + 63) / 64 > 65535) return "too many rows";
+  const int64_t ncols = d.shape[d.ndim - 1];
+  if ((m + 63) / 64 > 65535 || (ncols + 63) / 64 > 65535) return "more than 4M rows or columns";
   return "";
 }
 

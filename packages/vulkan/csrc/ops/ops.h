@@ -111,12 +111,14 @@ struct ReduceSpec {
 void record_reduce(Recorder& rec, const ReduceSpec& r, uint64_t x, const Range& x_range, uint64_t out,
                    const Range& out_range);
 
-// Error flags set by shaders when a run-time index is out of range (see Device::wait_all).
+// Error words set by shaders when a run-time index is out of range (see Device::wait_all):
+// word i of the device's error buffer becomes nonzero.
 enum ShaderError : uint32_t {
-  kErrGetRows = 1u << 0,
-  kErrGetRowsBack = 1u << 1,
-  kErrCrossEntropy = 1u << 2,
-  kErrCrossEntropyBack = 1u << 3,
+  kErrGetRows = 0,
+  kErrGetRowsBack = 1,
+  kErrCrossEntropy = 2,
+  kErrCrossEntropyBack = 3,
+  kNumShaderErrors = 4,
 };
 
 }  // namespace recurra_vk

@@ -31,8 +31,9 @@ def backend_info() -> dict[str, Any]:
     """Returns the backend for ``recurra.backends``.
 
     A dict with ``devices`` (one dict per device: index, name, kind, memory_bytes, driver,
-    api_version, vk_index), ``reason`` ("" or why devices are missing) and, when there is
-    at least one device, ``table``: a PyCapsule named ``"recurra.backend_table"`` holding
+    api_version, vk_index), ``reason`` ("" when there is a device, else why not), perhaps
+    ``skipped`` (devices passed over, and why) and, when there is at least one device,
+    ``table``: a PyCapsule named ``"recurra.backend_table"`` holding
     the C backend table of ``recurra/backend.h``. Never raises.
     """
     if _vk is None:

@@ -63,7 +63,11 @@ def to_supported(arr: np.ndarray) -> np.ndarray:
     elif arr.dtype.kind in "iub":
         if arr.dtype.kind == "b" or arr.dtype != np.int32:
             info = np.iinfo(np.int32)
-            if arr.size and arr.dtype.kind != "b" and (arr.min() < info.min or arr.max() > info.max):
+            if (
+                arr.size
+                and arr.dtype.kind != "b"
+                and (arr.min() < info.min or arr.max() > info.max)
+            ):
                 raise ValueError("integer values do not fit in int32")
         arr = arr.astype(np.int32, copy=False)
     else:
