@@ -36,19 +36,30 @@ def parse_args(description: str, case_names: Iterable[str]) -> argparse.Namespac
     ap.add_argument("--threads", type=int, default=2, help="threads for us and every peer")
     ap.add_argument("--reps", type=int, default=7, help="timed runs per measurement (median)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed runs before timing")
-    ap.add_argument("--budget", type=float, default=20.0,
-                    help="seconds one measurement may take; slow ones get fewer runs (>= 3)")
-    ap.add_argument("--only", default="",
-                    help="comma-separated case names or prefixes; one of: " + ", ".join(names))
-    ap.add_argument("--no-check", action="store_true",
-                    help="skip comparing our results with the peers' results")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=20.0,
+        help="seconds one measurement may take; slow ones get fewer runs (>= 3)",
+    )
+    ap.add_argument(
+        "--only",
+        default="",
+        help="comma-separated case names or prefixes; one of: " + ", ".join(names),
+    )
+    ap.add_argument(
+        "--no-check", action="store_true", help="skip comparing our results with the peers' results"
+    )
     args = ap.parse_args()
     if args.threads < 1:
         ap.error("--threads must be >= 1")
     wanted = [w.strip() for w in args.only.split(",") if w.strip()]
     # an exact name selects that case; anything else selects every case it prefixes
-    args.cases = [n for n in names if not wanted or any(
-        n == w or (w not in names and n.startswith(w)) for w in wanted)]
+    args.cases = [
+        n
+        for n in names
+        if not wanted or any(n == w or (w not in names and n.startswith(w)) for w in wanted)
+    ]
     return args
 
 
@@ -70,8 +81,9 @@ class Timing:
         return min(self.runs_ms)
 
 
-def measure(fn: Callable[[], Any], reps: int = 7, warmup: int = 2,
-            budget_s: float = 20.0) -> Timing:
+def measure(
+    fn: Callable[[], Any], reps: int = 7, warmup: int = 2, budget_s: float = 20.0
+) -> Timing:
     """Runs fn `warmup` times untimed, then times up to `reps` runs and returns them.
 
     When one run is slow, the number of timed runs shrinks to fit `budget_s` (never below
@@ -130,12 +142,21 @@ def blas_libraries(threads: int | None = None) -> list[dict[str, Any]]:
         except OSError:
             continue
         sfx = ("64_", "", "_64")
-        setter = _symbol(lib, [f"scipy_openblas_set_num_threads{s}" for s in sfx]
-                         + ["openblas_set_num_threads64_", "openblas_set_num_threads"])
-        getter = _symbol(lib, [f"scipy_openblas_get_num_threads{s}" for s in sfx]
-                         + ["openblas_get_num_threads64_", "openblas_get_num_threads"])
-        core = _symbol(lib, [f"scipy_openblas_get_corename{s}" for s in sfx]
-                       + ["openblas_get_corename64_", "openblas_get_corename"])
+        setter = _symbol(
+            lib,
+            [f"scipy_openblas_set_num_threads{s}" for s in sfx]
+            + ["openblas_set_num_threads64_", "openblas_set_num_threads"],
+        )
+        getter = _symbol(
+            lib,
+            [f"scipy_openblas_get_num_threads{s}" for s in sfx]
+            + ["openblas_get_num_threads64_", "openblas_get_num_threads"],
+        )
+        core = _symbol(
+            lib,
+            [f"scipy_openblas_get_corename{s}" for s in sfx]
+            + ["openblas_get_corename64_", "openblas_get_corename"],
+        )
         if threads is not None and setter is not None:
             setter.argtypes = [ctypes.c_int]
             setter(threads)
@@ -155,8 +176,9 @@ def environment(threads: int) -> dict[str, Any]:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
-                       cpu)
+            cpu = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
+            )
     except OSError:
         pass
     return {
@@ -170,20 +192,26 @@ def environment(threads: int) -> dict[str, Any]:
 
 
 def print_environment(env: dict[str, Any]) -> None:
-    print(f"# cpu: {env['cpu']} ({env['cores']} cores), threads: {env['threads']}, "
-          f"python {env['python']}")
+    print(
+        f"# cpu: {env['cpu']} ({env['cores']} cores), threads: {env['threads']}, "
+        f"python {env['python']}"
+    )
     set_vars = {k: v for k, v in env["env"].items() if v is not None}
     if set_vars:
-        print(f"# OpenBLAS variables in effect: {set_vars} (they slow a current numpy; for fair "
-              f"numbers run under `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE`)")
+        print(
+            f"# OpenBLAS variables in effect: {set_vars} (they slow a current numpy; for fair "
+            f"numbers run under `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE`)"
+        )
     else:
         print("# OpenBLAS variables in effect: none (OPENBLAS_CORETYPE, OPENBLAS_L2_SIZE unset)")
     for key in ("recurra", "ggml"):
         if key in env:
             print(f"# {key}: {env[key]}")
     for b in env["blas"]:
-        print(f"# OpenBLAS loaded: {b['lib']} core={b.get('coretype', '?')} "
-              f"threads={b.get('threads', '?')}")
+        print(
+            f"# OpenBLAS loaded: {b['lib']} core={b.get('coretype', '?')} "
+            f"threads={b.get('threads', '?')}"
+        )
 
 
 # ------------------------------------------------------------------------------------------
@@ -301,8 +329,14 @@ def _r(v: float | None) -> float | None:
     return None if v is None else round(v, 4)
 
 
-_COLS = (("case", 18), ("ours ms", 18), ("peer", 14), ("peer ms", 18), ("peer/ours", 9),
-         ("target", 30))
+_COLS = (
+    ("case", 18),
+    ("ours ms", 18),
+    ("peer", 14),
+    ("peer ms", 18),
+    ("peer/ours", 9),
+    ("target", 30),
+)
 
 
 def _fmt_ms(v: float | None, note: str) -> str:
@@ -340,8 +374,9 @@ class Table:
             )
             print("  ".join(f"{c:<{w}}" for c, (_, w) in zip(cells, _COLS)).rstrip())
         extra = [case.ours_note] if case.ours_ms is not None and case.ours_note else []
-        extra += [f"{k}: {v}" for k, v in case.peer_notes.items()
-                  if case.peers.get(k) is not None and v]
+        extra += [
+            f"{k}: {v}" for k, v in case.peer_notes.items() if case.peers.get(k) is not None and v
+        ]
         if case.check:
             extra.append(f"check: {case.check}")
         for e in extra:
@@ -349,8 +384,11 @@ class Table:
         sys.stdout.flush()
 
     def finish(self) -> None:
-        out = {"bench": self.title, "env": self.env,
-               "cases": {c.name: c.as_json() for c in self.cases}}
+        out = {
+            "bench": self.title,
+            "env": self.env,
+            "cases": {c.name: c.as_json() for c in self.cases},
+        }
         print("JSON " + json.dumps(out), flush=True)
 
 

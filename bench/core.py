@@ -36,8 +36,9 @@ MLP = {"batch": 256, "d_in": 1024, "d_hidden": 1024, "d_out": 10}
 def rel_err(got: np.ndarray, want: np.ndarray) -> float:
     """max |got - want| / max |want|."""
     want = np.asarray(want, np.float64)
-    return float(np.max(np.abs(np.asarray(got, np.float64) - want)) / max(np.max(np.abs(want)),
-                                                                        1e-30))
+    return float(
+        np.max(np.abs(np.asarray(got, np.float64) - want)) / max(np.max(np.abs(want)), 1e-30)
+    )
 
 
 def bench_matmul(rc: Any, args: Any, table: Table) -> None:
@@ -162,8 +163,7 @@ def bench_mlp(rc: Any, args: Any, table: Table) -> None:
     case.ours_note = case.ours_note or shape
     if not args.no_check and "recurra" in results and "torch" in results:
         (l_o, g_o), (l_t, g_t) = results["recurra"], results["torch"]
-        case.check = (f"loss {l_o:.6f} vs torch {l_t:.6f}; "
-                      f"dW1 max rel err {rel_err(g_o, g_t):.1e}")
+        case.check = f"loss {l_o:.6f} vs torch {l_t:.6f}; dW1 max rel err {rel_err(g_o, g_t):.1e}"
     table.add(case)
 
 

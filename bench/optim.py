@@ -25,16 +25,18 @@ CASES = {
     "adam-100x100K": [(100_000,)] * 100,
     "adam-tiny": [(64,)] * 1000,
 }
-PEERS = (("torch fused", dict(fused=True)), ("torch foreach", dict(foreach=True)),
-         ("torch single", dict(foreach=False)))
+PEERS = (
+    ("torch fused", dict(fused=True)),
+    ("torch foreach", dict(foreach=True)),
+    ("torch single", dict(foreach=False)),
+)
 
 
 def gbps(n: int, ms: float | None) -> str:
     return "" if not ms else f"{28 * n / ms / 1e6:.1f} GB/s"
 
 
-def bench_case(name: str, shapes: list[tuple[int, ...]], rc: Any, args: Any,
-               table: Table) -> None:
+def bench_case(name: str, shapes: list[tuple[int, ...]], rc: Any, args: Any, table: Table) -> None:
     n = sum(int(np.prod(s)) for s in shapes)
     case = Case(f"{name}", target="<= torch fused (ratio >= 1.0x)", target_ratio=1.0)
     rng = np.random.default_rng(0)
@@ -76,8 +78,9 @@ def bench_case(name: str, shapes: list[tuple[int, ...]], rc: Any, args: Any,
     table.add(case)
 
 
-def measure_interleaved(steps: dict[str, Callable[[], Any]], reps: int,
-                        warmup: int) -> dict[str, Timing]:
+def measure_interleaved(
+    steps: dict[str, Callable[[], Any]], reps: int, warmup: int
+) -> dict[str, Timing]:
     """Times each step function ``reps`` times, taking turns (ours, peer 1, peer 2, ...), so
     that a change in the machine's load hits every side alike; returns each side's runs."""
     for _ in range(max(1, warmup)):
@@ -92,8 +95,9 @@ def measure_interleaved(steps: dict[str, Callable[[], Any]], reps: int,
     return {k: Timing(v) for k, v in runs.items()}
 
 
-def torch_adam(inits: list[np.ndarray], grads: list[np.ndarray], args: Any,
-               kw: dict[str, Any]) -> Callable[[], Any]:
+def torch_adam(
+    inits: list[np.ndarray], grads: list[np.ndarray], args: Any, kw: dict[str, Any]
+) -> Callable[[], Any]:
     """PyTorch's Adam over copies of the same parameters and gradients; returns its step."""
     try:
         import torch
@@ -106,8 +110,9 @@ def torch_adam(inits: list[np.ndarray], grads: list[np.ndarray], args: Any,
     return torch.optim.Adam(params, lr=1e-3, **kw).step
 
 
-def check_against_torch(inits: list[np.ndarray], grads: list[np.ndarray], opt: Any,
-                        ps: list[Any], case: Case) -> None:
+def check_against_torch(
+    inits: list[np.ndarray], grads: list[np.ndarray], opt: Any, ps: list[Any], case: Case
+) -> None:
     """After the timed steps, compares our parameters with torch's after as many steps."""
     try:
         import torch
@@ -121,9 +126,13 @@ def check_against_torch(inits: list[np.ndarray], grads: list[np.ndarray], opt: A
     topt = torch.optim.Adam(tp, lr=1e-3, fused=True)
     for _ in range(steps):
         topt.step()
-    err = max(float(np.max(np.abs(p.numpy() - t.detach().numpy())) /
-                    max(float(np.max(np.abs(t.detach().numpy()))), 1e-30))
-              for p, t in zip(ps[:3], tp))
+    err = max(
+        float(
+            np.max(np.abs(p.numpy() - t.detach().numpy()))
+            / max(float(np.max(np.abs(t.detach().numpy()))), 1e-30)
+        )
+        for p, t in zip(ps[:3], tp)
+    )
     case.check = f"max rel diff vs torch fused after {steps} steps: {err:.1e}"
 
 

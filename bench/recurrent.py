@@ -55,11 +55,23 @@ class Spec:
 
 SPECS: dict[str, Spec] = {
     "mamba2_fwd": Spec("mamba2", False, ["ggml"], "<= 26 ms (ggml 52 ms)", 26.0),
-    "mamba2_fwdbwd": Spec("mamba2", True, ["torch-ssd", "torch-loop"],
-                          "<= 90 ms (torch SSD 305 ms)", 90.0, inputs="torch"),
+    "mamba2_fwdbwd": Spec(
+        "mamba2",
+        True,
+        ["torch-ssd", "torch-loop"],
+        "<= 90 ms (torch SSD 305 ms)",
+        90.0,
+        inputs="torch",
+    ),
     "mamba1_fwd": Spec("mamba1", False, ["ggml"], "<= 60 ms (ggml 180 ms)", 60.0),
-    "mamba1_fwdbwd": Spec("mamba1", True, ["torch-loop", "torch-pscan"],
-                          "<= 180 ms (torch loop 1800 ms)", 180.0, inputs="torch"),
+    "mamba1_fwdbwd": Spec(
+        "mamba1",
+        True,
+        ["torch-loop", "torch-pscan"],
+        "<= 180 ms (torch loop 1800 ms)",
+        180.0,
+        inputs="torch",
+    ),
     "ssm_conv_fwd": Spec("conv", False, ["ggml"], "<= 4 ms (ggml 18 ms)", 4.0),
     "wkv6_fwd": Spec("wkv6", False, ["ggml"], "<= 25 ms (ggml 37 ms)", 25.0),
     "wkv6_fwdbwd": Spec("wkv6", True, []),
@@ -69,13 +81,20 @@ SPECS: dict[str, Spec] = {
     "gla_fwdbwd": Spec("gla", True, []),
 }
 
-OP_NAME = {"mamba2": "ssm_scan", "mamba1": "ssm_scan", "conv": "ssm_conv",
-           "wkv6": "rwkv_wkv6", "wkv7": "rwkv_wkv7", "gla": "gated_linear_attn"}
+OP_NAME = {
+    "mamba2": "ssm_scan",
+    "mamba1": "ssm_scan",
+    "conv": "ssm_conv",
+    "wkv6": "rwkv_wkv6",
+    "wkv7": "rwkv_wkv7",
+    "gla": "gated_linear_attn",
+}
 
 
 # --- inputs (numpy order, docs/ops.md) -----------------------------------------------------
-def make_inputs(family: str, dist: str = "ggml", seed: int = 0
-                ) -> tuple[list[np.ndarray], dict[str, Any]]:
+def make_inputs(
+    family: str, dist: str = "ggml", seed: int = 0
+) -> tuple[list[np.ndarray], dict[str, Any]]:
     """Returns the op's array arguments in recurra's (= ggml's) argument order, and extra
     keyword-like scalars (GLA's scale). `dist` picks whose distributions the scans use."""
     rng = np.random.default_rng(seed)
@@ -92,25 +111,47 @@ def make_inputs(family: str, dist: str = "ggml", seed: int = 0
         d = MAMBA2 if family == "mamba2" else MAMBA1
         ns, nt, nh, hd, ds = d["n_seqs"], d["n_tok"], d["n_head"], d["head_dim"], d["d_state"]
         a_cols = ds if family == "mamba1" else 1
-        return [f(ns, nh, hd, ds), f(ns, nt, nh, hd), u(-3, 1, ns, nt, nh),
-                -u(0.1, 1.5, nh, a_cols), f(ns, nt, 1, ds), f(ns, nt, 1, ds),
-                np.arange(ns, dtype=np.int32)], {}
+        return [
+            f(ns, nh, hd, ds),
+            f(ns, nt, nh, hd),
+            u(-3, 1, ns, nt, nh),
+            -u(0.1, 1.5, nh, a_cols),
+            f(ns, nt, 1, ds),
+            f(ns, nt, 1, ds),
+            np.arange(ns, dtype=np.int32),
+        ], {}
     if family == "conv":
         d = CONV
-        return [f(d["n_seqs"], d["d_inner"], d["d_conv"] - 1 + d["n_tok"]),
-                f(d["d_inner"], d["d_conv"])], {}
+        return [
+            f(d["n_seqs"], d["d_inner"], d["d_conv"] - 1 + d["n_tok"]),
+            f(d["d_inner"], d["d_conv"]),
+        ], {}
     T, H, S, ns = RWKV["T"], RWKV["H"], RWKV["S"], RWKV["n_seqs"]
     if family == "wkv6":  # k, v, r, tf, td, state
-        return [f(T, H, S), f(T, H, S), f(T, H, S), f(H, S), u(0.5, 1.0, T, H, S),
-                f(ns, H, S, S)], {}
+        return [
+            f(T, H, S),
+            f(T, H, S),
+            f(T, H, S),
+            f(H, S),
+            u(0.5, 1.0, T, H, S),
+            f(ns, H, S, S),
+        ], {}
     if family == "wkv7":  # r, w, k, v, a, b, state; a = -kk, b = kk * gate as RWKV-7 does
         kk = rng.standard_normal((T, H, S)).astype(np.float32)
         kk /= np.linalg.norm(kk, axis=-1, keepdims=True)
-        return [f(T, H, S), u(0.5, 1.0, T, H, S), f(T, H, S), f(T, H, S), -kk,
-                kk * u(0, 1, T, H, S), f(ns, H, S, S)], {}
+        return [
+            f(T, H, S),
+            u(0.5, 1.0, T, H, S),
+            f(T, H, S),
+            f(T, H, S),
+            -kk,
+            kk * u(0, 1, T, H, S),
+            f(ns, H, S, S),
+        ], {}
     if family == "gla":  # k, v, q, g, state (+ scale)
-        return [f(T, H, S), f(T, H, S), f(T, H, S), u(0.5, 1.0, T, H, S),
-                f(ns, H, S, S)], {"scale": float(S) ** -0.5}
+        return [f(T, H, S), f(T, H, S), f(T, H, S), u(0.5, 1.0, T, H, S), f(ns, H, S, S)], {
+            "scale": float(S) ** -0.5
+        }
     raise ValueError(family)
 
 
@@ -124,21 +165,29 @@ def _scan_inputs_like_bench_scan(family: str, rng: np.random.Generator) -> list[
 
     a_cols = ds if family == "mamba1" else 1
     A = -(rng.random((nh, a_cols), dtype=np.float32) * 4 + np.float32(0.5))
-    return [randn(ns, nh, hd, ds) * np.float32(0.1), randn(ns, nt, nh, hd),
-            randn(ns, nt, nh) - np.float32(1.0), A, randn(ns, nt, 1, ds), randn(ns, nt, 1, ds),
-            np.arange(ns, dtype=np.int32)]
+    return [
+        randn(ns, nh, hd, ds) * np.float32(0.1),
+        randn(ns, nt, nh, hd),
+        randn(ns, nt, nh) - np.float32(1.0),
+        A,
+        randn(ns, nt, 1, ds),
+        randn(ns, nt, 1, ds),
+        np.arange(ns, dtype=np.int32),
+    ]
 
 
 def scaled_err(got: np.ndarray, want: np.ndarray) -> float:
     """max |got - want| / max |want| (the bench inputs are small, so no floor of 1 here)."""
     want = np.asarray(want, np.float64)
-    return float(np.max(np.abs(np.asarray(got, np.float64) - want))
-                 / max(1e-30, float(np.max(np.abs(want)))))
+    return float(
+        np.max(np.abs(np.asarray(got, np.float64) - want)) / max(1e-30, float(np.max(np.abs(want))))
+    )
 
 
 # --- our side ------------------------------------------------------------------------------
-def ours_forward(rc: Any, family: str, arrays: list[np.ndarray], kw: dict[str, Any]
-                 ) -> tuple[Callable[[], np.ndarray], Any]:
+def ours_forward(
+    rc: Any, family: str, arrays: list[np.ndarray], kw: dict[str, Any]
+) -> tuple[Callable[[], np.ndarray], Any]:
     """Returns (run, op outputs of one call): run() computes the op and returns y."""
     (op,) = need(rc.ops, OP_NAME[family])
     ts = [rc.tensor(a) for a in arrays]
@@ -154,8 +203,9 @@ def ours_forward(rc: Any, family: str, arrays: list[np.ndarray], kw: dict[str, A
     return run, call()
 
 
-def ours_backward(rc: Any, family: str, arrays: list[np.ndarray], kw: dict[str, Any]
-                  ) -> Callable[[], list[np.ndarray]]:
+def ours_backward(
+    rc: Any, family: str, arrays: list[np.ndarray], kw: dict[str, Any]
+) -> Callable[[], list[np.ndarray]]:
     """Returns run(): forward, loss = sum(y) + sum(final state), backward; the gradients of
     every float input (as PyTorch's peers compute them)."""
     (op,) = need(rc.ops, OP_NAME[family])
@@ -214,13 +264,16 @@ class GgmlPeer:
 
         def unpack() -> tuple[np.ndarray, np.ndarray]:
             flat = gp.view(out, (T * H * S + state.size,))
-            return (flat[:T * H * S].reshape(T, H, S).copy(),
-                    flat[T * H * S:].reshape(ns, H, S, S).copy())
+            return (
+                flat[: T * H * S].reshape(T, H, S).copy(),
+                flat[T * H * S :].reshape(ns, H, S, S).copy(),
+            )
 
         return cx, out, unpack
 
-    def time(self, family: str, arrays: list[np.ndarray], kw: dict[str, Any],
-             timing: dict[str, Any]) -> tuple[Timing, np.ndarray]:
+    def time(
+        self, family: str, arrays: list[np.ndarray], kw: dict[str, Any], timing: dict[str, Any]
+    ) -> tuple[Timing, np.ndarray]:
         """Times ggml's forward; returns the timing and ggml's y for the check."""
         if self.mod is None:
             raise PeerUnavailable(self.why)
@@ -271,8 +324,9 @@ def torch_impl(bench_scan: Any, family: str, peer: str) -> Callable[..., Any]:
     return bench_scan.scan_pscan_m1 if peer == "torch-pscan" else bench_scan.scan_naive_m1
 
 
-def time_torch(family: str, peer: str, arrays: list[np.ndarray], threads: int,
-               timing: dict[str, Any]) -> tuple[Timing, list[np.ndarray]]:
+def time_torch(
+    family: str, peer: str, arrays: list[np.ndarray], threads: int, timing: dict[str, Any]
+) -> tuple[Timing, list[np.ndarray]]:
     bench_scan, why = import_peer("bench_scan")
     if bench_scan is None:
         raise PeerUnavailable(why)
@@ -318,8 +372,7 @@ def run_case(name: str, spec: Spec, rc: Any, ggml: GgmlPeer, args: Any, table: T
             if peer == "ggml":
                 t, peer_out["result"] = ggml.time(spec.family, arrays, kw, timing)
             else:
-                t, peer_out["result"] = time_torch(spec.family, peer, arrays, args.threads,
-                                                   timing)
+                t, peer_out["result"] = time_torch(spec.family, peer, arrays, args.threads, timing)
             return t
 
         run_side(case, side, peer=peer)
@@ -330,8 +383,10 @@ def run_case(name: str, spec: Spec, rc: Any, ggml: GgmlPeer, args: Any, table: T
             checks.append(f"y vs ggml: scaled err {err:.1e}")
         elif not checks:  # one gradient check against the first PyTorch peer is enough
             errs = [scaled_err(a, b) for a, b in zip(ours_out["result"], peer_out["result"])]
-            checks.append(f"grads vs {peer}: max scaled err {max(errs):.1e} "
-                          f"(s, x, dt, A, B, C: {', '.join(f'{e:.0e}' for e in errs)})")
+            checks.append(
+                f"grads vs {peer}: max scaled err {max(errs):.1e} "
+                f"(s, x, dt, A, B, C: {', '.join(f'{e:.0e}' for e in errs)})"
+            )
     case.check = "; ".join(checks)
     table.add(case)
 
@@ -339,12 +394,14 @@ def run_case(name: str, spec: Spec, rc: Any, ggml: GgmlPeer, args: Any, table: T
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0], SPECS)
     rc, info = load_recurra(args.threads)
-    ggml = GgmlPeer(args.threads) if any(SPECS[c].peers == ["ggml"] for c in args.cases) \
-        else None
+    ggml = GgmlPeer(args.threads) if any(SPECS[c].peers == ["ggml"] for c in args.cases) else None
     env = environment(args.threads)
     env["recurra"] = info
-    env["ggml"] = "available" if ggml is not None and ggml.mod is not None else (
-        ggml.why if ggml is not None else "not needed")
+    env["ggml"] = (
+        "available"
+        if ggml is not None and ggml.mod is not None
+        else (ggml.why if ggml is not None else "not needed")
+    )
     table = Table("recurrent", env)
     try:
         for name in args.cases:

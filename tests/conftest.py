@@ -149,17 +149,15 @@ def test_backend() -> str:
 # --------------------------------------------------------------------------------------------
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "vulkan: needs the Vulkan backend (skips without one, fails when "
-        "RECURRA_EXPECT_VULKAN=1)"
+        "markers",
+        "vulkan: needs the Vulkan backend (skips without one, fails when RECURRA_EXPECT_VULKAN=1)",
     )
     _test_backend()  # reject a misspelt backend before collecting anything
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if "vulkan" in getattr(item, "fixturenames", ()) and not item.get_closest_marker(
-            "vulkan"
-        ):
+        if "vulkan" in getattr(item, "fixturenames", ()) and not item.get_closest_marker("vulkan"):
             item.add_marker(pytest.mark.vulkan)
     backend = _test_backend()
     if backend is None:

@@ -48,13 +48,13 @@ SHAPES = [
     ((3, 17), (17, 1)),
     ((17, 3), (3, 17)),
     ((1, 17), (17, 3)),
-    ((2, 3, 5), (5, 4)),          # shared b: the batch folds into one product
+    ((2, 3, 5), (5, 4)),  # shared b: the batch folds into one product
     ((2, 3, 3, 5), (5, 17)),
-    ((5, 4), (2, 3, 4, 6)),       # shared a
-    ((2, 1, 3, 5), (4, 5, 2)),    # batch axes broadcast both ways
+    ((5, 4), (2, 3, 4, 6)),  # shared a
+    ((2, 1, 3, 5), (4, 5, 2)),  # batch axes broadcast both ways
     ((3, 1, 4), (1, 4, 3)),
-    ((70, 300), (300, 270)),      # crosses every block size of the own kernel
-    ((3, 0), (0, 4)),             # k = 0: zeros
+    ((70, 300), (300, 270)),  # crosses every block size of the own kernel
+    ((3, 0), (0, 4)),  # k = 0: zeros
     ((0, 3), (3, 4)),
 ]
 
@@ -68,8 +68,18 @@ def test_matmul_forward(kernel, sa, sb):
     _check(got, a.astype(np.float64) @ b.astype(np.float64), sa[-1])
 
 
-@pytest.mark.parametrize("sa,sb", [((5,), (5, 3)), ((5,), (2, 5, 3)), ((2, 5, 3), (3,)),
-                                   ((4, 3), (3,)), ((3,), (3,)), ((1,), (1,))], ids=str)
+@pytest.mark.parametrize(
+    "sa,sb",
+    [
+        ((5,), (5, 3)),
+        ((5,), (2, 5, 3)),
+        ((2, 5, 3), (3,)),
+        ((4, 3), (3,)),
+        ((3,), (3,)),
+        ((1,), (1,)),
+    ],
+    ids=str,
+)
 def test_matmul_vectors(kernel, sa, sb):
     a, b = _rand(*sa), _rand(*sb)
     got = ops.matmul(rc.tensor(a), rc.tensor(b)).numpy()
@@ -86,11 +96,11 @@ def _operands(r: int, c: int) -> list[tuple[rc.Tensor, np.ndarray]]:
     tr_wide = _rand(c, r + 5)
     row = _rand(c)
     return [
-        (rc.tensor(dense), dense),                                 # row-major
-        (rc.tensor(tr).T, tr.T),                                   # transposed: the trans flag
-        (rc.tensor(wide)[:, ::2], wide[:, ::2]),                   # column stride 2: a copy
-        (rc.tensor(tall)[::2, 1:c + 1], tall[::2, 1:c + 1]),       # long leading dimension
-        (rc.tensor(tr_wide)[:, 2:r + 2].T, tr_wide[:, 2:r + 2].T),  # transposed, long ld
+        (rc.tensor(dense), dense),  # row-major
+        (rc.tensor(tr).T, tr.T),  # transposed: the trans flag
+        (rc.tensor(wide)[:, ::2], wide[:, ::2]),  # column stride 2: a copy
+        (rc.tensor(tall)[::2, 1 : c + 1], tall[::2, 1 : c + 1]),  # long leading dimension
+        (rc.tensor(tr_wide)[:, 2 : r + 2].T, tr_wide[:, 2 : r + 2].T),  # transposed, long ld
         (rc.tensor(row).broadcast_to((r, c)), np.broadcast_to(row, (r, c))),  # row stride 0
     ]
 
@@ -110,11 +120,14 @@ def test_matmul_batched_views(kernel):
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
     cases = [
         (ta, tb.transpose(-1, -2), a64 @ b64.swapaxes(-1, -2)),
-        (tb.permute(1, 0, 2, 3), ta.permute(1, 0, 3, 2),
-         b64.transpose(1, 0, 2, 3) @ a64.transpose(1, 0, 3, 2)),
-        (ta[:, 1:3, ::2], tb[0, 1].T, a64[:, 1:3, ::2] @ b64[0, 1].T),     # shared b, strided a
-        (ta.permute(0, 1, 3, 2)[..., :4], rc.tensor(_rand(4, 2)), None),   # transposed a, shared b
-        (rc.tensor(a[0, 0, 0]).broadcast_to((3, 6)), tb[1, 2].T, None),   # rows of stride 0
+        (
+            tb.permute(1, 0, 2, 3),
+            ta.permute(1, 0, 3, 2),
+            b64.transpose(1, 0, 2, 3) @ a64.transpose(1, 0, 3, 2),
+        ),
+        (ta[:, 1:3, ::2], tb[0, 1].T, a64[:, 1:3, ::2] @ b64[0, 1].T),  # shared b, strided a
+        (ta.permute(0, 1, 3, 2)[..., :4], rc.tensor(_rand(4, 2)), None),  # transposed a, shared b
+        (rc.tensor(a[0, 0, 0]).broadcast_to((3, 6)), tb[1, 2].T, None),  # rows of stride 0
     ]
     for x, y, want in cases:
         if want is None:
@@ -122,8 +135,17 @@ def test_matmul_batched_views(kernel):
         _check(ops.matmul(x, y).numpy(), want, x.shape[-1])
 
 
-@pytest.mark.parametrize("sa,sb", [((4, 3), (4, 5)), ((17, 1), (17, 3)), ((2, 4, 3), (4, 5)),
-                                   ((2, 1, 4, 3), (3, 4, 2)), ((0, 3), (0, 2))], ids=str)
+@pytest.mark.parametrize(
+    "sa,sb",
+    [
+        ((4, 3), (4, 5)),
+        ((17, 1), (17, 3)),
+        ((2, 4, 3), (4, 5)),
+        ((2, 1, 4, 3), (3, 4, 2)),
+        ((0, 3), (0, 2)),
+    ],
+    ids=str,
+)
 def test_out_prod_forward(kernel, sa, sb):
     a, b = _rand(*sa), _rand(*sb)
     want = np.swapaxes(a.astype(np.float64), -1, -2) @ b.astype(np.float64)
@@ -134,7 +156,9 @@ def test_out_prod_forward(kernel, sa, sb):
 
 
 def test_own_kernel_without_blas_loaded():
-    # A fresh interpreter with RECURRA_NO_BLAS set at import: no BLAS is loaded at all.
+    # A fresh interpreter with RECURRA_NO_BLAS set at import: no BLAS is loaded at all, so
+    # blas_sgemm itself declines and the own kernel runs. (About a second from an installed
+    # wheel; the generous timeout covers an editable install that rebuilds on import.)
     code = textwrap.dedent("""
         import numpy as np, recurra as rc
         assert rc.blas_info() == "none", rc.blas_info()
@@ -150,14 +174,25 @@ def test_own_kernel_without_blas_loaded():
         print("ok")
     """)
     env = dict(os.environ, RECURRA_NO_BLAS="1")
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1200
+    )
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
 
 
-@pytest.mark.parametrize("sa,sb", [((2, 3), (3, 4)), ((1, 1), (1, 3)), ((2, 3, 4), (4, 2)),
-                                   ((4, 3), (2, 3, 2)), ((2, 1, 2, 3), (3, 3, 2)),
-                                   ((3,), (3, 2)), ((2, 3), (3,))], ids=str)
+@pytest.mark.parametrize(
+    "sa,sb",
+    [
+        ((2, 3), (3, 4)),
+        ((1, 1), (1, 3)),
+        ((2, 3, 4), (4, 2)),
+        ((4, 3), (2, 3, 2)),
+        ((2, 1, 2, 3), (3, 3, 2)),
+        ((3,), (3, 2)),
+        ((2, 3), (3,)),
+    ],
+    ids=str,
+)
 def test_matmul_grads(kernel, sa, sb):
     check_grads(lambda x, y: ops.matmul(x, y), [RNG.standard_normal(sa), RNG.standard_normal(sb)])
 
@@ -169,8 +204,9 @@ def test_matmul_grads_through_views(kernel):
     check_grads(lambda x, y: ops.matmul(y[:, 1:4], x), [a, b])
 
 
-@pytest.mark.parametrize("sa,sb", [((3, 2), (3, 4)), ((2, 3, 2), (3, 1)), ((3, 2), (2, 3, 2))],
-                         ids=str)
+@pytest.mark.parametrize(
+    "sa,sb", [((3, 2), (3, 4)), ((2, 3, 2), (3, 1)), ((3, 2), (2, 3, 2))], ids=str
+)
 def test_out_prod_grads(kernel, sa, sb):
     check_grads(lambda x, y: ops.out_prod(x, y), [RNG.standard_normal(sa), RNG.standard_normal(sb)])
 

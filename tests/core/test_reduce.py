@@ -50,13 +50,15 @@ def test_large_sum_is_accurate():
     assert ops.max(rc.tensor(x)).numpy() == x.max()
 
 
-@pytest.mark.parametrize("shape,axis", [((3, 333335), 1), ((333335, 3), 0), ((7, 50000, 3), 1)],
-                         ids=str)
+@pytest.mark.parametrize(
+    "shape,axis", [((3, 333335), 1), ((333335, 3), 0), ((7, 50000, 3), 1)], ids=str
+)
 def test_long_axes_split_across_tasks(shape, axis):
     x = RNG.uniform(-1.0, 1.0, shape).astype(np.float32)
     t = rc.tensor(x)
-    np.testing.assert_allclose(ops.sum(t, axis=axis).numpy(), x.astype(np.float64).sum(axis),
-                               rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(
+        ops.sum(t, axis=axis).numpy(), x.astype(np.float64).sum(axis), rtol=1e-5, atol=1e-4
+    )
     np.testing.assert_array_equal(ops.max(t, axis=axis).numpy(), x.max(axis))
 
 
@@ -68,8 +70,9 @@ def test_sum_does_not_depend_on_thread_count():
         for n in (1, 2, 3):
             rc.set_num_threads(n)
             t = rc.tensor(x)
-            results.append((ops.sum(t).numpy(), ops.sum(t, axis=0).numpy(),
-                            ops.sum(t, axis=1).numpy()))
+            results.append(
+                (ops.sum(t).numpy(), ops.sum(t, axis=0).numpy(), ops.sum(t, axis=1).numpy())
+            )
     finally:
         rc.set_num_threads(before)
     for r in results[1:]:
@@ -148,8 +151,9 @@ def test_empty_axes():
     np.testing.assert_array_equal(ops.sum(rc.tensor(x), axis=1).numpy(), np.zeros(3))
     assert np.isnan(ops.mean(rc.tensor(x), axis=1).numpy()).all()
     y = np.zeros((2, 0, 3), np.float32)  # an empty axis that is not the last one
-    np.testing.assert_array_equal(ops.sum(rc.tensor(y), axis=1, keepdims=True).numpy(),
-                                  np.zeros((2, 1, 3)))
+    np.testing.assert_array_equal(
+        ops.sum(rc.tensor(y), axis=1, keepdims=True).numpy(), np.zeros((2, 1, 3))
+    )
     assert ops.sum(rc.tensor(y), axis=2).numpy().shape == (2, 0)
     with pytest.raises(ValueError, match="max: cannot reduce an axis of length 0"):
         ops.max(rc.tensor(x), axis=1)

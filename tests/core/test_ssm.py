@@ -85,8 +85,18 @@ def test_ssm_conv_errors():
 
 
 def scan_inputs(
-    n_seqs, n_tok, n_head, head_dim, d_state, n_group, *, per_state, n_rows=None, ids=None,
-    dt_scale=1.0, rng=RNG,
+    n_seqs,
+    n_tok,
+    n_head,
+    head_dim,
+    d_state,
+    n_group,
+    *,
+    per_state,
+    n_rows=None,
+    ids=None,
+    dt_scale=1.0,
+    rng=RNG,
 ):
     n_rows = n_seqs + 1 if n_rows is None else n_rows
     s = rng.standard_normal((n_rows, n_head, head_dim, d_state))
@@ -108,16 +118,16 @@ def run_scan(args):
 
 SCAN_LAYOUTS = [
     # n_seqs, n_tok, n_head, head_dim, d_state, n_group, per_state
-    (2, 9, 4, 16, 128, 2, False),   # Mamba-2
-    (2, 7, 3, 64, 256, 1, False),   # Mamba-2, d_state 256, n_head not a power of two
-    (3, 5, 6, 17, 17, 3, False),    # odd head_dim and d_state, 3 groups
-    (2, 6, 5, 5, 1, 5, False),      # d_state 1
-    (2, 8, 37, 1, 16, 1, True),     # Mamba-1 (head_dim 1), a partial 16-head block
-    (2, 6, 6, 1, 17, 3, True),      # Mamba-1 layout, groups of 2 heads, d_state 17
-    (2, 5, 4, 1, 16, 2, False),     # head_dim 1 with one decay per head
-    (2, 6, 4, 3, 16, 2, True),      # head_dim 3 with one decay per state
-    (3, 1, 8, 8, 16, 4, False),     # one-token sequences
-    (1, 40, 2, 32, 33, 1, True),    # 40 tokens, per-state decay in the rows kernel
+    (2, 9, 4, 16, 128, 2, False),  # Mamba-2
+    (2, 7, 3, 64, 256, 1, False),  # Mamba-2, d_state 256, n_head not a power of two
+    (3, 5, 6, 17, 17, 3, False),  # odd head_dim and d_state, 3 groups
+    (2, 6, 5, 5, 1, 5, False),  # d_state 1
+    (2, 8, 37, 1, 16, 1, True),  # Mamba-1 (head_dim 1), a partial 16-head block
+    (2, 6, 6, 1, 17, 3, True),  # Mamba-1 layout, groups of 2 heads, d_state 17
+    (2, 5, 4, 1, 16, 2, False),  # head_dim 1 with one decay per head
+    (2, 6, 4, 3, 16, 2, True),  # head_dim 3 with one decay per state
+    (3, 1, 8, 8, 16, 4, False),  # one-token sequences
+    (1, 40, 2, 32, 33, 1, True),  # 40 tokens, per-state decay in the rows kernel
 ]
 
 
@@ -165,11 +175,11 @@ def _scan_fn(ids):
 
 GRAD_LAYOUTS = [
     # n_seqs, n_tok, n_head, head_dim, d_state, n_group, per_state, n_rows, ids
-    (2, 4, 4, 3, 5, 2, False, 3, [2, 0]),   # Mamba-2 style, permuted ids, spare row 1
-    (2, 3, 3, 2, 4, 1, True, 2, [1, 1]),    # per-state decay, two sequences share row 1
-    (2, 4, 5, 1, 3, 1, True, 3, [0, 2]),    # Mamba-1 (head_dim 1)
-    (1, 3, 4, 1, 2, 2, False, 1, [0]),      # head_dim 1, one decay per head, 2 groups
-    (2, 1, 2, 2, 1, 2, False, 2, [1, 0]),   # one token, d_state 1
+    (2, 4, 4, 3, 5, 2, False, 3, [2, 0]),  # Mamba-2 style, permuted ids, spare row 1
+    (2, 3, 3, 2, 4, 1, True, 2, [1, 1]),  # per-state decay, two sequences share row 1
+    (2, 4, 5, 1, 3, 1, True, 3, [0, 2]),  # Mamba-1 (head_dim 1)
+    (1, 3, 4, 1, 2, 2, False, 1, [0]),  # head_dim 1, one decay per head, 2 groups
+    (2, 1, 2, 2, 1, 2, False, 2, [1, 0]),  # one token, d_state 1
 ]
 
 
@@ -238,7 +248,9 @@ def test_ssm_scan_backward_matches_float64_gradient():
             flat[j] = o
             num.reshape(-1)[j] = (up - down) / 2e-6
         got = ps[k].grad.numpy()
-        np.testing.assert_allclose(got, num, rtol=2e-4, atol=2e-4 * np.abs(num).max(), err_msg=f"input {k}")
+        np.testing.assert_allclose(
+            got, num, rtol=2e-4, atol=2e-4 * np.abs(num).max(), err_msg=f"input {k}"
+        )
 
 
 def test_ssm_scan_only_state_gradient():
@@ -263,15 +275,17 @@ def _bad(args, k, shape):
 
 
 def test_ssm_scan_errors():
-    args = [f32(a) if a.dtype.kind == "f" else a for a in scan_inputs(2, 3, 4, 2, 8, 2, per_state=False)]
+    args = [
+        f32(a) if a.dtype.kind == "f" else a for a in scan_inputs(2, 3, 4, 2, 8, 2, per_state=False)
+    ]
     bad = [
-        _bad(args, 0, (1, 4, 2, 8)),       # fewer state rows than sequences
-        _bad(args, 0, (3, 4, 3, 8)),       # head_dim mismatch
-        _bad(args, 1, (2, 3, 4)),          # x not 4-D
-        _bad(args, 2, (2, 3, 5)),          # dt n_head mismatch
-        _bad(args, 3, (4, 3)),             # A neither (H, N) nor (H, 1)
-        _bad(args, 4, (2, 3, 3, 8)),       # n_head % n_group != 0 (B and C differ too)
-        _bad(args, 5, (2, 3, 2, 7)),       # C differs from B
+        _bad(args, 0, (1, 4, 2, 8)),  # fewer state rows than sequences
+        _bad(args, 0, (3, 4, 3, 8)),  # head_dim mismatch
+        _bad(args, 1, (2, 3, 4)),  # x not 4-D
+        _bad(args, 2, (2, 3, 5)),  # dt n_head mismatch
+        _bad(args, 3, (4, 3)),  # A neither (H, N) nor (H, 1)
+        _bad(args, 4, (2, 3, 3, 8)),  # n_head % n_group != 0 (B and C differ too)
+        _bad(args, 5, (2, 3, 2, 7)),  # C differs from B
     ]
     for b in bad:
         with pytest.raises(ValueError):

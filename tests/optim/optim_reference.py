@@ -10,9 +10,16 @@ import numpy as np
 F64 = np.float64
 
 
-def sgd(p0: np.ndarray, grads: Sequence[np.ndarray], lr: float, momentum: float = 0.0,
-        dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
-        maximize: bool = False) -> np.ndarray:
+def sgd(
+    p0: np.ndarray,
+    grads: Sequence[np.ndarray],
+    lr: float,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    maximize: bool = False,
+) -> np.ndarray:
     """PyTorch's SGD: the buffer starts as the first gradient."""
     p = np.asarray(p0, F64).copy()
     buf = None
@@ -28,9 +35,17 @@ def sgd(p0: np.ndarray, grads: Sequence[np.ndarray], lr: float, momentum: float 
     return p
 
 
-def adam(p0: np.ndarray, grads: Sequence[np.ndarray], lr: float, betas: tuple[float, float],
-         eps: float, weight_decay: float = 0.0, decoupled: bool = False,
-         maximize: bool = False, start_step: int = 0) -> np.ndarray:
+def adam(
+    p0: np.ndarray,
+    grads: Sequence[np.ndarray],
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float = 0.0,
+    decoupled: bool = False,
+    maximize: bool = False,
+    start_step: int = 0,
+) -> np.ndarray:
     """Adam (L2 decay) or AdamW (decoupled), with bias correction (Kingma & Ba, alg. 1)."""
     b1, b2 = betas
     p = np.asarray(p0, F64).copy()
@@ -52,8 +67,14 @@ def adam(p0: np.ndarray, grads: Sequence[np.ndarray], lr: float, betas: tuple[fl
     return p
 
 
-def lion(p0: np.ndarray, grads: Sequence[np.ndarray], lr: float, betas: tuple[float, float],
-         weight_decay: float = 0.0, maximize: bool = False) -> np.ndarray:
+def lion(
+    p0: np.ndarray,
+    grads: Sequence[np.ndarray],
+    lr: float,
+    betas: tuple[float, float],
+    weight_decay: float = 0.0,
+    maximize: bool = False,
+) -> np.ndarray:
     """Lion (Chen et al. 2023, algorithm 2)."""
     b1, b2 = betas
     p = np.asarray(p0, F64).copy()

@@ -38,8 +38,10 @@ def test_pack_hyper_keeps_double_precision() -> None:
 
 
 def _adam_tensors(shapes: list[tuple[int, ...]]) -> list[tuple[np.ndarray, ...]]:
-    return [(f32(*s), f32(*s), np.zeros(s, np.float32), np.zeros(s, np.float32),
-             np.zeros(1, np.int32)) for s in shapes]
+    return [
+        (f32(*s), f32(*s), np.zeros(s, np.float32), np.zeros(s, np.float32), np.zeros(1, np.int32))
+        for s in shapes
+    ]
 
 
 @pytest.mark.parametrize("decoupled", [False, True])
@@ -64,16 +66,20 @@ def test_adam_ops_update_in_place_and_match_reference(decoupled: bool) -> None:
         assert np.all(v >= 0)
 
 
-@pytest.mark.parametrize("momentum,nesterov,dampening", [(0.0, False, 0.0), (0.9, False, 0.1),
-                                                         (0.9, True, 0.0)])
+@pytest.mark.parametrize(
+    "momentum,nesterov,dampening", [(0.0, False, 0.0), (0.9, False, 0.1), (0.9, True, 0.0)]
+)
 def test_sgd_op_matches_reference(momentum: float, nesterov: bool, dampening: float) -> None:
     has_buf = momentum != 0
-    tensors = [(f32(*s), f32(*s), *([np.zeros(s, np.float32)] if has_buf else []),
-                np.zeros(1, np.int32)) for s in SIZES]
+    tensors = [
+        (f32(*s), f32(*s), *([np.zeros(s, np.float32)] if has_buf else []), np.zeros(1, np.int32))
+        for s in SIZES
+    ]
     p0 = [t[0].astype(np.float64) for t in tensors]
     fs = FusedStep([("sgd_step", (int(has_buf),), tensors)])
-    fs.set_hyper(0, {"lr": 0.05, "weight_decay": 0.01, "a": momentum, "b": dampening,
-                     "c": float(nesterov)})
+    fs.set_hyper(
+        0, {"lr": 0.05, "weight_decay": 0.01, "a": momentum, "b": dampening, "c": float(nesterov)}
+    )
     grads = [[f32(*s) for s in SIZES] for _ in range(10)]
     for step in grads:
         for t, g in enumerate(step):
@@ -131,13 +137,30 @@ def test_grad_norm_is_deterministic_across_thread_counts() -> None:
 def test_update_refuses_a_shape_mismatch() -> None:
     p, m, v = (np.zeros((2, 2), np.float32) for _ in range(3))
     with pytest.raises(ValueError, match="shape mismatch"):
-        FusedStep([("adam_step", (), [(p, np.ones((3, 3), np.float32), m, v,
-                                       np.zeros(1, np.int32))])])
+        FusedStep(
+            [("adam_step", (), [(p, np.ones((3, 3), np.float32), m, v, np.zeros(1, np.int32))])]
+        )
     with pytest.raises(ValueError, match="shape mismatch"):
-        FusedStep([("adam_step", (), [(p, np.ones((2, 2), np.float32), m,
-                                       np.zeros(4, np.float32), np.zeros(1, np.int32))])])
-    fs = FusedStep([("adam_step", (), [(p, np.ones((2, 2), np.float32), m, v,
-                                        np.zeros(1, np.int32))])])
+        FusedStep(
+            [
+                (
+                    "adam_step",
+                    (),
+                    [
+                        (
+                            p,
+                            np.ones((2, 2), np.float32),
+                            m,
+                            np.zeros(4, np.float32),
+                            np.zeros(1, np.int32),
+                        )
+                    ],
+                )
+            ]
+        )
+    fs = FusedStep(
+        [("adam_step", (), [(p, np.ones((2, 2), np.float32), m, v, np.zeros(1, np.int32))])]
+    )
     with pytest.raises(ValueError):
         fs.bind(0, 0, 1, np.ones(9, np.float32))  # rebinding checks the size too
 
@@ -149,16 +172,22 @@ def test_update_validates_dtypes_and_layout() -> None:
     with pytest.raises(ValueError, match="one element"):
         FusedStep([("adam_step", (), [(p, g, m, v, np.zeros(2, np.int32))])])
     with pytest.raises(ValueError, match="C-contiguous"):
-        FusedStep([("adam_step", (), [(np.zeros((4, 4), np.float32)[:, 0], g, m, v,
-                                       np.zeros(1, np.int32))])])
+        FusedStep(
+            [
+                (
+                    "adam_step",
+                    (),
+                    [(np.zeros((4, 4), np.float32)[:, 0], g, m, v, np.zeros(1, np.int32))],
+                )
+            ]
+        )
     with pytest.raises(ValueError, match="unknown update op"):
         FusedStep([("adagrad_step", (), [(p, g)])])
 
 
 def test_update_refuses_aliased_buffers() -> None:
     p, g = np.zeros(4, np.float32), np.ones(4, np.float32)
-    fs = FusedStep([("adam_step", (), [(p, g, p, np.zeros(4, np.float32),
-                                        np.zeros(1, np.int32))])])
+    fs = FusedStep([("adam_step", (), [(p, g, p, np.zeros(4, np.float32), np.zeros(1, np.int32))])])
     with pytest.raises(ValueError, match="same memory"):
         fs.run()
 
@@ -190,6 +219,7 @@ def test_nan_gradients_propagate() -> None:
 
 # ---- the explicit graph API ---------------------------------------------------------------
 
+
 def test_graph_api_update_runs_on_compute_and_keeps_state_in_the_leaves() -> None:
     g = recurra.Graph()
     x = g.input((4, 3), name="x")
@@ -220,13 +250,23 @@ def test_graph_api_update_runs_on_compute_and_keeps_state_in_the_leaves() -> Non
 
 def test_graph_api_update_ops_need_graph_leaves() -> None:
     with pytest.raises(TypeError, match="recurra.Graph"):
-        recurra.ops.adam_step(np.zeros(HYPER_LEN, np.float32), [np.zeros(2, np.float32)],
-                              [np.zeros(2, np.float32)], [np.zeros(2, np.float32)],
-                              [np.zeros(2, np.float32)], [np.zeros(1, np.int32)])
+        recurra.ops.adam_step(
+            np.zeros(HYPER_LEN, np.float32),
+            [np.zeros(2, np.float32)],
+            [np.zeros(2, np.float32)],
+            [np.zeros(2, np.float32)],
+            [np.zeros(2, np.float32)],
+            [np.zeros(1, np.int32)],
+        )
     g = recurra.Graph()
     a = g.tensor((2,))
     target = a * 2.0  # not a leaf: an update cannot write into it
     with pytest.raises(ValueError, match="must be a leaf"):
-        recurra.ops.adam_step(g.tensor((HYPER_LEN,)), [target], [g.tensor((2,))],
-                              [g.tensor((2,))], [g.tensor((2,))],
-                              [g.tensor((1,), dtype="int32")])
+        recurra.ops.adam_step(
+            g.tensor((HYPER_LEN,)),
+            [target],
+            [g.tensor((2,))],
+            [g.tensor((2,))],
+            [g.tensor((2,))],
+            [g.tensor((1,), dtype="int32")],
+        )

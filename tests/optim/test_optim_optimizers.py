@@ -22,8 +22,9 @@ def f32(*shape: int, scale: float = 1.0) -> np.ndarray:
     return (RNG.standard_normal(shape) * scale).astype(np.float32)
 
 
-def run_ours(cls: type, inits: list[np.ndarray], grads: list[list[np.ndarray]],
-             **kw: Any) -> list[np.ndarray]:
+def run_ours(
+    cls: type, inits: list[np.ndarray], grads: list[list[np.ndarray]], **kw: Any
+) -> list[np.ndarray]:
     ps = [recurra.param(a) for a in inits]
     opt = cls(ps, **kw)
     for step in grads:
@@ -70,27 +71,44 @@ def test_adam_and_adamw_match_numpy(cls: type, kw: dict[str, Any]) -> None:
     decoupled = cls is optim.AdamW
     kw.setdefault("weight_decay", 1e-2 if decoupled else 0.0)
     for t in range(len(SHAPES)):
-        want = adam(inits[t], [g[t] for g in grads], kw["lr"], kw.get("betas", (0.9, 0.999)),
-                    kw.get("eps", 1e-8), kw["weight_decay"], decoupled, kw.get("maximize", False))
+        want = adam(
+            inits[t],
+            [g[t] for g in grads],
+            kw["lr"],
+            kw.get("betas", (0.9, 0.999)),
+            kw.get("eps", 1e-8),
+            kw["weight_decay"],
+            decoupled,
+            kw.get("maximize", False),
+        )
         assert_close(got[t], want)
 
 
-@pytest.mark.parametrize("kw", [dict(lr=1e-3), dict(lr=3e-3, betas=(0.95, 0.98),
-                                                    weight_decay=0.1, maximize=True)])
+@pytest.mark.parametrize(
+    "kw", [dict(lr=1e-3), dict(lr=3e-3, betas=(0.95, 0.98), weight_decay=0.1, maximize=True)]
+)
 def test_lion_matches_numpy(kw: dict[str, Any]) -> None:
     inits, grads = make_case()
     got = run_ours(optim.Lion, inits, grads, **kw)
     for t in range(len(SHAPES)):
-        want = lion(inits[t], [g[t] for g in grads], kw["lr"], kw.get("betas", (0.9, 0.99)),
-                    kw.get("weight_decay", 0.0), kw.get("maximize", False))
+        want = lion(
+            inits[t],
+            [g[t] for g in grads],
+            kw["lr"],
+            kw.get("betas", (0.9, 0.99)),
+            kw.get("weight_decay", 0.0),
+            kw.get("maximize", False),
+        )
         assert_close(got[t], want)
 
 
 # ---- torch.optim ----------------------------------------------------------------------------
 
-TORCH_CASES = [(optim.SGD, "SGD", kw) for kw in SGD_CASES] + \
-    [(optim.Adam, "Adam", kw) for kw in ADAM_CASES] + \
-    [(optim.AdamW, "AdamW", kw) for kw in ADAM_CASES]
+TORCH_CASES = (
+    [(optim.SGD, "SGD", kw) for kw in SGD_CASES]
+    + [(optim.Adam, "Adam", kw) for kw in ADAM_CASES]
+    + [(optim.AdamW, "AdamW", kw) for kw in ADAM_CASES]
+)
 
 
 @pytest.mark.parametrize("cls,tname,kw", TORCH_CASES)
@@ -113,11 +131,13 @@ def test_param_groups_and_parameters_without_gradients_match_torch() -> None:
     a0, b0, c0 = f32(4, 3), f32(6), f32(2, 2)
     grads = [(f32(4, 3), f32(6), f32(2, 2)) for _ in range(STEPS)]
     pa, pb, pc = (recurra.param(x) for x in (a0, b0, c0))
-    opt = optim.Adam([{"params": [pa, pb]}, {"params": [pc], "lr": 0.05, "weight_decay": 0.1}],
-                     lr=0.01)
+    opt = optim.Adam(
+        [{"params": [pa, pb]}, {"params": [pc], "lr": 0.05, "weight_decay": 0.1}], lr=0.01
+    )
     ta, tb, tc = (torch.nn.Parameter(torch.from_numpy(x.copy())) for x in (a0, b0, c0))
-    topt = torch.optim.Adam([{"params": [ta, tb]}, {"params": [tc], "lr": 0.05,
-                                                    "weight_decay": 0.1}], lr=0.01)
+    topt = torch.optim.Adam(
+        [{"params": [ta, tb]}, {"params": [tc], "lr": 0.05, "weight_decay": 0.1}], lr=0.01
+    )
     for i, (ga, gb, gc) in enumerate(grads):
         # b has no gradient on even steps: it must neither move nor count those steps.
         for p, t, g in ((pa, ta, ga), (pb, tb, gb if i % 2 else None), (pc, tc, gc)):
@@ -192,19 +212,22 @@ def test_named_parameters_name_the_culprit() -> None:
         opt.step()
 
 
-@pytest.mark.parametrize("cls,kw,msg", [
-    (optim.SGD, dict(lr=-0.1), "lr"),
-    (optim.SGD, dict(momentum=-1.0), "momentum"),
-    (optim.SGD, dict(nesterov=True), "Nesterov"),
-    (optim.SGD, dict(momentum=0.9, nesterov=True, dampening=0.1), "Nesterov"),
-    (optim.Adam, dict(betas=(1.0, 0.999)), "beta"),
-    (optim.Adam, dict(betas=(0.9, -0.1)), "beta"),
-    (optim.Adam, dict(eps=-1e-8), "epsilon"),
-    (optim.AdamW, dict(weight_decay=-1.0), "weight_decay"),
-    (optim.Lion, dict(betas=(0.9,)), "betas"),
-    (optim.Adam, dict(max_grad_norm=0.0), "max_grad_norm"),
-    (optim.Adam, dict(clip_value=-1.0), "clip_value"),
-])
+@pytest.mark.parametrize(
+    "cls,kw,msg",
+    [
+        (optim.SGD, dict(lr=-0.1), "lr"),
+        (optim.SGD, dict(momentum=-1.0), "momentum"),
+        (optim.SGD, dict(nesterov=True), "Nesterov"),
+        (optim.SGD, dict(momentum=0.9, nesterov=True, dampening=0.1), "Nesterov"),
+        (optim.Adam, dict(betas=(1.0, 0.999)), "beta"),
+        (optim.Adam, dict(betas=(0.9, -0.1)), "beta"),
+        (optim.Adam, dict(eps=-1e-8), "epsilon"),
+        (optim.AdamW, dict(weight_decay=-1.0), "weight_decay"),
+        (optim.Lion, dict(betas=(0.9,)), "betas"),
+        (optim.Adam, dict(max_grad_norm=0.0), "max_grad_norm"),
+        (optim.Adam, dict(clip_value=-1.0), "clip_value"),
+    ],
+)
 def test_bad_hyper_parameters_raise(cls: type, kw: dict[str, Any], msg: str) -> None:
     with pytest.raises(ValueError, match=msg):
         cls([recurra.param(np.zeros(2, np.float32))], **kw)

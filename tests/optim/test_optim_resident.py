@@ -33,6 +33,7 @@ def persistent() -> dict[str, int]:
 
 # -- run_op(out=) writes in place and returns the same handle / refuses a shape mismatch --
 
+
 def test_update_op_writes_in_place_into_the_same_buffer() -> None:
     w = recurra.param(np.zeros((4, 4), np.float32))
     buf = w._value
@@ -50,8 +51,9 @@ def test_update_op_writes_in_place_into_the_same_buffer() -> None:
 def test_update_op_refuses_a_shape_mismatch() -> None:
     w = recurra.param(np.zeros((2, 2), np.float32))
     with pytest.raises(ValueError, match="shape mismatch"):
-        FusedStep([("sgd_step", (0,), [(w._value, np.ones((3, 3), np.float32),
-                                        np.zeros(1, np.int32))])])
+        FusedStep(
+            [("sgd_step", (0,), [(w._value, np.ones((3, 3), np.float32), np.zeros(1, np.int32))])]
+        )
     opt = optim.Adam([w], lr=0.01)
     w.grad = recurra.tensor(np.ones((3, 3), np.float32))
     with pytest.raises(ValueError, match="shape mismatch"):
@@ -60,6 +62,7 @@ def test_update_op_refuses_a_shape_mismatch() -> None:
 
 
 # -- adam moments are resident when the parameters are / stay host-side on the cpu --------
+
 
 def test_adam_moments_stay_host_side_on_the_cpu() -> None:
     w = recurra.param(RNG.standard_normal((2, 2)).astype(np.float32))
@@ -106,11 +109,13 @@ def test_the_host_step_is_adam() -> None:
 
 
 def test_the_device_step_matches_the_host_step(vulkan: str) -> None:
-    np.testing.assert_allclose(four_adam_steps(vulkan), four_adam_steps("cpu"), rtol=1e-4,
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        four_adam_steps(vulkan), four_adam_steps("cpu"), rtol=1e-4, atol=1e-6
+    )
 
 
 # -- the weight stays resident across steps --------------------------------------------------
+
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("vulkan", marks=pytest.mark.vulkan)])
 def test_the_weight_stays_resident_across_steps(device: str) -> None:
@@ -138,15 +143,22 @@ def test_the_weight_stays_resident_across_steps(device: str) -> None:
 
 # -- steps do not grow the persistent pool ----------------------------------------------------
 
-@pytest.mark.parametrize("device,n_steps", [
-    ("cpu", 10), ("cpu", 1000), pytest.param("vulkan", 10, marks=pytest.mark.vulkan)])
+
+@pytest.mark.parametrize(
+    "device,n_steps",
+    [("cpu", 10), ("cpu", 1000), pytest.param("vulkan", 10, marks=pytest.mark.vulkan)],
+)
 def test_steps_do_not_grow_the_persistent_pool(device: str, n_steps: int) -> None:
     w = recurra.param(RNG.standard_normal((8, 8)).astype(np.float32), device=device)
     b = recurra.param(RNG.standard_normal(8).astype(np.float32), device=device)
     opt = optim.AdamW([w, b], lr=0.01, max_grad_norm=1.0)
-    grads = [(recurra.tensor(RNG.standard_normal((8, 8)).astype(np.float32), device=device),
-              recurra.tensor(RNG.standard_normal(8).astype(np.float32), device=device))
-             for _ in range(4)]
+    grads = [
+        (
+            recurra.tensor(RNG.standard_normal((8, 8)).astype(np.float32), device=device),
+            recurra.tensor(RNG.standard_normal(8).astype(np.float32), device=device),
+        )
+        for _ in range(4)
+    ]
     w.grad, b.grad = grads[0]
     opt.step()
     gc.collect()
@@ -165,6 +177,7 @@ def test_steps_do_not_grow_the_persistent_pool(device: str, n_steps: int) -> Non
 
 
 # -- the weight survives resets between steps ---------------------------------------------
+
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("vulkan", marks=pytest.mark.vulkan)])
 def test_the_weight_survives_other_graphs_between_steps(device: str) -> None:
@@ -189,6 +202,7 @@ def test_the_weight_survives_other_graphs_between_steps(device: str) -> None:
 
 
 # -- a real training loop converges ---------------------------------------------------------
+
 
 def train_loop(device: str, steps: int = 25) -> tuple[float, float]:
     rng = np.random.default_rng(3)
@@ -225,6 +239,7 @@ def test_a_real_training_loop_converges_on_the_device(vulkan: str) -> None:
 
 # -- gradient accumulation still averages correctly -----------------------------------------
 
+
 def accumulate(device: str, average: bool) -> np.ndarray:
     g1 = np.full((2, 2), 0.2, np.float32)
     g2 = np.full((2, 2), 0.6, np.float32)
@@ -251,6 +266,7 @@ def test_gradient_accumulation_averages_on_the_device(vulkan: str) -> None:
 
 
 # -- an optimizer outliving its parameter's buffer ------------------------------------------
+
 
 def test_a_replaced_parameter_buffer_is_followed_not_written_stale() -> None:
     # ggmlR: releasing the device frees the pool the moments point into; the step must notice

@@ -24,6 +24,7 @@ def one_param(cls: type = optim.SGD, **kw: Any) -> tuple[Any, Any]:
 
 # ---- schedules ------------------------------------------------------------------------------
 
+
 def test_step_lr() -> None:
     opt, _ = one_param(lr=0.1)
     s = optim.StepLR(opt, step_size=3, gamma=0.5)
@@ -72,12 +73,15 @@ def test_cosine_with_warmup() -> None:
         optim.CosineWarmupLR(opt, warmup_steps=5, total_steps=5)
 
 
-@pytest.mark.parametrize("kw", [
-    dict(),
-    dict(three_phase=True),
-    dict(anneal_strategy="linear", pct_start=0.4, div_factor=10.0),
-    dict(cycle_momentum=False),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(three_phase=True),
+        dict(anneal_strategy="linear", pct_start=0.4, div_factor=10.0),
+        dict(cycle_momentum=False),
+    ],
+)
 @pytest.mark.parametrize("kind", ["SGD", "Adam"])
 def test_one_cycle_matches_torch(kind: str, kw: dict[str, Any]) -> None:
     torch = pytest.importorskip("torch")
@@ -143,6 +147,7 @@ def test_scheduler_state_dict_round_trip() -> None:
 
 # ---- gradient accumulation ------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("k", [0, -2])
 def test_accumulate_steps_must_be_positive(k: int) -> None:
     with pytest.raises(ValueError, match="accumulate_steps"):
@@ -169,8 +174,14 @@ def test_accumulation_with_backward_and_zero_grad_in_the_loop(average: bool) -> 
         opt.step()
         opt.zero_grad()
         counts.append((opt.step_count, opt.micro_step, opt.updated))
-    assert counts == [(0, 1, False), (0, 2, False), (1, 0, True),
-                      (1, 1, False), (1, 2, False), (2, 0, True)]
+    assert counts == [
+        (0, 1, False),
+        (0, 2, False),
+        (1, 0, True),
+        (1, 1, False),
+        (1, 2, False),
+        (2, 0, True),
+    ]
     assert w.grad is None
     div = 3 if average else 1
     g1 = sum(x.sum(0, dtype=np.float64) for x in xs[:3])[:, None] * np.ones((1, 2)) / div
@@ -191,6 +202,7 @@ def test_zero_grad_force_clears_inside_a_window() -> None:
 
 
 # ---- clipping -------------------------------------------------------------------------------
+
 
 def grads_for(shapes: list[tuple[int, ...]], scale: float) -> list[np.ndarray]:
     return [(RNG.standard_normal(s) * scale).astype(np.float32) for s in shapes]
@@ -293,7 +305,8 @@ def test_standalone_clip_matches_torch() -> None:
         p.grad = recurra.tensor(g)
         t.grad = torch.from_numpy(g.copy())
     assert optim.clip_grad_norm_(ps, 0.7) == pytest.approx(
-        float(torch.nn.utils.clip_grad_norm_(tps, 0.7)), rel=1e-6)
+        float(torch.nn.utils.clip_grad_norm_(tps, 0.7)), rel=1e-6
+    )
     for p, t in zip(ps, tps):
         np.testing.assert_allclose(p.grad.numpy(), t.grad.numpy(), rtol=1e-6, atol=1e-7)
 

@@ -28,8 +28,9 @@ def trained(cls: type = optim.Adam, steps: int = 3, **kw: Any) -> tuple[Any, lis
 
 
 def fresh_like(opt: Any, **kw: Any) -> tuple[Any, list[Any]]:
-    ps = [recurra.param(np.zeros(p.shape, np.float32)) for g in opt.param_groups
-          for p in g["params"]]
+    ps = [
+        recurra.param(np.zeros(p.shape, np.float32)) for g in opt.param_groups for p in g["params"]
+    ]
     return type(opt)([{"params": [ps[0]]}, {"params": [ps[1]]}], **kw), ps
 
 
@@ -53,13 +54,16 @@ def snapshot(opt: Any) -> dict[str, Any]:
     return opt.state_dict()
 
 
-@pytest.mark.parametrize("cls,kw", [
-    (optim.Adam, {}),
-    (optim.AdamW, dict(accumulate_steps=3, average=False, max_grad_norm=2.5)),
-    (optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, clip_value=0.5)),
-    (optim.SGD, dict(lr=0.1)),
-    (optim.Lion, dict(weight_decay=0.1)),
-])
+@pytest.mark.parametrize(
+    "cls,kw",
+    [
+        (optim.Adam, {}),
+        (optim.AdamW, dict(accumulate_steps=3, average=False, max_grad_norm=2.5)),
+        (optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, clip_value=0.5)),
+        (optim.SGD, dict(lr=0.1)),
+        (optim.Lion, dict(weight_decay=0.1)),
+    ],
+)
 def test_state_dict_round_trip_is_exact(cls: type, kw: dict[str, Any]) -> None:
     opt, _ = trained(cls, steps=4, **kw)
     sd = opt.state_dict()
@@ -93,22 +97,26 @@ def test_load_state_dict_keeps_the_buffers_in_place() -> None:
     bufs = [other.state[q]["exp_avg"]._value for q in qs]
     other.load_state_dict(opt.state_dict())
     assert all(other.state[q]["exp_avg"]._value is b for q, b in zip(qs, bufs))
-    np.testing.assert_array_equal(other.state[qs[0]]["exp_avg"].numpy(),
-                                  opt.state_dict()["state"][0]["exp_avg"])
+    np.testing.assert_array_equal(
+        other.state[qs[0]]["exp_avg"].numpy(), opt.state_dict()["state"][0]["exp_avg"]
+    )
 
 
-@pytest.mark.parametrize("mutate,msg", [
-    (lambda sd: sd["optimizer"].update(type="SGD"), "SGD optimizer"),
-    (lambda sd: sd["param_groups"].pop(), "parameter groups"),
-    (lambda sd: sd["param_groups"][0]["params"].append(7), "parameters in the state"),
-    (lambda sd: sd["state"][0].update(exp_avg=np.zeros((4, 3), np.float32)), "shape mismatch"),
-    (lambda sd: sd["state"][1].pop("exp_avg_sq"), "lacks"),
-    (lambda sd: sd["state"][1].update(momentum_buffer=np.zeros(5, np.float32)), "unexpected"),
-    (lambda sd: sd["state"][0].update(step=-1), "step count"),
-    (lambda sd: sd["param_groups"][1].update(betas=(2.0, 0.9)), "beta"),
-    (lambda sd: sd["optimizer"].update(accumulate_steps=0), "accumulate_steps"),
-    (lambda sd: sd.pop("state"), "not an optimizer state dict"),
-])
+@pytest.mark.parametrize(
+    "mutate,msg",
+    [
+        (lambda sd: sd["optimizer"].update(type="SGD"), "SGD optimizer"),
+        (lambda sd: sd["param_groups"].pop(), "parameter groups"),
+        (lambda sd: sd["param_groups"][0]["params"].append(7), "parameters in the state"),
+        (lambda sd: sd["state"][0].update(exp_avg=np.zeros((4, 3), np.float32)), "shape mismatch"),
+        (lambda sd: sd["state"][1].pop("exp_avg_sq"), "lacks"),
+        (lambda sd: sd["state"][1].update(momentum_buffer=np.zeros(5, np.float32)), "unexpected"),
+        (lambda sd: sd["state"][0].update(step=-1), "step count"),
+        (lambda sd: sd["param_groups"][1].update(betas=(2.0, 0.9)), "beta"),
+        (lambda sd: sd["optimizer"].update(accumulate_steps=0), "accumulate_steps"),
+        (lambda sd: sd.pop("state"), "not an optimizer state dict"),
+    ],
+)
 def test_bad_state_dicts_raise_and_change_nothing(mutate: Any, msg: str) -> None:
     opt, _ = trained(optim.Adam)
     sd = opt.state_dict()
@@ -121,6 +129,7 @@ def test_bad_state_dicts_raise_and_change_nothing(mutate: Any, msg: str) -> None
 
 # ---- files -------------------------------------------------------------------------------
 
+
 def test_save_and_load_round_trip(tmp_path: Path) -> None:
     opt, _ = trained(optim.AdamW, steps=2, accumulate_steps=2, max_grad_norm=1.0)
     path = tmp_path / "opt.safetensors"
@@ -132,7 +141,8 @@ def test_save_and_load_round_trip(tmp_path: Path) -> None:
 
 
 def test_save_overwrites_atomically_and_a_failed_save_leaves_the_file(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "opt.safetensors"
     opt, ps = trained(optim.Adam, steps=1)
     opt.save(path)

@@ -48,11 +48,20 @@ def cpu(name: str, srcs: list[np.ndarray], ip=(), fp=()) -> np.ndarray:
     return np.asarray(rc.ops.apply(name, ts, ip=ip, fp=fp).numpy())
 
 
-def vk(name: str, srcs: list[np.ndarray], ip=(), fp=(), *, out_shape, out_dtype="float32",
-       src_offset: int = 0) -> np.ndarray:
+def vk(
+    name: str,
+    srcs: list[np.ndarray],
+    ip=(),
+    fp=(),
+    *,
+    out_shape,
+    out_dtype="float32",
+    src_offset: int = 0,
+) -> np.ndarray:
     """The op on the Vulkan device (sources keep their numpy strides)."""
-    return recurra_vulkan.run_node(name, srcs, list(ip), list(fp), tuple(out_shape), out_dtype,
-                                   src_offset)
+    return recurra_vulkan.run_node(
+        name, srcs, list(ip), list(fp), tuple(out_shape), out_dtype, src_offset
+    )
 
 
 def nmse(got: np.ndarray, want: np.ndarray) -> float:
@@ -97,8 +106,16 @@ def _binary_pair(name: str, sa, sb) -> tuple[np.ndarray, np.ndarray]:
 @pytest.mark.parametrize("name", BINARY)
 @pytest.mark.parametrize(
     "sa,sb",
-    [((1,), (1,)), ((3,), (3,)), ((17,), (17,)), ((1000,), (1000,)), ((3, 17), (17,)),
-     ((4, 1, 5), (3, 1)), ((), (3, 4)), ((2, 3, 4, 5), (1, 3, 1, 5))],
+    [
+        ((1,), (1,)),
+        ((3,), (3,)),
+        ((17,), (17,)),
+        ((1000,), (1000,)),
+        ((3, 17), (17,)),
+        ((4, 1, 5), (3, 1)),
+        ((), (3, 4)),
+        ((2, 3, 4, 5), (1, 3, 1, 5)),
+    ],
     ids=str,
 )
 @pytest.mark.parametrize("offset", [0, 4])
@@ -152,8 +169,18 @@ def test_unary_strided(name):
 
 
 # act_grad codes (the core's Act enum) and the forward op each belongs to.
-ACT = {0: "abs", 1: "sqrt", 2: "log", 3: "clamp", 4: "relu", 5: "silu", 6: "gelu", 7: "sigmoid",
-       8: "tanh", 9: "softplus"}
+ACT = {
+    0: "abs",
+    1: "sqrt",
+    2: "log",
+    3: "clamp",
+    4: "relu",
+    5: "silu",
+    6: "gelu",
+    7: "sigmoid",
+    8: "tanh",
+    9: "softplus",
+}
 
 
 @pytest.mark.parametrize("code", sorted(ACT))
@@ -171,6 +198,7 @@ def test_act_grad(code, n):
 
 
 # ---- data movement ----------------------------------------------------------------------
+
 
 def test_contiguous():
     x = randn(5, 6, 7)
@@ -236,6 +264,7 @@ def test_cumsum(shape, reverse):
 
 # ---- reductions -------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", ["sum", "max"])
 @pytest.mark.parametrize("shape", [(1,), (17,), (1000,), (3, 17, 5), (2, 3, 4, 5)], ids=str)
 def test_reduce(name, shape):
@@ -265,8 +294,9 @@ def test_sum_to():
     check("sum_to", [randn(2, 3)], ip=(2, 3))
 
 
-@pytest.mark.parametrize("shape,axis", [((17,), 0), ((3, 17, 5), 1), ((3, 17, 5), 2), ((4, 6), 0)],
-                         ids=str)
+@pytest.mark.parametrize(
+    "shape,axis", [((17,), 0), ((3, 17, 5), 1), ((3, 17, 5), 2), ((4, 6), 0)], ids=str
+)
 def test_max_grad(shape, axis):
     x = randn(*shape)
     x.flat[::4] = 1.0  # ties: the first maximum takes the gradient
@@ -278,8 +308,14 @@ def test_max_grad(shape, axis):
 # ---- matrix products --------------------------------------------------------------------
 
 MATMUL_SHAPES = [
-    ((1, 1), (1, 1)), ((3, 17), (17, 5)), ((17, 33), (33, 1)), ((65, 129), (129, 67)),
-    ((8, 12), (12, 16)), ((2, 3, 4, 5), (5, 6)), ((2, 1, 4, 5), (3, 5, 6)), ((3, 0), (0, 4)),
+    ((1, 1), (1, 1)),
+    ((3, 17), (17, 5)),
+    ((17, 33), (33, 1)),
+    ((65, 129), (129, 67)),
+    ((8, 12), (12, 16)),
+    ((2, 3, 4, 5), (5, 6)),
+    ((2, 1, 4, 5), (3, 5, 6)),
+    ((3, 0), (0, 4)),
     ((1, 1000), (1000, 3)),
 ]
 
@@ -311,8 +347,16 @@ def test_matmul_big_tiles():
 
 
 @pytest.mark.parametrize(
-    "sa,sb", [((1, 1), (1, 1)), ((17, 3), (17, 5)), ((20, 33), (20, 12)), ((2, 7, 4), (7, 6)),
-              ((3, 1, 9, 5), (2, 9, 4))], ids=str)
+    "sa,sb",
+    [
+        ((1, 1), (1, 1)),
+        ((17, 3), (17, 5)),
+        ((20, 33), (20, 12)),
+        ((2, 7, 4), (7, 6)),
+        ((3, 1, 9, 5), (2, 9, 4)),
+    ],
+    ids=str,
+)
 def test_out_prod(sa, sb):
     check("out_prod", [randn(*sa), randn(*sb)])
     check("out_prod", [randn(*sa), randn(*sb)], src_offset=4)
@@ -387,6 +431,7 @@ def test_bad_indices_raise():
 
 # ---- support answers and the C table ----------------------------------------------------
 
+
 def test_every_kernel_is_a_core_op():
     core_ops = set(rc._core.op_names())
     assert set(recurra_vulkan.op_names()) <= core_ops
@@ -400,21 +445,35 @@ def test_unsupported_node():
 
 
 class Buffer(ctypes.Structure):
-    _fields_ = [("handle", ctypes.c_uint64), ("generation", ctypes.c_uint64),
-                ("nbytes", ctypes.c_size_t)]
+    _fields_ = [
+        ("handle", ctypes.c_uint64),
+        ("generation", ctypes.c_uint64),
+        ("nbytes", ctypes.c_size_t),
+    ]
 
 
 class TensorDesc(ctypes.Structure):
-    _fields_ = [("dtype", ctypes.c_int), ("ndim", ctypes.c_int32),
-                ("shape", ctypes.c_int64 * 4), ("strides", ctypes.c_int64 * 4),
-                ("buffer", Buffer), ("offset", ctypes.c_size_t)]
+    _fields_ = [
+        ("dtype", ctypes.c_int),
+        ("ndim", ctypes.c_int32),
+        ("shape", ctypes.c_int64 * 4),
+        ("strides", ctypes.c_int64 * 4),
+        ("buffer", Buffer),
+        ("offset", ctypes.c_size_t),
+    ]
 
 
 class NodeDesc(ctypes.Structure):
-    _fields_ = [("op", ctypes.c_char_p), ("dst", TensorDesc), ("n_src", ctypes.c_int32),
-                ("src", TensorDesc * 8), ("n_ip", ctypes.c_int32),
-                ("ip", ctypes.POINTER(ctypes.c_int64)), ("n_fp", ctypes.c_int32),
-                ("fp", ctypes.POINTER(ctypes.c_double))]
+    _fields_ = [
+        ("op", ctypes.c_char_p),
+        ("dst", TensorDesc),
+        ("n_src", ctypes.c_int32),
+        ("src", TensorDesc * 8),
+        ("n_ip", ctypes.c_int32),
+        ("ip", ctypes.POINTER(ctypes.c_int64)),
+        ("n_fp", ctypes.c_int32),
+        ("fp", ctypes.POINTER(ctypes.c_double)),
+    ]
 
 
 _VOIDP = ctypes.c_void_p
@@ -422,20 +481,45 @@ _VOIDP = ctypes.c_void_p
 
 class Table(ctypes.Structure):
     _fields_ = [
-        ("abi_version", ctypes.c_uint32), ("name", ctypes.c_char_p), ("ctx", _VOIDP),
+        ("abi_version", ctypes.c_uint32),
+        ("name", ctypes.c_char_p),
+        ("ctx", _VOIDP),
         ("device_count", ctypes.CFUNCTYPE(ctypes.c_int, _VOIDP)),
         ("device_info", ctypes.CFUNCTYPE(ctypes.c_int, _VOIDP, ctypes.c_int, _VOIDP)),
-        ("alloc", ctypes.CFUNCTYPE(ctypes.c_int, _VOIDP, ctypes.c_int, ctypes.c_size_t,
-                                   ctypes.c_int, ctypes.POINTER(Buffer))),
+        (
+            "alloc",
+            ctypes.CFUNCTYPE(
+                ctypes.c_int,
+                _VOIDP,
+                ctypes.c_int,
+                ctypes.c_size_t,
+                ctypes.c_int,
+                ctypes.POINTER(Buffer),
+            ),
+        ),
         ("free", ctypes.CFUNCTYPE(ctypes.c_int, _VOIDP, ctypes.c_int, Buffer)),
-        ("copy_in", ctypes.CFUNCTYPE(ctypes.c_int, _VOIDP, ctypes.c_int, Buffer, ctypes.c_size_t,
-                                     _VOIDP, ctypes.c_size_t)),
-        ("copy_out", ctypes.CFUNCTYPE(ctypes.c_int, _VOIDP, ctypes.c_int, Buffer, ctypes.c_size_t,
-                                      _VOIDP, ctypes.c_size_t)),
-        ("supports_op", ctypes.CFUNCTYPE(ctypes.c_int, _VOIDP, ctypes.c_int,
-                                         ctypes.POINTER(NodeDesc))),
-        ("compute", ctypes.CFUNCTYPE(ctypes.c_int, _VOIDP, ctypes.c_int, ctypes.POINTER(NodeDesc),
-                                     ctypes.c_int32)),
+        (
+            "copy_in",
+            ctypes.CFUNCTYPE(
+                ctypes.c_int, _VOIDP, ctypes.c_int, Buffer, ctypes.c_size_t, _VOIDP, ctypes.c_size_t
+            ),
+        ),
+        (
+            "copy_out",
+            ctypes.CFUNCTYPE(
+                ctypes.c_int, _VOIDP, ctypes.c_int, Buffer, ctypes.c_size_t, _VOIDP, ctypes.c_size_t
+            ),
+        ),
+        (
+            "supports_op",
+            ctypes.CFUNCTYPE(ctypes.c_int, _VOIDP, ctypes.c_int, ctypes.POINTER(NodeDesc)),
+        ),
+        (
+            "compute",
+            ctypes.CFUNCTYPE(
+                ctypes.c_int, _VOIDP, ctypes.c_int, ctypes.POINTER(NodeDesc), ctypes.c_int32
+            ),
+        ),
         ("synchronize", ctypes.CFUNCTYPE(ctypes.c_int, _VOIDP, ctypes.c_int)),
         ("get_last_error", ctypes.CFUNCTYPE(ctypes.c_char_p, _VOIDP)),
         ("shutdown", ctypes.CFUNCTYPE(None, _VOIDP)),
@@ -503,8 +587,12 @@ def test_dependent_nodes_in_one_compute(table):
         assert table.copy_in(table.ctx, 0, ba, 0, a.ctypes.data, 4 * n) == 0
         assert table.copy_in(table.ctx, 0, bb, 0, b.ctypes.data, 4 * n) == 0
         nodes = (NodeDesc * 3)()
-        for node, op, dst, srcs in [(nodes[0], b"add", bt, [ba, bb]), (nodes[1], b"mul", bu, [bt, ba]),
-                                    (nodes[2], b"sub", ba, [bu, bb])]:
+        plan = [
+            (nodes[0], b"add", bt, [ba, bb]),
+            (nodes[1], b"mul", bu, [bt, ba]),
+            (nodes[2], b"sub", ba, [bu, bb]),
+        ]
+        for node, op, dst, srcs in plan:
             node.op, node.dst, node.n_src = op, _desc(dst, (n,)), len(srcs)
             for i, s in enumerate(srcs):
                 node.src[i] = _desc(s, (n,))
@@ -534,6 +622,7 @@ def test_view_past_buffer_end_is_refused(table):
 
 
 # ---- through the core's scheduler -------------------------------------------------------
+
 
 def _mlp_step(device: str | None) -> tuple[float, list[np.ndarray]]:
     """Loss and gradients of a small MLP classifier (matmul, bias broadcast, activations,

@@ -59,6 +59,9 @@ void fail_shape(const Graph& g, const Node& n, const std::string& msg) {
 }
 
 void require_f32(const Graph& g, const Node& n, int i) {
+  if (i >= static_cast<int>(n.src.size()))
+    throw ValueError(OpTable::get().at(n.op).name + ": expected at least " + std::to_string(i + 1) +
+                     " inputs, got " + std::to_string(n.src.size()));
   const Node& s = g.node(n.src[i]);
   if (s.dtype != DType::f32)
     throw TypeError(OpTable::get().at(n.op).name + ": input " + std::to_string(i) +

@@ -8,6 +8,7 @@
 layout(local_size_x = 256) in;
 layout(constant_id = 0) const int OP = 0;  // 0 add, 1 sub, 2 mul, 3 div
 layout(constant_id = 1) const int MODE = 0;
+layout(constant_id = 2) const int ND = 4;  // axes of the collapsed shape (1..4)
 
 layout(push_constant) uniform PC {
   uvec2 a, b, d;
@@ -48,6 +49,6 @@ void main() {
     if (MODE == 1)
       d.v[i] = op(a.v[i], b.v[i]);
     else
-      d.v[i] = op(a.v[offset4(i, pc.shape, pc.sa)], b.v[offset4(i, pc.shape, pc.sb)]);
+      d.v[i] = op(a.v[offset_nd(i, pc.shape, pc.sa, ND)], b.v[offset_nd(i, pc.shape, pc.sb, ND)]);
   }
 }

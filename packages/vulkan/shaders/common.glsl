@@ -37,5 +37,19 @@ int offset4(uint i, int shape[4], int st[4]) {
   return off + int(i) * st[0];
 }
 
+// offset4 for a shape whose leading 4 - nd slots are 1 (nd in 1..4, a specialization
+// constant in the callers, so the unused levels of index math compile away).
+int offset_nd(uint i, int shape[4], int st[4], const int nd) {
+  int off = 0;
+  [[unroll]] for (int a = 3; a >= 1; --a) {
+    if (a > 4 - nd) {
+      const uint d = uint(shape[a]);
+      off += int(i % d) * st[a];
+      i /= d;
+    }
+  }
+  return off + int(i) * st[4 - nd];
+}
+
 // The maximum numpy computes: a NaN wins.
 float max_nan(float m, float v) { return (v > m || isnan(v)) ? v : m; }

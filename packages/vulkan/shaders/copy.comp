@@ -7,6 +7,7 @@
 
 layout(local_size_x = 256) in;
 layout(constant_id = 0) const int MODE = 0;
+layout(constant_id = 1) const int ND = 4;  // axes of the collapsed shape (1..4)
 
 layout(push_constant) uniform PC {
   uvec2 s, d;
@@ -23,6 +24,6 @@ void main() {
     if (MODE == 1)
       d.v[i] = s.v[i];
     else
-      d.v[offset4(i, pc.shape, pc.sd)] = s.v[offset4(i, pc.shape, pc.ss)];
+      d.v[offset_nd(i, pc.shape, pc.sd, ND)] = s.v[offset_nd(i, pc.shape, pc.ss, ND)];
   }
 }

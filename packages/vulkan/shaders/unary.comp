@@ -11,6 +11,7 @@
 layout(local_size_x = 256) in;
 layout(constant_id = 0) const int OP = 0;
 layout(constant_id = 1) const int MODE = 0;
+layout(constant_id = 2) const int ND = 4;  // axes of the collapsed shape (1..4)
 
 layout(push_constant) uniform PC {
   uvec2 x, y;
@@ -52,5 +53,5 @@ void main() {
     return;
   }
   FBuf x = FBuf(pc.x), y = FBuf(pc.y);
-  for (; i < pc.n; i += stride) y.v[i] = f(MODE == 1 ? x.v[i] : x.v[offset4(i, pc.shape, pc.sx)]);
+  for (; i < pc.n; i += stride) y.v[i] = f(MODE == 1 ? x.v[i] : x.v[offset_nd(i, pc.shape, pc.sx, ND)]);
 }

@@ -22,8 +22,15 @@ import sys
 import numpy as np
 
 
-def _vk_time(vk, op: str, srcs: list[np.ndarray], out_shape: tuple[int, ...], iters: int,
-             warmup: int, device: int) -> float:
+def _vk_time(
+    vk,
+    op: str,
+    srcs: list[np.ndarray],
+    out_shape: tuple[int, ...],
+    iters: int,
+    warmup: int,
+    device: int,
+) -> float:
     times = vk.profile_node(op, srcs, [], [], out_shape, "float32", iters, warmup, device)
     return statistics.median(times)
 
@@ -94,8 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     vk = recurra_vulkan._vk
     dev = info["devices"][args.device]
-    print(f"vulkan device {args.device}: {dev['name']} ({dev['kind']}, {dev['driver']}, "
-          f"Vulkan {dev['api_version']}, {dev['memory_bytes'] / 2**30:.1f} GiB)")
+    print(
+        f"vulkan device {args.device}: {dev['name']} ({dev['kind']}, {dev['driver']}, "
+        f"Vulkan {dev['api_version']}, {dev['memory_bytes'] / 2**30:.1f} GiB)"
+    )
     torch = None if args.no_torch else _torch_cuda()
     if torch is not None:
         print(f"torch {torch.__version__} on {torch.cuda.get_device_name()} (TF32 off)")
@@ -110,15 +119,19 @@ def main(argv: list[str] | None = None) -> int:
     flops = 2.0 * n * n * n
     for label, bb in (("A @ B", b), ("A @ B^T", np.ascontiguousarray(b.T).T)):
         t = _vk_time(vk, "matmul", [a, bb], (n, n), args.iters, args.warmup, args.device)
-        line = f"matmul {n}^3 fp32 {label:8s} vulkan {t * 1e3:8.3f} ms {flops / t / 1e12:7.2f} TFLOP/s"
+        line = (
+            f"matmul {n}^3 fp32 {label:8s} vulkan {t * 1e3:8.3f} ms {flops / t / 1e12:7.2f} TFLOP/s"
+        )
         if torch is not None:
             ta = torch.from_numpy(a).cuda()
             tb = torch.from_numpy(np.ascontiguousarray(bb)).cuda()
             if label == "A @ B^T":
                 tb = torch.from_numpy(np.ascontiguousarray(bb.T)).cuda().t()
             tt = _torch_time(lambda ta=ta, tb=tb: ta @ tb, args.iters, args.warmup)
-            line += (f" | torch {tt * 1e3:8.3f} ms {flops / tt / 1e12:7.2f} TFLOP/s"
-                     f" | vulkan/torch {tt / t:5.2f}x")
+            line += (
+                f" | torch {tt * 1e3:8.3f} ms {flops / tt / 1e12:7.2f} TFLOP/s"
+                f" | vulkan/torch {tt / t:5.2f}x"
+            )
         print(line)
 
     count = args.add_mib * (1 << 20) // 4
@@ -126,11 +139,17 @@ def main(argv: list[str] | None = None) -> int:
     y = rng.standard_normal(count).astype(np.float32)
     moved = 3.0 * count * 4
     t = _vk_time(vk, "add", [x, y], (count,), args.iters, args.warmup, args.device)
-    line = f"add {args.add_mib} MiB/operand fp32     vulkan {t * 1e3:8.3f} ms {moved / t / 1e9:7.1f} GB/s"
+    line = (
+        f"add {args.add_mib} MiB/operand fp32     vulkan {t * 1e3:8.3f} ms "
+        f"{moved / t / 1e9:7.1f} GB/s"
+    )
     if torch is not None:
         tx, ty = torch.from_numpy(x).cuda(), torch.from_numpy(y).cuda()
         tt = _torch_time(lambda: tx + ty, args.iters, args.warmup)
-        line += f" | torch {tt * 1e3:8.3f} ms {moved / tt / 1e9:7.1f} GB/s | vulkan/torch {tt / t:5.2f}x"
+        line += (
+            f" | torch {tt * 1e3:8.3f} ms {moved / tt / 1e9:7.1f} GB/s"
+            f" | vulkan/torch {tt / t:5.2f}x"
+        )
     print(line)
     return 0
 

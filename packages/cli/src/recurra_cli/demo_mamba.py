@@ -43,6 +43,7 @@ class DemoConfig:
 
     @classmethod
     def small(cls, epochs: int | None = None) -> DemoConfig:
+        # Fewer, smaller weights than the full size: a smaller step keeps SGD stable.
         return cls(
             d_state=4,
             head_dim=2,
@@ -51,6 +52,7 @@ class DemoConfig:
             d_conv=3,
             n_samples=24,
             epochs=40 if epochs is None else epochs,
+            lr=2.0,
         )
 
 

@@ -64,8 +64,8 @@ void binary_infer(Graph& g, Node& n) {
   require_f32(g, n, 0);
   require_f32(g, n, 1);
   n.dtype = DType::f32;
-  n.shape = broadcast_shapes(OpTable::get().at(n.op).name.c_str(), g.node(n.src[0]).shape,
-                             g.node(n.src[1]).shape);
+  n.shape = broadcast_shapes(OpTable::get().at(n.op).name.c_str(), g.node(n.src.at(0)).shape,
+                             g.node(n.src.at(1)).shape);
 }
 
 void add_binary(OpTable& t, const char* name, BinRow row, std::function<void(GradSink&)> bw) {
@@ -113,7 +113,7 @@ void unary_infer(Graph& g, Node& n) {
   if (n.src.size() != 1) fail_shape(g, n, "takes one input");
   require_f32(g, n, 0);
   n.dtype = DType::f32;
-  n.shape = g.node(n.src[0]).shape;
+  n.shape = g.node(n.src.at(0)).shape;
 }
 
 template <class F>
@@ -122,7 +122,7 @@ void add_unary(OpTable& t, const char* name, F f, std::function<void(GradSink&)>
   d.name = name;
   d.infer = [n_fp](Graph& g, Node& n) {
     if (n.fp.size() != n_fp) fail_shape(g, n, "takes " + std::to_string(n_fp) + " float parameter(s)");
-    if (n_fp == 2 && n.fp[0] > n.fp[1]) fail_shape(g, n, "min must not exceed max");
+    if (n_fp == 2 && n.fp.at(0) > n.fp.at(1)) fail_shape(g, n, "min must not exceed max");
     unary_infer(g, n);
   };
   d.forward = [f](KernelCtx& c) {
@@ -225,8 +225,13 @@ void register_elementwise_ops(OpTable& t) {
     d.contiguous_srcs = 0b111;
     d.infer = [](Graph& g, Node& n) {
       if (n.src.size() != 3 || n.ip.size() != 1) fail_shape(g, n, "takes (grad, x, y) and a code");
+      for (int i = 0; i < 3; ++i) require_f32(g, n, i);
+      if (g.node(n.src[0]).shape != g.node(n.src[1]).shape || g.node(n.src[2]).shape != g.node(n.src[1]).shape)
+        fail_shape(g, n, "grad, x and y must have one shape");
+      if (n.ip[0] < kAbs || n.ip[0] > kSoftplus) fail_shape(g, n, "unknown activation code");
+      if (n.ip[0] == kClamp && n.fp.size() != 2) fail_shape(g, n, "clamp needs (min, max)");
       n.dtype = DType::f32;
-      n.shape = g.node(n.src[1]).shape;
+      n.shape = g.node(n.src.at(1)).shape;
     };
     d.forward = [](KernelCtx& c) {
       const float* gp = c.src[0].f32();

@@ -296,8 +296,8 @@ void product_infer(Graph& g, Node& n, int a_contract) {
   if (n.src.size() != 2) fail_shape(g, n, "takes two inputs");
   require_f32(g, n, 0);
   require_f32(g, n, 1);
-  const Shape& a = g.node(n.src[0]).shape;
-  const Shape& b = g.node(n.src[1]).shape;
+  const Shape& a = g.node(n.src.at(0)).shape;
+  const Shape& b = g.node(n.src.at(1)).shape;
   if (a.ndim < 2 || b.ndim < 2) fail_shape(g, n, "both inputs need at least 2 axes");
   const int64_t ka = a.d[a.ndim + a_contract], kb = b.d[b.ndim - 2];
   if (ka != kb)

@@ -167,7 +167,7 @@ RC_SIMD void add_inplace_row(float* __restrict y, const float* __restrict x, int
 const std::string& op_name(const Node& n) { return OpTable::get().at(n.op).name; }
 
 void require_i32(const Graph& g, const Node& n, int i, const char* what) {
-  const Node& s = g.node(n.src[i]);
+  const Node& s = g.node(n.src.at(i));
   if (s.dtype != DType::i32)
     throw TypeError(op_name(n) + ": " + what + " must be int32, got " + dtype_name(s.dtype));
 }
@@ -179,9 +179,9 @@ void require_srcs(const Graph& g, const Node& n, size_t count, const char* what)
 // fp = [eps] with eps >= 0.
 float eps_param(const Graph& g, const Node& n) {
   if (n.fp.size() != 1) fail_shape(g, n, "takes one float parameter (eps)");
-  if (!(n.fp[0] >= 0.0) || !std::isfinite(n.fp[0]))
-    fail_shape(g, n, "eps must be finite and >= 0, got " + std::to_string(n.fp[0]));
-  return static_cast<float>(n.fp[0]);
+  if (!(n.fp.at(0) >= 0.0) || !std::isfinite(n.fp.at(0)))
+    fail_shape(g, n, "eps must be finite and >= 0, got " + std::to_string(n.fp.at(0)));
+  return static_cast<float>(n.fp.at(0));
 }
 
 // Backward ops (grad, x_or_y) -> the shape of x: both f32 and of one shape.
@@ -189,16 +189,16 @@ void row_back_infer(Graph& g, Node& n) {
   require_srcs(g, n, 2, "(grad, x)");
   require_f32(g, n, 0);
   require_f32(g, n, 1);
-  if (g.node(n.src[0]).shape != g.node(n.src[1]).shape) fail_shape(g, n, "grad and x must have one shape");
+  if (g.node(n.src.at(0)).shape != g.node(n.src.at(1)).shape) fail_shape(g, n, "grad and x must have one shape");
   n.dtype = DType::f32;
-  n.shape = g.node(n.src[1]).shape;
+  n.shape = g.node(n.src.at(1)).shape;
 }
 
 void row_infer(Graph& g, Node& n) {
   require_srcs(g, n, 1, "one input");
   require_f32(g, n, 0);
   n.dtype = DType::f32;
-  n.shape = g.node(n.src[0]).shape;
+  n.shape = g.node(n.src.at(0)).shape;
 }
 
 // Runs fn(row index) over the rows of dst, split across the pool.
@@ -274,8 +274,8 @@ void cross_entropy_infer(Graph& g, Node& n) {
   require_srcs(g, n, 2, "(logits, targets)");
   require_f32(g, n, 0);
   require_i32(g, n, 1, "targets");
-  const Shape& l = g.node(n.src[0]).shape;
-  const Shape& t = g.node(n.src[1]).shape;
+  const Shape& l = g.node(n.src.at(0)).shape;
+  const Shape& t = g.node(n.src.at(1)).shape;
   if (l.ndim != 2) fail_shape(g, n, "logits must be (N, C)");
   if (t.ndim != 1 || t.d[0] != l.d[0]) fail_shape(g, n, "targets must be (N,) for logits (N, C)");
   if (l.d[0] == 0 || l.d[1] == 0) fail_shape(g, n, "needs at least one row and one class");
@@ -310,9 +310,9 @@ void cross_entropy_back_infer(Graph& g, Node& n) {
   require_f32(g, n, 0);
   require_f32(g, n, 1);
   require_i32(g, n, 2, "targets");
-  const Shape& l = g.node(n.src[1]).shape;
-  const Shape& t = g.node(n.src[2]).shape;
-  if (g.node(n.src[0]).numel() != 1) fail_shape(g, n, "grad must be a scalar");
+  const Shape& l = g.node(n.src.at(1)).shape;
+  const Shape& t = g.node(n.src.at(2)).shape;
+  if (g.node(n.src.at(0)).numel() != 1) fail_shape(g, n, "grad must be a scalar");
   if (l.ndim != 2 || t.ndim != 1 || t.d[0] != l.d[0]) fail_shape(g, n, "needs logits (N, C) and targets (N,)");
   if (l.d[0] == 0 || l.d[1] == 0) fail_shape(g, n, "needs at least one row and one class");
   n.dtype = DType::f32;
@@ -414,8 +414,8 @@ void get_rows_infer(Graph& g, Node& n) {
   require_srcs(g, n, 2, "(table, idx)");
   require_f32(g, n, 0);
   require_i32(g, n, 1, "indices");
-  const Shape& tb = g.node(n.src[0]).shape;
-  const Shape& ix = g.node(n.src[1]).shape;
+  const Shape& tb = g.node(n.src.at(0)).shape;
+  const Shape& ix = g.node(n.src.at(1)).shape;
   if (tb.ndim != 2) fail_shape(g, n, "the table must be (V, D)");
   if (ix.ndim < 1 || ix.ndim > 3) fail_shape(g, n, "the indices must have 1 to 3 axes");
   n.dtype = DType::f32;
@@ -440,14 +440,14 @@ void get_rows_back_infer(Graph& g, Node& n) {
   require_srcs(g, n, 2, "(grad, idx)");
   require_f32(g, n, 0);
   require_i32(g, n, 1, "indices");
-  if (n.ip.size() != 1 || n.ip[0] < 0) fail_shape(g, n, "takes one int parameter: the table's row count V >= 0");
-  const Shape& gs = g.node(n.src[0]).shape;
-  const Shape& ix = g.node(n.src[1]).shape;
+  if (n.ip.size() != 1 || n.ip.at(0) < 0) fail_shape(g, n, "takes one int parameter: the table's row count V >= 0");
+  const Shape& gs = g.node(n.src.at(0)).shape;
+  const Shape& ix = g.node(n.src.at(1)).shape;
   bool ok = ix.ndim >= 1 && gs.ndim == ix.ndim + 1;
   for (int i = 0; ok && i < ix.ndim; ++i) ok = gs.d[i] == ix.d[i];
   if (!ok) fail_shape(g, n, "grad must have the indices' shape plus one axis (D)");
   n.dtype = DType::f32;
-  n.shape = Shape{n.ip[0], gs.d[gs.ndim - 1]};
+  n.shape = Shape{n.ip.at(0), gs.d[gs.ndim - 1]};
 }
 
 // Scatter-add without races or atomics: a task owns a block of table rows x a block of

@@ -82,7 +82,7 @@ struct Layout {
 void check_hyper(const Graph& g, const Node& n) {
   if (n.src.empty()) fail(n, "takes a hyper-parameter tensor first");
   require_f32(g, n, 0);
-  const Node& h = g.node(n.src[0]);
+  const Node& h = g.node(n.src.at(0));
   if (h.shape.ndim != 1 || h.shape.d[0] != 2 * kSlots || !dense(h))
     fail(n, "the hyper-parameter tensor must be dense of shape (" + std::to_string(2 * kSlots) +
                 ",), got " + h.shape.str());
@@ -90,14 +90,14 @@ void check_hyper(const Graph& g, const Node& n) {
 
 void check_gstat(const Graph& g, const Node& n, int i) {
   require_f32(g, n, i);
-  const Node& s = g.node(n.src[i]);
+  const Node& s = g.node(n.src.at(i));
   if (s.shape.ndim != 1 || s.shape.d[0] != 2 || !dense(s))
     fail(n, "the gradient-statistics source must have shape (2,), got " + s.shape.str());
 }
 
 // Update ops write into these sources: only leaves (memory bound from outside) qualify.
 void check_target(const Graph& g, const Node& n, int i, const char* what, int64_t t) {
-  const Node& s = g.node(n.src[i]);
+  const Node& s = g.node(n.src.at(i));
   if (!s.is_leaf())
     fail(n, std::string(what) + " of tensor " + std::to_string(t) +
                 " must be a leaf: update ops write into their sources in place");
@@ -105,8 +105,8 @@ void check_target(const Graph& g, const Node& n, int i, const char* what, int64_
 
 void check_like(const Graph& g, const Node& n, int i, int p, const char* what, int64_t t) {
   require_f32(g, n, i);
-  const Node& s = g.node(n.src[i]);
-  const Node& ref = g.node(n.src[p]);
+  const Node& s = g.node(n.src.at(i));
+  const Node& ref = g.node(n.src.at(p));
   if (s.shape != ref.shape)
     fail(n, std::string("shape mismatch: ") + what + " of tensor " + std::to_string(t) +
                 " has shape " + s.shape.str() + ", the parameter " + ref.shape.str());
@@ -114,7 +114,7 @@ void check_like(const Graph& g, const Node& n, int i, int p, const char* what, i
 }
 
 void check_step(const Graph& g, const Node& n, int i, int64_t t) {
-  const Node& s = g.node(n.src[i]);
+  const Node& s = g.node(n.src.at(i));
   if (s.dtype != DType::i32)
     throw TypeError(op_name(n) + ": the step count of tensor " + std::to_string(t) +
                     " must be int32, got " + dtype_name(s.dtype));
@@ -130,12 +130,12 @@ Layout layout(const Graph& g, const Node& n, size_t n_ip, int per) {
     fail(n, "takes " + std::to_string(n_ip) + " integer parameters, got " + std::to_string(n.ip.size()));
   if (!n.fp.empty()) fail(n, "takes no float parameters (they live in the hyper-parameter tensor)");
   Layout L;
-  L.n = n.ip[0];
-  L.gstat = n.ip[1] != 0;
+  L.n = n.ip.at(0);
+  L.gstat = n.ip.at(1) != 0;
   L.per = per;
   L.first = 1 + (L.gstat ? 1 : 0);
   if (L.n < 1) fail(n, "needs at least one tensor, got " + std::to_string(L.n));
-  if (n.ip[1] != 0 && n.ip[1] != 1) fail(n, "has_gstat must be 0 or 1");
+  if (n.ip.at(1) != 0 && n.ip.at(1) != 1) fail(n, "has_gstat must be 0 or 1");
   const int64_t want = L.first + L.n * per;
   if (static_cast<int64_t>(n.src.size()) != want)
     fail(n, "expected " + std::to_string(want) + " sources for " + std::to_string(L.n) +
@@ -315,10 +315,10 @@ RC_SIMD void clip_range(float* __restrict g, int64_t n, float pre, float clip, f
 void sgd_forward(KernelCtx& c) {
   const Node& n = c.node;
   Layout L;
-  L.n = n.ip[0];
-  L.gstat = n.ip[1] != 0;
+  L.n = n.ip.at(0);
+  L.gstat = n.ip.at(1) != 0;
   L.first = 1 + (L.gstat ? 1 : 0);
-  const bool has_buf = n.ip[2] != 0;
+  const bool has_buf = n.ip.at(2) != 0;
   L.per = has_buf ? 4 : 3;
   const GradXform x = grad_xform(c, L, true);
   const TensorView& h = c.src[0];
@@ -348,8 +348,8 @@ void sgd_forward(KernelCtx& c) {
 void adam_forward(KernelCtx& c, bool decoupled) {
   const Node& n = c.node;
   Layout L;
-  L.n = n.ip[0];
-  L.gstat = n.ip[1] != 0;
+  L.n = n.ip.at(0);
+  L.gstat = n.ip.at(1) != 0;
   L.first = 1 + (L.gstat ? 1 : 0);
   L.per = 5;
   const GradXform x = grad_xform(c, L, true);
@@ -381,8 +381,8 @@ void adam_forward(KernelCtx& c, bool decoupled) {
 void lion_forward(KernelCtx& c) {
   const Node& n = c.node;
   Layout L;
-  L.n = n.ip[0];
-  L.gstat = n.ip[1] != 0;
+  L.n = n.ip.at(0);
+  L.gstat = n.ip.at(1) != 0;
   L.first = 1 + (L.gstat ? 1 : 0);
   L.per = 4;
   const GradXform x = grad_xform(c, L, true);
@@ -433,8 +433,8 @@ void grad_norm_forward(KernelCtx& c) {
 void grad_clip_forward(KernelCtx& c) {
   const Node& n = c.node;
   Layout L;
-  L.n = n.ip[0];
-  L.gstat = n.ip[1] != 0;
+  L.n = n.ip.at(0);
+  L.gstat = n.ip.at(1) != 0;
   L.first = 1 + (L.gstat ? 1 : 0);
   L.per = 1;
   const GradXform x = grad_xform(c, L, false);
@@ -459,8 +459,8 @@ void register_optim_ops(OpTable& t) {
     d.name = "sgd_step";
     d.infer = [](Graph& g, Node& n) {
       if (n.ip.size() != 3) fail(n, "takes 3 integer parameters (n, has_gstat, has_buf)");
-      if (n.ip[2] != 0 && n.ip[2] != 1) fail(n, "has_buf must be 0 or 1");
-      const bool buf = n.ip[2] != 0;
+      if (n.ip.at(2) != 0 && n.ip.at(2) != 1) fail(n, "has_buf must be 0 or 1");
+      const bool buf = n.ip.at(2) != 0;
       const Layout L = layout(g, n, 3, buf ? 4 : 3);
       for (int64_t i = 0; i < L.n; ++i) {
         if (buf) check_tensor(g, n, L, i, {"param", "gradient", "momentum buffer", "step"});
@@ -505,7 +505,7 @@ void register_optim_ops(OpTable& t) {
       check_hyper(g, n);
       for (size_t i = 1; i < n.src.size(); ++i) {
         require_f32(g, n, static_cast<int>(i));
-        if (!dense(g.node(n.src[i]))) fail(n, "gradient " + std::to_string(i - 1) + " must be dense");
+        if (!dense(g.node(n.src.at(i)))) fail(n, "gradient " + std::to_string(i - 1) + " must be dense");
       }
       n.dtype = DType::f32;
       n.shape = Shape{2};

@@ -167,6 +167,10 @@ void reduce_forward(KernelCtx& c, const Ops& ops) {
   float* out = c.dst.f32();
   const float* xp = x.f32();
   if (K * V == 0) return;
+  if (L == 0) {  // an empty sum (max rejects empty axes in infer)
+    std::fill(out, out + K * V, 0.0f);
+    return;
+  }
 
   if (V == 1) {
     // One strided line per output; long lines are cut into fixed chunks.
@@ -304,15 +308,15 @@ void max_grad_forward(KernelCtx& c) {
 void reduce_infer(Graph& g, Node& n, bool allow_empty) {
   if (n.src.size() != 1) fail_shape(g, n, "takes one input");
   require_f32(g, n, 0);
-  const Shape& s = g.node(n.src[0]).shape;
+  const Shape& s = g.node(n.src.at(0)).shape;
   if (n.ip.size() != 1) fail_shape(g, n, "takes one axis");
-  if (n.ip[0] < 0 || n.ip[0] >= s.ndim)
-    fail_shape(g, n, "axis " + std::to_string(n.ip[0]) + " is out of range for a tensor of " +
+  if (n.ip.at(0) < 0 || n.ip.at(0) >= s.ndim)
+    fail_shape(g, n, "axis " + std::to_string(n.ip.at(0)) + " is out of range for a tensor of " +
                          std::to_string(s.ndim) + " axes");
-  if (!allow_empty && s.d[n.ip[0]] == 0) fail_shape(g, n, "cannot reduce an axis of length 0");
+  if (!allow_empty && s.d[n.ip.at(0)] == 0) fail_shape(g, n, "cannot reduce an axis of length 0");
   n.dtype = DType::f32;
   n.shape = s;
-  n.shape.d[n.ip[0]] = 1;
+  n.shape.d[n.ip.at(0)] = 1;
 }
 
 }  // namespace
@@ -346,11 +350,11 @@ void register_reduce_ops(OpTable& t) {
     d.infer = [](Graph& g, Node& n) {
       if (n.src.size() != 3 || n.ip.size() != 1) fail_shape(g, n, "takes (grad, x, out) and an axis");
       for (int i = 0; i < 3; ++i) require_f32(g, n, i);
-      const Shape& xs = g.node(n.src[1]).shape;
-      if (n.ip[0] < 0 || n.ip[0] >= xs.ndim) fail_shape(g, n, "axis out of range");
+      const Shape& xs = g.node(n.src.at(1)).shape;
+      if (n.ip.at(0) < 0 || n.ip.at(0) >= xs.ndim) fail_shape(g, n, "axis out of range");
       Shape r = xs;
-      r.d[n.ip[0]] = 1;
-      if (g.node(n.src[0]).shape != r || g.node(n.src[2]).shape != r)
+      r.d[n.ip.at(0)] = 1;
+      if (g.node(n.src.at(0)).shape != r || g.node(n.src.at(2)).shape != r)
         fail_shape(g, n, "grad and out must have x's shape with the axis reduced to 1");
       n.dtype = DType::f32;
       n.shape = xs;

@@ -44,22 +44,22 @@ Dims check_sources(const Graph& g, const Node& n, const std::vector<int>& tok, i
     fail_shape(g, n, "takes " + std::to_string(want) + " inputs " + signature +
                          (grad ? " plus the packed output gradient" : ""));
   for (size_t i = 0; i < want; ++i) require_f32(g, n, static_cast<int>(i));
-  const Shape x = g.node(n.src[tok[0]]).shape;
+  const Shape x = g.node(n.src.at(tok[0])).shape;
   if (x.ndim != 3) fail_shape(g, n, "per-token inputs must have shape (T, H, S)");
   for (int i : tok)
-    if (g.node(n.src[i]).shape != x)
+    if (g.node(n.src.at(i)).shape != x)
       fail_shape(g, n, std::string("the per-token inputs of ") + signature +
                            " must all have the same shape (T, H, S)");
   const int64_t T = x[0], H = x[1], S = x[2];
   if (T < 1 || H < 1 || S < 1) fail_shape(g, n, "T, H and S must be at least 1");
-  const Shape s = g.node(n.src[st]).shape;
+  const Shape s = g.node(n.src.at(st)).shape;
   if (s.ndim != 4 || s[1] != H || s[2] != S || s[3] != S || s[0] < 1)
     fail_shape(g, n, "the state must have shape (n_seqs, H, S, S) with the H and S of the inputs");
   if (T % s[0] != 0)
     fail_shape(g, n, "the token count T = " + std::to_string(T) +
                          " is not a multiple of n_seqs = " + std::to_string(s[0]));
   if (hs >= 0) {
-    const Shape u = g.node(n.src[hs]).shape;
+    const Shape u = g.node(n.src.at(hs)).shape;
     if (u.ndim != 2 || u[0] != H || u[1] != S)
       fail_shape(g, n, "the per-head input must have shape (H, S)");
   }
@@ -130,7 +130,7 @@ void register_recurrent(OpTable& t, const RecurrentOp& op) {
         fail_shape(g, n, "takes " + std::to_string(op.n_fp) + " float parameter(s)");
       check_sources(g, n, op.tok, op.hs, op.st, op.signature, true);
       int64_t total = 0;
-      for (int i = 0; i < op.n_src; ++i) total += g.node(n.src[i]).numel();
+      for (int i = 0; i < op.n_src; ++i) total += g.node(n.src.at(i)).numel();
       n.dtype = DType::f32;
       n.shape = Shape{total};
     };

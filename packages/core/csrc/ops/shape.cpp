@@ -77,17 +77,17 @@ int slice_of(Graph& g, int of, const int64_t* start, const Shape& shape) {
 void concat_infer(Graph& g, Node& n) {
   if (n.src.size() != 2) fail_shape(g, n, "takes two inputs");
   if (n.ip.size() != 1) fail_shape(g, n, "takes one int parameter (axis)");
-  const Node& a = g.node(n.src[0]);
-  const Node& b = g.node(n.src[1]);
+  const Node& a = g.node(n.src.at(0));
+  const Node& b = g.node(n.src.at(1));
   if (a.dtype != b.dtype)
     throw TypeError(std::string("concat: inputs must have one dtype, got ") + dtype_name(a.dtype) + " and " +
                     dtype_name(b.dtype));
   if (a.shape.ndim != b.shape.ndim || a.shape.ndim == 0) fail_shape(g, n, "inputs must have the same number of axes (>= 1)");
-  const int ax = norm_axis("concat", n.ip[0], a.shape.ndim);
+  const int ax = norm_axis("concat", n.ip.at(0), a.shape.ndim);
   for (int i = 0; i < a.shape.ndim; ++i)
     if (i != ax && a.shape.d[i] != b.shape.d[i])
       fail_shape(g, n, "inputs must agree on every axis but " + std::to_string(ax));
-  n.ip[0] = ax;
+  n.ip.at(0) = ax;
   n.dtype = a.dtype;
   n.shape = a.shape;
   n.shape.d[ax] += b.shape.d[ax];
@@ -118,7 +118,7 @@ void concat_backward(GradSink& k) {
 
 void pad_infer(Graph& g, Node& n) {
   if (n.src.size() != 1) fail_shape(g, n, "takes one input");
-  const Node& x = g.node(n.src[0]);
+  const Node& x = g.node(n.src.at(0));
   if (n.ip.size() != 2 * static_cast<size_t>(x.shape.ndim))
     fail_shape(g, n, "needs a (before, after) pair per axis: " + std::to_string(2 * x.shape.ndim) +
                          " ints, got " + std::to_string(n.ip.size()));
@@ -127,7 +127,7 @@ void pad_infer(Graph& g, Node& n) {
     if (p < 0) fail_shape(g, n, "pad widths must be >= 0, got " + std::to_string(p));
   n.dtype = x.dtype;
   n.shape = x.shape;
-  for (int i = 0; i < x.shape.ndim; ++i) n.shape.d[i] += n.ip[2 * i] + n.ip[2 * i + 1];
+  for (int i = 0; i < x.shape.ndim; ++i) n.shape.d[i] += n.ip.at(2 * i) + n.ip.at(2 * i + 1);
 }
 
 void pad_forward(KernelCtx& c) {
@@ -185,9 +185,9 @@ void cumsum_infer(Graph& g, Node& n) {
   if (n.src.size() != 1) fail_shape(g, n, "takes one input");
   require_f32(g, n, 0);
   if (n.ip.size() != 2) fail_shape(g, n, "takes two int parameters (axis, reverse)");
-  const Node& x = g.node(n.src[0]);
-  n.ip[0] = norm_axis("cumsum", n.ip[0], x.shape.ndim);
-  if (n.ip[1] != 0 && n.ip[1] != 1) fail_shape(g, n, "reverse must be 0 or 1, got " + std::to_string(n.ip[1]));
+  const Node& x = g.node(n.src.at(0));
+  n.ip.at(0) = norm_axis("cumsum", n.ip.at(0), x.shape.ndim);
+  if (n.ip.at(1) != 0 && n.ip.at(1) != 1) fail_shape(g, n, "reverse must be 0 or 1, got " + std::to_string(n.ip.at(1)));
   n.dtype = DType::f32;
   n.shape = x.shape;
 }

@@ -166,7 +166,7 @@ RC_SIMD void conv_bwd_block(const float* dy, const float* sx, const float* c, in
 void conv_check(Graph& g, Node& n, int off, int64_t* S, int64_t* D, int64_t* W, int64_t* T) {
   require_f32(g, n, off);
   require_f32(g, n, off + 1);
-  const Shape &sx = g.node(n.src[off]).shape, &c = g.node(n.src[off + 1]).shape;
+  const Shape &sx = g.node(n.src.at(off)).shape, &c = g.node(n.src.at(off + 1)).shape;
   if (sx.ndim != 3) fail_shape(g, n, "sx must be (n_seqs, d_inner, d_conv - 1 + n_tok)");
   if (c.ndim != 2) fail_shape(g, n, "c must be (d_inner, d_conv)");
   if (c[1] < 1) fail_shape(g, n, "d_conv must be >= 1");
@@ -226,9 +226,9 @@ void register_ssm_conv_ops(OpTable& t) {
       require_f32(g, n, 0);
       int64_t S, D, W, T;
       conv_check(g, n, 1, &S, &D, &W, &T);
-      if (g.node(n.src[0]).shape != Shape{S, T, D}) fail_shape(g, n, "dy must be (n_seqs, n_tok, d_inner)");
+      if (g.node(n.src.at(0)).shape != Shape{S, T, D}) fail_shape(g, n, "dy must be (n_seqs, n_tok, d_inner)");
       n.dtype = DType::f32;
-      n.shape = Shape{g.node(n.src[1]).numel() + g.node(n.src[2]).numel()};
+      n.shape = Shape{g.node(n.src.at(1)).numel() + g.node(n.src.at(2)).numel()};
     };
     d.forward = [](KernelCtx& c) {
       const Shape& sx = c.src[1].shape;

@@ -730,7 +730,7 @@ RC_INLINE void fwd_pn_chunk(float* __restrict S, const float* const* b, const fl
 template <int M>
 RC_INLINE void fwd_pn(float* S, const float* const* b, const float* const* u, const float* const* dy,
                       float* const* dc, int64_t pl, int64_t Np) {
-  constexpr int NV = M == 1 ? 4 : 2;
+  constexpr int NV = 4;
   int64_t n = 0;
   for (; n + 16 * NV <= Np; n += 16 * NV) fwd_pn_chunk<NV, M>(S, b, u, dy, dc, n, pl, Np);
   for (; n < Np; n += 16) fwd_pn_chunk<1, M>(S, b, u, dy, dc, n, pl, Np);
@@ -774,7 +774,7 @@ template <int M>
 RC_INLINE void rev_pn(float* lam, const float* const* c, const float* const* bh, const float* const* u,
                       const float* const* dy, float* const* db, float* const* dupart, float* const* du,
                       int64_t pl, int64_t Np) {
-  constexpr int NV = M == 1 ? 4 : 2;
+  constexpr int NV = 4;
   int64_t n = 0;
   if (Np >= 16 * NV) {
     rev_pn_chunk<NV, M, true>(lam, c, bh, u, dy, db, dupart, 0, pl, Np);
@@ -1552,12 +1552,12 @@ void scan_backward(KernelCtx& c) {
 // Validates (s, x, dt, A, B, C, ids) starting at source `off`; returns the dims.
 Dims scan_check(Graph& g, Node& n, int off) {
   for (int i = off; i < off + 6; ++i) require_f32(g, n, i);
-  const Node& idn = g.node(n.src[off + 6]);
+  const Node& idn = g.node(n.src.at(off + 6));
   if (idn.dtype != DType::i32)
     throw TypeError(OpTable::get().at(n.op).name + ": ids must be int32, got " + dtype_name(idn.dtype));
-  const Shape &s = g.node(n.src[off]).shape, &x = g.node(n.src[off + 1]).shape,
-              &dt = g.node(n.src[off + 2]).shape, &A = g.node(n.src[off + 3]).shape,
-              &B = g.node(n.src[off + 4]).shape, &C = g.node(n.src[off + 5]).shape, &ids = idn.shape;
+  const Shape &s = g.node(n.src.at(off)).shape, &x = g.node(n.src.at(off + 1)).shape,
+              &dt = g.node(n.src.at(off + 2)).shape, &A = g.node(n.src.at(off + 3)).shape,
+              &B = g.node(n.src.at(off + 4)).shape, &C = g.node(n.src.at(off + 5)).shape, &ids = idn.shape;
   if (s.ndim != 4) fail_shape(g, n, "s must be (n_rows, n_head, head_dim, d_state)");
   if (x.ndim != 4) fail_shape(g, n, "x must be (n_seqs, n_tok, n_head, head_dim)");
   if (dt.ndim != 3) fail_shape(g, n, "dt must be (n_seqs, n_tok, n_head)");
@@ -1628,11 +1628,11 @@ void register_ssm_ops(OpTable& t) {
       if (n.src.size() != 8) fail_shape(g, n, "takes (grad, s, x, dt, A, B, C, ids)");
       require_f32(g, n, 0);
       const Dims dm = scan_check(g, n, 1);
-      const Shape& gr = g.node(n.src[0]).shape;
+      const Shape& gr = g.node(n.src.at(0)).shape;
       if (gr.ndim != 1 || gr[0] != dm.S * dm.T * dm.H * dm.P + dm.S * dm.H * dm.P * dm.N)
         fail_shape(g, n, "grad must be the packed (y, final states) gradient");
       int64_t total = 0;
-      for (int i = 1; i < 7; ++i) total += g.node(n.src[i]).numel();
+      for (int i = 1; i < 7; ++i) total += g.node(n.src.at(i)).numel();
       n.dtype = DType::f32;
       n.shape = Shape{total};
     };

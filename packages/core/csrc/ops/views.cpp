@@ -46,9 +46,9 @@ void register_view_ops(OpTable& t) {
     d.infer = [](Graph& g, Node& n) {
       if (n.src.size() != 1) fail_shape(g, n, "takes one input");
       Shape s = Shape::from(n.ip);
-      if (s.numel() != g.node(n.src[0]).numel())
+      if (s.numel() != g.node(n.src.at(0)).numel())
         fail_shape(g, n, "cannot reshape to " + s.str() + ": element counts differ");
-      make_view_of(g, n, n.src[0]);
+      make_view_of(g, n, n.src.at(0));
       n.shape = s;
       contiguous_strides(s, n.strides);
     };
@@ -64,13 +64,13 @@ void register_view_ops(OpTable& t) {
       if (static_cast<int>(n.ip.size()) != s.shape.ndim)
         fail_shape(g, n, "the permutation must name every axis once");
       bool seen[kMaxDims] = {false, false, false, false};
-      make_view_of(g, n, n.src[0]);
+      make_view_of(g, n, n.src.at(0));
       n.shape.ndim = s.shape.ndim;
       for (int i = 0; i < s.shape.ndim; ++i) {
-        int a = norm_axis("permute", n.ip[i], s.shape.ndim);
+        int a = norm_axis("permute", n.ip.at(i), s.shape.ndim);
         if (seen[a]) fail_shape(g, n, "the permutation repeats an axis");
         seen[a] = true;
-        n.ip[i] = a;
+        n.ip.at(i) = a;
         n.shape.d[i] = s.shape.d[a];
         n.strides[i] = s.strides[a];
       }
@@ -90,10 +90,10 @@ void register_view_ops(OpTable& t) {
     d.infer = [](Graph& g, Node& n) {
       const Node& s = g.node(n.src.at(0));
       if (static_cast<int>(n.ip.size()) != 3 * s.shape.ndim) fail_shape(g, n, "needs (start, stop, step) per axis");
-      make_view_of(g, n, n.src[0]);
+      make_view_of(g, n, n.src.at(0));
       n.shape.ndim = s.shape.ndim;
       for (int i = 0; i < s.shape.ndim; ++i) {
-        int64_t b = n.ip[3 * i], e = n.ip[3 * i + 1], st = n.ip[3 * i + 2];
+        int64_t b = n.ip.at(3 * i), e = n.ip.at(3 * i + 1), st = n.ip.at(3 * i + 2);
         if (st <= 0) fail_shape(g, n, "slice steps must be positive");
         if (b < 0 || e > s.shape.d[i] || b > e) {
           if (!(b == e && b >= 0 && b <= s.shape.d[i]))
@@ -117,10 +117,18 @@ void register_view_ops(OpTable& t) {
     OpDef d;
     d.name = "slice_grad";
     d.infer = [](Graph& g, Node& n) {
+      if (n.src.size() != 1 || n.ip.size() % 4 != 0) fail_shape(g, n, "takes one input, a shape and a slice");
       require_f32(g, n, 0);
       int nd = static_cast<int>(n.ip.size()) / 4;
       n.dtype = DType::f32;
       n.shape = Shape::from(std::vector<int64_t>(n.ip.begin(), n.ip.begin() + nd));
+      const Shape& gs = g.node(n.src[0]).shape;
+      if (gs.ndim != nd) fail_shape(g, n, "the gradient and the shape differ in axes");
+      for (int i = 0; i < nd; ++i) {  // the slice must fit the shape and match the gradient
+        int64_t b = n.ip[nd + 3 * i], e = n.ip[nd + 3 * i + 1], st = n.ip[nd + 3 * i + 2];
+        if (st <= 0 || b < 0 || e > n.shape.d[i] || b > e || (e - b + st - 1) / st != gs.d[i])
+          fail_shape(g, n, "the slice does not match the gradient on axis " + std::to_string(i));
+      }
     };
     d.forward = [](KernelCtx& c) {
       std::memset(c.dst.data, 0, c.dst.numel() * 4);
@@ -154,7 +162,7 @@ void register_view_ops(OpTable& t) {
       Shape target = Shape::from(n.ip);
       Shape b = broadcast_shapes("broadcast_to", s.shape, target);
       if (b != target) fail_shape(g, n, "cannot broadcast to " + target.str());
-      make_view_of(g, n, n.src[0]);
+      make_view_of(g, n, n.src.at(0));
       n.shape = target;
       TensorView sv;
       sv.shape = s.shape;
@@ -182,8 +190,9 @@ void register_view_ops(OpTable& t) {
     d.name = "fill";
     d.infer = [](Graph& g, Node& n) {
       if (!n.src.empty() || n.fp.size() != 2) fail_shape(g, n, "takes no inputs and (value, dtype)");
+      if (n.fp[1] != 0.0 && n.fp[1] != 1.0) fail_shape(g, n, "dtype code must be 0 (float32) or 1 (int32)");
       n.shape = Shape::from(n.ip);
-      n.dtype = static_cast<DType>(static_cast<int>(n.fp[1]));
+      n.dtype = static_cast<DType>(static_cast<int>(n.fp.at(1)));
     };
     d.forward = [](KernelCtx& c) {
       int64_t n = c.dst.numel();

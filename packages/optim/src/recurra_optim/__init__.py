@@ -30,6 +30,17 @@ except _metadata.PackageNotFoundError:  # running from a source tree
     __version__ = "0+unknown"
 
 __all__ = [
-    "SGD", "Adam", "AdamW", "CosineWarmupLR", "LRScheduler", "Lion", "OneCycleLR", "Optimizer",
-    "StepLR", "__version__", "clip_grad_norm_", "clip_grad_value_", "lr_scheduler",
+    "SGD",
+    "Adam",
+    "AdamW",
+    "CosineWarmupLR",
+    "LRScheduler",
+    "Lion",
+    "OneCycleLR",
+    "Optimizer",
+    "StepLR",
+    "__version__",
+    "clip_grad_norm_",
+    "clip_grad_value_",
+    "lr_scheduler",
 ]

@@ -78,16 +78,20 @@ def save(opt: Optimizer, path: str | os.PathLike[str]) -> None:
         "param_groups": [{k: _encode(v) for k, v in g.items()} for g in sd["param_groups"]],
         "param_shapes": shapes,
     }
-    blob = st_save(tensors, metadata={
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "optimizer": json.dumps(meta),
-    })
+    blob = st_save(
+        tensors,
+        metadata={
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "optimizer": json.dumps(meta),
+        },
+    )
     folder = os.path.dirname(os.path.abspath(path))
     tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp",
-                                   dir=folder)
+        fd, tmp = tempfile.mkstemp(
+            prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder
+        )
         with os.fdopen(fd, "wb") as f:
             f.write(blob)
             f.flush()
@@ -96,8 +100,7 @@ def save(opt: Optimizer, path: str | os.PathLike[str]) -> None:
         tmp = None
         _fsync_dir(folder)
     except OSError as e:
-        raise OSError(e.errno, f"{path}: cannot save the optimizer state: {e.strerror or e}") \
-            from e
+        raise OSError(e.errno, f"{path}: cannot save the optimizer state: {e.strerror or e}") from e
     finally:
         if tmp is not None:
             try:
@@ -111,10 +114,9 @@ def _header(blob: bytes) -> dict[str, Any]:
         raise ValueError(f"the file is too short to be safetensors ({len(blob)} bytes)")
     (n,) = struct.unpack("<Q", blob[:8])
     if n > _MAX_HEADER or 8 + n > len(blob):
-        raise ValueError("the safetensors header length is invalid (truncated or not "
-                         "safetensors)")
+        raise ValueError("the safetensors header length is invalid (truncated or not safetensors)")
     try:
-        head = json.loads(blob[8:8 + n])
+        head = json.loads(blob[8 : 8 + n])
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"the safetensors header is not valid JSON ({e})") from None
     if not isinstance(head, dict):
@@ -136,8 +138,10 @@ def read_state_dict(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[
     if meta.get("format") != FORMAT:
         raise ValueError(f"not a recurra optimizer state file (format {meta.get('format')!r})")
     if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"unsupported format version {meta.get('format_version')!r} "
-                         f"(this recurra-optim reads version {FORMAT_VERSION})")
+        raise ValueError(
+            f"unsupported format version {meta.get('format_version')!r} "
+            f"(this recurra-optim reads version {FORMAT_VERSION})"
+        )
     try:
         tensors = st_load(blob)
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
@@ -172,12 +176,15 @@ def load(opt: Optimizer, path: str | os.PathLike[str]) -> None:
         sd, shapes = read_state_dict(path)
         mine = [list(p.shape) for g in opt.param_groups for p in g["params"]]
         if len(shapes) != len(mine):
-            raise ValueError(f"the file holds state for {len(shapes)} parameters, this optimizer "
-                             f"has {len(mine)}")
+            raise ValueError(
+                f"the file holds state for {len(shapes)} parameters, this optimizer has {len(mine)}"
+            )
         for i, (a, b) in enumerate(zip(shapes, mine)):
             if a != b:
-                raise ValueError(f"parameter {i} has shape {tuple(a)} in the file but "
-                                 f"{tuple(b)} here (shape mismatch)")
+                raise ValueError(
+                    f"parameter {i} has shape {tuple(a)} in the file but "
+                    f"{tuple(b)} here (shape mismatch)"
+                )
         opt.load_state_dict(sd)
     except ValueError as e:
         raise ValueError(f"{path}: cannot load the optimizer state: {e}") from None

@@ -58,8 +58,9 @@ def _run(parameters: Tensor | Iterable[Tensor], hyper: dict[str, float], norm: b
     return fs.grad_norm() if norm else 0.0
 
 
-def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_norm: float,
-                    norm_type: float = 2.0) -> float:
+def clip_grad_norm_(
+    parameters: Tensor | Iterable[Tensor], max_norm: float, norm_type: float = 2.0
+) -> float:
     """Scales the gradients of ``parameters`` in place so that their global L2 norm is at
     most ``max_norm`` (by ``max_norm / (norm + 1e-6)`` when above it).
 
@@ -67,8 +68,9 @@ def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_norm: float,
     ValueError for max_norm <= 0 or a norm_type other than 2.
     """
     if norm_type != 2.0:
-        raise ValueError(f"clip_grad_norm_: only the L2 norm (norm_type=2) is supported, "
-                         f"got {norm_type}")
+        raise ValueError(
+            f"clip_grad_norm_: only the L2 norm (norm_type=2) is supported, got {norm_type}"
+        )
     max_norm = float(max_norm)
     if not (max_norm > 0 and math.isfinite(max_norm)):
         raise ValueError(f"clip_grad_norm_: max_norm must be positive and finite, got {max_norm}")
@@ -80,6 +82,7 @@ def clip_grad_value_(parameters: Tensor | Iterable[Tensor], clip_value: float) -
     place. Raises ValueError for clip_value <= 0."""
     clip_value = float(clip_value)
     if not (clip_value > 0 and math.isfinite(clip_value)):
-        raise ValueError(f"clip_grad_value_: clip_value must be positive and finite, got "
-                         f"{clip_value}")
+        raise ValueError(
+            f"clip_grad_value_: clip_value must be positive and finite, got {clip_value}"
+        )
     _run(parameters, {"clip_value": clip_value}, norm=False)

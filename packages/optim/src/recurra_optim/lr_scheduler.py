@@ -35,8 +35,10 @@ class LRScheduler:
         else:
             for i, g in enumerate(optimizer.param_groups):
                 if "initial_lr" not in g:
-                    raise KeyError(f"param 'initial_lr' is not specified in param_groups[{i}] "
-                                   f"when resuming a scheduler")
+                    raise KeyError(
+                        f"param 'initial_lr' is not specified in param_groups[{i}] "
+                        f"when resuming a scheduler"
+                    )
         self.base_lrs: list[float] = [float(g["initial_lr"]) for g in optimizer.param_groups]
         self.last_epoch = last_epoch
         self._last_lr: list[float] = []
@@ -72,8 +74,9 @@ class LRScheduler:
         """Restores a :meth:`state_dict`. Raises ValueError when it has other keys."""
         want = set(self.state_dict())
         if set(state_dict) != want:
-            raise ValueError(f"scheduler state has keys {sorted(state_dict)}, expected "
-                             f"{sorted(want)}")
+            raise ValueError(
+                f"scheduler state has keys {sorted(state_dict)}, expected {sorted(want)}"
+            )
         self.__dict__.update(state_dict)
 
 
@@ -83,8 +86,9 @@ class StepLR(LRScheduler):
     Raises ValueError for step_size < 1.
     """
 
-    def __init__(self, optimizer: Optimizer, step_size: int, gamma: float = 0.1,
-                 last_epoch: int = -1) -> None:
+    def __init__(
+        self, optimizer: Optimizer, step_size: int, gamma: float = 0.1, last_epoch: int = -1
+    ) -> None:
         if int(step_size) < 1:
             raise ValueError(f"step_size must be >= 1, got {step_size}")
         self.step_size = int(step_size)
@@ -108,11 +112,18 @@ class CosineWarmupLR(LRScheduler):
     Raises ValueError unless 0 <= warmup_steps < total_steps.
     """
 
-    def __init__(self, optimizer: Optimizer, warmup_steps: int, total_steps: int,
-                 min_lr: float | Sequence[float] = 0.0, last_epoch: int = -1) -> None:
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        warmup_steps: int,
+        total_steps: int,
+        min_lr: float | Sequence[float] = 0.0,
+        last_epoch: int = -1,
+    ) -> None:
         if not 0 <= int(warmup_steps) < int(total_steps):
-            raise ValueError(f"need 0 <= warmup_steps < total_steps, got {warmup_steps} and "
-                             f"{total_steps}")
+            raise ValueError(
+                f"need 0 <= warmup_steps < total_steps, got {warmup_steps} and {total_steps}"
+            )
         self.warmup_steps = int(warmup_steps)
         self.total_steps = int(total_steps)
         n = len(optimizer.param_groups)
@@ -149,14 +160,23 @@ class OneCycleLR(LRScheduler):
     without momentum or betas.
     """
 
-    def __init__(self, optimizer: Optimizer, max_lr: float | Sequence[float],
-                 total_steps: int | None = None, epochs: int | None = None,
-                 steps_per_epoch: int | None = None, pct_start: float = 0.3,
-                 anneal_strategy: str = "cos", cycle_momentum: bool = True,
-                 base_momentum: float | Sequence[float] = 0.85,
-                 max_momentum: float | Sequence[float] = 0.95, div_factor: float = 25.0,
-                 final_div_factor: float = 1e4, three_phase: bool = False,
-                 last_epoch: int = -1) -> None:
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        max_lr: float | Sequence[float],
+        total_steps: int | None = None,
+        epochs: int | None = None,
+        steps_per_epoch: int | None = None,
+        pct_start: float = 0.3,
+        anneal_strategy: str = "cos",
+        cycle_momentum: bool = True,
+        base_momentum: float | Sequence[float] = 0.85,
+        max_momentum: float | Sequence[float] = 0.95,
+        div_factor: float = 25.0,
+        final_div_factor: float = 1e4,
+        three_phase: bool = False,
+        last_epoch: int = -1,
+    ) -> None:
         if total_steps is not None:
             if int(total_steps) <= 0:
                 raise ValueError(f"expected a positive integer total_steps, got {total_steps}")
@@ -182,16 +202,31 @@ class OneCycleLR(LRScheduler):
         total = float(self.total_steps)
         if three_phase:
             self._phases = [
-                (float(pct_start * total) - 1, "initial_lr", "max_lr", "max_momentum",
-                 "base_momentum"),
-                (float(2 * pct_start * total) - 2, "max_lr", "initial_lr", "base_momentum",
-                 "max_momentum"),
+                (
+                    float(pct_start * total) - 1,
+                    "initial_lr",
+                    "max_lr",
+                    "max_momentum",
+                    "base_momentum",
+                ),
+                (
+                    float(2 * pct_start * total) - 2,
+                    "max_lr",
+                    "initial_lr",
+                    "base_momentum",
+                    "max_momentum",
+                ),
                 (total - 1, "initial_lr", "min_lr", "max_momentum", "max_momentum"),
             ]
         else:
             self._phases = [
-                (float(pct_start * total) - 1, "initial_lr", "max_lr", "max_momentum",
-                 "base_momentum"),
+                (
+                    float(pct_start * total) - 1,
+                    "initial_lr",
+                    "max_lr",
+                    "max_momentum",
+                    "base_momentum",
+                ),
                 (total - 1, "max_lr", "min_lr", "base_momentum", "max_momentum"),
             ]
         self.cycle_momentum = bool(cycle_momentum)
@@ -228,8 +263,9 @@ class OneCycleLR(LRScheduler):
     def get_lr(self) -> list[float]:
         t = self.last_epoch
         if t > self.total_steps:
-            raise ValueError(f"tried to step {t} times; the total number of steps is "
-                             f"{self.total_steps}")
+            raise ValueError(
+                f"tried to step {t} times; the total number of steps is {self.total_steps}"
+            )
         lrs = []
         for g in self.optimizer.param_groups:
             start = 0.0

@@ -61,9 +61,16 @@ class Optimizer:
 
     _op: str = ""
 
-    def __init__(self, params: ParamsT, defaults: dict[str, Any], *,
-                 accumulate_steps: int = 1, average: bool = True,
-                 max_grad_norm: float | None = None, clip_value: float | None = None) -> None:
+    def __init__(
+        self,
+        params: ParamsT,
+        defaults: dict[str, Any],
+        *,
+        accumulate_steps: int = 1,
+        average: bool = True,
+        max_grad_norm: float | None = None,
+        clip_value: float | None = None,
+    ) -> None:
         self.defaults = dict(defaults)
         self.param_groups: list[dict[str, Any]] = []
         self.state: dict[Tensor, dict[str, Tensor]] = {}
@@ -120,8 +127,9 @@ class Optimizer:
             raise ValueError("some parameters appear in more than one parameter group")
         for k, v in self.defaults.items():
             if v is _REQUIRED and k not in group:
-                raise ValueError(f"parameter group didn't specify a value of required "
-                                 f"optimization parameter {k}")
+                raise ValueError(
+                    f"parameter group didn't specify a value of required optimization parameter {k}"
+                )
             group.setdefault(k, v)
         for k, v in list(group.items()):
             if k != "params" and isinstance(self.defaults.get(k), tuple):
@@ -220,8 +228,10 @@ class Optimizer:
         if not rows:
             return False
         norm = self.max_grad_norm is not None
-        key = (norm, tuple((gi, tuple(map(id, ps)), self._extra(self.param_groups[gi]))
-                           for gi, ps in rows))
+        key = (
+            norm,
+            tuple((gi, tuple(map(id, ps)), self._extra(self.param_groups[gi])) for gi, ps in rows),
+        )
         uploads: list[tuple[Any, np.ndarray]] = []  # device buffers to write back after the run
         plan = self._plans.get(key)
         if plan is None:
@@ -257,8 +267,12 @@ class Optimizer:
             self.last_grad_norm = fs.grad_norm()
         return True
 
-    def _build(self, rows: list[tuple[int, list[Tensor]]], norm: bool,
-               uploads: list[tuple[Any, np.ndarray]]) -> _Plan:
+    def _build(
+        self,
+        rows: list[tuple[int, list[Tensor]]],
+        norm: bool,
+        uploads: list[tuple[Any, np.ndarray]],
+    ) -> _Plan:
         """Checks every parameter and gradient and builds the fused step over them."""
         updates = []
         on_host = []
@@ -276,8 +290,9 @@ class Optimizer:
         fs = FusedStep(updates, norm=norm)
         return _Plan(fs, on_host, [[p._value for p in ps] for _, ps in rows])
 
-    def _rebind(self, plan: _Plan, u: int, gi: int, ps: list[Tensor],
-                uploads: list[tuple[Any, np.ndarray]]) -> bool:
+    def _rebind(
+        self, plan: _Plan, u: int, gi: int, ps: list[Tensor], uploads: list[tuple[Any, np.ndarray]]
+    ) -> bool:
         """Points update u of a cached plan at this step's arrays (usually only the
         gradients change). Returns False when a parameter moved and the plan must go."""
         fs = plan.step
@@ -298,8 +313,12 @@ class Optimizer:
                 return False
             g = p.grad
             a = g._value if isinstance(g, Tensor) else g
-            if type(a) is not np.ndarray or a.dtype != np.float32 or g.shape != p.shape \
-                    or not a.flags.c_contiguous:
+            if (
+                type(a) is not np.ndarray
+                or a.dtype != np.float32
+                or g.shape != p.shape
+                or not a.flags.c_contiguous
+            ):
                 self._check_grad_shape(p)
                 a = self._host_grad(p)
             grads.append(a)
@@ -309,8 +328,10 @@ class Optimizer:
     def _check_grad_shape(self, p: Tensor) -> None:
         gshape = tuple(getattr(p.grad, "shape", ()))
         if gshape != p.shape:
-            raise ValueError(f"{type(self).__name__}.step(): shape mismatch: the gradient of "
-                             f"{self._name(p)} has shape {gshape}, the parameter {p.shape}")
+            raise ValueError(
+                f"{type(self).__name__}.step(): shape mismatch: the gradient of "
+                f"{self._name(p)} has shape {gshape}, the parameter {p.shape}"
+            )
 
     def _host_grad(self, p: Tensor) -> np.ndarray:
         """p's gradient as a dense float32 host array (a download for a device gradient)."""
@@ -325,8 +346,9 @@ class Optimizer:
         _download(p.grad, host, self._name(p), "gradient")
         return host
 
-    def _arrays(self, p: Tensor, keys: tuple[str, ...],
-                uploads: list[tuple[Any, np.ndarray]]) -> tuple[np.ndarray, ...]:
+    def _arrays(
+        self, p: Tensor, keys: tuple[str, ...], uploads: list[tuple[Any, np.ndarray]]
+    ) -> tuple[np.ndarray, ...]:
         """The host arrays the update op works on for p: (param, grad, *state, step).
 
         On the CPU these are the tensors' own buffers (updated in place, zero-copy). For a
@@ -337,8 +359,7 @@ class Optimizer:
         st = self.state[p]
         tensors = [p, *(st[k] for k in keys), st["step"]]
         if all(isinstance(t._value, np.ndarray) for t in tensors):
-            return (p._value, self._host_grad(p), *(st[k]._value for k in keys),
-                    st["step"]._value)
+            return (p._value, self._host_grad(p), *(st[k]._value for k in keys), st["step"]._value)
         stage = self._staging.setdefault(id(p), {})
         out = []
         for name, t in zip(("param", *keys, "step"), tensors):
@@ -355,14 +376,22 @@ class Optimizer:
         and moves the state along if the parameter changed device."""
         value = p._value
         if isinstance(value, np.ndarray):
-            if value.dtype != np.float32 or value.shape != p.shape \
-                    or not value.flags.c_contiguous or not value.flags.writeable:
-                raise ValueError(f"{type(self).__name__}.step(): the data of {self._name(p)} is "
-                                 f"not a writable C-contiguous float32 array of shape {p.shape}")
+            if (
+                value.dtype != np.float32
+                or value.shape != p.shape
+                or not value.flags.c_contiguous
+                or not value.flags.writeable
+            ):
+                raise ValueError(
+                    f"{type(self).__name__}.step(): the data of {self._name(p)} is "
+                    f"not a writable C-contiguous float32 array of shape {p.shape}"
+                )
         elif not getattr(value, "valid", True):
-            raise RuntimeError(f"{type(self).__name__}.step(): the device memory of "
-                               f"{self._name(p)} was released (its backend closed); move the "
-                               f"parameter to a live device before stepping")
+            raise RuntimeError(
+                f"{type(self).__name__}.step(): the device memory of "
+                f"{self._name(p)} was released (its backend closed); move the "
+                f"parameter to a live device before stepping"
+            )
         self._sync_state(p, group)
 
     def _sync_state(self, p: Tensor, group: dict[str, Any]) -> None:
@@ -374,9 +403,11 @@ class Optimizer:
             if t.device == p.device:
                 continue
             if not getattr(t._value, "valid", True):
-                raise RuntimeError(f"{type(self).__name__}: the {k} state of {self._name(p)} "
-                                   f"lived on {t.device}, whose memory was released; restore it "
-                                   f"with load_state_dict()/load() from a saved state")
+                raise RuntimeError(
+                    f"{type(self).__name__}: the {k} state of {self._name(p)} "
+                    f"lived on {t.device}, whose memory was released; restore it "
+                    f"with load_state_dict()/load() from a saved state"
+                )
             st[k] = recurra.tensor(t.numpy(), device=p.device)
             self._staging.pop(id(p), None)
             self._plans.clear()
@@ -463,11 +494,13 @@ class Optimizer:
             self.step_count = meta["step_count"]
         self._plans.clear()
 
-    def _validate_state_dict(self, sd: Mapping[str, Any]) -> tuple[
-            list[dict[str, Any]], dict[int, dict[str, Any]], dict[str, Any]]:
+    def _validate_state_dict(
+        self, sd: Mapping[str, Any]
+    ) -> tuple[list[dict[str, Any]], dict[int, dict[str, Any]], dict[str, Any]]:
         if not isinstance(sd, Mapping) or "state" not in sd or "param_groups" not in sd:
-            raise ValueError("not an optimizer state dict: expected the keys 'state' and "
-                             "'param_groups'")
+            raise ValueError(
+                "not an optimizer state dict: expected the keys 'state' and 'param_groups'"
+            )
         meta_in = sd.get("optimizer")
         meta: dict[str, Any] = {}
         if meta_in is not None:
@@ -475,8 +508,9 @@ class Optimizer:
                 raise ValueError("'optimizer' entry must be a dict")
             kind = meta_in.get("type")
             if kind != type(self).__name__:
-                raise ValueError(f"the state is of a {kind} optimizer, this one is "
-                                 f"{type(self).__name__}")
+                raise ValueError(
+                    f"the state is of a {kind} optimizer, this one is {type(self).__name__}"
+                )
             try:
                 meta = {
                     "accumulate_steps": _check_accumulate(meta_in["accumulate_steps"]),
@@ -493,8 +527,9 @@ class Optimizer:
         groups_in = sd["param_groups"]
         if not isinstance(groups_in, (list, tuple)) or len(groups_in) != len(self.param_groups):
             n = len(groups_in) if isinstance(groups_in, (list, tuple)) else "?"
-            raise ValueError(f"the state has {n} parameter groups, this optimizer "
-                             f"{len(self.param_groups)}")
+            raise ValueError(
+                f"the state has {n} parameter groups, this optimizer {len(self.param_groups)}"
+            )
         new_groups: list[dict[str, Any]] = []
         index: dict[int, tuple[Tensor, dict[str, Any]]] = {}
         for gi, (mine, theirs) in enumerate(zip(self.param_groups, groups_in)):
@@ -502,8 +537,10 @@ class Optimizer:
                 raise ValueError(f"parameter group {gi} of the state is malformed")
             ids = list(theirs["params"])
             if len(ids) != len(mine["params"]):
-                raise ValueError(f"parameter group {gi} has {len(ids)} parameters in the state, "
-                                 f"{len(mine['params'])} here")
+                raise ValueError(
+                    f"parameter group {gi} has {len(ids)} parameters in the state, "
+                    f"{len(mine['params'])} here"
+                )
             ng = {k: v for k, v in theirs.items() if k != "params"}
             for k, v in self.defaults.items():
                 if k not in ng:
@@ -517,8 +554,10 @@ class Optimizer:
             new_groups.append(ng)
             for i, p in zip(ids, mine["params"]):
                 if not isinstance(i, (int, np.integer)) or int(i) in index:
-                    raise ValueError(f"parameter group {gi} of the state has a bad or repeated "
-                                     f"parameter index {i!r}")
+                    raise ValueError(
+                        f"parameter group {gi} of the state has a bad or repeated "
+                        f"parameter index {i!r}"
+                    )
                 index[int(i)] = (p, check)
         state_in = sd["state"]
         if not isinstance(state_in, Mapping):
@@ -531,8 +570,7 @@ class Optimizer:
             except (TypeError, ValueError):
                 raise ValueError(f"bad parameter index {key!r} in the state") from None
             if i not in index:
-                raise ValueError(f"the state has an entry for parameter {i}, which no group "
-                                 f"lists")
+                raise ValueError(f"the state has an entry for parameter {i}, which no group lists")
             p, group = index[i]
             pos = next(j for j, q in enumerate(flat) if q is p)
             if not isinstance(entry, Mapping):
@@ -548,15 +586,20 @@ class Optimizer:
                     out["step"] = int(s[0])
                     continue
                 if k not in want and k not in self._optional_state:
-                    raise ValueError(f"state of parameter {i}: unexpected entry {k!r} for "
-                                     f"{type(self).__name__} (expected {sorted(want)})")
+                    raise ValueError(
+                        f"state of parameter {i}: unexpected entry {k!r} for "
+                        f"{type(self).__name__} (expected {sorted(want)})"
+                    )
                 arr = np.asarray(v)
                 if arr.dtype.kind != "f":
-                    raise ValueError(f"state of parameter {i}: {k} must be floating point, got "
-                                     f"{arr.dtype}")
+                    raise ValueError(
+                        f"state of parameter {i}: {k} must be floating point, got {arr.dtype}"
+                    )
                 if arr.shape != p.shape:
-                    raise ValueError(f"state of parameter {i}: {k} has shape {arr.shape}, the "
-                                     f"parameter {p.shape} (shape mismatch)")
+                    raise ValueError(
+                        f"state of parameter {i}: {k} has shape {arr.shape}, the "
+                        f"parameter {p.shape} (shape mismatch)"
+                    )
                 out[k] = np.ascontiguousarray(arr, np.float32)
             missing = want - set(out)
             if missing:
@@ -611,6 +654,7 @@ _REQUIRED: Any = _Required()
 
 # ---- helpers --------------------------------------------------------------------------------
 
+
 def _on_device(t: Any) -> bool:
     """Whether t is a recurra tensor whose value lives in a device backend's memory."""
     return _is_tensor(t) and t._value is not None and not isinstance(t._value, np.ndarray)
@@ -622,8 +666,10 @@ def _download(t: Tensor, out: np.ndarray, name: str, what: str) -> None:
         np.copyto(out, buf)
         return
     if not getattr(buf, "valid", True):
-        raise RuntimeError(f"the {what} of {name} lived on {t.device}, whose memory was "
-                           f"released (its backend closed)")
+        raise RuntimeError(
+            f"the {what} of {name} lived on {t.device}, whose memory was "
+            f"released (its backend closed)"
+        )
     buf.download(out)
 
 
@@ -660,8 +706,10 @@ def _param_list(params: Any, names: dict[int, str]) -> list[Tensor]:
             raise TypeError(f"params must be tensors, got {type(params).__name__}") from None
     for i, p in enumerate(params):
         if not _is_tensor(p):
-            raise TypeError(f"optimizer can only optimize recurra tensors, but parameter {i} is "
-                            f"{type(p).__name__}")
+            raise TypeError(
+                f"optimizer can only optimize recurra tensors, but parameter {i} is "
+                f"{type(p).__name__}"
+            )
         if not p.is_leaf:
             raise ValueError(f"can't optimize a non-leaf tensor (parameter {i})")
         if p.dtype != "float32":
@@ -671,8 +719,10 @@ def _param_list(params: Any, names: dict[int, str]) -> list[Tensor]:
 
 def _as_groups(params: Any, names: dict[int, str]) -> list[dict[str, Any]]:
     if _is_tensor(params):
-        raise TypeError("params argument given to the optimizer should be an iterable of tensors "
-                        "or dicts, but got a single tensor")
+        raise TypeError(
+            "params argument given to the optimizer should be an iterable of tensors "
+            "or dicts, but got a single tensor"
+        )
     if isinstance(params, Mapping):
         return [{"params": params}]
     items = list(params)

@@ -38,11 +38,26 @@ class SGD(Optimizer):
     _op = "sgd_step"
     _optional_state = ("momentum_buffer",)
 
-    def __init__(self, params: ParamsT, lr: float = 1e-3, momentum: float = 0.0,
-                 dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False, *,
-                 maximize: bool = False, **kwargs: Any) -> None:
-        defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
-                        weight_decay=weight_decay, nesterov=nesterov, maximize=maximize)
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            maximize=maximize,
+        )
         super().__init__(params, defaults, **kwargs)
 
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -60,9 +75,13 @@ class SGD(Optimizer):
         return (1 if group["momentum"] != 0 else 0,)
 
     def _hyper(self, group: dict[str, Any]) -> dict[str, float]:
-        return {"weight_decay": group["weight_decay"], "a": group["momentum"],
-                "b": group["dampening"], "c": 1.0 if group["nesterov"] else 0.0,
-                "maximize": 1.0 if group["maximize"] else 0.0}
+        return {
+            "weight_decay": group["weight_decay"],
+            "a": group["momentum"],
+            "b": group["dampening"],
+            "c": 1.0 if group["nesterov"] else 0.0,
+            "maximize": 1.0 if group["maximize"] else 0.0,
+        }
 
 
 class Adam(Optimizer):
@@ -77,11 +96,20 @@ class Adam(Optimizer):
 
     _op = "adam_step"
 
-    def __init__(self, params: ParamsT, lr: float = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, *, maximize: bool = False, **kwargs: Any) -> None:
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        maximize=maximize)
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        maximize: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        defaults = dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=maximize
+        )
         super().__init__(params, defaults, **kwargs)
 
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -95,8 +123,13 @@ class Adam(Optimizer):
 
     def _hyper(self, group: dict[str, Any]) -> dict[str, float]:
         b1, b2 = group["betas"]
-        return {"weight_decay": group["weight_decay"], "a": b1, "b": b2, "c": group["eps"],
-                "maximize": 1.0 if group["maximize"] else 0.0}
+        return {
+            "weight_decay": group["weight_decay"],
+            "a": b1,
+            "b": b2,
+            "c": group["eps"],
+            "maximize": 1.0 if group["maximize"] else 0.0,
+        }
 
 
 class AdamW(Adam):
@@ -105,11 +138,26 @@ class AdamW(Adam):
 
     _op = "adamw_step"
 
-    def __init__(self, params: ParamsT, lr: float = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, maximize: bool = False, **kwargs: Any) -> None:
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         maximize=maximize, **kwargs)
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        maximize: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            maximize=maximize,
+            **kwargs,
+        )
 
 
 class Lion(Optimizer):
@@ -124,9 +172,16 @@ class Lion(Optimizer):
 
     _op = "lion_step"
 
-    def __init__(self, params: ParamsT, lr: float = 1e-4,
-                 betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0, *,
-                 maximize: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        *,
+        maximize: bool = False,
+        **kwargs: Any,
+    ) -> None:
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults, **kwargs)
 
@@ -140,5 +195,9 @@ class Lion(Optimizer):
 
     def _hyper(self, group: dict[str, Any]) -> dict[str, float]:
         b1, b2 = group["betas"]
-        return {"weight_decay": group["weight_decay"], "a": b1, "b": b2,
-                "maximize": 1.0 if group["maximize"] else 0.0}
+        return {
+            "weight_decay": group["weight_decay"],
+            "a": b1,
+            "b": b2,
+            "maximize": 1.0 if group["maximize"] else 0.0,
+        }

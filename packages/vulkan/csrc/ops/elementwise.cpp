@@ -1,6 +1,7 @@
 // Elementwise ops: add sub mul div (numpy broadcasting, strided sources), the unary maths
 // and activations (strided source), act_grad (dense sources). Shaders: binary.comp,
 // unary.comp, act_grad.comp.
+#include <algorithm>
 #include <cstring>
 
 #include "ops.h"
@@ -63,7 +64,7 @@ void binary_record(NodeCall& c) {
   const uint64_t addrs[3] = {pc.a, pc.b, pc.d};
   const int mode = flat_mode(col, 3, addrs, n);
   const uint32_t groups = grid_groups(mode == 2 ? (n + 3) / 4 : n, 256);
-  c.rec.dispatch("binary", {OP, mode}, pc, groups, 1, 1, {c.src[0].range, c.src[1].range}, {c.dst.range});
+  c.rec.dispatch("binary", {OP, mode, std::max(col.nd, 1)}, pc, groups, 1, 1, {c.src[0].range, c.src[1].range}, {c.dst.range});
 }
 
 // ---- unary --------------------------------------------------------------------------
@@ -109,7 +110,7 @@ void unary_record(NodeCall& c) {
   const uint64_t addrs[2] = {pc.x, pc.y};
   const int mode = flat_mode(col, 2, addrs, n);
   const uint32_t groups = grid_groups(mode == 2 ? (n + 3) / 4 : n, 256);
-  c.rec.dispatch("unary", {OP, mode}, pc, groups, 1, 1, {c.src[0].range}, {c.dst.range});
+  c.rec.dispatch("unary", {OP, mode, std::max(col.nd, 1)}, pc, groups, 1, 1, {c.src[0].range}, {c.dst.range});
 }
 
 // ---- act_grad -----------------------------------------------------------------------

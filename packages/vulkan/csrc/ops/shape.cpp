@@ -7,6 +7,7 @@
 //   slice_grad: g (the slice's shape), ip [full shape..., (start, stop, step) per axis] -> zeros
 //               of the full shape with g written into the slice
 //   cumsum:     x dense, ip [axis, reverse]
+#include <algorithm>
 #include <cstring>
 
 #include "ops.h"
@@ -38,7 +39,7 @@ void copy_view(Recorder& rec, int nd, const int64_t* shape, uint64_t s_addr, con
   std::memcpy(pc.ss, col.strides[0], sizeof pc.ss);
   std::memcpy(pc.sd, col.strides[1], sizeof pc.sd);
   const bool flat = col.nd == 0 || (col.nd == 1 && col.strides[0][3] == 1 && col.strides[1][3] == 1);
-  rec.dispatch("copy", {flat ? 1 : 0}, pc, grid_groups(n, 256), 1, 1, {s_range}, {d_range});
+  rec.dispatch("copy", {flat ? 1 : 0, std::max(col.nd, 1)}, pc, grid_groups(n, 256), 1, 1, {s_range}, {d_range});
 }
 
 struct FillPC {

@@ -11,9 +11,31 @@ import numpy as np
 from recurra.ops._apply import apply, coerce
 
 __all__ = [
-    "add", "sub", "mul", "div", "neg", "abs", "sqr", "sqrt", "exp", "log", "scale", "clamp",
-    "pow", "relu", "silu", "gelu", "sigmoid", "tanh", "softplus",
-    "reshape", "permute", "transpose", "contiguous", "broadcast_to", "getitem",
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "neg",
+    "abs",
+    "sqr",
+    "sqrt",
+    "exp",
+    "log",
+    "scale",
+    "clamp",
+    "pow",
+    "relu",
+    "silu",
+    "gelu",
+    "sigmoid",
+    "tanh",
+    "softplus",
+    "reshape",
+    "permute",
+    "transpose",
+    "contiguous",
+    "broadcast_to",
+    "getitem",
 ]
 
 
@@ -143,6 +165,7 @@ def softplus(x: Any) -> Any:
 
 
 # ---- views ------------------------------------------------------------------------------
+
 
 def reshape(x: Any, shape: Sequence[int] | int) -> Any:
     """A view with a new shape (one axis may be -1). Copies only if x is not contiguous."""

@@ -47,7 +47,15 @@ __all__ = [
 #: a, b, c mean beta1, beta2, eps (Adam, AdamW), beta1, beta2 (Lion), or momentum,
 #: dampening, nesterov (SGD). clip_value <= 0 and max_norm <= 0 mean "off".
 HYPER_SLOTS: tuple[str, ...] = (
-    "lr", "grad_scale", "clip_value", "max_norm", "weight_decay", "a", "b", "c", "maximize",
+    "lr",
+    "grad_scale",
+    "clip_value",
+    "max_norm",
+    "weight_decay",
+    "a",
+    "b",
+    "c",
+    "maximize",
     "reserved",
 )
 HYPER_LEN = 2 * len(HYPER_SLOTS)
@@ -113,8 +121,12 @@ class FusedStep:
     Raises ValueError/TypeError (from the core) for mismatched shapes or dtypes.
     """
 
-    def __init__(self, updates: Sequence[tuple[str, Sequence[int], Sequence[Sequence[np.ndarray]]]],
-                 *, norm: bool = False) -> None:
+    def __init__(
+        self,
+        updates: Sequence[tuple[str, Sequence[int], Sequence[Sequence[np.ndarray]]]],
+        *,
+        norm: bool = False,
+    ) -> None:
         self._g = _core.Graph()
         self._hyper: list[np.ndarray] = []
         self._leaf: list[list[list[int]]] = []  # [update][tensor][source] -> node id
@@ -203,6 +215,7 @@ class FusedStep:
 
 # ---- the same ops on the explicit graph API ------------------------------------------------
 
+
 def _graph_srcs(op: str, srcs: Sequence[Any]) -> list[Any]:
     from recurra.graph import GraphTensor
 
@@ -216,37 +229,66 @@ def _graph_srcs(op: str, srcs: Sequence[Any]) -> list[Any]:
     return list(srcs)
 
 
-def _update(op: str, hyper: Any, gstat: Any, per_tensor: Sequence[Sequence[Any]],
-            extra: Sequence[int] = ()) -> Any:
+def _update(
+    op: str, hyper: Any, gstat: Any, per_tensor: Sequence[Sequence[Any]], extra: Sequence[int] = ()
+) -> Any:
     n = len(per_tensor)
     srcs = [hyper] + ([gstat] if gstat is not None else []) + [s for row in per_tensor for s in row]
     return apply(op, _graph_srcs(op, srcs), ip=(n, 1 if gstat is not None else 0, *extra))
 
 
-def sgd_step(hyper: Any, params: Sequence[Any], grads: Sequence[Any], steps: Sequence[Any],
-             bufs: Sequence[Any] | None = None, gstat: Any = None) -> Any:
+def sgd_step(
+    hyper: Any,
+    params: Sequence[Any],
+    grads: Sequence[Any],
+    steps: Sequence[Any],
+    bufs: Sequence[Any] | None = None,
+    gstat: Any = None,
+) -> Any:
     """SGD (momentum, nesterov, weight decay) on graph leaves, in place; returns the dummy
     node (depend on it, or just compute the graph). ``bufs``: momentum buffers, or None for
     plain SGD. ``gstat``: a :func:`grad_norm` node for clipping by global norm."""
-    rows = [(p, g, *([b] if bufs is not None else []), s)
-            for p, g, b, s in zip(params, grads, bufs if bufs is not None else params, steps)]
+    rows = [
+        (p, g, *([b] if bufs is not None else []), s)
+        for p, g, b, s in zip(params, grads, bufs if bufs is not None else params, steps)
+    ]
     return _update("sgd_step", hyper, gstat, rows, (1 if bufs is not None else 0,))
 
 
-def adam_step(hyper: Any, params: Sequence[Any], grads: Sequence[Any], ms: Sequence[Any],
-              vs: Sequence[Any], steps: Sequence[Any], gstat: Any = None) -> Any:
+def adam_step(
+    hyper: Any,
+    params: Sequence[Any],
+    grads: Sequence[Any],
+    ms: Sequence[Any],
+    vs: Sequence[Any],
+    steps: Sequence[Any],
+    gstat: Any = None,
+) -> Any:
     """Adam with bias correction and L2 weight decay, on graph leaves, in place."""
     return _update("adam_step", hyper, gstat, list(zip(params, grads, ms, vs, steps)))
 
 
-def adamw_step(hyper: Any, params: Sequence[Any], grads: Sequence[Any], ms: Sequence[Any],
-               vs: Sequence[Any], steps: Sequence[Any], gstat: Any = None) -> Any:
+def adamw_step(
+    hyper: Any,
+    params: Sequence[Any],
+    grads: Sequence[Any],
+    ms: Sequence[Any],
+    vs: Sequence[Any],
+    steps: Sequence[Any],
+    gstat: Any = None,
+) -> Any:
     """AdamW (decoupled weight decay), on graph leaves, in place."""
     return _update("adamw_step", hyper, gstat, list(zip(params, grads, ms, vs, steps)))
 
 
-def lion_step(hyper: Any, params: Sequence[Any], grads: Sequence[Any], ms: Sequence[Any],
-              steps: Sequence[Any], gstat: Any = None) -> Any:
+def lion_step(
+    hyper: Any,
+    params: Sequence[Any],
+    grads: Sequence[Any],
+    ms: Sequence[Any],
+    steps: Sequence[Any],
+    gstat: Any = None,
+) -> Any:
     """Lion (sign of the interpolated momentum, decoupled weight decay), in place."""
     return _update("lion_step", hyper, gstat, list(zip(params, grads, ms, steps)))
 
