@@ -6,7 +6,8 @@
 //   S[i, j] = g_t[i] S[i, j] + k_t[i] v_t[j]
 //   y_t[j]  = scale * sum_i q_t[i] S[i, j]
 //
-// Output, packed: y (T, H, S), then the final states (N, H, S, S).
+// Output, packed: y (T, H, S), then the final states (N, H, S, S). The forward is the decay
+// recurrence of rwkv.h (decay_forward_task) with c = q g, alpha = q . k, s = scale.
 //
 // Backward, with lam_t = dL/dS_t from the tokens after t (lam_n = dL/d(final state)),
 // mu_t = lam_t + scale q_t gy_t^T the whole gradient of S_t and gv_t = gy_t . v_t:
@@ -25,91 +26,18 @@ struct GlaIn {
   const float *k, *v, *q, *g;
 };
 
-// ---- forward -----------------------------------------------------------------------------
+// ---- forward: the decay recurrence of rwkv.h (decay_forward_task) -----------------------
 
-// One row i of the state block: S[i, :] = g_i S[i, :] + k_i v, then acc += q_i S[i, :].
-template <int NV>
-RWKV_INLINE void gla_forward_row(float* s, const vf* vv, float q, float k, float g, vf* acc) {
-  const vf qi = RWKV_SPLAT(q), ki = RWKV_SPLAT(k), gi = RWKV_SPLAT(g);
-  for (int c = 0; c < NV; ++c) {
-    const vf x = gi * vload(s + c * kL) + ki * vv[c];
-    vstore(s + c * kL, x);
-    acc[c] += qi * x;
-  }
-}
-
-// One token over a register block of NV lane groups (j): st (S rows i, row stride ld) is
-// updated, then y = scale * sum_i q[i] S_new[i, :] (even and odd rows summed apart).
-template <int NV>
-RWKV_INLINE void gla_forward_rows(float* st, int64_t ld, int64_t S, const float* q,
-                                  const float* k, const float* g, const float* v, float scale,
-                                  float* y) {
-  vf acc0[NV], acc1[NV], vv[NV];
-  for (int c = 0; c < NV; ++c) {
-    acc0[c] = acc1[c] = vf{};
-    vv[c] = vload(v + c * kL);
-  }
-  int64_t i = 0;
-  for (; i + 1 < S; i += 2) {
-    gla_forward_row<NV>(st + i * ld, vv, q[i], k[i], g[i], acc0);
-    gla_forward_row<NV>(st + (i + 1) * ld, vv, q[i + 1], k[i + 1], g[i + 1], acc1);
-  }
-  if (i < S) gla_forward_row<NV>(st + i * ld, vv, q[i], k[i], g[i], acc0);
-  const vf sc = RWKV_SPLAT(scale);
-  for (int c = 0; c < NV; ++c) vstore(y + c * kL, sc * (acc0[c] + acc1[c]));
-}
-
-RC_SIMD void gla_forward_task(const GlaIn& in, const Dims& d, float scale, int64_t qs, int64_t h,
+RC_SIMD void gla_forward_task(const DecayIn& in, const Dims& d, int64_t q, int64_t h,
                               int64_t j0, int64_t W, float* st, float* buf, float* y) {
-  const int64_t S = d.S, jn = std::min(W, S - j0);
-  float* vb = buf;
-  float* yb = buf + W;
-  for (int64_t t = 0; t < d.n; ++t) {
-    const int64_t base = d.token(qs, t, h);
-    if (t + kPrefetchTokens < d.n) {
-      const int64_t ahead = d.token(qs, t + kPrefetchTokens, h);
-      prefetch(in.k + ahead, S);
-      prefetch(in.q + ahead, S);
-      prefetch(in.g + ahead, S);
-      prefetch(in.v + ahead + j0, jn);
-      prefetch(y + ahead + j0, jn, true);
-    }
-    // Without padding in this block, v is read and y written in place.
-    const float* vt = in.v + base + j0;
-    float* yt = jn == W ? y + base + j0 : yb;
-    if (jn < W) {
-      load_padded(vb, vt, jn, W);
-      vt = vb;
-    }
-    for (int64_t c = 0; c < W; c += kMaxNV * kL) {
-      const int64_t nv = std::min(kMaxNV, (W - c) / kL);
-      RWKV_DISPATCH_NV(nv, gla_forward_rows, st + c, W, S, in.q + base, in.k + base,
-                       in.g + base, vt + c, scale, yt + c)
-    }
-    if (jn < W) copy_floats(y + base + j0, yb, jn);
-  }
+  decay_forward_task(in, d, q, h, j0, W, st, buf, y);
 }
 
 void gla_forward(KernelCtx& c, const Dims& d) {
-  const GlaIn in{c.src[0].f32(), c.src[1].f32(), c.src[2].f32(), c.src[3].f32()};
-  const float* s0 = c.src[4].f32();
-  const float scale = static_cast<float>(c.node.fp[0]);
-  float* y = c.dst.f32();
-  float* sN = y + d.ths();
-  const int64_t nb = n_blocks(d.N * d.H, d.G);
-  Scratch scratch(c.pool.size());
-  c.pool.run(d.N * d.H * nb, [&](int64_t task, int tid) {
-    const int64_t b = task % nb, qh = task / nb, q = qh / d.H, h = qh % d.H;
-    const int64_t g0 = block_begin(b, nb, d.G), g1 = block_begin(b + 1, nb, d.G);
-    const int64_t j0 = g0 * kL, W = (g1 - g0) * kL, jn = std::min(W, d.S - j0);
-    float* st = scratch.get(tid, static_cast<size_t>(d.S * W + 2 * W));
-    const float* src = s0 + d.state(q, h);
-    for (int64_t i = 0; i < d.S; ++i) load_padded(st + i * W, src + i * d.S + j0, jn, W);
-    gla_forward_task(in, d, scale, q, h, j0, W, st, st + d.S * W, y);
-    float* dst = sN + d.state(q, h);
-    for (int64_t i = 0; i < d.S; ++i)
-      std::memcpy(dst + i * d.S + j0, st + i * W, static_cast<size_t>(jn) * sizeof(float));
-  });
+  // Sources: k, v, q, g, state; fp = [scale].
+  const DecayIn in{c.src[2].f32(), c.src[0].f32(), c.src[1].f32(), c.src[3].f32(), nullptr,
+                   static_cast<float>(c.node.fp[0])};
+  decay_forward(c, d, in, c.src[4].f32(), gla_forward_task);
 }
 
 // ---- backward ----------------------------------------------------------------------------

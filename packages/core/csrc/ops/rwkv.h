@@ -26,6 +26,10 @@
 #include <new>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>  // non-temporal stores (SSE2: every x86-64 clone has them)
+#endif
+
 #include "../graph.h"
 #include "kernel_util.h"
 
@@ -51,6 +55,28 @@ RWKV_INLINE vf vload(const float* p) {
   return v;
 }
 RWKV_INLINE void vstore(float* p, const vf& v) { std::memcpy(p, &v, sizeof v); }
+// Stores v at p, 16-byte aligned, bypassing the caches where the CPU can: for outputs written
+// once and not read again soon (y), which then cost no read of the line before the write.
+RWKV_INLINE void vstream(float* p, const vf& v) {
+#if defined(__SSE2__)
+  for (int q = 0; q < static_cast<int>(kL / 4); ++q) {
+    __m128 x;
+    std::memcpy(&x, reinterpret_cast<const char*>(&v) + 16 * q, sizeof x);
+    _mm_stream_ps(p + 4 * q, x);
+  }
+#else
+  vstore(p, v);
+#endif
+}
+// Orders this thread's streaming stores before what follows (the end of a task).
+RWKV_INLINE void stream_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+// Whether y can be written with vstream.
+inline bool stream_aligned(const float* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 // A vector of kL copies of scalar s. A macro, not a function: GCC lowers a scalar-to-vector
 // conversion inside a separate (default-target) function lane by lane, even once inlined.
 #define RWKV_SPLAT(s) (static_cast<float>(s) - vf{})
@@ -90,10 +116,10 @@ struct Dims {
 // r / r + 1, so the last step leaves row r's sum in lane r.
 RWKV_INLINE void hsum_rows(const float* part, int64_t R, float* out) {
   static_assert(kL == 16, "the butterfly is written for 16 lanes");
-  typedef int32_t vi __attribute__((vector_size(kL * sizeof(int32_t))));
 #if defined(__clang__)
 #define RWKV_SHUF2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
+  typedef int32_t vi __attribute__((vector_size(kL * sizeof(int32_t))));
 #define RWKV_SHUF2(a, b, ...) __builtin_shuffle(a, b, vi{__VA_ARGS__})
 #endif
   for (int64_t r0 = 0; r0 < R; r0 += kL) {
@@ -151,6 +177,19 @@ RWKV_INLINE void load_padded(float* dst, const float* src, int64_t len, int64_t 
   std::memset(dst + len, 0, static_cast<size_t>(padded - len) * sizeof(float));
 }
 
+// dst[0, n) = src[0, n) in vectors (short copies, where a memcpy call costs more).
+RWKV_INLINE void copy_floats(float* dst, const float* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + kL <= n; i += kL) vstore(dst + i, vload(src + i));
+  for (; i < n; ++i) dst[i] = src[i];
+}
+
+#ifndef RWKV_PREFETCH_LOCALITY
+#define RWKV_PREFETCH_LOCALITY 3
+#endif
+#ifndef RWKV_PREFETCH_TOKENS
+#define RWKV_PREFETCH_TOKENS 4
+#endif
 // Prefetches the n floats at p. Consecutive tokens of one head lie H * S floats apart, often
 // a page or more, where the hardware prefetcher stops: the kernels ask a few tokens ahead.
 RWKV_INLINE void prefetch(const float* p, int64_t n, bool for_write = false) {
@@ -158,12 +197,9 @@ RWKV_INLINE void prefetch(const float* p, int64_t n, bool for_write = false) {
     if (for_write)
       __builtin_prefetch(p + i, 1);
     else
-      __builtin_prefetch(p + i, 0);
+      __builtin_prefetch(p + i, 0, RWKV_PREFETCH_LOCALITY);
   }
 }
-#ifndef RWKV_PREFETCH_TOKENS
-#define RWKV_PREFETCH_TOKENS 4
-#endif
 constexpr int64_t kPrefetchTokens = RWKV_PREFETCH_TOKENS;  // how far ahead
 
 // src itself when it needs no padding (len == padded_len), else a zero-padded copy in buf.
@@ -208,6 +244,200 @@ RWKV_INLINE void decay_step_t(float* dst, const float* src, int64_t R, int64_t S
     RWKV_DISPATCH_NV(nv, decay_step_rows, dst + c, src + c, R, Sp, k + c, w + c, v)
   }
 }
+
+// ---- forward of the decay-plus-outer-product recurrences (wkv6 and GLA) ------------------
+//
+// Both update S[i, :] = w_i S[i, :] + k_i v per token and read y = s (sum_i c_i S[i, :] +
+// alpha v) with the state before the update: wkv6 with c = r, alpha = sum r u k, s = 1; GLA,
+// which reads after the update, with c = q w, alpha = q . k, s = scale. Tokens go in pairs
+// (a, b), one pass over the state for both:
+//   S'' = (w_a w_b) S + (w_b k_a) v_a + k_b v_b
+//   y_a = s (sum_i c_a,i S_i + alpha_a v_a),  y_b = s (sum_i c'_b,i S_i + beta v_a + gamma v_b)
+// with c'_b = c_b w_a: five vector operations per state element for two tokens instead of six
+// (no divisions: products of two decays only).
+
+// The inputs of a decay recurrence: the (T, H, S) arrays, and for a task's head the bonus.
+struct DecayIn {
+  const float *r, *k, *v, *w;  // wkv6: r, k, v, td; GLA: q, k, v, g
+  const float* u;              // wkv6's bonus: tf (H, S), tf[h] within a task; null for GLA
+  float scale;                 // GLA's scale; 1 for wkv6
+};
+
+// One row of one token: acc += c_i S[i, :], then S[i, :] = w_i S[i, :] + k_i v.
+template <int NV>
+RWKV_INLINE void decay_forward_row(float* row, const vf* vv, float c, float w, float k,
+                                   vf* acc) {
+  const vf ci = RWKV_SPLAT(c), wi = RWKV_SPLAT(w), ki = RWKV_SPLAT(k);
+  for (int g = 0; g < NV; ++g) {
+    const vf x = vload(row + g * kL);
+    acc[g] += ci * x;
+    vstore(row + g * kL, wi * x + ki * vv[g]);
+  }
+}
+
+// One token over NV lane groups of the state block (S rows, row stride ld): y = s (sum_i c_i
+// S[i, :] + alpha v) and the update. Even and odd rows are summed apart (two dependency
+// chains instead of one).
+template <int NV>
+RWKV_INLINE void decay_forward_rows(float* st, int64_t ld, int64_t S, const float* c,
+                                    const float* w, const float* k, const float* v, float alpha,
+                                    float s, float* y, bool stream) {
+  vf acc0[NV], acc1[NV], vv[NV];
+  for (int g = 0; g < NV; ++g) {
+    acc0[g] = acc1[g] = vf{};
+    vv[g] = vload(v + g * kL);
+  }
+  int64_t i = 0;
+  for (; i + 1 < S; i += 2) {
+    decay_forward_row<NV>(st + i * ld, vv, c[i], w[i], k[i], acc0);
+    decay_forward_row<NV>(st + (i + 1) * ld, vv, c[i + 1], w[i + 1], k[i + 1], acc1);
+  }
+  if (i < S) decay_forward_row<NV>(st + i * ld, vv, c[i], w[i], k[i], acc0);
+  const vf a = RWKV_SPLAT(alpha), sc = RWKV_SPLAT(s);
+  for (int g = 0; g < NV; ++g) {
+    const vf out = sc * ((acc0[g] + acc1[g]) + a * vv[g]);
+    if (stream)
+      vstream(y + g * kL, out);
+    else
+      vstore(y + g * kL, out);
+  }
+}
+
+// Coefficients of a token pair: c1 = c_a, c2 = c'_b, c3 = w_a w_b, c4 = w_b k_a, c5 = k_b.
+struct PairCoef {
+  const float *c1, *c2, *c3, *c4, *c5;
+  float alpha, beta, gamma, s;
+};
+
+// Two tokens over NV lane groups (see above).
+template <int NV>
+RWKV_INLINE void decay_forward_pair_rows(float* st, int64_t ld, int64_t S, const PairCoef& p,
+                                         const float* va, const float* vb, float* ya, float* yb,
+                                         bool stream) {
+  vf acc_a[NV], acc_b[NV], v1[NV], v2[NV];
+  for (int g = 0; g < NV; ++g) {
+    acc_a[g] = acc_b[g] = vf{};
+    v1[g] = vload(va + g * kL);
+    v2[g] = vload(vb + g * kL);
+  }
+  for (int64_t i = 0; i < S; ++i) {
+    const vf c1 = RWKV_SPLAT(p.c1[i]), c2 = RWKV_SPLAT(p.c2[i]), c3 = RWKV_SPLAT(p.c3[i]);
+    const vf c4 = RWKV_SPLAT(p.c4[i]), c5 = RWKV_SPLAT(p.c5[i]);
+    float* row = st + i * ld;
+    for (int g = 0; g < NV; ++g) {
+      const vf x = vload(row + g * kL);
+      acc_a[g] += c1 * x;
+      acc_b[g] += c2 * x;
+      vstore(row + g * kL, c3 * x + c4 * v1[g] + c5 * v2[g]);
+    }
+  }
+  const vf al = RWKV_SPLAT(p.alpha), be = RWKV_SPLAT(p.beta), ga = RWKV_SPLAT(p.gamma);
+  const vf sc = RWKV_SPLAT(p.s);
+  for (int g = 0; g < NV; ++g) {
+    const vf oa = sc * (acc_a[g] + al * v1[g]);
+    const vf ob = sc * (acc_b[g] + be * v1[g] + ga * v2[g]);
+    if (stream) {
+      vstream(ya + g * kL, oa);
+      vstream(yb + g * kL, ob);
+    } else {
+      vstore(ya + g * kL, oa);
+      vstore(yb + g * kL, ob);
+    }
+  }
+}
+
+// Scratch floats of decay_forward_task besides the state block.
+inline int64_t decay_forward_buf(int64_t S, int64_t W) { return 4 * W + 6 * S; }
+
+// One forward task: run q, head h, value lanes [j0, j0 + W) (W a multiple of kL) of a
+// decay recurrence. `st` (S rows of W lanes) holds the state block on entry and the final one
+// on return; `buf` has decay_forward_buf(S, W) floats. Called from the RC_SIMD task of each op.
+RWKV_INLINE void decay_forward_task(const DecayIn& in, const Dims& d, int64_t q, int64_t h,
+                                    int64_t j0, int64_t W, float* st, float* buf, float* y) {
+  const int64_t S = d.S, jn = std::min(W, S - j0);
+  const bool direct = jn == W;  // no padding in this block: v read, y written in place
+  const bool after = in.u == nullptr;  // GLA: reads the updated state
+  float* vpad = buf;                   // 2 W
+  float* ypad = buf + 2 * W;           // 2 W
+  float* cb = buf + 4 * W;             // 6 S: coefficient arrays
+  for (int64_t t = 0; t < d.n; t += 2) {
+    const bool pair = t + 1 < d.n;
+    for (int64_t x = t + kPrefetchTokens; x < std::min(d.n, t + kPrefetchTokens + 2); ++x) {
+      const int64_t ahead = d.token(q, x, h);
+      for (const float* p : {in.r, in.k, in.w}) prefetch(p + ahead, S);
+      prefetch(in.v + ahead + j0, jn);
+    }
+    const int64_t ta = d.token(q, t, h), tb = pair ? d.token(q, t + 1, h) : ta;
+    const float *va = in.v + ta + j0, *vb = in.v + tb + j0;
+    float* ya = direct ? y + ta + j0 : ypad;
+    float* yb = direct ? y + tb + j0 : ypad + W;
+    if (!direct) {
+      load_padded(vpad, va, jn, W);
+      load_padded(vpad + W, vb, jn, W);
+      va = vpad;
+      vb = vpad + W;
+    }
+    const bool stream = direct && stream_aligned(ya) && stream_aligned(yb);
+    const float *ra = in.r + ta, *ka = in.k + ta, *wa = in.w + ta;
+    if (!pair) {
+      const float* c = ra;
+      float alpha;
+      if (after) {
+        for (int64_t i = 0; i < S; ++i) cb[i] = ra[i] * wa[i];
+        c = cb;
+        alpha = dot(ra, ka, S);
+      } else {
+        alpha = dot3(ra, in.u, ka, S);
+      }
+      for (int64_t g = 0; g < W; g += kMaxNV * kL) {
+        const int64_t nv = std::min(kMaxNV, (W - g) / kL);
+        RWKV_DISPATCH_NV(nv, decay_forward_rows, st + g, W, S, c, wa, ka, va + g, alpha,
+                         in.scale, ya + g, stream)
+      }
+    } else {
+      const float *rb = in.r + tb, *kb = in.k + tb, *wb = in.w + tb;
+      float *c1 = cb, *c2 = cb + S, *c3 = cb + 2 * S, *c4 = cb + 3 * S;
+      for (int64_t i = 0; i < S; ++i) {
+        c3[i] = wa[i] * wb[i];
+        c4[i] = wb[i] * ka[i];
+      }
+      PairCoef p{ra, c2, c3, c4, kb, 0.0f, 0.0f, 0.0f, in.scale};
+      if (after) {  // c = q w: c_a = q_a w_a, c'_b = q_b w_b w_a
+        for (int64_t i = 0; i < S; ++i) {
+          c1[i] = ra[i] * wa[i];
+          c2[i] = rb[i] * c3[i];
+        }
+        p.c1 = c1;
+        p.alpha = dot(ra, ka, S);
+        p.beta = dot(rb, c4, S);
+        p.gamma = dot(rb, kb, S);
+      } else {  // c = r: c_a = r_a, c'_b = r_b w_a
+        for (int64_t i = 0; i < S; ++i) c2[i] = rb[i] * wa[i];
+        p.alpha = dot3(ra, in.u, ka, S);
+        p.beta = dot(rb, ka, S);
+        p.gamma = dot3(rb, in.u, kb, S);
+      }
+      for (int64_t g = 0; g < W; g += kMaxNV * kL) {
+        const int64_t nv = std::min(kMaxNV, (W - g) / kL);
+        RWKV_DISPATCH_NV(nv, decay_forward_pair_rows, st + g, W, S, p, va + g, vb + g, ya + g,
+                         yb + g, stream)
+      }
+    }
+    if (!direct) {
+      copy_floats(y + ta + j0, ypad, jn);
+      if (pair) copy_floats(y + tb + j0, ypad + W, jn);
+    }
+  }
+  stream_fence();
+}
+
+// Runs a decay recurrence's forward: tasks (run, head, block of value lane groups; the value
+// columns are independent), each through `task` (the op's RC_SIMD wrapper of
+// decay_forward_task). `in` holds the input base pointers; the output is packed y, states.
+using DecayTask = void (*)(const DecayIn&, const Dims&, int64_t, int64_t, int64_t, int64_t,
+                           float*, float*, float*);
+void decay_forward(KernelCtx& c, const Dims& d, const DecayIn& in, const float* s0,
+                   DecayTask task);
 
 // Backward pass 1 for a decay-plus-outer-product state (wkv6: w = td; GLA: w = g) on the
 // transposed block of rows [j0, j0 + R) of run q, head h: ck[c] = the state before token c K,
@@ -259,13 +489,6 @@ RWKV_INLINE void load_transposed(float* dst_a, const float* src_a, float* dst_b,
       dst_a[j * Sp + i] = src_a[i * S + j0 + j];
       dst_b[j * Sp + i] = src_b[i * S + j0 + j];
     }
-}
-
-// dst[0, n) = src[0, n) in vectors (short copies, where a memcpy call costs more).
-RWKV_INLINE void copy_floats(float* dst, const float* src, int64_t n) {
-  int64_t i = 0;
-  for (; i + kL <= n; i += kL) vstore(dst + i, vload(src + i));
-  for (; i < n; ++i) dst[i] = src[i];
 }
 
 Dims make_dims(int64_t T, int64_t H, int64_t S, int64_t N);

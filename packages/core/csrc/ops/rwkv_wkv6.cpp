@@ -1,5 +1,6 @@
 // rwkv_wkv6: RWKV-6 time mixing on the CPU, forward and backward. Also the pieces the three
-// RWKV-family ops share (validation, registration) and register_rwkv_ops.
+// RWKV-family ops share (validation, registration, the decay_forward driver that wkv6 and GLA
+// run their forward through) and register_rwkv_ops.
 //
 // Shapes (numpy order): k, v, r, td (T, H, S); tf (H, S); state (N, H, S, S) indexed
 // [q, h, i key, j value]; T = N runs of n tokens, run q starting from state[q].
@@ -7,7 +8,8 @@
 //   y_t[j]  = sum_i r_t[i] * (tf[i] * k_t[i] * v_t[j] + S[i, j])
 //   S[i, j] = td_t[i] * S[i, j] + k_t[i] * v_t[j]
 //
-// Output, packed: y (T, H, S), then the final states (N, H, S, S).
+// Output, packed: y (T, H, S), then the final states (N, H, S, S). The forward is the decay
+// recurrence of rwkv.h (decay_forward_task) with c = r, alpha = sum_i r u k.
 //
 // Backward, with lam_t = dL/dS_t walked from the last token (lam_n = dL/d(final state)) and
 // gv_t = gy_t . v_t:
@@ -44,22 +46,22 @@ Dims check_sources(const Graph& g, const Node& n, const std::vector<int>& tok, i
     fail_shape(g, n, "takes " + std::to_string(want) + " inputs " + signature +
                          (grad ? " plus the packed output gradient" : ""));
   for (size_t i = 0; i < want; ++i) require_f32(g, n, static_cast<int>(i));
-  const Shape x = g.node(n.src.at(tok[0])).shape;
+  const Shape x = g.node(n.src[tok[0]]).shape;
   if (x.ndim != 3) fail_shape(g, n, "per-token inputs must have shape (T, H, S)");
   for (int i : tok)
-    if (g.node(n.src.at(i)).shape != x)
+    if (g.node(n.src[i]).shape != x)
       fail_shape(g, n, std::string("the per-token inputs of ") + signature +
                            " must all have the same shape (T, H, S)");
   const int64_t T = x[0], H = x[1], S = x[2];
   if (T < 1 || H < 1 || S < 1) fail_shape(g, n, "T, H and S must be at least 1");
-  const Shape s = g.node(n.src.at(st)).shape;
+  const Shape s = g.node(n.src[st]).shape;
   if (s.ndim != 4 || s[1] != H || s[2] != S || s[3] != S || s[0] < 1)
     fail_shape(g, n, "the state must have shape (n_seqs, H, S, S) with the H and S of the inputs");
   if (T % s[0] != 0)
     fail_shape(g, n, "the token count T = " + std::to_string(T) +
                          " is not a multiple of n_seqs = " + std::to_string(s[0]));
   if (hs >= 0) {
-    const Shape u = g.node(n.src.at(hs)).shape;
+    const Shape u = g.node(n.src[hs]).shape;
     if (u.ndim != 2 || u[0] != H || u[1] != S)
       fail_shape(g, n, "the per-head input must have shape (H, S)");
   }
@@ -130,7 +132,7 @@ void register_recurrent(OpTable& t, const RecurrentOp& op) {
         fail_shape(g, n, "takes " + std::to_string(op.n_fp) + " float parameter(s)");
       check_sources(g, n, op.tok, op.hs, op.st, op.signature, true);
       int64_t total = 0;
-      for (int i = 0; i < op.n_src; ++i) total += g.node(n.src.at(i)).numel();
+      for (int i = 0; i < op.n_src; ++i) total += g.node(n.src[i]).numel();
       n.dtype = DType::f32;
       n.shape = Shape{total};
     };
@@ -141,101 +143,46 @@ void register_recurrent(OpTable& t, const RecurrentOp& op) {
 
 // ---- wkv6 forward ------------------------------------------------------------------------
 
-namespace {
-
-// One row i of the state block: acc += r_i S[i, :], then S[i, :] = w_i S[i, :] + k_i v.
-template <int NV>
-RWKV_INLINE void wkv6_forward_row(float* s, const vf* vv, float r, float k, float w, vf* acc) {
-  const vf ri = RWKV_SPLAT(r), ki = RWKV_SPLAT(k), wi = RWKV_SPLAT(w);
-  for (int c = 0; c < NV; ++c) {
-    const vf x = vload(s + c * kL);
-    acc[c] += ri * x;
-    vstore(s + c * kL, wi * x + ki * vv[c]);
-  }
-}
-
-// One token over a register block of NV lane groups: the state block `st` (S rows i, row
-// stride ld, lanes j) is updated and y[lanes] = sum_i r[i] S_old[i, :] + bonus * v. Even and
-// odd rows go to separate sums, two dependency chains instead of one.
-template <int NV>
-RWKV_INLINE void wkv6_forward_rows(float* st, int64_t ld, int64_t S, const float* r,
-                                   const float* k, const float* w, const float* v, float bonus,
-                                   float* y) {
-  vf acc0[NV], acc1[NV], vv[NV];
-  for (int c = 0; c < NV; ++c) {
-    acc0[c] = acc1[c] = vf{};
-    vv[c] = vload(v + c * kL);
-  }
-  int64_t i = 0;
-  for (; i + 1 < S; i += 2) {
-    wkv6_forward_row<NV>(st + i * ld, vv, r[i], k[i], w[i], acc0);
-    wkv6_forward_row<NV>(st + (i + 1) * ld, vv, r[i + 1], k[i + 1], w[i + 1], acc1);
-  }
-  if (i < S) wkv6_forward_row<NV>(st + i * ld, vv, r[i], k[i], w[i], acc0);
-  const vf b = RWKV_SPLAT(bonus);
-  for (int c = 0; c < NV; ++c) vstore(y + c * kL, (acc0[c] + acc1[c]) + b * vv[c]);
-}
-
-struct Wkv6In {
-  const float *k, *v, *r, *tf, *td;
-};
-
-// One forward task: run q, head h, value lanes [j0, j0 + W) (W a multiple of kL). `st` holds
-// the state block (S rows of W lanes) on entry and the final one on return; `buf` 2W floats.
-RC_SIMD void wkv6_forward_task(const Wkv6In& in, const Dims& d, int64_t q, int64_t h, int64_t j0,
-                               int64_t W, float* st, float* buf, float* y) {
-  const int64_t S = d.S, jn = std::min(W, S - j0);
-  const float* u = in.tf + h * S;
-  float* vb = buf;
-  float* yb = buf + W;
-  for (int64_t t = 0; t < d.n; ++t) {
-    const int64_t base = d.token(q, t, h);
-    if (t + kPrefetchTokens < d.n) {
-      const int64_t ahead = d.token(q, t + kPrefetchTokens, h);
-      prefetch(in.k + ahead, S);
-      prefetch(in.r + ahead, S);
-      prefetch(in.td + ahead, S);
-      prefetch(in.v + ahead + j0, jn);
-      prefetch(y + ahead + j0, jn, true);
-    }
-    const float *kt = in.k + base, *rt = in.r + base, *wt = in.td + base;
-    // Without padding in this block, v is read and y written in place.
-    const float* vt = in.v + base + j0;
-    float* yt = jn == W ? y + base + j0 : yb;
-    if (jn < W) {
-      load_padded(vb, vt, jn, W);
-      vt = vb;
-    }
-    const float bonus = dot3(rt, u, kt, S);
-    for (int64_t c = 0; c < W; c += kMaxNV * kL) {
-      const int64_t nv = std::min(kMaxNV, (W - c) / kL);
-      RWKV_DISPATCH_NV(nv, wkv6_forward_rows, st + c, W, S, rt, kt, wt, vt + c, bonus, yt + c)
-    }
-    if (jn < W) copy_floats(y + base + j0, yb, jn);
-  }
-}
-
-void wkv6_forward(KernelCtx& c, const Dims& d) {
-  const Wkv6In in{c.src[0].f32(), c.src[1].f32(), c.src[2].f32(), c.src[3].f32(), c.src[4].f32()};
-  const float* s0 = c.src[5].f32();
+// Tasks: (run, head, block of value lane groups); blocks only when there are few heads.
+void decay_forward(KernelCtx& c, const Dims& d, const DecayIn& in, const float* s0,
+                   DecayTask task) {
   float* y = c.dst.f32();
   float* sN = y + d.ths();
-  // Tasks: (run, head, block of lane groups); the value columns j are independent.
   const int64_t nb = n_blocks(d.N * d.H, d.G);
   Scratch scratch(c.pool.size());
-  c.pool.run(d.N * d.H * nb, [&](int64_t task, int tid) {
-    const int64_t b = task % nb, qh = task / nb, q = qh / d.H, h = qh % d.H;
+  c.pool.run(d.N * d.H * nb, [&](int64_t t, int tid) {
+    const int64_t b = t % nb, qh = t / nb, q = qh / d.H, h = qh % d.H;
     const int64_t g0 = block_begin(b, nb, d.G), g1 = block_begin(b + 1, nb, d.G);
     const int64_t j0 = g0 * kL, W = (g1 - g0) * kL, jn = std::min(W, d.S - j0);
-    float* st = scratch.get(tid, static_cast<size_t>(d.S * W + 2 * W));
+    float* st = scratch.get(tid, static_cast<size_t>(d.S * W + decay_forward_buf(d.S, W)));
     const float* src = s0 + d.state(q, h);
     for (int64_t i = 0; i < d.S; ++i) load_padded(st + i * W, src + i * d.S + j0, jn, W);
-    wkv6_forward_task(in, d, q, h, j0, W, st, st + d.S * W, y);
+    DecayIn head = in;
+    if (head.u) head.u += h * d.S;
+    task(head, d, q, h, j0, W, st, st + d.S * W, y);
     float* dst = sN + d.state(q, h);
     for (int64_t i = 0; i < d.S; ++i)
       std::memcpy(dst + i * d.S + j0, st + i * W, static_cast<size_t>(jn) * sizeof(float));
   });
 }
+
+namespace {
+
+RC_SIMD void wkv6_forward_task(const DecayIn& in, const Dims& d, int64_t q, int64_t h,
+                               int64_t j0, int64_t W, float* st, float* buf, float* y) {
+  decay_forward_task(in, d, q, h, j0, W, st, buf, y);
+}
+
+void wkv6_forward(KernelCtx& c, const Dims& d) {
+  // Sources: k, v, r, tf, td, state.
+  const DecayIn in{c.src[2].f32(), c.src[0].f32(), c.src[1].f32(), c.src[4].f32(),
+                   c.src[3].f32(), 1.0f};
+  decay_forward(c, d, in, c.src[5].f32(), wkv6_forward_task);
+}
+
+struct Wkv6In {
+  const float *k, *v, *r, *tf, *td;
+};
 
 // ---- wkv6 backward -----------------------------------------------------------------------
 //

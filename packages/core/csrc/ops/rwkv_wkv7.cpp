@@ -48,7 +48,7 @@ RWKV_INLINE void wkv7_forward_row(float* s, const vf* vv, const vf* sa, float r,
 template <int NV>
 RWKV_INLINE void wkv7_forward_rows(float* st, int64_t ld, int64_t S, const float* r,
                                    const float* w, const float* k, const float* v,
-                                   const float* a, const float* b, float* y) {
+                                   const float* a, const float* b, float* y, bool stream) {
   vf sa[NV], sb[NV], vv[NV], acc0[NV], acc1[NV];
   for (int c = 0; c < NV; ++c) {
     sa[c] = sb[c] = acc0[c] = acc1[c] = vf{};
@@ -73,7 +73,12 @@ RWKV_INLINE void wkv7_forward_rows(float* st, int64_t ld, int64_t S, const float
     wkv7_forward_row<NV>(st + (j + 1) * ld, vv, sa, r[j + 1], w[j + 1], k[j + 1], b[j + 1], acc1);
   }
   if (j < S) wkv7_forward_row<NV>(st + j * ld, vv, sa, r[j], w[j], k[j], b[j], acc0);
-  for (int c = 0; c < NV; ++c) vstore(y + c * kL, acc0[c] + acc1[c]);
+  for (int c = 0; c < NV; ++c) {
+    if (stream)
+      vstream(y + c * kL, acc0[c] + acc1[c]);
+    else
+      vstore(y + c * kL, acc0[c] + acc1[c]);
+  }
 }
 
 // One forward task: run q, head h, lanes i in [i0, i0 + W). `st` (S rows of W lanes) holds
@@ -89,11 +94,11 @@ RC_SIMD void wkv7_forward_task(const Wkv7In& in, const Dims& d, int64_t q, int64
       const int64_t ahead = d.token(q, t + kPrefetchTokens, h);
       for (const float* x : {in.r, in.w, in.k, in.a, in.b}) prefetch(x + ahead, S);
       prefetch(in.v + ahead + i0, in_);
-      prefetch(y + ahead + i0, in_, true);
     }
     // Without padding in this block, v is read and y written in place.
     const float* vt = in.v + base + i0;
     float* yt = in_ == W ? y + base + i0 : yb;
+    const bool stream = in_ == W && stream_aligned(yt);
     if (in_ < W) {
       load_padded(vb, vt, in_, W);
       vt = vb;
@@ -101,10 +106,11 @@ RC_SIMD void wkv7_forward_task(const Wkv7In& in, const Dims& d, int64_t q, int64
     for (int64_t c = 0; c < W; c += kMaxNV * kL) {
       const int64_t nv = std::min(kMaxNV, (W - c) / kL);
       RWKV_DISPATCH_NV(nv, wkv7_forward_rows, st + c, W, S, in.r + base, in.w + base,
-                       in.k + base, vt + c, in.a + base, in.b + base, yt + c)
+                       in.k + base, vt + c, in.a + base, in.b + base, yt + c, stream)
     }
     if (in_ < W) copy_floats(y + base + i0, yb, in_);
   }
+  stream_fence();
 }
 
 void wkv7_forward(KernelCtx& c, const Dims& d) {

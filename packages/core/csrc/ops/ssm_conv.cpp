@@ -74,21 +74,20 @@ RC_INLINE void scatter_tile(const float* tile, int64_t nr, int64_t len, float* d
 
 RC_INLINE vf lanes_of(const float* p, int64_t nr) { return nr == 16 ? vload(p) : vload_part(p, nr); }
 
-// One sequence, 16 channels, tokens [tb, te): y[t, 0:nr] (row stride D) from sx rows
-// (stride L).
-RC_SIMD void conv_fwd_block(const float* sx, int64_t L, const float* c, int64_t W, int64_t nr, int64_t tb,
-                            int64_t te, float* y, int64_t D, float* work) {
+// One sequence, 16 channels: y[t, 0:nr] (row stride D) from sx rows (stride L).
+RC_SIMD void conv_fwd_block(const float* sx, int64_t L, const float* c, int64_t W, int64_t nr, int64_t T,
+                            float* y, int64_t D, float* work) {
   float* cT = work;            // [W][16]
   float* tile = cT + W * 16;   // [kTB + W - 1][16]
   for (int64_t k = 0; k < W; ++k)
     for (int64_t l = 0; l < 16; ++l) cT[k * 16 + l] = l < nr ? c[l * W + k] : 0.0f;
-  for (int64_t t0 = tb; t0 < te; t0 += kTB) {
-    const int64_t n = std::min(kTB, te - t0);
+  for (int64_t t0 = 0; t0 < T; t0 += kTB) {
+    const int64_t n = std::min(kTB, T - t0);
     // The next tile's output rows are D floats apart, its input rows L apart: ask for them
     // now (for writing / reading) so that the misses overlap this tile's work.
-    const int64_t t2 = std::min(te, t0 + 2 * kTB);
+    const int64_t t2 = std::min(T, t0 + 2 * kTB);
     for (int64_t t = t0 + kTB; t < t2; ++t) __builtin_prefetch(y + t * D, 1);
-    if (t0 + kTB < te)
+    if (t0 + kTB < T)
       for (int64_t l = 0; l < nr; ++l)
         for (int64_t p = t0 + kTB; p < t2 + W - 1; p += 16) __builtin_prefetch(sx + l * L + p);
     gather_tile(sx + t0, L, nr, n + W - 1, tile);
@@ -166,7 +165,7 @@ RC_SIMD void conv_bwd_block(const float* dy, const float* sx, const float* c, in
 void conv_check(Graph& g, Node& n, int off, int64_t* S, int64_t* D, int64_t* W, int64_t* T) {
   require_f32(g, n, off);
   require_f32(g, n, off + 1);
-  const Shape &sx = g.node(n.src.at(off)).shape, &c = g.node(n.src.at(off + 1)).shape;
+  const Shape &sx = g.node(n.src[off]).shape, &c = g.node(n.src[off + 1]).shape;
   if (sx.ndim != 3) fail_shape(g, n, "sx must be (n_seqs, d_inner, d_conv - 1 + n_tok)");
   if (c.ndim != 2) fail_shape(g, n, "c must be (d_inner, d_conv)");
   if (c[1] < 1) fail_shape(g, n, "d_conv must be >= 1");
@@ -204,7 +203,7 @@ void register_ssm_conv_ops(OpTable& t) {
       c.pool.run(S * nb, [&](int64_t task, int tid) {
         const int64_t s = task / nb, b = task % nb, ch0 = b * 16;
         float* wk = work[tid].get((2 * W + kTB) * 16);
-        conv_fwd_block(x + (s * D + ch0) * L, L, w + ch0 * W, W, std::min<int64_t>(16, D - ch0), 0, T,
+        conv_fwd_block(x + (s * D + ch0) * L, L, w + ch0 * W, W, std::min<int64_t>(16, D - ch0), T,
                        y + s * T * D + ch0, D, wk);
       });
     };
@@ -226,9 +225,9 @@ void register_ssm_conv_ops(OpTable& t) {
       require_f32(g, n, 0);
       int64_t S, D, W, T;
       conv_check(g, n, 1, &S, &D, &W, &T);
-      if (g.node(n.src.at(0)).shape != Shape{S, T, D}) fail_shape(g, n, "dy must be (n_seqs, n_tok, d_inner)");
+      if (g.node(n.src[0]).shape != Shape{S, T, D}) fail_shape(g, n, "dy must be (n_seqs, n_tok, d_inner)");
       n.dtype = DType::f32;
-      n.shape = Shape{g.node(n.src.at(1)).numel() + g.node(n.src.at(2)).numel()};
+      n.shape = Shape{g.node(n.src[1]).numel() + g.node(n.src[2]).numel()};
     };
     d.forward = [](KernelCtx& c) {
       const Shape& sx = c.src[1].shape;

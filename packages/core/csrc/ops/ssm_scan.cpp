@@ -11,34 +11,47 @@
 //                    dA (H, NA), dB (S, T, G, N), dC (S, T, G, N)
 //
 // Two kernel layouts:
-// * "rows" (P > 1): one task per (sequence, head, block of channels p). The forward keeps
-//   the state block transposed, [n][p], and vectorizes along p, so y_t = sum_n C[n] S[n][:]
+// * "rows" (P > 1): units of (sequence, head, block of channels p). The forward keeps the
+//   state block transposed, [n][p], and vectorizes along p, so y_t = sum_n C[n] S[n][:]
 //   needs no horizontal sums. With one decay per head it keeps S~ = S / P_t, P_t the decay
 //   accumulated since the last renormalisation, so a token costs two FMAs per element
-//   (S~ += B~ u; y += C S~) instead of three; S~ is multiplied out whenever P_t leaves
-//   [2^-60, 2^60] (and at the end), so nothing overflows.
+//   (S~ += B~ u; y += C S~) instead of three, and two tokens share one pass over the state;
+//   S~ is multiplied out whenever P_t leaves [2^-60, 2^60] (and at the end), so nothing
+//   overflows or underflows to denormals.
 // * "heads" (P == 1, Mamba-1): 16 heads of one group per vector, the state [n][16 heads];
-//   every element needs its own exp(), done by a vectorized polynomial (vexp).
+//   every element needs its own exp(), done by a vectorized polynomial (vexp), batched per
+//   chunk of tokens so that its latency is hidden.
+// A task owns a few units and advances them kChunk tokens at a time, in turn: the rows of
+// x, y, dt that it touches are then close together in memory while each unit's state stays
+// in L1/L2.
 //
 // Backward, rows layout. lam_t = dL/dS_t obeys lam_{t-1} = a_t lam_t + dy_{t-1} C_{t-1}^T,
 // which needs no state, and dC_t = dy_t^T S_t needs only the forward state, so one forward
-// sweep (S, dC) and one reverse sweep (lam, dB, dx) suffice. The decay gradient
-// g_t = sum lam_t * a_t S_{t-1} would need S_{t-1} in the reverse sweep; instead
-// Z_t = sum_p lam_t S_t follows Z_{t-1} = g_t + C_{t-1} dC_{t-1} and g_t = Z_t - B_t dB_t,
-// re-anchored exactly (from a stored state) every K tokens so rounding cannot accumulate.
-// Backward, heads layout: the state is checkpointed every K tokens; each segment of K
-// tokens is recomputed into a small buffer and walked in reverse.
+// sweep (S, dC) and one reverse sweep (lam, dB, dx) suffice; lam is kept scaled like S.
+// The decay gradient g_t = sum lam_t * a_t S_{t-1} would need S_{t-1} in the reverse sweep;
+// instead Z_t = sum_p lam_t S_t follows Z_{t-1} = g_t + C_{t-1} . dC_{t-1} with
+// g_t = Z_t - B_t . dB_t, and is re-anchored exactly from a stored state every K tokens
+// (K a power of two, at most 17 anchors), so rounding cannot accumulate.
+// Backward, heads layout: the state is checkpointed every K tokens (at most 64 segments);
+// each segment is recomputed (states and exps) into a small buffer and walked in reverse,
+// for all blocks of a task before the next segment, so that the per-lane dB and dC terms
+// are summed over the blocks and reduced across lanes once per segment.
 //
 // Determinism: dB, dC, dA, d_s are sums over heads/sequences. Each task owns a fixed slice
-// of the work (chosen from the shapes only) and its own partial sums, and partial sums are
-// reduced in a fixed order, so results are bitwise the same for any number of threads.
+// of the work (chosen from the shapes only, never from the thread count) and its own
+// partial sums, and partial sums are reduced in a fixed order, so results are bitwise the
+// same for any number of threads.
 //
-// Peak extra memory of the backward (floats; Np = N rounded up to 16):
-//   per thread, rows:  (1 + ceil(T / K)) * PB * Np + T * (1 or Np) + 16 * Np + 64 * PB
-//   per thread, heads: (3 + ceil(T / K) + 2 K) * Np * 16 + 18 * K     (K = max(16, T / 256))
-//   shared: (n_split - 1) * 2 * S*T*G*N (partial dB, dC), S*H*NA (partial dA), and
-//   S*H*P*N when two sequences share a state row.
-// Never the T * state history that storing every state would take.
+// Peak extra memory of the backward, in floats (Np = N rounded up to 16, plp likewise PB):
+//   per thread, rows:  U units, U * PB ~ 64 channels, each
+//                      PB * Np * (1 + ceil(T / K)) + T * (1 or Np) + 11 Np + 38 plp,
+//                      plus 4 T per head (K >= 64 and ceil(T / K) <= 17)
+//   per thread, heads: blocks_per_task * 16 N * (3 + ceil(T / K)) + 16 K (2 + N + 3 Np)
+//                      (K = max(32, T / 64))
+//   shared: (n_split - 1) * 2 * S*T*G*N (partial dB, dC; n_split <= ceil(8 / (S G))),
+//   S*H*NA (partial dA), and S*H*P*N when two sequences share a state row.
+// For the Mamba-2 case of the benchmark (S 4, T 1024, H 32, P 64, N 128) that is about
+// 1.3 MB per thread plus 4 MB of partial sums; storing every state would take 4 GB.
 #include <cmath>
 
 #include "ssm.h"
@@ -1400,12 +1413,12 @@ void scan_backward(KernelCtx& c) {
             f.dAa[n * 16 + l] = 0.0f;
           }
       }
-      // Pass 1: the state before each segment.
+      // Pass 1: the state before each segment (the last segment's own run is not needed).
       for (int64_t sg = 0; sg < nseg; ++sg) {
         const int64_t t0 = sg * K, t1 = std::min(d.T, t0 + K);
         for (HeadsBwd& f : fs) {
           std::memcpy(f.ck + sg * d.N * 16, f.St, d.N * 16 * sizeof(float));
-          heads_seg_forward(f, f.St, t0, t1, dbuf, ubuf, abuf, nullptr);
+          if (sg + 1 < nseg) heads_seg_forward(f, f.St, t0, t1, dbuf, ubuf, abuf, nullptr);
         }
       }
       // Pass 2: segments in reverse; lam starts as dL/d(final state).
@@ -1552,12 +1565,12 @@ void scan_backward(KernelCtx& c) {
 // Validates (s, x, dt, A, B, C, ids) starting at source `off`; returns the dims.
 Dims scan_check(Graph& g, Node& n, int off) {
   for (int i = off; i < off + 6; ++i) require_f32(g, n, i);
-  const Node& idn = g.node(n.src.at(off + 6));
+  const Node& idn = g.node(n.src[off + 6]);
   if (idn.dtype != DType::i32)
     throw TypeError(OpTable::get().at(n.op).name + ": ids must be int32, got " + dtype_name(idn.dtype));
-  const Shape &s = g.node(n.src.at(off)).shape, &x = g.node(n.src.at(off + 1)).shape,
-              &dt = g.node(n.src.at(off + 2)).shape, &A = g.node(n.src.at(off + 3)).shape,
-              &B = g.node(n.src.at(off + 4)).shape, &C = g.node(n.src.at(off + 5)).shape, &ids = idn.shape;
+  const Shape &s = g.node(n.src[off]).shape, &x = g.node(n.src[off + 1]).shape,
+              &dt = g.node(n.src[off + 2]).shape, &A = g.node(n.src[off + 3]).shape,
+              &B = g.node(n.src[off + 4]).shape, &C = g.node(n.src[off + 5]).shape, &ids = idn.shape;
   if (s.ndim != 4) fail_shape(g, n, "s must be (n_rows, n_head, head_dim, d_state)");
   if (x.ndim != 4) fail_shape(g, n, "x must be (n_seqs, n_tok, n_head, head_dim)");
   if (dt.ndim != 3) fail_shape(g, n, "dt must be (n_seqs, n_tok, n_head)");
@@ -1628,11 +1641,11 @@ void register_ssm_ops(OpTable& t) {
       if (n.src.size() != 8) fail_shape(g, n, "takes (grad, s, x, dt, A, B, C, ids)");
       require_f32(g, n, 0);
       const Dims dm = scan_check(g, n, 1);
-      const Shape& gr = g.node(n.src.at(0)).shape;
+      const Shape& gr = g.node(n.src[0]).shape;
       if (gr.ndim != 1 || gr[0] != dm.S * dm.T * dm.H * dm.P + dm.S * dm.H * dm.P * dm.N)
         fail_shape(g, n, "grad must be the packed (y, final states) gradient");
       int64_t total = 0;
-      for (int i = 1; i < 7; ++i) total += g.node(n.src.at(i)).numel();
+      for (int i = 1; i < 7; ++i) total += g.node(n.src[i]).numel();
       n.dtype = DType::f32;
       n.shape = Shape{total};
     };

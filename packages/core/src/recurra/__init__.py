@@ -97,7 +97,7 @@ def blas_info() -> str:
 
 
 def _load_blas() -> None:
-    if os.environ.get("RECURRA_NO_BLAS"):
+    if os.environ.get("RECURRA_NO_BLAS", "") not in ("", "0"):
         return
     try:
         import scipy_openblas32
