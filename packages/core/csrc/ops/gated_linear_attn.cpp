@@ -158,7 +158,7 @@ void gla_backward(KernelCtx& c, const Dims& d) {
   // Packed result, in source order: dk, dv, dq, dg, dstate.
   float* o = c.dst.f32();
   GlaGrad full{o, o + ths, o + 2 * ths, o + 3 * ths, o + 4 * ths};
-  const int64_t units = d.N * d.H, nb = n_blocks(units, d.S);
+  const int64_t units = d.N * d.H, nb = backward_blocks(units, d.S);
   std::vector<float> part(nb > 1 ? static_cast<size_t>(3 * nb * ths) : 0);
   const int64_t K = checkpoint_interval(d.n), nck = (d.n + K - 1) / K;
   const int64_t rmax = (d.S + nb - 1) / nb;

@@ -508,6 +508,11 @@ inline int64_t n_blocks(int64_t units, int64_t max_blocks) {
   return std::max<int64_t>(1, std::min<int64_t>(max_blocks, (kMinTasks + units - 1) / units));
 }
 inline int64_t block_begin(int64_t b, int64_t nb, int64_t total) { return b * total / nb; }
+// The backward splits a head into at most two blocks: each block's sums over its rows go to a
+// partial buffer the size of the gradients they belong to, so at most twice that memory.
+inline int64_t backward_blocks(int64_t units, int64_t rows) {
+  return std::min<int64_t>(2, n_blocks(units, rows));
+}
 
 // Checkpoint interval of the backward kernels: the state is saved every K tokens and the
 // states in between recomputed one chunk at a time, so a task holds ceil(n/K) + K states

@@ -328,7 +328,7 @@ void wkv6_backward(KernelCtx& c, const Dims& d) {
   float* ds = dtd + ths;
   // Rows j are split into blocks when there are few (run, head) pairs; the block sums of
   // dr, dk, dtd then go to partial buffers, added up in block order afterwards.
-  const int64_t units = d.N * d.H, nb = n_blocks(units, d.S);
+  const int64_t units = d.N * d.H, nb = backward_blocks(units, d.S);
   std::vector<float> part(nb > 1 ? static_cast<size_t>(3 * nb * ths) : 0);
   std::vector<float> dtf_part(static_cast<size_t>(units * nb * d.Sp));
   const int64_t K = checkpoint_interval(d.n), nck = (d.n + K - 1) / K;

@@ -378,7 +378,7 @@ void wkv7_backward(KernelCtx& c, const Dims& d) {
   // Packed result, in source order: dr, dw, dk, dv, da, db, dstate.
   float* o = c.dst.f32();
   Wkv7Grad full{o, o + ths, o + 2 * ths, o + 4 * ths, o + 5 * ths, o + 3 * ths, o + 6 * ths};
-  const int64_t units = d.N * d.H, nb = n_blocks(units, d.S);
+  const int64_t units = d.N * d.H, nb = backward_blocks(units, d.S);
   // With several row blocks per head, the five sums over i go to partial buffers (block b of
   // quantity x at (x * nb + b) * ths) and are added up in block order afterwards.
   std::vector<float> part(nb > 1 ? static_cast<size_t>(5 * nb * ths) : 0);
