@@ -39,7 +39,7 @@ PACKAGES_DIR = ROOT / "packages"
 
 # Backends the test suite runs against; each becomes one `tests(<name>)` session and reaches
 # the tests as RECURRA_TEST_BACKEND (see tests/conftest.py). Add "vulkan" here.
-BACKENDS = ["cpu"]
+BACKENDS = ["cpu", "vulkan"]
 
 TEST_DEPS = ["pytest>=7", "hypothesis>=6"]
 BUILD_DEPS = ["meson-python>=0.15", "meson>=1.1", "pybind11>=2.12", "ninja"]
