@@ -219,13 +219,24 @@ def build(session: nox.Session) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _asan_runtime() -> str:
+def _gcc_library(name: str) -> str:
+    """The real path of one of gcc's runtime libraries (e.g. libasan.so)."""
     out = subprocess.run(
-        ["gcc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=True
+        ["g++", f"-print-file-name={name}"], capture_output=True, text=True, check=True
     ).stdout.strip()
     if not os.path.isabs(out) or not os.path.exists(out):
-        raise RuntimeError(f"gcc has no ASan runtime (got {out!r}); install libasan")
+        raise RuntimeError(f"g++ has no {name} (got {out!r}); install gcc's runtime libraries")
     return os.path.realpath(out)
+
+
+def _asan_preload() -> str:
+    """LD_PRELOAD for running the sanitized extension inside a non-sanitized python.
+
+    libstdc++ is preloaded beside the ASan runtime: ASan resolves the real __cxa_throw when it
+    starts, and python itself does not link libstdc++, so without it the first C++ exception
+    ends in "CHECK failed: real___cxa_throw != 0".
+    """
+    return " ".join([_gcc_library("libasan.so"), _gcc_library("libstdc++.so")])
 
 
 @nox.session
@@ -245,7 +256,7 @@ def sanitize(session: nox.Session) -> None:
         "-Csetup-args=-Dcpp_args=-fno-omit-frame-pointer",
     )
     env = {
-        "LD_PRELOAD": _asan_runtime(),
+        "LD_PRELOAD": _asan_preload(),
         # CPython and numpy keep allocations for the life of the process: leaks are noise.
         # abort_on_error: the report ends in SIGABRT, on which pytest's faulthandler prints
         # the Python stack, naming the test.

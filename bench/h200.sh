@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Builds recurra (core + Vulkan plugin) on a GPU machine and runs the GPU checks and
+# benchmarks there, logging under $OUT (default ./h200-out). Used through the device tool:
+#     source .device/env.sh && bash bench/h200.sh [steps...]
+# Steps (default: all): build tests check bench-ops bench-recurrent bench-optim
+set -uo pipefail
+OUT=${OUT:-$PWD/h200-out}
+mkdir -p "$OUT"
+steps=${*:-build tests check bench-ops bench-recurrent bench-optim}
+export PYTHONUNBUFFERED=1
+py=python3
+site=/tmp/recurra-site
+log() { echo "=== $* ($(date +%T))" | tee -a "$OUT/summary.log"; }
+
+if [[ " $steps " == *" build "* ]]; then
+  log build
+  # wheels carried in .whl (scipy-openblas32, fla) go to a private site dir
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    $py -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl
+  fi
+  for p in core vulkan optim models cli; do
+    [ -d "packages/$p" ] || continue
+    $py -m pip install -q --no-index --no-deps --no-build-isolation --target "$site" "./packages/$p" \
+      > "$OUT/build-$p.log" 2>&1 || { log "build $p FAILED"; tail -30 "$OUT/build-$p.log"; exit 1; }
+  done
+fi
+export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+cd /tmp  # import the installed packages, not the source tree
+repo=$OLDPWD
+$py -c "import recurra, recurra_vulkan; print(recurra.backends.available())" 2>&1 | tee -a "$OUT/summary.log"
+
+if [[ " $steps " == *" tests "* ]]; then
+  log "tests (vulkan)"
+  RECURRA_EXPECT_VULKAN=1 RECURRA_TEST_BACKEND=vulkan RECURRA_HYPOTHESIS_PROFILE=ci \
+    $py -m pytest -q -p no:cacheprovider --rootdir "$repo" "$repo/tests" > "$OUT/tests-vulkan.log" 2>&1
+  tail -5 "$OUT/tests-vulkan.log" | tee -a "$OUT/summary.log"
+fi
+if [[ " $steps " == *" check "* ]]; then
+  log "check_backends"
+  $py -m recurra.check_backends > "$OUT/check.log" 2>&1; echo "exit $?" >> "$OUT/check.log"
+  tail -15 "$OUT/check.log" | tee -a "$OUT/summary.log"
+fi
+if [[ " $steps " == *" bench-ops "* ]]; then
+  log "bench ops (matmul, add)"
+  $py "$repo/packages/vulkan/tools/bench_vk.py" 2>&1 | tee -a "$OUT/summary.log"
+  [ -f "$repo/bench/gpu.py" ] && $py "$repo/bench/gpu.py" 2>&1 | tee -a "$OUT/summary.log"
+fi
+if [[ " $steps " == *" bench-recurrent "* ]] && [ -f "$repo/bench/gpu_recurrent.py" ]; then
+  log "bench recurrent"
+  $py "$repo/bench/gpu_recurrent.py" 2>&1 | tee -a "$OUT/summary.log"
+fi
+if [[ " $steps " == *" bench-optim "* ]] && [ -f "$repo/bench/gpu_optim.py" ]; then
+  log "bench optim"
+  $py "$repo/bench/gpu_optim.py" 2>&1 | tee -a "$OUT/summary.log"
+fi
+log done
