@@ -108,6 +108,10 @@ struct OpDef {
   uint32_t contiguous_srcs = 0;
   // Set for reshape/permute/slice/broadcast_to: infer also sets strides and the view.
   bool is_view = false;
+  // Null for ordinary ops. For ops that update sources in place (the optimizer steps):
+  // whether source i is written. The scheduler runs such a node where the written memory
+  // lives, never on a copy of it.
+  std::function<bool(const Node& node, size_t src)> writes_src;
 };
 
 // The op table. Each ops/*.cpp file has a register_*_ops(OpTable&) function; ops.cpp
@@ -228,6 +232,8 @@ class Graph {
   void check_ready() const;
   int location(int id) const;  // backend holding node id's data (views: their base's)
   void assign_backends();
+  int place_in_place_op(int j) const;
+  bool backend_supports(int backend, int j) const;
   recurra_tensor_desc desc_on(int id, int backend) const;  // node id as seen from backend
   TensorView host_view(int id, int consumer_backend) const;
   void fill_mirror(const Placement::Mirror& m);

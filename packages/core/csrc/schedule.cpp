@@ -106,6 +106,55 @@ void Graph::set_backends(std::vector<int> ids, bool strict) {
   strict_ = strict;
 }
 
+// Whether backend b (not the CPU, not closed) has a kernel for node j as it is shaped. Nodes
+// with more sources than the C table carries never reach a plugin.
+bool Graph::backend_supports(int b, int j) const {
+  const Node& nd = nodes_[j];
+  if (nd.src.size() > RECURRA_MAX_SRC) return false;
+  const BackendEntry& e = backend_entry(b);
+  recurra_node_desc desc{};
+  desc.op = OpTable::get().at(nd.op).name.c_str();
+  desc.dst = shape_desc(nd);
+  desc.n_src = static_cast<int32_t>(nd.src.size());
+  for (size_t i = 0; i < nd.src.size(); ++i) {
+    desc.src[i] = shape_desc(nodes_[nd.src[i]]);
+    desc.src[i].offset = static_cast<size_t>(nodes_[nd.src[i]].view_offset) * 4;
+  }
+  desc.n_ip = static_cast<int32_t>(nd.ip.size());
+  desc.ip = nd.ip.data();
+  desc.n_fp = static_cast<int32_t>(nd.fp.size());
+  desc.fp = nd.fp.data();
+  return e.table->supports_op(e.table->ctx, e.device, &desc) == 1;
+}
+
+// An op that updates its sources in place runs where the memory it writes lives: on a copy
+// (a mirror) the update would be lost. Every written source must live on one backend, and
+// that backend must have a kernel for the op; otherwise this raises rather than fall back.
+int Graph::place_in_place_op(int j) const {
+  const Node& nd = nodes_[j];
+  const OpDef& def = OpTable::get().at(nd.op);
+  int target = -2;
+  for (size_t i = 0; i < nd.src.size(); ++i) {
+    if (!def.writes_src(nd, i)) continue;
+    const int loc = location(nd.src[i]);
+    if (target == -2) target = loc;
+    if (loc != target)
+      throw ValueError(def.name + ": the tensors it updates in place live on different devices (" +
+                       backend_name(target) + " and " + backend_name(loc) +
+                       "); move them to one device first");
+  }
+  if (target == -2 || target == kCpuBackend) return kCpuBackend;
+  const BackendEntry& e = backend_entry(target);
+  if (e.closed)
+    throw StateError(def.name + ": the memory it updates lives on " + backend_name(target) +
+                     ", which was released");
+  if (backend_supports(target, j)) return target;
+  throw StateError(def.name + " with " + std::to_string(nd.src.size()) +
+                   " sources updates memory on " + backend_name(target) +
+                   ", which has no kernel for it (at most " + std::to_string(RECURRA_MAX_SRC) +
+                   " sources per node reach a device backend)");
+}
+
 void Graph::assign_backends() {
   const int n = size();
   place_.where.assign(n, kCpuBackend);
@@ -120,24 +169,14 @@ void Graph::assign_backends() {
       place_.where[j] = place_.where[nd.view_base];
       continue;
     }
+    const OpDef& def = tab.at(nd.op);
+    if (def.writes_src) {
+      place_.where[j] = place_in_place_op(j);
+      continue;
+    }
     int chosen = -1;
     for (int b : backends_) {
-      const BackendEntry& e = backend_entry(b);
-      if (e.closed) continue;
-      recurra_node_desc desc{};
-      desc.op = tab.at(nd.op).name.c_str();
-      desc.dst = shape_desc(nd);
-      desc.n_src = static_cast<int32_t>(std::min<size_t>(nd.src.size(), RECURRA_MAX_SRC));
-      if (nd.src.size() > RECURRA_MAX_SRC) continue;
-      for (size_t i = 0; i < nd.src.size(); ++i) {
-        desc.src[i] = shape_desc(nodes_[nd.src[i]]);
-        desc.src[i].offset = static_cast<size_t>(nodes_[nd.src[i]].view_offset) * 4;
-      }
-      desc.n_ip = static_cast<int32_t>(nd.ip.size());
-      desc.ip = nd.ip.data();
-      desc.n_fp = static_cast<int32_t>(nd.fp.size());
-      desc.fp = nd.fp.data();
-      if (e.table->supports_op(e.table->ctx, e.device, &desc) == 1) {
+      if (!backend_entry(b).closed && backend_supports(b, j)) {
         chosen = b;
         break;
       }

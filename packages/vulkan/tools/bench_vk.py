@@ -1,6 +1,7 @@
 """Benchmark of the Vulkan backend's two reference kernels, timed with GPU timestamps.
 
     python packages/vulkan/tools/bench_vk.py [--size 4096] [--add-mib 256] [--iters 20]
+                                             [--variants [NAMES]]
 
 - matmul: C = A @ B, square fp32 matrices (also B transposed, the x @ W^T of a linear
   layer); prints ms and TFLOP/s.
@@ -11,11 +12,18 @@ alloc / copy_in / compute / synchronize calls the core makes); the time is the G
 the dispatch (timestamp queries), the median of --iters runs after warm-up runs. When
 PyTorch with CUDA is importable, the same work is timed with CUDA events (TF32 off) and the
 ratio printed. A small correctness check against numpy runs first.
+
+--variants [legacy,auto,...] (default: all) then times every matmul shader variant (chosen
+through the environment variable RECURRA_VK_MATMUL, read by the backend at each dispatch)
+at --size, both layouts, after a correctness check of that variant, and prints one line per
+variant with its TFLOP/s next to torch's. A variant that fails or computes wrong results is
+reported and skipped, so the run completes unattended.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 
@@ -64,8 +72,13 @@ def _torch_cuda():
     return torch
 
 
-def _check(vk, device: int) -> None:
-    """Results agree with numpy (relative error) before anything is timed."""
+ENV = "RECURRA_VK_MATMUL"
+VARIANTS = ("legacy", "auto", "r128k8", "r128", "r128x64", "r64")
+
+
+def _matmul_error(vk, device: int) -> str:
+    """Returns "" when matmul (both B layouts, aligned and odd sizes) agrees with numpy
+    within a relative error of 1e-5, else a line saying where it does not."""
     rng = np.random.default_rng(0)
     for m, k, n in [(512, 512, 512), (300, 257, 129)]:
         a = rng.standard_normal((m, k)).astype(np.float32)
@@ -75,7 +88,16 @@ def _check(vk, device: int) -> None:
             got = vk.run_node("matmul", [a, bb], [], [], (m, n), "float32", 0, device)
             err = np.linalg.norm(got - want) / np.linalg.norm(want)
             if not err < 1e-5:
-                sys.exit(f"matmul {m}x{k}x{n}: relative error {err:.2e} against numpy: WRONG")
+                return f"matmul {m}x{k}x{n}: relative error {err:.2e} against numpy: WRONG"
+    return ""
+
+
+def _check(vk, device: int) -> None:
+    """Results agree with numpy (relative error) before anything is timed; exits otherwise."""
+    why = _matmul_error(vk, device)
+    if why:
+        sys.exit(why)
+    rng = np.random.default_rng(0)
     x = rng.standard_normal(1 << 20).astype(np.float32)
     y = rng.standard_normal(1 << 20).astype(np.float32)
     if not np.array_equal(vk.run_node("add", [x, y], [], [], x.shape, "float32", 0, device), x + y):
@@ -91,7 +113,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", type=int, default=0, help="Vulkan device index")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
+    p.add_argument(
+        "--variants",
+        nargs="?",
+        const=",".join(VARIANTS),
+        default=None,
+        metavar="NAMES",
+        help="also time these matmul variants (comma-separated; default all: "
+        + ",".join(VARIANTS)
+        + ")",
+    )
     args = p.parse_args(argv)
+    variants = [v for v in (args.variants or "").split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variant(s) {','.join(unknown)}: choose from {','.join(VARIANTS)}")
 
     import recurra_vulkan
 
@@ -117,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     a = rng.standard_normal((n, n)).astype(np.float32)
     b = rng.standard_normal((n, n)).astype(np.float32)
     flops = 2.0 * n * n * n
-    for label, bb in (("A @ B", b), ("A @ B^T", np.ascontiguousarray(b.T).T)):
+    layouts = (("A @ B", b), ("A @ B^T", np.ascontiguousarray(b.T).T))
+    torch_times: dict[str, float] = {}
+    for label, bb in layouts:
         t = _vk_time(vk, "matmul", [a, bb], (n, n), args.iters, args.warmup, args.device)
         line = (
             f"matmul {n}^3 fp32 {label:8s} vulkan {t * 1e3:8.3f} ms {flops / t / 1e12:7.2f} TFLOP/s"
@@ -128,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             if label == "A @ B^T":
                 tb = torch.from_numpy(np.ascontiguousarray(bb.T)).cuda().t()
             tt = _torch_time(lambda ta=ta, tb=tb: ta @ tb, args.iters, args.warmup)
+            torch_times[label] = tt
             line += (
                 f" | torch {tt * 1e3:8.3f} ms {flops / tt / 1e12:7.2f} TFLOP/s"
                 f" | vulkan/torch {tt / t:5.2f}x"
@@ -151,7 +190,60 @@ def main(argv: list[str] | None = None) -> int:
             f" | vulkan/torch {tt / t:5.2f}x"
         )
     print(line)
+
+    if variants:
+        _bench_variants(vk, variants, a, layouts, torch_times, args)
     return 0
+
+
+def _bench_variants(
+    vk,
+    variants: list[str],
+    a: np.ndarray,
+    layouts: tuple[tuple[str, np.ndarray], ...],
+    torch_times: dict[str, float],
+    args: argparse.Namespace,
+) -> None:
+    """Prints, per matmul variant and layout, the Vulkan time and TFLOP/s next to torch's;
+    a variant that raises or fails its correctness check gets one line saying so. Restores
+    RECURRA_VK_MATMUL afterwards. Returns None."""
+    n = args.size
+    flops = 2.0 * n * n * n
+    saved = os.environ.get(ENV)
+    print(f"matmul variants ({ENV}), {n}^3 fp32, median of {args.iters} runs:")
+    try:
+        for name in variants:
+            os.environ[ENV] = name
+            try:
+                why = _matmul_error(vk, args.device)
+            except Exception as e:  # reported; the other variants still run
+                why = f"failed: {type(e).__name__}: {e}"
+            if why:
+                print(f"  {name:8s} {why}", flush=True)
+                continue
+            for label, bb in layouts:
+                try:
+                    t = _vk_time(
+                        vk, "matmul", [a, bb], (n, n), args.iters, args.warmup, args.device
+                    )
+                except Exception as e:
+                    print(f"  {name:8s} {label:8s} failed: {type(e).__name__}: {e}", flush=True)
+                    continue
+                line = (
+                    f"  {name:8s} {label:8s} vulkan {t * 1e3:8.3f} ms "
+                    f"{flops / t / 1e12:7.2f} TFLOP/s"
+                )
+                tt = torch_times.get(label)
+                if tt is not None:
+                    line += (
+                        f" | torch {flops / tt / 1e12:7.2f} TFLOP/s | vulkan/torch {tt / t:5.2f}x"
+                    )
+                print(line, flush=True)
+    finally:
+        if saved is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = saved
 
 
 if __name__ == "__main__":

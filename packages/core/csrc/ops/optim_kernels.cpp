@@ -17,6 +17,8 @@
 //   step: (1,) i32 leaf, the number of updates this tensor has had; the op increments it.
 // grad_norm(hyper, g...) -> (2,) [norm, coef]: the L2 norm over all gradients of the
 //   effective gradient clamp(g * grad_scale, +-clip_value), and min(1, max_norm/(norm+1e-6)).
+//   With ip = {1} its sources after hyper are earlier grad_norm results, whose norms it
+//   combines (sqrt of the sum of squares) into the same [norm, coef].
 // grad_clip(hyper, [gstat], g...) -> dummy: g = clamp(g * grad_scale, +-clip_value) * coef,
 //   in place (the gradients must be leaves).
 //
@@ -143,6 +145,17 @@ Layout layout(const Graph& g, const Node& n, size_t n_ip, int per) {
   check_hyper(g, n);
   if (L.gstat) check_gstat(g, n, 1);
   return L;
+}
+
+// writes_src of the update ops: every per-tensor source but the gradient (at offset 1); with
+// grad_at < 0 (grad_clip), every per-tensor source. ip = {n, has_gstat, ...} (checked by infer).
+std::function<bool(const Node&, size_t)> writes_per_tensor(int per, int grad_at) {
+  return [per, grad_at](const Node& n, size_t i) {
+    const int64_t first = 1 + (n.ip.size() > 1 && n.ip[1] != 0 ? 1 : 0);
+    const int64_t k = static_cast<int64_t>(i) - first;
+    const int64_t per_n = per > 0 ? per : 3 + (n.ip.size() > 2 && n.ip[2] != 0 ? 1 : 0);
+    return k >= 0 && k % per_n != grad_at;
+  };
 }
 
 void set_dummy(Node& n) {
@@ -407,18 +420,25 @@ void lion_forward(KernelCtx& c) {
 
 void grad_norm_forward(KernelCtx& c) {
   const Node& n = c.node;
-  Layout L;
-  L.n = static_cast<int64_t>(n.src.size()) - 1;
-  L.first = 1;
-  L.per = 1;
-  const GradXform x = grad_xform(c, L, false);
-  const auto offs = offsets(c, L);
-  std::vector<double> part((offs.back() + kChunk - 1) / kChunk, 0.0);
-  for_chunks(c.pool, offs, [&](int64_t t, int64_t b, int64_t e, int64_t chunk) {
-    part[chunk] += sumsq_range(c.src[1 + t].f32() + b, e - b, x.pre, x.clip);
-  });
   double sum = 0.0;
-  for (double s : part) sum += s;  // fixed order: the result does not depend on timing
+  if (!n.ip.empty() && n.ip[0] == 1) {  // combine partial results, in source order
+    for (size_t i = 1; i < n.src.size(); ++i) {
+      const double v = c.src[i].f32()[0];
+      sum += v * v;
+    }
+  } else {
+    Layout L;
+    L.n = static_cast<int64_t>(n.src.size()) - 1;
+    L.first = 1;
+    L.per = 1;
+    const GradXform x = grad_xform(c, L, false);
+    const auto offs = offsets(c, L);
+    std::vector<double> part((offs.back() + kChunk - 1) / kChunk, 0.0);
+    for_chunks(c.pool, offs, [&](int64_t t, int64_t b, int64_t e, int64_t chunk) {
+      part[chunk] += sumsq_range(c.src[1 + t].f32() + b, e - b, x.pre, x.clip);
+    });
+    for (double s : part) sum += s;  // fixed order: the result does not depend on timing
+  }
   const double norm = std::sqrt(sum);
   const double max_norm = hyper(c.src[0], kMaxNorm);
   double coef = 1.0;
@@ -469,6 +489,7 @@ void register_optim_ops(OpTable& t) {
       set_dummy(n);
     };
     d.forward = sgd_forward;
+    d.writes_src = writes_per_tensor(0, 1);  // per: 3, or 4 with a momentum buffer
     t.add(std::move(d));
   }
   for (const char* name : {"adam_step", "adamw_step"}) {
@@ -482,6 +503,7 @@ void register_optim_ops(OpTable& t) {
     };
     const bool decoupled = std::string(name) == "adamw_step";
     d.forward = [decoupled](KernelCtx& c) { adam_forward(c, decoupled); };
+    d.writes_src = writes_per_tensor(5, 1);
     t.add(std::move(d));
   }
   {
@@ -494,18 +516,25 @@ void register_optim_ops(OpTable& t) {
       set_dummy(n);
     };
     d.forward = lion_forward;
+    d.writes_src = writes_per_tensor(4, 1);
     t.add(std::move(d));
   }
   {
     OpDef d;
     d.name = "grad_norm";
     d.infer = [](Graph& g, Node& n) {
-      if (!n.ip.empty() || !n.fp.empty()) fail(n, "takes no parameters");
+      // ip = {} or {0}: the norm of the gradients; {1}: combine the (2,) results of earlier
+      // grad_norm nodes (a norm over more gradients than one node can take).
+      if (n.ip.size() > 1 || (n.ip.size() == 1 && n.ip[0] != 0 && n.ip[0] != 1) || !n.fp.empty())
+        fail(n, "takes one optional integer parameter (0: gradients, 1: partial norms)");
+      const bool combine = n.ip.size() == 1 && n.ip[0] == 1;
       if (n.src.size() < 2) fail(n, "takes the hyper-parameter tensor and at least one gradient");
       check_hyper(g, n);
       for (size_t i = 1; i < n.src.size(); ++i) {
         require_f32(g, n, static_cast<int>(i));
-        if (!dense(g.node(n.src.at(i)))) fail(n, "gradient " + std::to_string(i - 1) + " must be dense");
+        if (combine) check_gstat(g, n, static_cast<int>(i));
+        else if (!dense(g.node(n.src.at(i))))
+          fail(n, "gradient " + std::to_string(i - 1) + " must be dense");
       }
       n.dtype = DType::f32;
       n.shape = Shape{2};
@@ -526,6 +555,7 @@ void register_optim_ops(OpTable& t) {
       set_dummy(n);
     };
     d.forward = grad_clip_forward;
+    d.writes_src = writes_per_tensor(1, -1);
     t.add(std::move(d));
   }
 }

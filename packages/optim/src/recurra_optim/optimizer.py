@@ -85,6 +85,9 @@ class Optimizer:
         self._updated = False
         self._plans: OrderedDict[Any, _Plan] = OrderedDict()
         self._staging: dict[int, dict[str, np.ndarray]] = {}  # host copies of device tensors
+        # Whether the parameters' device runs the update ops itself (None: not known yet;
+        # False: it has no kernels, so device tensors are staged through the host).
+        self._device_kernels: bool | None = None
         groups = _as_groups(params, self._names)
         for g in groups:
             self.add_param_group(g)
@@ -287,7 +290,17 @@ class Optimizer:
                 tensors.append(self._arrays(p, keys, uploads))
             updates.append((self._op, self._extra(group), tensors))
             on_host.append(all(isinstance(p._value, np.ndarray) for p in ps))
-        fs = FusedStep(updates, norm=norm)
+        try:
+            fs = FusedStep(updates, norm=norm)
+        except RuntimeError as exc:
+            if self._device_kernels is not None or "has no kernel" not in str(exc):
+                raise
+            # A device backend without the update kernels: stage through the host instead.
+            self._device_kernels = False
+            uploads.clear()
+            return self._build(rows, norm, uploads)
+        if not all(on_host):
+            self._device_kernels = True
         return _Plan(fs, on_host, [[p._value for p in ps] for _, ps in rows])
 
     def _rebind(
@@ -360,6 +373,12 @@ class Optimizer:
         tensors = [p, *(st[k] for k in keys), st["step"]]
         if all(isinstance(t._value, np.ndarray) for t in tensors):
             return (p._value, self._host_grad(p), *(st[k]._value for k in keys), st["step"]._value)
+        if self._device_kernels is not False and all(t.device == p.device for t in tensors):
+            # Resident: the update runs on the device, on the tensors themselves.
+            g = p.grad
+            if not (_on_device(g) and g.device == p.device):
+                g = recurra.tensor(self._host_grad(p), device=p.device)
+            return (p, g, *(st[k] for k in keys), st["step"])
         stage = self._staging.setdefault(id(p), {})
         out = []
         for name, t in zip(("param", *keys, "step"), tensors):

@@ -3,7 +3,21 @@
 //
 //   matmul    a (B..., m, k) @ b (B..., k, n)   -> (B..., m, n)
 //   out_prod  a (B..., k, m), b (B..., k, n)    -> (B..., m, n) = a^T @ b
+//
+// Shader variants, chosen at every dispatch by the environment variable RECURRA_VK_MATMUL
+// (read when the node is recorded, so it can change within a process):
+//   legacy (also unset/empty)  matmul.comp: matmul_128 (128x128x8) when that gives >= 264
+//                              tiles, else matmul_64 (64x64x16)
+//   auto     matmul_reg.comp by size: r128 when >= 264 128x128 tiles (two per SM of an
+//            H200), else r128x64 when >= 264 of those, else r64
+//   r128k8   matmul_reg.comp 128x128 tile, BK 8, 256 threads, 8x8 per thread (legacy's
+//            tiling with every register array in registers)
+//   r128     128x128, BK 16, 256 threads, 8x8 per thread
+//   r128x64  128 rows x 64 columns, BK 16, 128 threads, 8x8 per thread
+//   r64      64x64, BK 16, 256 threads, 4x4 per thread
+// Every variant handles every layout and size (edge tiles masked); an unknown name raises.
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "ops.h"
@@ -19,6 +33,35 @@ struct MatmulPC {
   int32_t nb1;
   int32_t a_b0, a_b1, b_b0, b_b1;
 };
+
+// A shader variant: module name and the C tile it owns per workgroup.
+struct Kernel {
+  const char* module;
+  int64_t bm, bn;
+};
+
+// Two workgroups per SM of an H200 (132 SMs): below that, smaller tiles fill the GPU better.
+constexpr int64_t kEnoughTiles = 264;
+
+Kernel choose_kernel(int64_t m, int64_t n, int64_t batch) {
+  static const Kernel legacy128{"matmul_128", 128, 128}, legacy64{"matmul_64", 64, 64};
+  static const Kernel r128k8{"matmul_r128k8", 128, 128}, r128{"matmul_r128", 128, 128};
+  static const Kernel r128x64{"matmul_r128x64", 128, 64}, r64{"matmul_r64", 64, 64};
+  auto tiles = [&](const Kernel& k) { return ((m + k.bm - 1) / k.bm) * ((n + k.bn - 1) / k.bn) * batch; };
+  const char* env = std::getenv("RECURRA_VK_MATMUL");
+  const std::string v = env ? env : "";
+  if (v.empty() || v == "legacy") return tiles(legacy128) >= kEnoughTiles ? legacy128 : legacy64;
+  if (v == "auto") {
+    if (tiles(r128) >= kEnoughTiles) return r128;
+    return tiles(r128x64) >= kEnoughTiles ? r128x64 : r64;
+  }
+  if (v == "r128k8") return r128k8;
+  if (v == "r128") return r128;
+  if (v == "r128x64") return r128x64;
+  if (v == "r64") return r64;
+  fail_invalid("RECURRA_VK_MATMUL=" + v +
+               ": unknown matmul variant (expected legacy, auto, r128k8, r128, r128x64 or r64)");
+}
 
 template <bool OUT_PROD>
 std::string product_check(const recurra_node_desc& n) {
@@ -102,13 +145,10 @@ void product_record(NodeCall& c) {
                          : (pc.b_cs == 1 && aligned(pc.b, {pc.b_rs, sb[0], sb[1]}, pc.N));
   const int vec_c = pc.N % 4 == 0 && pc.c % 16 == 0;
 
-  // Big tiles when there are enough of them to fill a large GPU (two per SM on an H200).
-  const int64_t tiles128 = ((pc.M + 127) / 128) * ((pc.N + 127) / 128) * batch;
-  const bool big = tiles128 >= 264;
-  const int64_t tile = big ? 128 : 64;
-  c.rec.dispatch(big ? "matmul_128" : "matmul_64", {a_kc, b_kc, vec_a, vec_b, vec_c}, pc,
-                 static_cast<uint32_t>((pc.N + tile - 1) / tile), static_cast<uint32_t>((pc.M + tile - 1) / tile),
-                 static_cast<uint32_t>(batch), {c.src[0].range, c.src[1].range}, {c.dst.range});
+  const Kernel k = choose_kernel(pc.M, pc.N, batch);
+  c.rec.dispatch(k.module, {a_kc, b_kc, vec_a, vec_b, vec_c}, pc, static_cast<uint32_t>((pc.N + k.bn - 1) / k.bn),
+                 static_cast<uint32_t>((pc.M + k.bm - 1) / k.bm), static_cast<uint32_t>(batch),
+                 {c.src[0].range, c.src[1].range}, {c.dst.range});
 }
 
 }  // namespace

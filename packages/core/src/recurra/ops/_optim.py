@@ -97,12 +97,42 @@ def pack_hyper(values: Mapping[str, float], out: np.ndarray | None = None) -> np
     return out
 
 
-def _dense_f32(a: Any, what: str) -> np.ndarray:
-    if not isinstance(a, np.ndarray):
-        raise TypeError(f"{what} must be a numpy array, got {type(a).__name__}")
-    if not a.flags.c_contiguous:
-        raise ValueError(f"{what} must be C-contiguous to be updated in place")
-    return a
+#: Sources one node may take when it runs on a device backend (RECURRA_MAX_SRC of the C
+#: backend table); device steps are cut into nodes of at most this many sources.
+DEVICE_MAX_SRC = 8
+
+
+def _device_buffer(a: Any) -> Any:
+    """The DeviceBuffer behind a recurra tensor that lives on a device backend, else None."""
+    value = getattr(a, "_value", None)
+    if isinstance(value, _core.DeviceBuffer):
+        return value
+    if value is None and getattr(a, "is_on_device", False):
+        from recurra._tensor import LAZY  # a pending result: compute it where it lives
+
+        LAZY.run([a])
+        return a._value if isinstance(a._value, _core.DeviceBuffer) else None
+    return None
+
+
+def _check_source(a: Any, what: str) -> Any:
+    """Returns what a leaf binds to: the array itself, or a device tensor's buffer."""
+    if isinstance(a, np.ndarray):
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{what} must be C-contiguous to be updated in place")
+        return a
+    buf = _device_buffer(a)
+    if buf is None:
+        raise TypeError(
+            f"{what} must be a numpy array or a recurra tensor on a device, got {type(a).__name__}"
+        )
+    if not buf.valid:
+        raise RuntimeError(f"{what}: its device memory was released (the backend closed)")
+    return buf
+
+
+def _chunks(items: list[Any], size: int) -> list[list[Any]]:
+    return [items[i : i + size] for i in range(0, len(items), max(1, size))]
 
 
 class FusedStep:
@@ -111,19 +141,23 @@ class FusedStep:
     ``updates`` is a sequence of ``(op, ip_extra, tensors)``: ``op`` one of ``sgd_step``,
     ``adam_step``, ``adamw_step``, ``lion_step``, ``grad_clip``; ``ip_extra`` its integer
     parameters after (n, has_gstat) (``(has_buf,)`` for sgd_step, else ``()``); ``tensors``
-    a list of per-tensor tuples of arrays in the op's source order (UPDATE_SOURCES; the step
-    count is a 1-element int32 array). Every array is bound without copying, so the update
-    lands in those arrays. With ``norm=True`` a ``grad_norm`` node over all gradients runs
-    first and every update scales its gradients by its clip coefficient (read the norm back
-    with :meth:`grad_norm`); it takes grad_scale, clip_value and max_norm from update 0's
-    hyper-parameters.
+    a list of per-tensor tuples of sources in the op's source order (UPDATE_SOURCES; the step
+    count is a 1-element int32). A source is a numpy array, bound without copying, or a
+    recurra tensor on a device backend, bound to its device memory: either way the update
+    lands in place. Device updates run on that device (the core places in-place ops where
+    the memory they write lives), cut into nodes of at most DEVICE_MAX_SRC sources, so
+    parameters and state never cross to the host. With ``norm=True`` a ``grad_norm`` over all
+    gradients runs first and every update scales its gradients by its clip coefficient (read
+    the norm back with :meth:`grad_norm`); it takes grad_scale, clip_value and max_norm from
+    update 0's hyper-parameters.
 
-    Raises ValueError/TypeError (from the core) for mismatched shapes or dtypes.
+    Raises ValueError/TypeError (from the core) for mismatched shapes or dtypes, and
+    RuntimeError when a device holding sources has no kernel for the update.
     """
 
     def __init__(
         self,
-        updates: Sequence[tuple[str, Sequence[int], Sequence[Sequence[np.ndarray]]]],
+        updates: Sequence[tuple[str, Sequence[int], Sequence[Sequence[Any]]]],
         *,
         norm: bool = False,
     ) -> None:
@@ -132,7 +166,8 @@ class FusedStep:
         self._leaf: list[list[list[int]]] = []  # [update][tensor][source] -> node id
         self._bound: list[list[list[Any]]] = []  # what each leaf is bound to now
         self._norm_id = -1
-        built: list[tuple[str, list[int], int, list[list[int]]]] = []
+        devices: set[str] = set()
+        built: list[tuple[str, list[int], int, list[list[int]], bool]] = []
         for op, extra, tensors in updates:
             if op not in UPDATE_SOURCES:
                 raise ValueError(f"FusedStep: unknown update op {op!r}")
@@ -143,29 +178,55 @@ class FusedStep:
             self._g.bind(hid, h)
             ids: list[list[int]] = []
             bound: list[list[Any]] = []
-            for t, arrays in enumerate(tensors):
+            on_device = False
+            for t, sources in enumerate(tensors):
                 row, brow = [], []
-                for k, a in enumerate(arrays):
-                    a = _dense_f32(a, f"{op}: source {k} of tensor {t}")
-                    dt = "int32" if a.dtype == np.int32 else "float32"
-                    nid = self._g.leaf(dt, list(a.shape), _core.FLAG_INPUT, "")
-                    self._g.bind(nid, a)
+                for k, a in enumerate(sources):
+                    b = _check_source(a, f"{op}: source {k} of tensor {t}")
+                    if isinstance(b, np.ndarray):
+                        dt = "int32" if b.dtype == np.int32 else "float32"
+                        nid = self._g.leaf(dt, list(b.shape), _core.FLAG_INPUT, "")
+                        self._g.bind(nid, b)
+                    else:
+                        nid = self._g.leaf(str(a.dtype), list(a.shape), _core.FLAG_INPUT, "")
+                        self._g.bind_device(nid, b)
+                        devices.add(b.backend)
+                        on_device = True
                     row.append(nid)
-                    brow.append(a)
+                    brow.append(b)
                 ids.append(row)
                 bound.append(brow)
             self._hyper.append(h)
             self._leaf.append(ids)
             self._bound.append(bound)
-            built.append((op, list(extra), hid, ids))
+            built.append((op, list(extra), hid, ids, on_device))
+        if devices:  # grad_norm is an ordinary node: prefer the device that holds the grads
+            self._g.set_backends(sorted(devices), False)
         if norm:
-            g_pos = [UPDATE_SOURCES[op].index("grad") for op, _, _ in updates]
-            grads = [row[g_pos[u]] for u, (_, _, _, ids) in enumerate(built) for row in ids]
-            self._norm_id = self._g.op("grad_norm", [built[0][2], *grads], [], [])
+            g_pos = [UPDATE_SOURCES[op].index("grad") for op, *_ in updates]
+            grads = [row[g_pos[u]] for u, (*_, ids, _) in enumerate(built) for row in ids]
+            hid0 = built[0][2]
+            if devices:  # a tree of nodes that each fit the device's source limit
+                level = [
+                    self._g.op("grad_norm", [hid0, *c], [], [])
+                    for c in _chunks(grads, DEVICE_MAX_SRC - 1)
+                ]
+                while len(level) > 1:
+                    level = [
+                        self._g.op("grad_norm", [hid0, *c], [1], [])
+                        for c in _chunks(level, DEVICE_MAX_SRC - 1)
+                    ]
+                self._norm_id = level[0]
+            else:
+                self._norm_id = self._g.op("grad_norm", [hid0, *grads], [], [])
             self._g.set_flags(self._norm_id, _core.FLAG_OUTPUT)
-        for op, extra, hid, ids in built:
-            srcs = [hid] + ([self._norm_id] if norm else []) + [i for row in ids for i in row]
-            self._g.op(op, srcs, [len(ids), 1 if norm else 0, *extra], [])
+        for op, extra, hid, ids, on_device in built:
+            fixed = [hid] + ([self._norm_id] if norm else [])
+            per = len(ids[0])
+            size = (DEVICE_MAX_SRC - len(fixed)) // per if on_device else len(ids)
+            for rows in _chunks(ids, size):
+                srcs = fixed + [i for row in rows for i in row]
+                self._g.op(op, srcs, [len(rows), 1 if norm else 0, *extra], [])
         self._g.plan()
 
     def hyper(self, update: int) -> np.ndarray:
@@ -176,26 +237,30 @@ class FusedStep:
         """Packs ``values`` into update ``update``'s hyper-parameters (see pack_hyper)."""
         pack_hyper(values, self._hyper[update])
 
-    def bind(self, update: int, tensor: int, source: int, array: np.ndarray) -> None:
-        """Points one source at ``array`` (same shape and dtype; no copy). Cheap when it is
-        the array bound already. Raises ValueError/TypeError on a mismatch."""
-        if self._bound[update][tensor][source] is array:
+    def bind(self, update: int, tensor: int, source: int, array: Any) -> None:
+        """Points one source at ``array`` (a numpy array or a device tensor, same shape and
+        dtype; no copy). Cheap when it is bound already. Raises ValueError/TypeError on a
+        mismatch."""
+        b = _check_source(array, f"bind: source {source} of tensor {tensor}")
+        if self._bound[update][tensor][source] is b:
             return
-        self._g.bind(self._leaf[update][tensor][source], array)
-        self._bound[update][tensor][source] = array
+        nid = self._leaf[update][tensor][source]
+        if isinstance(b, np.ndarray):
+            self._g.bind(nid, b)
+        else:
+            self._g.bind_device(nid, b)
+        self._bound[update][tensor][source] = b
 
-    def bind_column(self, update: int, source: int, arrays: Sequence[np.ndarray]) -> None:
-        """Binds source ``source`` of every tensor of update ``update`` (one array per tensor,
-        in order), skipping those already bound: the per-step call for the gradients."""
-        bound = self._bound[update]
-        leaf = self._leaf[update]
-        if len(arrays) != len(bound):
-            raise ValueError(f"bind_column: {len(arrays)} arrays for {len(bound)} tensors")
+    def bind_column(self, update: int, source: int, arrays: Sequence[Any]) -> None:
+        """Binds source ``source`` of every tensor of update ``update`` (one array or device
+        tensor per tensor, in order), skipping those already bound: the per-step call for
+        the gradients."""
+        if len(arrays) != len(self._bound[update]):
+            raise ValueError(
+                f"bind_column: {len(arrays)} arrays for {len(self._bound[update])} tensors"
+            )
         for t, a in enumerate(arrays):
-            row = bound[t]
-            if row[source] is not a:
-                self._g.bind(leaf[t][source], a)
-                row[source] = a
+            self.bind(update, t, source, a)
 
     def bound(self, update: int, tensor: int, source: int) -> Any:
         """The object source ``source`` of tensor ``tensor`` is bound to now."""
