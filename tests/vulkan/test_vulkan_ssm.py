@@ -145,6 +145,9 @@ SCAN_CASES = [  # (R, S, T, H, P, N, G, per_state, ids)
     (2, 2, 1, 7, 1, 16, 7, False, [1, 1]),
     (1, 1, 130, 2, 2, 4, 1, False, None),
     (3, 2, 0, 2, 3, 4, 1, False, [2, 0]),  # no tokens: the states pass through
+    # long: the anchor interval doubles past 1024 tokens; many recomputed segments
+    (1, 1, 1100, 2, 2, 8, 1, False, None),
+    (1, 1, 1100, 3, 1, 16, 1, True, None),
 ]
 
 
