@@ -21,6 +21,7 @@ void register_all() {
     register_matmul_ops();
     register_nn_ops();
     register_shape_ops();
+    register_rwkv_ops();
   });
 }
 

@@ -48,6 +48,7 @@ void register_reduce_ops();
 void register_matmul_ops();
 void register_nn_ops();
 void register_shape_ops();
+void register_rwkv_ops();
 
 // ---- helpers ------------------------------------------------------------------------
 
