@@ -49,6 +49,7 @@ void register_matmul_ops();
 void register_nn_ops();
 void register_shape_ops();
 void register_ssm_ops();
+void register_rwkv_ops();
 
 // ---- helpers ------------------------------------------------------------------------
 
