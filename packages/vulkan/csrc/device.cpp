@@ -408,7 +408,9 @@ void Device::wait_all() {
   auto* flags = reinterpret_cast<volatile uint32_t*>(errors_.mapped);
   static const char* const kWhat[kNumShaderErrors] = {
       "get_rows: an index is out of range [0, V)", "get_rows_back: an index is out of range [0, V)",
-      "cross_entropy: a target is out of range [0, C)", "cross_entropy_back: a target is out of range [0, C)"};
+      "cross_entropy: a target is out of range [0, C)", "cross_entropy_back: a target is out of range [0, C)",
+      "ssm_scan: an entry of ids is out of range [0, n_rows)",
+      "ssm_scan_back: an entry of ids is out of range [0, n_rows)"};
   std::string what;
   for (uint32_t i = 0; i < kNumShaderErrors; ++i)
     if (flags[i]) {

@@ -20,6 +20,8 @@ const uint ERR_GET_ROWS = 0u;
 const uint ERR_GET_ROWS_BACK = 1u;
 const uint ERR_CROSS_ENTROPY = 2u;
 const uint ERR_CROSS_ENTROPY_BACK = 3u;
+const uint ERR_SSM_SCAN = 4u;
+const uint ERR_SSM_SCAN_BACK = 5u;
 
 void set_error(uvec2 err, uint which) { UBuf(err).v[which] = 1u; }
 

@@ -22,6 +22,8 @@ void register_all() {
     register_nn_ops();
     register_shape_ops();
     register_optim_ops();
+    register_ssm_ops();
+    register_rwkv_ops();
   });
 }
 

@@ -49,6 +49,8 @@ void register_matmul_ops();
 void register_nn_ops();
 void register_shape_ops();
 void register_optim_ops();
+void register_ssm_ops();
+void register_rwkv_ops();
 
 // ---- helpers ------------------------------------------------------------------------
 
@@ -119,7 +121,9 @@ enum ShaderError : uint32_t {
   kErrGetRowsBack = 1,
   kErrCrossEntropy = 2,
   kErrCrossEntropyBack = 3,
-  kNumShaderErrors = 4,
+  kErrSsmScan = 4,
+  kErrSsmScanBack = 5,
+  kNumShaderErrors = 6,
 };
 
 }  // namespace recurra_vk

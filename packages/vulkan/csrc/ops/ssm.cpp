@@ -1,0 +1,419 @@
+// Mamba's recurrent ops: ssm_conv, ssm_conv_back, ssm_scan, ssm_scan_back.
+// Shaders: ssm_conv.comp, ssm_scan.comp, ssm_scan_fin.comp.
+//
+// Shapes (numpy order) and packed results exactly as the core's CPU kernels
+// (packages/core/csrc/ops/ssm_conv.cpp, ssm_scan.cpp; docs/ops.md):
+//   ssm_conv       (sx (S, D, W-1+T), c (D, W)) -> y (S, T, D)
+//   ssm_conv_back  (dy, sx, c) -> packed d_sx (S, D, W-1+T), d_c (D, W)
+//   ssm_scan       (s (R, H, P, N), x (S, T, H, P), dt (S, T, H), A (H, N) or (H, 1),
+//                   B, C (S, T, G, N), ids (S,) i32) -> packed y (S, T, H, P), final states
+//                   (S, H, P, N)
+//   ssm_scan_back  (packed grad, s, x, dt, A, B, C, ids) -> packed ds (R, H, P, N),
+//                   dx, ddt, dA, dB, dC
+// The core's OpDefs set contiguous_srcs for all four, so every source arrives dense; the
+// checks refuse only what the core refuses (and non-dense views, which it never passes).
+// An entry of ids outside [0, R) sets an error flag that synchronize() reports (the CPU
+// raises ValueError); the affected sequence starts from a zero state and its results are
+// zero (forward) or meaningless (backward).
+//
+// ssm_conv: 32 channels x 32 tokens per workgroup through a shared-memory tile (loads
+// coalesced along the input's fast axis, stores along the output's). d_c: one partial per
+// (sequence, 32-token block) in scratch (S * ceil(T/32) * D * W floats), summed in order
+// by a second dispatch.
+//
+// ssm_scan: see the header of ssm_scan.comp. The layout (lanes per unit NL, states per
+// lane NT, units per workgroup UW, tokens per staged chunk TC) is chosen per node from the
+// shapes and the device's minimum subgroup size and shared memory (scan_layout below):
+// NL grows until each lane holds <= 16 states and there are ~64K lanes in flight.
+// Grid: S * G * ceil(H/G * P / UW) workgroups of UW * NL threads. Benchmark sizes (H200,
+// subgroup 32, 48 KiB shared memory):
+//   Mamba-2 S4 T1024 H32 P64 N128 G1: NL 8, NT 16; forward UW 16 (128 threads), 512
+//     workgroups; backward UW 32 (256 threads), 256 workgroups; staged tokens TC 27 (fwd), 8 (bwd).
+//   Mamba-1 S4 T1024 H1536 P1 N16 G1: NL 8, NT 2; forward UW 16, 384 workgroups;
+//     backward UW 32, 192 workgroups.
+// Backward scratch, in floats (nst = S*H*P*N, nx = S*T*H*P, nbc = S*T*G*N,
+// nblk = ceil(H/G*P / UW)):
+//   checkpoints  nck * nst   one decay per head: anchors every K tokens, K = 64 doubled
+//                            until 16 K >= T (<= 17 anchors); per state: K ~ sqrt(T)
+//   work         nx (one decay per head: y) or K * nst (per state: one segment's states)
+//   dC, dB parts 2 * nblk * nbc; d softplus(dt) parts nx; dA parts S*H*P*NA; d_s nst
+// For the Mamba-2 benchmark that is ~16M + 8M + 67M + 8M + 1M floats (~400 MB); storing
+// every state would take 4 GB. Very large d_state (N above ~2500 with 32 KiB of shared
+// memory) does not fit the staging buffers: record() raises then.
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+
+#include "../device.h"
+#include "ops.h"
+
+namespace recurra_vk {
+
+namespace {
+
+// ---- device limits --------------------------------------------------------------------
+
+struct Limits {
+  uint32_t sg_min = 1;   // smallest subgroup size a compute shader may get
+  uint32_t shmem = 32768;
+  bool shuffle = false;
+};
+
+Limits limits_of(Device& dev) {
+  static std::mutex mu;
+  static std::map<VkPhysicalDevice, Limits> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  const VkPhysicalDevice pd = dev.info().handle;
+  auto it = cache.find(pd);
+  if (it != cache.end()) return it->second;
+  VkPhysicalDeviceSubgroupProperties sp{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES};
+  VkPhysicalDeviceProperties2 p2{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2};
+  p2.pNext = &sp;
+#ifdef VK_API_VERSION_1_3
+  VkPhysicalDeviceVulkan13Properties p13{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_3_PROPERTIES};
+  const bool v13 = dev.info().api_version >= VK_API_VERSION_1_3;
+  if (v13) sp.pNext = &p13;
+#endif
+  vkGetPhysicalDeviceProperties2(pd, &p2);
+  Limits l;
+  l.sg_min = std::max<uint32_t>(1, sp.subgroupSize);
+#ifdef VK_API_VERSION_1_3
+  // Devices with varying subgroup sizes (Intel) report the range here.
+  if (v13 && p13.minSubgroupSize > 0) l.sg_min = std::min(l.sg_min, p13.minSubgroupSize);
+#endif
+  l.shmem = std::min<uint32_t>(p2.properties.limits.maxComputeSharedMemorySize, 49152);
+  l.shuffle = (sp.supportedStages & VK_SHADER_STAGE_COMPUTE_BIT) &&
+              (sp.supportedOperations & VK_SUBGROUP_FEATURE_BASIC_BIT) &&
+              (sp.supportedOperations & VK_SUBGROUP_FEATURE_SHUFFLE_BIT);
+  cache[pd] = l;
+  return l;
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t pow2_ceil(int64_t v) {
+  int64_t p = 1;
+  while (p < v) p *= 2;
+  return p;
+}
+
+bool same4(const recurra_tensor_desc& d, int64_t a, int64_t b, int64_t c, int64_t e) {
+  return d.ndim == 4 && d.shape[0] == a && d.shape[1] == b && d.shape[2] == c && d.shape[3] == e;
+}
+
+std::string dense_srcs(const recurra_node_desc& n) {
+  for (int i = 0; i < n.n_src; ++i)  // empty tensors have no layout to speak of
+    if (numel(n.src[i]) > 0 && !is_dense(n.src[i])) return std::string(n.op) + " needs dense sources (the core passes them dense)";
+  if (numel(n.dst) > 0 && !is_dense(n.dst)) return std::string(n.op) + " needs a dense output";
+  return "";
+}
+
+// ---- ssm_conv -------------------------------------------------------------------------
+
+struct ConvPC {
+  uint64_t sx, c, dy, out, part;
+  int32_t S, D, T, W, ntb, nch;
+};
+
+constexpr int64_t kConvCB = 32, kConvTB = 32;
+
+// (sx, c) at sources off, off + 1: "" or why not; dims out.
+std::string conv_dims(const recurra_node_desc& n, int off, int64_t* S, int64_t* D, int64_t* W, int64_t* T) {
+  const recurra_tensor_desc &sx = n.src[off], &c = n.src[off + 1];
+  if (sx.dtype != RECURRA_F32 || c.dtype != RECURRA_F32 || n.dst.dtype != RECURRA_F32)
+    return std::string(n.op) + " takes float32 tensors";
+  if (sx.ndim != 3 || c.ndim != 2 || c.shape[1] < 1 || c.shape[0] != sx.shape[1] || sx.shape[2] < c.shape[1] - 1)
+    return std::string(n.op) + ": sx must be (n_seqs, d_inner, d_conv - 1 + n_tok), c (d_inner, d_conv)";
+  *S = sx.shape[0];
+  *D = sx.shape[1];
+  *W = c.shape[1];
+  *T = sx.shape[2] - (*W - 1);
+  return "";
+}
+
+std::string conv_check(const recurra_node_desc& n) {
+  std::string why = require_srcs(n, 2);
+  int64_t S, D, W, T;
+  if (why.empty()) why = conv_dims(n, 0, &S, &D, &W, &T);
+  if (!why.empty()) return why;
+  if (n.dst.ndim != 3 || n.dst.shape[0] != S || n.dst.shape[1] != T || n.dst.shape[2] != D)
+    return "ssm_conv: the output must be (n_seqs, n_tok, d_inner)";
+  return dense_srcs(n);
+}
+
+void conv_record(NodeCall& c) {
+  int64_t S, D, W, T;
+  conv_dims(c.node, 0, &S, &D, &W, &T);
+  if (S * T * D == 0) return;
+  const int64_t nch = ceil_div(D, kConvCB), ntb = ceil_div(T, kConvTB);
+  ConvPC pc{addr(c.src[0]), addr(c.src[1]), 0, addr(c.dst), 0, int32_t(S), int32_t(D), int32_t(T), int32_t(W),
+            int32_t(ntb), int32_t(nch)};
+  uint32_t gx, gy;
+  grid_2d(S * ntb * nch, gx, gy);
+  c.rec.dispatch("ssm_conv", {0}, pc, gx, gy, 1, {c.src[0].range, c.src[1].range}, {c.dst.range});
+}
+
+std::string conv_back_check(const recurra_node_desc& n) {
+  std::string why = require_srcs(n, 3);
+  int64_t S, D, W, T;
+  if (why.empty()) why = conv_dims(n, 1, &S, &D, &W, &T);
+  if (!why.empty()) return why;
+  const recurra_tensor_desc& dy = n.src[0];
+  if (dy.dtype != RECURRA_F32 || dy.ndim != 3 || dy.shape[0] != S || dy.shape[1] != T || dy.shape[2] != D)
+    return "ssm_conv_back: dy must be float32 (n_seqs, n_tok, d_inner)";
+  if (n.dst.ndim != 1 || n.dst.shape[0] != numel(n.src[1]) + numel(n.src[2]))
+    return "ssm_conv_back: the output must be the packed (d_sx, d_c)";
+  return dense_srcs(n);
+}
+
+void conv_back_record(NodeCall& c) {
+  int64_t S, D, W, T;
+  conv_dims(c.node, 1, &S, &D, &W, &T);
+  const int64_t L = W - 1 + T, nch = ceil_div(D, kConvCB), ntb = ceil_div(T, kConvTB);
+  const uint64_t dsx = addr(c.dst), dc = dsx + uint64_t(S * D * L) * 4;
+  Recorder& rec = c.rec;
+  const Range &dyr = c.src[0].range, &sxr = c.src[1].range, &cr = c.src[2].range;
+  if (S * D * L > 0) {
+    ConvPC pc{addr(c.src[1]), addr(c.src[2]), addr(c.src[0]), dsx, 0, int32_t(S), int32_t(D), int32_t(T),
+              int32_t(W), int32_t(ntb), int32_t(nch)};
+    uint32_t gx, gy;
+    grid_2d(S * ceil_div(L, kConvTB) * nch, gx, gy);
+    rec.dispatch("ssm_conv", {1}, pc, gx, gy, 1, {dyr, cr}, {c.dst.range});
+  }
+  if (D * W == 0) return;
+  const int64_t nparts = S * ntb;
+  const auto part = rec.scratch(static_cast<size_t>(std::max<int64_t>(1, nparts * D * W)) * 4);
+  ConvPC pc{addr(c.src[1]), addr(c.src[2]), addr(c.src[0]), dc, part.addr, int32_t(S), int32_t(D), int32_t(T),
+            int32_t(W), int32_t(ntb), int32_t(nch)};
+  if (nparts > 0) {
+    uint32_t gx, gy;
+    grid_2d(nparts * nch, gx, gy);
+    rec.dispatch("ssm_conv", {2}, pc, gx, gy, 1, {dyr, sxr}, {part.range});
+  }
+  rec.dispatch("ssm_conv", {3}, pc, grid_groups(D * W, 256), 1, 1, {part.range}, {c.dst.range});
+}
+
+// ---- ssm_scan -------------------------------------------------------------------------
+
+struct ScanDims {
+  int64_t R, S, T, H, P, N, G, NA;
+};
+
+// (s, x, dt, A, B, C, ids) at sources off.. : "" or why not.
+std::string scan_dims(const recurra_node_desc& n, int off, ScanDims* d) {
+  for (int k = off; k < off + 6; ++k)
+    if (n.src[k].dtype != RECURRA_F32) return std::string(n.op) + ": s, x, dt, A, B, C must be float32";
+  if (n.src[off + 6].dtype != RECURRA_I32) return std::string(n.op) + ": ids must be int32";
+  if (n.dst.dtype != RECURRA_F32) return std::string(n.op) + ": the output must be float32";
+  const recurra_tensor_desc &s = n.src[off], &x = n.src[off + 1], &dt = n.src[off + 2], &A = n.src[off + 3],
+                            &B = n.src[off + 4], &C = n.src[off + 5], &ids = n.src[off + 6];
+  if (s.ndim != 4 || x.ndim != 4 || dt.ndim != 3 || A.ndim != 2 || B.ndim != 4 || ids.ndim != 1)
+    return std::string(n.op) + ": wrong ranks (s 4, x 4, dt 3, A 2, B 4, C 4, ids 1)";
+  d->R = s.shape[0];
+  d->S = x.shape[0];
+  d->T = x.shape[1];
+  d->H = x.shape[2];
+  d->P = x.shape[3];
+  d->N = s.shape[3];
+  d->G = B.shape[2];
+  d->NA = A.shape[1];
+  if (d->H < 1 || d->P < 1 || d->N < 1 || d->G < 1) return std::string(n.op) + ": sizes must be >= 1";
+  if (s.shape[1] != d->H || s.shape[2] != d->P || d->R < d->S) return std::string(n.op) + ": s does not match x";
+  if (dt.shape[0] != d->S || dt.shape[1] != d->T || dt.shape[2] != d->H) return std::string(n.op) + ": dt does not match x";
+  if (A.shape[0] != d->H || (d->NA != d->N && d->NA != 1)) return std::string(n.op) + ": A must be (H, N) or (H, 1)";
+  if (!same4(B, d->S, d->T, d->G, d->N) || !same4(C, d->S, d->T, d->G, d->N))
+    return std::string(n.op) + ": B and C must be (n_seqs, n_tok, n_group, d_state)";
+  if (d->H % d->G != 0) return std::string(n.op) + ": n_head must be a multiple of n_group";
+  if (ids.shape[0] != d->S) return std::string(n.op) + ": ids must have n_seqs entries";
+  // 32-bit indices in the shaders
+  if (d->S * d->T * d->H * d->P >= (int64_t(1) << 31) || d->R * d->H * d->P * d->N >= (int64_t(1) << 31) ||
+      d->S * d->T * d->G * d->N >= (int64_t(1) << 31))
+    return std::string(n.op) + ": tensors past 2^31 elements";
+  return "";
+}
+
+std::string scan_check(const recurra_node_desc& n) {
+  std::string why = require_srcs(n, 7);
+  ScanDims d;
+  if (why.empty()) why = scan_dims(n, 0, &d);
+  if (!why.empty()) return why;
+  if (n.dst.ndim != 1 || n.dst.shape[0] != d.S * d.T * d.H * d.P + d.S * d.H * d.P * d.N)
+    return "ssm_scan: the output must be the packed (y, final states)";
+  return dense_srcs(n);
+}
+
+std::string scan_back_check(const recurra_node_desc& n) {
+  std::string why = require_srcs(n, 8);
+  ScanDims d;
+  if (why.empty()) why = scan_dims(n, 1, &d);
+  if (!why.empty()) return why;
+  const recurra_tensor_desc& gr = n.src[0];
+  if (gr.dtype != RECURRA_F32 || gr.ndim != 1 || gr.shape[0] != d.S * d.T * d.H * d.P + d.S * d.H * d.P * d.N)
+    return "ssm_scan_back: grad must be the packed float32 (y, final states) gradient";
+  int64_t total = 0;
+  for (int k = 1; k < 7; ++k) total += numel(n.src[k]);
+  if (n.dst.ndim != 1 || n.dst.shape[0] != total) return "ssm_scan_back: the output must be the packed gradients";
+  return dense_srcs(n);
+}
+
+struct ScanLayout {
+  int64_t NL = 1, NT = 1, UW = 1, TC = 1, NRED = 1, nblk = 1;
+};
+
+// Lanes per unit, states per lane, units per workgroup and staged tokens (see the header).
+ScanLayout scan_layout(const ScanDims& d, bool backward, const Limits& lim) {
+  ScanLayout l;
+  const int64_t nl_max = std::min<int64_t>(32, lim.shuffle ? lim.sg_min : 1);
+  while (l.NL < nl_max && ceil_div(d.N, l.NL) > 16) l.NL *= 2;
+  while (l.NL < nl_max && d.S * d.H * d.P * l.NL < 65536 && ceil_div(d.N, 2 * l.NL) >= 2) l.NL *= 2;
+  l.NT = ceil_div(d.N, l.NL);
+  const int64_t NB = l.NL * l.NT, U = d.H / d.G * d.P;
+  l.UW = std::max<int64_t>(1, std::min((backward ? 256 : 128) / l.NL, pow2_ceil(U)));
+  for (;;) {
+    l.NRED = backward ? std::max<int64_t>(1, l.UW * l.NL / lim.sg_min) : 1;
+    const int64_t per_tok = 4 * (2 * NB + 4 * l.UW + l.NRED * NB);
+    l.TC = std::min<int64_t>(32, lim.shmem / per_tok);
+    if (l.TC >= 1 || l.UW == 1) break;
+    l.UW /= 2;
+  }
+  if (l.TC < 1)
+    throw std::runtime_error("ssm_scan: d_state " + std::to_string(d.N) +
+                             " does not fit this device's shared memory (" + std::to_string(lim.shmem) + " bytes)");
+  l.nblk = ceil_div(U, l.UW);
+  return l;
+}
+
+struct ScanPC {
+  uint64_t gr, s, x, dt, A, B, C, ids, out, scr, err;
+  int32_t R, S, T, H, P, N, G, nblk, K, nck;
+};
+
+std::vector<int32_t> scan_spec(const ScanLayout& l, int mode, bool pern) {
+  return {int32_t(l.UW * l.NL), int32_t(l.NL), int32_t(l.NT), int32_t(l.TC), mode, pern ? 1 : 0, int32_t(l.UW),
+          int32_t(l.NRED)};
+}
+
+void scan_record(NodeCall& c) {
+  ScanDims d;
+  scan_dims(c.node, 0, &d);
+  if (d.S == 0) return;
+  Recorder& rec = c.rec;
+  const Limits lim = limits_of(rec.device());
+  const ScanLayout l = scan_layout(d, false, lim);
+  ScanPC pc{};
+  pc.s = addr(c.src[0]);
+  pc.x = addr(c.src[1]);
+  pc.dt = addr(c.src[2]);
+  pc.A = addr(c.src[3]);
+  pc.B = addr(c.src[4]);
+  pc.C = addr(c.src[5]);
+  pc.ids = addr(c.src[6]);
+  pc.out = addr(c.dst);
+  pc.err = rec.device().error_flags_address();
+  pc.R = int32_t(d.R), pc.S = int32_t(d.S), pc.T = int32_t(d.T), pc.H = int32_t(d.H), pc.P = int32_t(d.P);
+  pc.N = int32_t(d.N), pc.G = int32_t(d.G), pc.nblk = int32_t(l.nblk), pc.K = 1, pc.nck = 0;
+  uint32_t gx, gy;
+  grid_2d(d.S * d.G * l.nblk, gx, gy);
+  rec.dispatch("ssm_scan", scan_spec(l, 0, d.NA != 1), pc, gx, gy, 1,
+               {c.src[0].range, c.src[1].range, c.src[2].range, c.src[3].range, c.src[4].range, c.src[5].range,
+                c.src[6].range},
+               {c.dst.range});
+}
+
+struct FinPC {
+  uint64_t src, src2, dst, dst2, dt, ids;
+  uint32_t n, m, P, H, NA, nstate, S;
+};
+
+void scan_back_record(NodeCall& c) {
+  ScanDims d;
+  scan_dims(c.node, 1, &d);
+  Recorder& rec = c.rec;
+  const Limits lim = limits_of(rec.device());
+  const ScanLayout l = scan_layout(d, true, lim);
+  const bool pern = d.NA != 1;
+  const int mode = pern ? 2 : 1;
+  int64_t K = 1;
+  if (mode == 1) {
+    K = 64;
+    while (K * 16 < d.T) K *= 2;
+  } else {
+    const int64_t r = static_cast<int64_t>(std::ceil(std::sqrt(static_cast<double>(d.T))));
+    K = std::max<int64_t>(l.TC, ceil_div(r, l.TC) * l.TC);
+  }
+  const int64_t nck = ceil_div(d.T, K);
+  const int64_t nst = d.S * d.H * d.P * d.N, nx = d.S * d.T * d.H * d.P, nbc = d.S * d.T * d.G * d.N;
+  const int64_t scr_floats =
+      nst * nck + (mode == 1 ? nx : nst * K) + 2 * l.nblk * nbc + nx + d.S * d.H * d.P * d.NA + nst;
+  if (scr_floats >= (int64_t(1) << 32)) throw std::runtime_error("ssm_scan_back: scratch past 2^32 floats");
+  const auto scr = rec.scratch(static_cast<size_t>(std::max<int64_t>(1, scr_floats)) * 4);
+  const uint64_t o_dc = uint64_t(nst * nck + (mode == 1 ? nx : nst * K));
+  const uint64_t o_db = o_dc + uint64_t(l.nblk * nbc), o_ddtp = o_db + uint64_t(l.nblk * nbc);
+  const uint64_t o_da = o_ddtp + uint64_t(nx), o_dss = o_da + uint64_t(d.S * d.H * d.P * d.NA);
+
+  // packed outputs: ds, dx, ddt, dA, dB, dC
+  const uint64_t base = addr(c.dst);
+  const uint64_t p_ds = base, p_dx = p_ds + uint64_t(d.R * d.H * d.P * d.N) * 4, p_ddt = p_dx + uint64_t(nx) * 4;
+  const uint64_t p_dA = p_ddt + uint64_t(d.S * d.T * d.H) * 4, p_dB = p_dA + uint64_t(d.H * d.NA) * 4;
+  const uint64_t p_dC = p_dB + uint64_t(nbc) * 4;
+
+  if (d.S > 0) {
+    ScanPC pc{};
+    pc.gr = addr(c.src[0]);
+    pc.s = addr(c.src[1]);
+    pc.x = addr(c.src[2]);
+    pc.dt = addr(c.src[3]);
+    pc.A = addr(c.src[4]);
+    pc.B = addr(c.src[5]);
+    pc.C = addr(c.src[6]);
+    pc.ids = addr(c.src[7]);
+    pc.out = p_dx;
+    pc.scr = scr.addr;
+    pc.err = rec.device().error_flags_address();
+    pc.R = int32_t(d.R), pc.S = int32_t(d.S), pc.T = int32_t(d.T), pc.H = int32_t(d.H), pc.P = int32_t(d.P);
+    pc.N = int32_t(d.N), pc.G = int32_t(d.G), pc.nblk = int32_t(l.nblk), pc.K = int32_t(K), pc.nck = int32_t(nck);
+    uint32_t gx, gy;
+    grid_2d(d.S * d.G * l.nblk, gx, gy);
+    rec.dispatch("ssm_scan", scan_spec(l, mode, pern), pc, gx, gy, 1,
+                 {c.src[0].range, c.src[1].range, c.src[2].range, c.src[3].range, c.src[4].range, c.src[5].range,
+                  c.src[6].range, c.src[7].range},
+                 {c.dst.range, scr.range});
+  }
+  const uint64_t sa = scr.addr;
+  FinPC f{};
+  f.P = uint32_t(d.P), f.H = uint32_t(d.H), f.NA = uint32_t(d.NA), f.nstate = uint32_t(d.H * d.P * d.N);
+  f.S = uint32_t(d.S);
+  if (nbc > 0) {  // dC parts come first in scratch, dB's after
+    FinPC p = f;
+    p.src = sa + o_db * 4, p.src2 = sa + o_dc * 4, p.dst = p_dB, p.dst2 = p_dC, p.n = uint32_t(nbc);
+    p.m = uint32_t(l.nblk);
+    rec.dispatch("ssm_scan_fin", {0}, p, grid_groups(nbc, 256), 1, 1, {scr.range}, {c.dst.range});
+  }
+  if (d.S * d.T * d.H > 0) {
+    FinPC p = f;
+    p.src = sa + o_ddtp * 4, p.dst = p_ddt, p.dt = addr(c.src[3]), p.n = uint32_t(d.S * d.T * d.H);
+    rec.dispatch("ssm_scan_fin", {1}, p, grid_groups(p.n, 256), 1, 1, {scr.range, c.src[3].range}, {c.dst.range});
+  }
+  {
+    FinPC p = f;
+    p.src = sa + o_da * 4, p.dst = p_dA, p.n = uint32_t(d.H * d.NA);
+    rec.dispatch("ssm_scan_fin", {2}, p, grid_groups(p.n, 256), 1, 1, {scr.range}, {c.dst.range});
+  }
+  {
+    FinPC p = f;
+    p.src = sa + o_dss * 4, p.dst = p_ds, p.ids = addr(c.src[7]), p.n = uint32_t(d.R * d.H * d.P * d.N);
+    rec.dispatch("ssm_scan_fin", {3}, p, grid_groups(p.n, 256), 1, 1, {scr.range, c.src[7].range}, {c.dst.range});
+  }
+}
+
+}  // namespace
+
+void register_ssm_ops() {
+  add_op("ssm_conv", {conv_check, conv_record});
+  add_op("ssm_conv_back", {conv_back_check, conv_back_record});
+  add_op("ssm_scan", {scan_check, scan_record});
+  add_op("ssm_scan_back", {scan_back_check, scan_back_record});
+}
+
+}  // namespace recurra_vk
