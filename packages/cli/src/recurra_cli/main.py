@@ -1,7 +1,8 @@
 """The ``recurra`` command.
 
 Exit codes: 0 success; 1 the work ran but failed its check (a FAIL/WEAK verdict, a backend
-MISMATCH); 2 bad usage (bad arguments or paths); 3 a requested backend is unavailable.
+MISMATCH); 2 bad usage (bad arguments or paths); 3 a requested backend or component is
+unavailable.
 """
 
 from __future__ import annotations
@@ -12,13 +13,23 @@ from importlib import metadata
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from recurra_cli import bench as bench_cmd
+from recurra_cli import check as check_cmd
 from recurra_cli import demo_mamba
-
-EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
+from recurra_cli import generate as generate_cmd
+from recurra_cli import train as train_cmd
+from recurra_cli._common import (
+    EXIT_CHECK_FAILED,
+    EXIT_OK,
+    EXIT_UNAVAILABLE,
+    console,
+    err,
+    help_text,
+)
+from recurra_cli._common import fail as _fail
 
 app = typer.Typer(
     name="recurra",
@@ -29,14 +40,6 @@ app = typer.Typer(
 )
 demo_app = typer.Typer(help="End-to-end demos.", no_args_is_help=True)
 app.add_typer(demo_app, name="demo")
-
-console = Console(stderr=False)
-err = Console(stderr=True)
-
-
-def _fail(msg: str, code: int = EXIT_USAGE) -> None:
-    err.print(f"[bold red]error:[/] {msg}")
-    raise typer.Exit(code)
 
 
 def _available_backends() -> dict[str, str]:
@@ -252,6 +255,19 @@ def devices(as_json: bool = typer.Option(False, "--json", help="print JSON")) ->
                 details,
             )
     console.print(table)
+
+
+app.command("check-backends", help=help_text(check_cmd.check_backends.__doc__))(
+    check_cmd.check_backends
+)
+app.command(
+    "bench",
+    help=help_text(bench_cmd.bench.__doc__),
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)(bench_cmd.bench)
+
+app.command("train", help=help_text(train_cmd.train.__doc__))(train_cmd.train)
+app.command("generate", help=help_text(generate_cmd.generate.__doc__))(generate_cmd.generate)
 
 
 def _load_plugins() -> None:
