@@ -45,6 +45,7 @@ TEST_DEPS = ["pytest>=7", "hypothesis>=6"]
 BUILD_DEPS = ["meson-python>=0.15", "meson>=1.1", "pybind11>=2.12", "ninja"]
 RUFF = "ruff==0.17.6"
 PEERS = ["torch==2.13.0", "ggml-python==0.0.45"]
+MODEL_PEERS = ["torch==2.13.0", "transformers>=5,<6"]
 
 # What `build` runs in the fresh venv after installing a package's wheel alone. Packages not
 # listed get a plain import of their module.
@@ -163,6 +164,10 @@ def tests(session: nox.Session, backend: str) -> None:
     """Runs the test suite with RECURRA_TEST_BACKEND=<backend>; no test run is a failure."""
     install_packages(session)
     session.install(*TEST_DEPS)
+    if backend == "cpu":
+        # Independent references: PyTorch's CPU build (on disk on the CI machine kind) and
+        # transformers' Mamba/Mamba-2, whose logits recurra_models must reproduce.
+        session.install(*MODEL_PEERS)
     env = {"RECURRA_TEST_BACKEND": backend, "RECURRA_HYPOTHESIS_PROFILE": "ci"}
     # pytest exits 5 when it collected no test; nox treats every non-zero code as a failure.
     session.run("pytest", "-q", *(session.posargs or ["tests"]), env=env)

@@ -324,7 +324,10 @@ class LazyFrontend:
         self._lock = threading.RLock()
 
     # -- recording ---------------------------------------------------------------------
-    def constant(self, arr: np.ndarray) -> Tensor:
+    def constant(self, arr: np.ndarray, device: Device | None = None) -> Tensor:
+        """A leaf holding ``arr`` (on the host, or copied to ``device``)."""
+        if device is not None and device.backend != "cpu":
+            return _from_host(arr, device)
         return _wrap_value(arr, False, parse_device(None))
 
     def apply(

@@ -34,10 +34,17 @@ def _frontend_of(srcs: Sequence[Any]) -> Any:
 def coerce(srcs: Sequence[Any]) -> tuple[Any, list[Any]]:
     """Returns the frontend of ``srcs`` and the sources converted to its tensors."""
     fe = _frontend_of(srcs)
+    # Arrays and numbers become constants on the device of the op's first tensor, so that
+    # mixing them with device tensors never splits an op across devices.
+    device = next(
+        (getattr(s, "device", None) for s in srcs if getattr(s, "_frontend", None) is fe), None
+    )
     out = []
     for s in srcs:
         if getattr(s, "_frontend", None) is fe:
             out.append(s)
+        elif device is not None and device.backend != "cpu":
+            out.append(fe.constant(_as_array(s), device))
         else:
             out.append(fe.constant(_as_array(s)))
     return fe, out

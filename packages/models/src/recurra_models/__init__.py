@@ -1,0 +1,153 @@
+"""recurra-models: Mamba, Mamba-2, RWKV-6 and RWKV-7 language models on recurra.
+
+    import recurra_models as rm
+    model = rm.create("mamba", d_model=64, n_layer=2, vocab_size=256)
+    logits = model(tokens)                       # int32 (batch, time) -> (batch, time, vocab)
+    model = rm.load_pretrained("folder")         # HF Mamba / Mamba2 folder, or RWKV file
+    ids = rm.generate(model, prompt, max_tokens=32, temperature=0.0)
+
+Architectures are found through the ``recurra.models`` entry point group; each entry is a
+class with a ``Config`` dataclass and a ``from_config(cfg_dict, seed=0)`` classmethod.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from importlib import metadata as _metadata
+from typing import Any
+
+from recurra_models import nn as nn
+
+try:
+    __version__ = _metadata.version("recurra-models")
+except _metadata.PackageNotFoundError:  # running from a source tree
+    __version__ = "0+unknown"
+
+# Built-in architectures, used when the package's entry points are not installed (a source
+# tree on sys.path); installed entry points take precedence and may add more.
+_BUILTIN = {
+    "mamba": "recurra_models.mamba:MambaLM",
+    "mamba2": "recurra_models.mamba2:Mamba2LM",
+    "rwkv6": "recurra_models.rwkv6:RWKV6LM",
+    "rwkv7": "recurra_models.rwkv7:RWKV7LM",
+}
+
+# Public names defined in submodules, imported when first used (so that importing the
+# package stays cheap and a missing optional module does not break the rest).
+_LAZY = {
+    "MambaLM": "recurra_models.mamba",
+    "MambaConfig": "recurra_models.mamba",
+    "Mamba2LM": "recurra_models.mamba2",
+    "Mamba2Config": "recurra_models.mamba2",
+    "RWKV6LM": "recurra_models.rwkv6",
+    "RWKV6Config": "recurra_models.rwkv6",
+    "RWKV7LM": "recurra_models.rwkv7",
+    "RWKV7Config": "recurra_models.rwkv7",
+    "load_pretrained": "recurra_models.loading",
+    "load_safetensors": "recurra_models.loading",
+    "ByteTokenizer": "recurra_models.tokenizer",
+    "generate": "recurra_models.generation",
+    "stream": "recurra_models.generation",
+    "sample_token": "recurra_models.generation",
+    "Trainer": "recurra_models.training",
+    "save_checkpoint": "recurra_models.training",
+    "load_checkpoint": "recurra_models.training",
+    "CheckpointError": "recurra_models.training",
+    "batch_at": "recurra_models.training",
+}
+
+__all__ = [
+    "ByteTokenizer",
+    "CheckpointError",
+    "Mamba2Config",
+    "Mamba2LM",
+    "MambaConfig",
+    "MambaLM",
+    "RWKV6Config",
+    "RWKV6LM",
+    "RWKV7Config",
+    "RWKV7LM",
+    "Trainer",
+    "__version__",
+    "architectures",
+    "batch_at",
+    "create",
+    "from_config",
+    "generate",
+    "get_architecture",
+    "load_checkpoint",
+    "load_pretrained",
+    "load_safetensors",
+    "nn",
+    "sample_token",
+    "save_checkpoint",
+    "stream",
+]
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'recurra_models' has no attribute {name!r}")
+    value = getattr(import_module(mod), name)
+    globals()[name] = value
+    return value
+
+
+def _entry_points() -> dict[str, str]:
+    """name -> "module:attr" of every registered architecture (built-ins included)."""
+    found = dict(_BUILTIN)
+    try:
+        eps = _metadata.entry_points(group="recurra.models")
+    except TypeError:  # Python < 3.10 style API; kept for safety
+        eps = _metadata.entry_points().get("recurra.models", [])  # type: ignore[attr-defined]
+    for ep in eps:
+        found[ep.name] = ep.value
+    return found
+
+
+def architectures() -> list[str]:
+    """The names of the registered architectures ("mamba", "mamba2", "rwkv6", "rwkv7", and
+    any added by other packages), sorted."""
+    return sorted(_entry_points())
+
+
+def get_architecture(arch: str) -> type:
+    """The model class registered as ``arch``.
+
+    Raises ValueError for an unknown name (listing the known ones) and ImportError when the
+    registered class cannot be imported (saying which module failed)."""
+    table = _entry_points()
+    spec = table.get(arch)
+    if spec is None:
+        raise ValueError(f"unknown architecture {arch!r}; registered: {', '.join(sorted(table))}")
+    module, _, attr = spec.partition(":")
+    try:
+        obj: Any = import_module(module)
+    except ImportError as e:
+        raise ImportError(
+            f"architecture {arch!r} is registered as {spec!r}, but {module} cannot be imported: {e}"
+        ) from e
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ImportError(
+                f"architecture {arch!r} is registered as {spec!r}, but {module} has no {attr!r}"
+            ) from None
+    return obj  # type: ignore[no-any-return]
+
+
+def from_config(arch: str, config: dict[str, Any], seed: int = 0) -> Any:
+    """A freshly initialised model of architecture ``arch`` from a config dict.
+
+    Raises ValueError for an unknown architecture or config field."""
+    return get_architecture(arch).from_config(dict(config), seed=seed)  # type: ignore[attr-defined]
+
+
+def create(arch: str, *, seed: int = 0, **config: Any) -> Any:
+    """A freshly initialised model: ``create("mamba", d_model=64, n_layer=2)``.
+
+    Returns the architecture's model class instance. Raises ValueError for an unknown
+    architecture or config field."""
+    return from_config(arch, config, seed=seed)

@@ -1,0 +1,240 @@
+"""Text generation: prompt prefill through the parallel path, then the recurrent step mode
+(one token per step, O(1) state), with greedy / temperature / top-k / top-p sampling."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+
+import recurra as rc
+from recurra_models.lm import State, realize
+
+__all__ = ["StepGraph", "generate", "sample_token", "stream"]
+
+
+def _check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    if not isinstance(temperature, (int, float)) or not temperature >= 0:
+        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+    if top_k is not None and (
+        not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or top_k < 1
+    ):
+        raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
+    if top_p is not None and (not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+
+
+def sample_token(
+    logits: np.ndarray,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    rng: np.random.Generator | None = None,
+) -> int:
+    """One token id drawn from a row of logits (V,).
+
+    ``temperature == 0`` is greedy (the first maximum); otherwise the logits are divided by
+    the temperature, cut to the ``top_k`` largest and to the smallest set whose probability
+    reaches ``top_p`` (nucleus), and a token is drawn with ``rng``.
+    Returns an int. Raises ValueError for bad settings or logits that are not 1-D and
+    finite somewhere."""
+    _check_sampling(temperature, top_k, top_p)
+    x = np.asarray(logits, dtype=np.float64).reshape(-1)
+    if x.size == 0 or not np.isfinite(x).any():
+        raise ValueError("sample_token: the logits are empty or all non-finite")
+    x = np.where(np.isnan(x), -np.inf, x)
+    if temperature == 0:
+        return int(np.argmax(x))
+    rng = rng if rng is not None else np.random.default_rng()
+    x = x / float(temperature)
+    order = np.argsort(-x, kind="stable")  # largest first, ties by index
+    if top_k is not None and top_k < x.size:
+        order = order[:top_k]
+    z = x[order]
+    probs = np.exp(z - z.max())
+    probs /= probs.sum()
+    if top_p is not None and top_p < 1.0:
+        keep = int(np.searchsorted(np.cumsum(probs), top_p) + 1)
+        order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
+    cdf = np.cumsum(probs)
+    i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    return int(order[min(i, order.size - 1)])
+
+
+def _prompt(prompt_ids: Any, vocab: int) -> np.ndarray:
+    arr = np.asarray(prompt_ids.numpy() if isinstance(prompt_ids, rc.Tensor) else prompt_ids)
+    if arr.ndim == 2 and arr.shape[0] == 1:
+        arr = arr[0]
+    if arr.ndim != 1:
+        raise ValueError(f"prompt_ids must be one sequence (1-D), got shape {arr.shape}")
+    if arr.size == 0:
+        raise ValueError("prompt_ids must hold at least one token")
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"prompt_ids must be integers, got dtype {arr.dtype}")
+    if int(arr.min()) < 0 or int(arr.max()) >= vocab:
+        raise ValueError(
+            f"prompt ids must be in [0, {vocab}), got min {arr.min()}, max {arr.max()}"
+        )
+    return arr.astype(np.int32)
+
+
+class StepGraph:
+    """The model's one-token step traced once into an explicit :class:`recurra.Graph`.
+
+    Each call binds the current parameter buffers (so training between calls is seen),
+    feeds the token and the carried state (numpy arrays), computes, and returns the logits
+    and the new state as numpy arrays: the Python cost per token is a few binds and copies,
+    not the re-recording of every op. Works for CPU models whose ``forward_with_state``
+    only uses ``recurra.ops`` on its inputs and parameters; :func:`StepGraph.build` returns
+    None when the model cannot be traced (the caller then uses the lazy path).
+    """
+
+    def __init__(
+        self,
+        graph: Any,
+        params: list[tuple[Any, Any]],
+        tok: Any,
+        st_in: list[Any],
+        logits: Any,
+        st_out: list[Any],
+        layout: list[int],
+    ) -> None:
+        self.graph, self.params, self.tok = graph, params, tok
+        self.st_in, self.logits, self.st_out, self.layout = st_in, logits, st_out, layout
+
+    @classmethod
+    def build(cls, model: Any, batch: int = 1) -> StepGraph | None:
+        """Traces ``model.forward_with_state`` for (batch, 1) tokens; None when the model is
+        not on the CPU or uses something the explicit graph cannot take."""
+        if getattr(model.device, "backend", "cpu") != "cpu":
+            return None
+        shapes = [[tuple(t.shape) for t in layer] for layer in model.init_state(batch)]
+        g = rc.Graph()
+        leaves: dict[int, tuple[Any, Any]] = {}
+        swapped: list[tuple[Any, str, Any]] = []
+        try:
+            for m in model.modules():
+                for name, p in list(m.__dict__["_parameters"].items()):
+                    if p is None:
+                        continue
+                    if id(p) not in leaves:
+                        leaves[id(p)] = (p, g.tensor(p.shape, name=name))
+                    swapped.append((m, name, p))
+                    object.__setattr__(m, name, leaves[id(p)][1])
+            tok = g.input((batch, 1), "int32", name="tokens")
+            st_in = [[g.input(s) for s in layer] for layer in shapes]
+            with rc.no_grad():
+                logits, st_out = model.forward_with_state(tok, st_in)
+            flat_out = [t for layer in st_out for t in layer]
+            if not all(isinstance(t, rc.GraphTensor) and t.graph is g for t in [logits, *flat_out]):
+                return None
+            if [[tuple(t.shape) for t in layer] for layer in st_out] != shapes:
+                return None
+            g.set_output(logits)
+            for t in flat_out:
+                g.set_output(t)
+        except Exception:  # noqa: BLE001 - any tracing failure means: use the lazy path
+            return None
+        finally:
+            for m, name, p in swapped:
+                object.__setattr__(m, name, p)
+        return cls(
+            g,
+            list(leaves.values()),
+            tok,
+            [t for layer in st_in for t in layer],
+            logits,
+            flat_out,
+            [len(layer) for layer in shapes],
+        )
+
+    def __call__(
+        self, tokens: np.ndarray, state: list[np.ndarray]
+    ) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Logits (batch, 1, V) and the new flat state list for tokens (batch, 1)."""
+        g = self.graph
+        for p, leaf in self.params:
+            g._g.bind(leaf.id, p._realized())
+        g.set_data(self.tok, tokens)
+        for leaf, v in zip(self.st_in, state):
+            g.set_data(leaf, v)
+        g.compute()
+        return g.get_data(self.logits), [g.get_data(t) for t in self.st_out]
+
+
+def _step(model: Any, tokens: np.ndarray, state: State | None) -> tuple[np.ndarray, State]:
+    """Runs the model over ``tokens`` (1, T) from ``state``; returns the logits of the last
+    token (V,) and the new state, computed in one graph and cut from the graph history."""
+    logits, new_state = model.forward_with_state(tokens, state)
+    last = logits[:, -1, :] if logits.shape[1] > 1 else logits
+    flat = [t for layer in new_state for t in layer]
+    realize([last, *flat])
+    detached = [[t.detach() for t in layer] for layer in new_state]
+    return np.asarray(last).reshape(-1), detached
+
+
+def stream(
+    model: Any,
+    prompt_ids: Any,
+    max_tokens: int = 64,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop_ids: Iterable[int] = (),
+    use_graph: bool = True,
+) -> Iterator[int]:
+    """Yields up to ``max_tokens`` new token ids after ``prompt_ids`` (a 1-D int array).
+
+    The prompt runs through the parallel path once (prefill); each new token is one step of
+    the recurrent mode from the carried state. Sampling as in :func:`sample_token`, drawn
+    from ``np.random.default_rng(seed)`` (a fixed seed gives the same tokens). Stops early
+    after yielding a token in ``stop_ids``. ``use_graph`` runs the steps through a traced
+    :class:`StepGraph` (same numbers, less Python per token) when the model allows it.
+
+    Raises ValueError/TypeError for a bad prompt or bad sampling settings."""
+    _check_sampling(temperature, top_k, top_p)
+    if not isinstance(max_tokens, (int, np.integer)) or max_tokens < 0:
+        raise ValueError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
+    prompt = _prompt(prompt_ids, model.vocab_size)
+    stops = {int(s) for s in stop_ids}
+    if max_tokens == 0:
+        return
+    rng = np.random.default_rng(seed)
+    was_training = model.training
+    model.eval()
+    try:
+        with rc.no_grad():
+            logits, state = _step(model, prompt[None, :], None)
+            graph = StepGraph.build(model) if use_graph and max_tokens > 1 else None
+            flat = [np.asarray(t) for layer in state for t in layer] if graph else []
+            for i in range(int(max_tokens)):
+                tok = sample_token(logits, temperature, top_k, top_p, rng)
+                yield tok
+                if tok in stops or i == max_tokens - 1:
+                    break
+                if graph is not None:
+                    out, flat = graph(np.array([[tok]], np.int32), flat)
+                    logits = out.reshape(-1)
+                else:
+                    logits, state = _step(model, np.array([[tok]], np.int32), state)
+    finally:
+        model.train(was_training)
+
+
+def generate(
+    model: Any,
+    prompt_ids: Any,
+    max_tokens: int = 64,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop_ids: Iterable[int] = (),
+    use_graph: bool = True,
+) -> list[int]:
+    """The new token ids (the prompt not included) that :func:`stream` yields."""
+    return list(
+        stream(model, prompt_ids, max_tokens, temperature, top_k, top_p, seed, stop_ids, use_graph)
+    )

@@ -1,0 +1,195 @@
+"""Pieces shared by the language models: the CausalLM base class, token checks, configs,
+running several lazy tensors in one graph."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+import recurra as rc
+from recurra import ops
+from recurra_models import nn
+
+__all__ = ["CausalLM", "ConfigBase", "State", "as_tokens", "realize"]
+
+State = list[list[Any]]  # one list of recurra tensors per layer
+
+
+def realize(tensors: Sequence[Any]) -> None:
+    """Computes every pending tensor of ``tensors`` in one graph run (one plan), so that
+    results that share work (logits and the recurrent states of a step) are computed once
+    and later graphs do not reach back into this one."""
+    pending = [t for t in tensors if isinstance(t, rc.Tensor) and t._value is None]
+    if pending:
+        pending[0]._frontend.run(pending)
+
+
+def detach_state(state: State) -> State:
+    """The state with every tensor computed and cut from the gradient history (truncated
+    backpropagation, or stepping without building an ever longer graph)."""
+    realize([t for layer in state for t in layer])
+    return [[t.detach() for t in layer] for layer in state]
+
+
+def as_tokens(tokens: Any, vocab_size: int, device: Any = None) -> tuple[Any, int, int]:
+    """Checks a (batch, time) token array and returns (int32 tensor, batch, time).
+
+    Accepts numpy arrays, nested lists and int32 recurra tensors. A 1-D input is taken as
+    one sequence. Raises TypeError for non-integer tokens, ValueError for a wrong number of
+    axes, an empty sequence, or (numpy input) ids outside [0, vocab_size)."""
+    if not isinstance(tokens, rc.Tensor) and getattr(tokens, "_frontend", None) is not None:
+        # a node of an explicit recurra.Graph (the traced step graph of generation)
+        if tokens.dtype != "int32" or len(tokens.shape) != 2:
+            raise TypeError(
+                f"tokens must be int32 (batch, time), got {tokens.dtype} {tokens.shape}"
+            )
+        return tokens, int(tokens.shape[0]), int(tokens.shape[1])
+    if isinstance(tokens, rc.Tensor):
+        if tokens.dtype != "int32":
+            raise TypeError(f"tokens must be an int32 tensor, got {tokens.dtype}")
+        if tokens.ndim == 1:
+            tokens = tokens.reshape(1, tokens.shape[0])
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must have shape (batch, time), got {tokens.shape}")
+        b, t = tokens.shape
+        if b == 0 or t == 0:
+            raise ValueError(f"tokens must not be empty, got shape {tokens.shape}")
+        return (tokens.to(device) if device is not None else tokens), int(b), int(t)
+    arr = np.asarray(tokens)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"tokens must be integers, got dtype {arr.dtype}")
+    if arr.ndim == 1:
+        arr = arr[None, :]
+    if arr.ndim != 2:
+        raise ValueError(f"tokens must have shape (batch, time), got {arr.shape}")
+    if arr.size == 0:
+        raise ValueError(f"tokens must not be empty, got shape {arr.shape}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"token ids must be in [0, {vocab_size}), got min {lo}, max {hi}")
+    return rc.tensor(arr.astype(np.int32), device=device), int(arr.shape[0]), int(arr.shape[1])
+
+
+class ConfigBase:
+    """Mixin for config dataclasses: ``to_dict()`` and a checked ``from_dict()``."""
+
+    # Other spellings accepted by from_dict (e.g. Hugging Face config.json names).
+    _aliases: ClassVar[dict[str, str]] = {}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-ready dict."""
+        out = dataclasses.asdict(self)  # type: ignore[call-overload]
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in out.items()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], *, ignore_unknown: bool = False) -> Any:
+        """A config from a dict (aliases accepted).
+
+        Raises ValueError for unknown fields (unless ``ignore_unknown``) and for values the
+        config's checks refuse."""
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        kw: dict[str, Any] = {}
+        unknown = []
+        for k, v in d.items():
+            key = cls._aliases.get(k, k)
+            if key in names:
+                kw[key] = v
+            else:
+                unknown.append(k)
+        if unknown and not ignore_unknown:
+            raise ValueError(
+                f"{cls.__name__}: unknown field(s) {', '.join(map(repr, unknown))}; known: "
+                f"{', '.join(sorted(names))}"
+            )
+        try:
+            return cls(**kw)
+        except TypeError as e:
+            raise ValueError(f"{cls.__name__}: {e}") from None
+
+
+def _positive(cls: str, **values: Any) -> None:
+    for k, v in values.items():
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{cls}: {k} must be a positive integer, got {v!r}")
+
+
+class CausalLM(nn.Module):
+    """Base class of the language models: ``forward(tokens) -> logits``,
+    ``forward_with_state(tokens, state) -> (logits, state)``, ``init_state(batch)``.
+
+    Subclasses set ``arch``, ``Config`` and implement ``forward_with_state`` and
+    ``init_state``."""
+
+    arch: ClassVar[str] = ""
+    Config: ClassVar[type] = object
+    config: Any
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any] | Any, seed: int = 0) -> Any:
+        """A freshly initialised model from a config dict (or Config instance).
+
+        Raises ValueError for unknown fields or invalid values."""
+        if not isinstance(cfg, cls.Config):
+            cfg = cls.Config.from_dict(dict(cfg))  # type: ignore[attr-defined]
+        return cls(cfg, seed=seed)  # type: ignore[call-arg]
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    def forward(self, tokens: Any) -> Any:
+        """Logits (batch, time, vocab) of int32 tokens (batch, time), from the zero state."""
+        return self.forward_with_state(tokens, None)[0]
+
+    def forward_with_state(self, tokens: Any, state: State | None = None) -> tuple[Any, State]:
+        raise NotImplementedError
+
+    def init_state(self, batch: int) -> State:
+        raise NotImplementedError
+
+    def loss(self, tokens: Any, targets: Any) -> Any:
+        """Mean cross-entropy of the next-token predictions: logits of ``tokens`` against
+        int32 ``targets`` of the same (batch, time) shape. Returns a 0-d tensor."""
+        logits = self.forward(tokens)
+        tgt, _, _ = as_tokens(targets, self.vocab_size, self.device)
+        return ops.cross_entropy(logits, tgt)
+
+
+# -- shared Mamba helpers -------------------------------------------------------------------
+
+
+def causal_conv(x: Any, state: Any | None, weight: Any, bias: Any | None) -> tuple[Any, Any]:
+    """Depthwise causal conv over time with SiLU, as in Mamba.
+
+    ``x`` (B, T, C), ``state`` (B, C, K-1) (the last K-1 inputs, None for zeros),
+    ``weight`` (C, K), ``bias`` (C,). Returns (silu(conv(x) + bias) of shape (B, T, C),
+    the new state (B, C, K-1))."""
+    b, t, c = x.shape
+    k = weight.shape[-1]
+    xt = x.permute(0, 2, 1)  # (B, C, T)
+    if state is None:
+        sx = ops.pad(xt, ((0, 0), (0, 0), (k - 1, 0)))
+    else:
+        sx = ops.concat([state, xt], axis=2)
+    y = ops.ssm_conv(sx, weight)  # (B, T, C)
+    if bias is not None:
+        y = y + bias
+    new_state = sx[:, :, t:] if k > 1 else sx[:, :, :0]
+    return ops.silu(y), new_state
+
+
+def inv_softplus(x: np.ndarray) -> np.ndarray:
+    """The inverse of softplus: log(exp(x) - 1), stable for small x."""
+    return x + np.log(-np.expm1(-x))
+
+
+def init_dt_bias(
+    rng: np.random.Generator, n: int, dt_min: float, dt_max: float, floor: float
+) -> np.ndarray:
+    """dt bias so that softplus(bias) is log-uniform in [dt_min, dt_max] (Mamba's init)."""
+    dt = np.exp(rng.random(n) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+    return inv_softplus(np.maximum(dt, floor)).astype(np.float32)

@@ -1,0 +1,263 @@
+"""Mamba-2 language model (Dao & Gu, 2024) with the parameter names of Hugging Face's
+``Mamba2ForCausalLM``.
+
+Per layer: ``x + mixer(rms_norm(x))`` with the mixer
+
+    z, xBC, dt = in_proj(h).split(d_inner, d_inner + 2 * n_groups * d_state, n_heads)
+    xBC        = silu(causal_depthwise_conv(xBC) + conv_bias)
+    x, B, C    = xBC.split(d_inner, n_groups * d_state, n_groups * d_state)
+    y          = multi_head_scan(x, dt + dt_bias, A = -exp(A_log) per head, B, C) + D * x
+    out        = out_proj(group_rms_norm(y * silu(z)) * norm_weight)
+
+then a final RMSNorm and the LM head (untied by default, like Hugging Face's config).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+import recurra as rc
+from recurra import ops
+from recurra_models import nn
+from recurra_models.lm import (
+    CausalLM,
+    ConfigBase,
+    State,
+    _positive,
+    as_tokens,
+    causal_conv,
+    init_dt_bias,
+)
+from recurra_models.mamba import _check_state, _Conv1d, _zeros
+
+__all__ = ["GatedRMSNorm", "Mamba2Block", "Mamba2Config", "Mamba2LM", "Mamba2Mixer"]
+
+
+@dataclass
+class Mamba2Config(ConfigBase):
+    """Sizes of a Mamba-2 LM. ``n_heads = expand * d_model / head_dim`` (``n_heads=0``:
+    derived; a given value must agree). ``dt_limit`` clamps softplus(dt) like Hugging Face's
+    ``time_step_limit``."""
+
+    vocab_size: int = 256
+    d_model: int = 64
+    n_layer: int = 2
+    d_state: int = 16
+    d_conv: int = 4
+    expand: int = 2
+    head_dim: int = 16
+    n_heads: int = 0
+    n_groups: int = 1
+    conv_bias: bool = True
+    bias: bool = False
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    dt_limit: tuple[float, float] = field(default=(0.0, math.inf))
+
+    _aliases: ClassVar[dict[str, str]] = {
+        "hidden_size": "d_model",
+        "num_hidden_layers": "n_layer",
+        "state_size": "d_state",
+        "conv_kernel": "d_conv",
+        "num_heads": "n_heads",
+        "use_conv_bias": "conv_bias",
+        "use_bias": "bias",
+        "layer_norm_epsilon": "norm_eps",
+        "tie_word_embeddings": "tie_embeddings",
+        "time_step_limit": "dt_limit",
+    }
+
+    def __post_init__(self) -> None:
+        who = "Mamba2Config"
+        _positive(
+            who,
+            vocab_size=self.vocab_size,
+            d_model=self.d_model,
+            n_layer=self.n_layer,
+            d_state=self.d_state,
+            expand=self.expand,
+            head_dim=self.head_dim,
+            n_groups=self.n_groups,
+        )
+        if not isinstance(self.d_conv, int) or self.d_conv < 2:
+            raise ValueError(f"{who}: d_conv must be an integer >= 2, got {self.d_conv!r}")
+        di = self.expand * self.d_model
+        if di % self.head_dim:
+            raise ValueError(
+                f"{who}: expand * d_model ({di}) must be a multiple of head_dim ({self.head_dim})"
+            )
+        if self.n_heads in (0, None):
+            self.n_heads = di // self.head_dim
+        if self.n_heads * self.head_dim != di:
+            raise ValueError(
+                f"{who}: n_heads * head_dim ({self.n_heads} * {self.head_dim}) "
+                f"must equal expand * d_model ({di})"
+            )
+        if self.n_heads % self.n_groups or di % self.n_groups:
+            raise ValueError(
+                f"{who}: n_heads ({self.n_heads}) must be a multiple of n_groups ({self.n_groups})"
+            )
+        lo, hi = (float(v) for v in self.dt_limit)
+        if not 0.0 <= lo < hi:
+            raise ValueError(
+                f"{who}: dt_limit must be (lo, hi) with 0 <= lo < hi, got {self.dt_limit!r}"
+            )
+        self.dt_limit = (lo, hi)
+        if not self.norm_eps >= 0:
+            raise ValueError(f"{who}: norm_eps must be >= 0, got {self.norm_eps!r}")
+
+    @property
+    def d_inner(self) -> int:
+        return self.expand * self.d_model
+
+    @property
+    def conv_dim(self) -> int:
+        return self.d_inner + 2 * self.n_groups * self.d_state
+
+
+class GatedRMSNorm(nn.Module):
+    """norm(y * silu(z)) * weight where the RMS norm runs over groups of ``group_size``
+    channels (Hugging Face's ``MambaRMSNormGated``)."""
+
+    def __init__(self, dim: int, group_size: int, eps: float) -> None:
+        super().__init__()
+        self.dim, self.group_size, self.eps = dim, group_size, eps
+        self.weight = nn.Parameter(np.ones(dim, np.float32))
+
+    def forward(self, y: Any, z: Any) -> Any:
+        """y, z (B, T, dim) -> (B, T, dim)."""
+        b, t, d = y.shape
+        h = y * ops.silu(z)
+        g = d // self.group_size
+        if g > 1:
+            h = ops.rms_norm(h.reshape(b, t, g, self.group_size), self.eps).reshape(b, t, d)
+        else:
+            h = ops.rms_norm(h, self.eps)
+        return h * self.weight
+
+
+class Mamba2Mixer(nn.Module):
+    """The Mamba-2 mixer (see the module docstring)."""
+
+    def __init__(self, cfg: Mamba2Config, rng: np.random.Generator) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d, di, nh = cfg.d_model, cfg.d_inner, cfg.n_heads
+        self.in_proj = nn.Linear(d, di + cfg.conv_dim + nh, bias=cfg.bias, seed=rng)
+        self.conv1d = _Conv1d(cfg.conv_dim, cfg.d_conv, cfg.conv_bias, rng)
+        self.dt_bias = nn.Parameter(init_dt_bias(rng, nh, 1e-3, 1e-1, 1e-4))
+        self.A_log = nn.Parameter(np.log(np.arange(1, nh + 1, dtype=np.float32)))
+        self.norm = GatedRMSNorm(di, di // cfg.n_groups, cfg.norm_eps)
+        self.D = nn.Parameter(np.ones(nh, np.float32))
+        self.out_proj = nn.Linear(di, d, bias=cfg.bias, seed=rng)
+
+    def forward(self, h: Any, state: list[Any] | None = None) -> tuple[Any, list[Any]]:
+        """h (B, T, d_model), state [conv (B, conv_dim, d_conv-1), ssm (B, n_heads, head_dim,
+        d_state)] or None. Returns (output (B, T, d_model), new state)."""
+        c = self.cfg
+        b, t, _ = h.shape
+        di, cd, nh, p, g, n = c.d_inner, c.conv_dim, c.n_heads, c.head_dim, c.n_groups, c.d_state
+        zxbcdt = self.in_proj(h)
+        z = zxbcdt[:, :, :di]
+        xbc = zxbcdt[:, :, di : di + cd]
+        dt = zxbcdt[:, :, di + cd :] + self.dt_bias  # (B, T, H)
+        lo, hi = c.dt_limit
+        if lo > 0.0 or math.isfinite(hi):
+            # The op applies softplus itself: hand it softplus^-1(clamp(softplus(dt))).
+            sp = ops.clamp(ops.softplus(dt), max(lo, 1e-30), hi)
+            dt = ops.log(ops.exp(sp) - 1.0)
+        conv_state = state[0] if state is not None else None
+        xbc, conv_state = causal_conv(xbc, conv_state, self.conv1d.w2d(), self.conv1d.bias)
+        x = xbc[:, :, :di].reshape(b, t, nh, p)
+        bm = xbc[:, :, di : di + g * n].reshape(b, t, g, n)
+        cm = xbc[:, :, di + g * n :].reshape(b, t, g, n)
+        a = (-ops.exp(self.A_log)).reshape(nh, 1)
+        s0 = state[1] if state is not None else _zeros((b, nh, p, n), h.device)
+        y, s1 = ops.ssm_scan(s0, x, dt, a, bm, cm, np.arange(b, dtype=np.int32))
+        y = y + x * self.D.reshape(nh, 1)
+        y = self.norm(y.reshape(b, t, di), z)
+        return self.out_proj(y), [conv_state, s1]
+
+
+class Mamba2Block(nn.Module):
+    """Pre-norm residual block: x + mixer(norm(x))."""
+
+    def __init__(self, cfg: Mamba2Config, rng: np.random.Generator) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer = Mamba2Mixer(cfg, rng)
+
+    def forward(self, x: Any, state: list[Any] | None = None) -> tuple[Any, list[Any]]:
+        y, st = self.mixer(self.norm(x), state)
+        return x + y, st
+
+
+class Mamba2Model(nn.Module):
+    """Embeddings, the blocks and the final norm (Hugging Face's ``backbone``)."""
+
+    def __init__(self, cfg: Mamba2Config, rng: np.random.Generator) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model, seed=rng)
+        self.embeddings.weight.assign_(
+            (0.02 * rng.standard_normal((cfg.vocab_size, cfg.d_model))).astype(np.float32)
+        )
+        self.layers = nn.ModuleList(Mamba2Block(cfg, rng) for _ in range(cfg.n_layer))
+        self.norm_f = nn.RMSNorm(cfg.d_model, cfg.norm_eps)
+
+
+class Mamba2LM(CausalLM):
+    """Mamba-2 causal LM (``arch = "mamba2"``); keys match ``Mamba2ForCausalLM``'s
+    state_dict: ``backbone.embeddings.weight``, ``backbone.layers.{i}.norm.weight``,
+    ``backbone.layers.{i}.mixer.{in_proj,conv1d,out_proj}.*``,
+    ``backbone.layers.{i}.mixer.{dt_bias,A_log,D,norm.weight}``, ``backbone.norm_f.weight``,
+    ``lm_head.weight``."""
+
+    arch: ClassVar[str] = "mamba2"
+    Config: ClassVar[type] = Mamba2Config
+
+    def __init__(self, config: Mamba2Config | None = None, seed: int = 0) -> None:
+        super().__init__()
+        cfg = config if config is not None else Mamba2Config()
+        self.config = cfg
+        rng = np.random.default_rng(seed)
+        self.backbone = Mamba2Model(cfg, rng)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, seed=rng)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.backbone.embeddings.weight
+
+    def init_state_shapes(self, batch: int) -> list[list[tuple[int, ...]]]:
+        c = self.config
+        return [
+            [(batch, c.conv_dim, c.d_conv - 1), (batch, c.n_heads, c.head_dim, c.d_state)]
+            for _ in range(c.n_layer)
+        ]
+
+    def init_state(self, batch: int) -> State:
+        """Zero states: per layer [conv (batch, conv_dim, d_conv-1), ssm (batch, n_heads,
+        head_dim, d_state)]."""
+        dev = self.device
+        return [[_zeros(s, dev) for s in layer] for layer in self.init_state_shapes(batch)]
+
+    def forward_with_state(self, tokens: Any, state: State | None = None) -> tuple[Any, State]:
+        """Logits (B, T, vocab) of int32 tokens (B, T) starting from ``state`` (None: zeros),
+        and the state after the last token.
+
+        Raises TypeError/ValueError for bad tokens and ValueError for a state that does not
+        fit the model or the batch."""
+        tok, b, _ = as_tokens(tokens, self.vocab_size, self.device)
+        if state is not None:
+            _check_state(state, self.init_state_shapes(b), "Mamba2LM")
+        h = self.backbone.embeddings(tok)
+        new_state: State = []
+        for i, layer in enumerate(self.backbone.layers):
+            h, st = layer(h, state[i] if state is not None else None)
+            new_state.append(st)
+        h = self.backbone.norm_f(h)
+        return self.lm_head(h), new_state
+
+
+_ = rc  # re-exported tensor module used by type hints in docs

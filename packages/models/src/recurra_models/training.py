@@ -1,0 +1,472 @@
+"""Training: a loop over next-token batches, evaluation, atomic resumable checkpoints.
+
+Batches are a pure function of (seed, step) (:func:`batch_at`), the checkpoint holds the
+exact float32 weights, the optimizer state and the step, so a run resumed from a checkpoint
+computes the same loss curve as the uninterrupted run.
+
+A checkpoint is a folder with four files, each written atomically (temporary file, fsync,
+rename):
+
+- ``model.safetensors``: the model's state_dict;
+- ``config.json``: ``{"arch": ..., "config": {...}}``;
+- ``optimizer.safetensors``: the optimizer's state (``Optimizer.save``);
+- ``trainer.json`` (written last): step, seed, data hash, history, scheduler state, extra,
+  and the SHA-256 of the three other files, so that a set of files from different saves
+  (an interrupted save) is detected on load.
+
+:class:`Trainer` keeps ``ckpt-<step>`` folders under ``out_dir`` and a ``latest.json``
+pointer, written atomically after the folder is complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import recurra as rc
+from recurra_models.loading import load_safetensors, read_json, save_safetensors, write_atomic
+
+__all__ = ["CheckpointError", "Trainer", "batch_at", "load_checkpoint", "save_checkpoint"]
+
+FORMAT = "recurra-models-checkpoint"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: missing, corrupted or not matching the model,
+    optimizer or data. The message names the file and the problem."""
+
+
+# -- data ----------------------------------------------------------------------------------
+
+
+def _check_data(data: Any, seq_len: int, what: str) -> np.ndarray:
+    arr = np.asarray(data)
+    if arr.dtype.kind not in "iu" or arr.ndim != 1:
+        raise ValueError(f"{what} must be a 1-D integer token array, got {arr.dtype} {arr.shape}")
+    if arr.size < seq_len + 1:
+        raise ValueError(
+            f"{what} has {arr.size} tokens; at least seq_len + 1 = {seq_len + 1} are needed"
+        )
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+def batch_at(
+    data: np.ndarray, batch_size: int, seq_len: int, seed: int, step: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The training batch of ``step``: (inputs, targets), int32 (batch_size, seq_len) each,
+    windows of ``data`` at offsets drawn from ``np.random.default_rng([seed, step])``;
+    targets are the inputs shifted by one token. A pure function of its arguments."""
+    n = int(data.shape[0]) - seq_len
+    rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(step)])
+    starts = rng.integers(0, n, size=batch_size)
+    idx = starts[:, None] + np.arange(seq_len + 1)[None, :]
+    chunk = data[idx]
+    return np.ascontiguousarray(chunk[:, :-1]), np.ascontiguousarray(chunk[:, 1:])
+
+
+def data_hash(data: np.ndarray) -> str:
+    """SHA-256 (hex) of the int32 token array."""
+    return hashlib.sha256(np.ascontiguousarray(data, dtype=np.int32).tobytes()).hexdigest()
+
+
+def _file_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# -- checkpoints ---------------------------------------------------------------------------
+
+_FILES = ("model.safetensors", "config.json", "optimizer.safetensors")
+
+
+def save_checkpoint(
+    directory: str | os.PathLike[str],
+    model: Any,
+    optimizer: Any = None,
+    step: int = 0,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Writes a checkpoint folder (see the module docstring); returns its path.
+
+    ``extra`` is any JSON-serialisable dict kept in ``trainer.json``. Raises OSError naming
+    the file that could not be written, TypeError when ``extra`` is not JSON-serialisable."""
+    d = Path(os.fspath(directory))
+    d.mkdir(parents=True, exist_ok=True)
+    arch = getattr(model, "arch", type(model).__name__)
+    config = model.config.to_dict() if hasattr(model, "config") else {}
+    save_safetensors(
+        d / "model.safetensors", model.state_dict(), {"format": FORMAT, "arch": str(arch)}
+    )
+    write_atomic(d / "config.json", json.dumps({"arch": arch, "config": config}, indent=2).encode())
+    hashes = {
+        "model.safetensors": _file_hash(d / "model.safetensors"),
+        "config.json": _file_hash(d / "config.json"),
+    }
+    if optimizer is not None:
+        optimizer.save(d / "optimizer.safetensors")
+        hashes["optimizer.safetensors"] = _file_hash(d / "optimizer.safetensors")
+    elif (d / "optimizer.safetensors").exists():
+        (d / "optimizer.safetensors").unlink()
+    meta = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "step": int(step),
+        "files": hashes,
+        "extra": extra or {},
+    }
+    try:
+        blob = json.dumps(meta, indent=2, allow_nan=True).encode()
+    except TypeError as e:
+        raise TypeError(f"save_checkpoint: extra is not JSON-serialisable ({e})") from None
+    write_atomic(d / "trainer.json", blob)
+    return d
+
+
+def _fail(path: Path, problem: str) -> CheckpointError:
+    return CheckpointError(f"{path}: {problem}")
+
+
+def read_checkpoint_meta(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """The verified ``trainer.json`` of a checkpoint folder (file hashes checked).
+
+    Raises FileNotFoundError for a missing folder or file, CheckpointError naming the file
+    for invalid JSON, another format, or a file whose content does not match its hash."""
+    d = Path(os.fspath(directory))
+    if not d.is_dir():
+        raise FileNotFoundError(f"{d}: checkpoint folder not found")
+    tj = d / "trainer.json"
+    try:
+        meta = read_json(tj, "checkpoint trainer.json")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise _fail(tj, "not a recurra-models checkpoint (format field missing or different)")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise _fail(tj, f"unsupported checkpoint format version {meta.get('format_version')!r}")
+    files = meta.get("files")
+    if not isinstance(files, dict) or not isinstance(meta.get("step"), int):
+        raise _fail(tj, "malformed: 'files' or 'step' missing")
+    for name, digest in files.items():
+        fp = d / name
+        if not fp.is_file():
+            raise FileNotFoundError(f"{fp}: checkpoint file not found (listed in {tj})")
+        if _file_hash(fp) != digest:
+            raise _fail(fp, f"corrupted or from another save: its SHA-256 does not match {tj}")
+    return meta
+
+
+def load_checkpoint(
+    directory: str | os.PathLike[str], model: Any = None, optimizer: Any = None
+) -> dict[str, Any]:
+    """Reads a checkpoint folder written by :func:`save_checkpoint`.
+
+    With ``model`` None, a model of the saved architecture and config is created (through
+    the registry); otherwise the saved arch and config must equal the model's and the
+    weights are copied into it in place. With ``optimizer``, its state is restored too.
+    Returns ``{"model", "optimizer", "step", "extra", "config"}``.
+
+    Raises FileNotFoundError for a missing folder or file, CheckpointError (a ValueError)
+    naming the file and the problem: corrupted data, a hash mismatch, another architecture
+    or config, tensors that do not match the model, optimizer state that does not match."""
+    from recurra_models import get_architecture
+
+    d = Path(os.fspath(directory))
+    meta = read_checkpoint_meta(d)
+    cj = d / "config.json"
+    try:
+        cfg = read_json(cj, "checkpoint config.json")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    if not isinstance(cfg, dict) or "arch" not in cfg or not isinstance(cfg.get("config"), dict):
+        raise _fail(cj, "malformed: expected {'arch': ..., 'config': {...}}")
+    if model is None:
+        try:
+            model = get_architecture(cfg["arch"]).from_config(cfg["config"])  # type: ignore[attr-defined]
+        except ValueError as e:
+            raise _fail(cj, str(e)) from None
+    else:
+        arch = getattr(model, "arch", type(model).__name__)
+        if cfg["arch"] != arch:
+            raise _fail(cj, f"the checkpoint is a {cfg['arch']!r} model, the model is {arch!r}")
+        mine = model.config.to_dict() if hasattr(model, "config") else {}
+        if _norm(mine) != _norm(cfg["config"]):
+            diff = sorted(
+                k
+                for k in set(mine) | set(cfg["config"])
+                if _norm(mine.get(k)) != _norm(cfg["config"].get(k))
+            )
+            shown = ", ".join(
+                f"{k}: saved {cfg['config'].get(k)!r} vs model {mine.get(k)!r}" for k in diff[:6]
+            )
+            raise _fail(cj, f"config does not match the model ({shown})")
+    mf = d / "model.safetensors"
+    try:
+        tensors, _ = load_safetensors(mf)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    try:
+        model.load_state_dict(tensors, strict=True)
+    except ValueError as e:
+        raise _fail(mf, str(e)) from None
+    if optimizer is not None:
+        of = d / "optimizer.safetensors"
+        if "optimizer.safetensors" not in meta["files"]:
+            raise FileNotFoundError(f"{of}: the checkpoint has no optimizer state")
+        try:
+            optimizer.load(of)
+        except ValueError as e:
+            msg = str(e)
+            raise CheckpointError(msg if str(of) in msg else f"{of}: {msg}") from None
+    return {
+        "model": model,
+        "optimizer": optimizer,
+        "step": int(meta["step"]),
+        "extra": meta.get("extra") or {},
+        "config": cfg,
+    }
+
+
+def _norm(v: Any) -> Any:
+    """JSON round trip, so tuples/lists and inf compare as saved."""
+    return json.loads(json.dumps(v, allow_nan=True))
+
+
+# -- the loop ------------------------------------------------------------------------------
+
+Callback = Callable[[dict[str, Any]], Any]
+
+
+class Trainer:
+    """Trains a causal LM on a token array with next-token cross-entropy.
+
+    Args:
+        model: a CausalLM (``model.loss(x, y)``, ``state_dict()``...), on its device.
+        optimizer: a recurra_optim optimizer over ``model.parameters()``.
+        data: 1-D int token array (e.g. ``ByteTokenizer().encode_file(path)``).
+        batch_size, seq_len: batch shape; batch ``i`` is ``batch_at(data, ..., seed, i)``.
+        steps: the total number of optimizer steps of the run.
+        eval_data: optional token array; every ``eval_every`` steps (and after the last) the
+            mean loss over ``eval_batches`` fixed batches of it is recorded.
+        out_dir: where checkpoints go (``ckpt-<step>`` folders + ``latest.json``); every
+            ``checkpoint_every`` steps and after the last step (0: only at the end).
+        keep: how many checkpoint folders to keep (older ones are deleted).
+        scheduler: optional LR scheduler stepped after every optimizer step; its state is
+            saved in checkpoints.
+        seed: seeds the batch order.
+
+    Raises ValueError for bad sizes or data too short for ``seq_len``.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        optimizer: Any,
+        data: Any,
+        batch_size: int = 8,
+        seq_len: int = 64,
+        steps: int = 100,
+        eval_data: Any = None,
+        eval_every: int = 0,
+        eval_batches: int = 4,
+        out_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: int = 0,
+        keep: int = 2,
+        scheduler: Any = None,
+        seed: int = 0,
+    ) -> None:
+        for name, v in (
+            ("batch_size", batch_size),
+            ("seq_len", seq_len),
+            ("keep", keep),
+            ("eval_batches", eval_batches),
+        ):
+            if not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"Trainer: {name} must be a positive integer, got {v!r}")
+        for name, v in (
+            ("steps", steps),
+            ("eval_every", eval_every),
+            ("checkpoint_every", checkpoint_every),
+        ):
+            if not isinstance(v, (int, np.integer)) or v < 0:
+                raise ValueError(f"Trainer: {name} must be an integer >= 0, got {v!r}")
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.data = _check_data(data, seq_len, "data")
+        self.eval_data = (
+            _check_data(eval_data, seq_len, "eval_data") if eval_data is not None else None
+        )
+        self.batch_size, self.seq_len, self.steps = int(batch_size), int(seq_len), int(steps)
+        self.eval_every, self.eval_batches = int(eval_every), int(eval_batches)
+        self.out_dir = Path(os.fspath(out_dir)) if out_dir is not None else None
+        self.checkpoint_every, self.keep, self.seed = int(checkpoint_every), int(keep), int(seed)
+        self.step = 0
+        self.history: list[dict[str, Any]] = []
+        self._data_hash = data_hash(self.data)
+
+    # -- pieces --------------------------------------------------------------------------
+    def train_step(self, step: int) -> float:
+        """One optimizer step on batch ``step``; returns the loss (before the update)."""
+        x, y = batch_at(self.data, self.batch_size, self.seq_len, self.seed, step)
+        self.model.train()
+        loss = self.model.loss(x, y)
+        loss.backward()
+        value = float(loss.item())
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return value
+
+    def evaluate(self) -> float:
+        """Mean loss over ``eval_batches`` fixed batches of the eval data (no gradients).
+
+        Raises ValueError when there is no eval data."""
+        if self.eval_data is None:
+            raise ValueError("Trainer.evaluate: no eval_data was given")
+        was = self.model.training
+        self.model.eval()
+        total = 0.0
+        try:
+            with rc.no_grad():
+                for k in range(self.eval_batches):
+                    x, y = batch_at(
+                        self.eval_data, self.batch_size, self.seq_len, self.seed + 1_000_003, k
+                    )
+                    total += float(self.model.loss(x, y).item())
+        finally:
+            self.model.train(was)
+        return total / self.eval_batches
+
+    def _lr(self) -> float | None:
+        try:
+            return float(self.optimizer.param_groups[0]["lr"])
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+            return None
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def save(self, directory: str | os.PathLike[str] | None = None) -> Path:
+        """Writes a checkpoint of the current step into ``directory`` (default:
+        ``out_dir/ckpt-<step>``, then ``latest.json`` and pruning to ``keep``); returns it.
+
+        Raises ValueError when neither ``directory`` nor ``out_dir`` is set."""
+        if directory is None and self.out_dir is None:
+            raise ValueError("Trainer.save: give a directory or set out_dir")
+        sched = self.scheduler.state_dict() if self.scheduler is not None else None
+        extra = {
+            "seed": self.seed,
+            "data_hash": self._data_hash,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "history": self.history,
+            "scheduler": sched,
+        }
+        if directory is not None:
+            return save_checkpoint(directory, self.model, self.optimizer, self.step, extra)
+        assert self.out_dir is not None
+        d = save_checkpoint(
+            self.out_dir / f"ckpt-{self.step:08d}", self.model, self.optimizer, self.step, extra
+        )
+        write_atomic(
+            self.out_dir / "latest.json", json.dumps({"step": self.step, "path": d.name}).encode()
+        )
+        olds = sorted(p for p in self.out_dir.glob("ckpt-*") if p.is_dir() and p != d)
+        for p in olds[: max(0, len(olds) - (self.keep - 1))]:
+            shutil.rmtree(p, ignore_errors=True)
+        return d
+
+    def resume(self, directory: str | os.PathLike[str] | None = None) -> int:
+        """Restores model, optimizer, scheduler, step and history from a checkpoint: a
+        checkpoint folder, or an ``out_dir`` (its ``latest.json``; default: this trainer's
+        ``out_dir``). Returns the restored step.
+
+        Raises FileNotFoundError when there is no checkpoint, CheckpointError naming the
+        file when it is corrupted or does not match the model, optimizer, data, seed or
+        batch shape."""
+        base = Path(os.fspath(directory)) if directory is not None else self.out_dir
+        if base is None:
+            raise ValueError("Trainer.resume: give a directory or set out_dir")
+        d = base
+        latest = base / "latest.json"
+        if not (base / "trainer.json").exists():
+            if not latest.is_file():
+                raise FileNotFoundError(f"{latest}: no checkpoint to resume from in {base}")
+            try:
+                info = read_json(latest, "latest.json")
+                d = base / str(info["path"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{latest}: malformed ({e})") from None
+        meta = read_checkpoint_meta(d)
+        extra = meta.get("extra") or {}
+        tj = d / "trainer.json"
+        if extra.get("data_hash") != self._data_hash:
+            raise _fail(tj, "the checkpoint was trained on different data (data hash differs)")
+        for k, mine in (
+            ("seed", self.seed),
+            ("batch_size", self.batch_size),
+            ("seq_len", self.seq_len),
+        ):
+            if extra.get(k) != mine:
+                raise _fail(tj, f"{k} differs: checkpoint {extra.get(k)!r}, trainer {mine!r}")
+        out = load_checkpoint(d, self.model, self.optimizer)
+        if self.scheduler is not None and extra.get("scheduler") is not None:
+            self.scheduler.load_state_dict(extra["scheduler"])
+        self.step = out["step"]
+        self.history = list(extra.get("history") or [])
+        return self.step
+
+    # -- the loop ----------------------------------------------------------------------------
+    def fit(self, callback: Callback | None = None) -> list[dict[str, Any]]:
+        """Runs from the current step to ``steps``; returns the history: one record per step
+        ``{"step", "loss", "lr", "tokens_per_s", "time"}`` (plus ``"eval_loss"`` on eval
+        steps), including records restored by :meth:`resume`.
+
+        ``callback(event)`` is called with ``{"kind": "step", **record}`` after every step,
+        ``{"kind": "eval", "step", "eval_loss"}``, ``{"kind": "checkpoint", "step", "path"}``
+        and finally ``{"kind": "done", "step", "history"}``; a callback returning False
+        stops the run after the current step (a checkpoint is written if out_dir is set).
+
+        Raises FloatingPointError when the loss becomes NaN or infinite."""
+        emit = callback if callback is not None else (lambda e: None)
+        tokens = self.batch_size * self.seq_len
+        stop = False
+        while self.step < self.steps and not stop:
+            t0 = time.perf_counter()
+            loss = self.train_step(self.step)
+            dt = time.perf_counter() - t0
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"the loss became {loss} at step {self.step + 1}")
+            self.step += 1
+            rec: dict[str, Any] = {
+                "step": self.step,
+                "loss": loss,
+                "lr": self._lr(),
+                "tokens_per_s": tokens / dt if dt > 0 else float("inf"),
+                "time": dt,
+            }
+            self.history.append(rec)
+            stop = emit({"kind": "step", **rec}) is False
+            last = self.step == self.steps or stop
+            if self.eval_data is not None and (
+                (self.eval_every and self.step % self.eval_every == 0) or last
+            ):
+                rec["eval_loss"] = self.evaluate()
+                emit({"kind": "eval", "step": self.step, "eval_loss": rec["eval_loss"]})
+            if self.out_dir is not None and (
+                (self.checkpoint_every and self.step % self.checkpoint_every == 0) or last
+            ):
+                path = self.save()
+                emit({"kind": "checkpoint", "step": self.step, "path": str(path)})
+        emit({"kind": "done", "step": self.step, "history": self.history})
+        return self.history

@@ -1,0 +1,111 @@
+"""Generation: greedy decoding against recomputing the whole sequence, seeded sampling,
+the sampling filters, the traced step graph against the lazy path, ByteTokenizer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import recurra_models as rm
+from recurra_models.generation import StepGraph, sample_token
+
+
+def _model(arch: str) -> object:
+    if arch == "mamba":
+        return rm.create("mamba", vocab_size=40, d_model=16, n_layer=2, d_state=4, seed=7)
+    return rm.create("mamba2", vocab_size=40, d_model=16, n_layer=2, d_state=4, head_dim=8, seed=8)
+
+
+@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
+def test_greedy_equals_full_sequence_argmax(arch: str) -> None:
+    model = _model(arch)
+    prompt = [3, 1, 4, 1, 5]
+    got = rm.generate(model, prompt, max_tokens=8, temperature=0.0)
+    seq = list(prompt)
+    for _ in range(8):  # the independent way: the parallel path over the whole sequence
+        logits = model(np.array([seq], np.int32)).numpy()[0, -1]
+        seq.append(int(np.argmax(logits)))
+    assert got == seq[len(prompt) :]
+
+
+@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
+def test_step_graph_equals_lazy_path(arch: str) -> None:
+    model = _model(arch)
+    assert StepGraph.build(model) is not None
+    kw = dict(max_tokens=12, temperature=0.9, top_k=10, top_p=0.95, seed=123)
+    a = rm.generate(model, [1, 2, 3], use_graph=True, **kw)
+    b = rm.generate(model, [1, 2, 3], use_graph=False, **kw)
+    assert a == b
+    assert a == rm.generate(model, np.array([[1, 2, 3]]), **kw)  # seeded: reproducible
+    assert len(a) == 12 and all(0 <= t < 40 for t in a)
+    # the step graph sees parameter updates made after it was built
+    g = StepGraph.build(model)
+    state = [np.zeros(s.shape, np.float32) for layer in model.init_state(1) for s in layer]
+    before, _ = g(np.array([[5]], np.int32), state)
+    for p in model.parameters():
+        p.assign_(p.numpy() * 1.1)
+    after, _ = g(np.array([[5]], np.int32), state)
+    ref = model(np.array([[5]], np.int32)).numpy()
+    np.testing.assert_allclose(after, ref, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(before, after)
+
+
+def test_stream_stops_and_zero_tokens() -> None:
+    model = _model("mamba")
+    first = rm.generate(model, [1], max_tokens=5, temperature=0.0)
+    stop = first[2]
+    want = first[: first.index(stop) + 1]
+    assert rm.generate(model, [1], max_tokens=5, temperature=0.0, stop_ids=[stop]) == want
+    assert rm.generate(model, [1], max_tokens=0) == []
+    it = rm.stream(model, [1, 2], max_tokens=3, temperature=0.0)
+    assert [next(it) for _ in range(3)] == rm.generate(model, [1, 2], max_tokens=3, temperature=0)
+
+
+def test_sampling_filters() -> None:
+    logits = np.array([0.0, 3.0, 1.0, 2.0, -1.0])
+    assert sample_token(logits, temperature=0.0) == 1
+    rng = np.random.default_rng(0)
+    draws = [sample_token(logits, 1.0, top_k=2, rng=rng) for _ in range(300)]
+    assert set(draws) == {1, 3}
+    # top_p: p(1) = 0.64 >= 0.5, so only token 1 survives; 0.9 keeps {1, 3, 2}
+    assert {sample_token(logits, 1.0, top_p=0.5, rng=rng) for _ in range(100)} == {1}
+    assert {sample_token(logits, 1.0, top_p=0.9, rng=rng) for _ in range(400)} == {1, 2, 3}
+    assert sample_token(logits, 5.0, top_k=1, rng=rng) == 1
+    # the frequencies follow softmax(logits / T)
+    t = 2.0
+    p = np.exp(logits / t) / np.exp(logits / t).sum()
+    n = 4000
+    counts = np.bincount([sample_token(logits, t, rng=rng) for _ in range(n)], minlength=5)
+    assert np.all(np.abs(counts / n - p) < 4 * np.sqrt(p * (1 - p) / n) + 1e-3)
+
+
+def test_bad_arguments_raise() -> None:
+    model = _model("mamba")
+    with pytest.raises(ValueError, match="temperature"):
+        rm.generate(model, [1], temperature=-1.0)
+    with pytest.raises(ValueError, match="top_k"):
+        rm.generate(model, [1], top_k=0)
+    with pytest.raises(ValueError, match="top_p"):
+        rm.generate(model, [1], top_p=1.5)
+    with pytest.raises(ValueError, match="at least one token"):
+        rm.generate(model, [])
+    with pytest.raises(ValueError, match=r"prompt ids must be in \[0, 40\)"):
+        rm.generate(model, [40])
+    with pytest.raises(ValueError, match="max_tokens"):
+        rm.generate(model, [1], max_tokens=-2)
+    with pytest.raises(ValueError, match="all non-finite"):
+        sample_token(np.full(3, np.nan))
+
+
+def test_byte_tokenizer() -> None:
+    tok = rm.ByteTokenizer()
+    text = "héllo, wörld ✓"
+    ids = tok.encode(text)
+    assert ids.dtype == np.int32 and ids.tolist() == list(text.encode("utf-8"))
+    assert tok.decode(ids) == text and tok.decode(list(ids)) == text
+    assert tok.decode([0xE2, 0x9C]) == "\ufffd"  # a cut multi-byte character
+    assert tok.decode([]) == ""
+    with pytest.raises(ValueError, match=r"\[0, 256\)"):
+        tok.decode([256])
+    with pytest.raises(TypeError):
+        tok.encode(b"bytes")  # type: ignore[arg-type]
