@@ -6,7 +6,7 @@
 set -uo pipefail
 OUT=${OUT:-$PWD/h200-out}
 mkdir -p "$OUT"
-steps=${*:-build tests check bench-ops bench-recurrent bench-optim}
+steps=${*:-build check bench-ops bench-recurrent tests}
 export PYTHONUNBUFFERED=1
 py=python3
 site=/tmp/recurra-site
@@ -27,27 +27,27 @@ fi
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 cd /tmp  # import the installed packages, not the source tree
 repo=$OLDPWD
-$py -c "import recurra, recurra_vulkan; print(recurra.backends.available())" 2>&1 | tee -a "$OUT/summary.log"
+$py -c "import recurra.backends, recurra_vulkan; print(recurra.backends.available())" 2>&1 | tee -a "$OUT/summary.log"
 
 if [[ " $steps " == *" tests "* ]]; then
   log "tests (vulkan)"
   RECURRA_EXPECT_VULKAN=1 RECURRA_TEST_BACKEND=vulkan RECURRA_HYPOTHESIS_PROFILE=ci \
-    $py -m pytest -q -p no:cacheprovider --rootdir "$repo" "$repo/tests" > "$OUT/tests-vulkan.log" 2>&1
+    timeout 150 $py -m pytest -q -p no:cacheprovider --rootdir "$repo" "$repo/tests" > "$OUT/tests-vulkan.log" 2>&1
   tail -5 "$OUT/tests-vulkan.log" | tee -a "$OUT/summary.log"
 fi
 if [[ " $steps " == *" check "* ]]; then
   log "check_backends"
-  $py -m recurra.check_backends > "$OUT/check.log" 2>&1; echo "exit $?" >> "$OUT/check.log"
+  timeout 60 $py -m recurra.check_backends > "$OUT/check.log" 2>&1; echo "exit $?" >> "$OUT/check.log"
   tail -15 "$OUT/check.log" | tee -a "$OUT/summary.log"
 fi
 if [[ " $steps " == *" bench-ops "* ]]; then
   log "bench ops (matmul, add)"
-  $py "$repo/packages/vulkan/tools/bench_vk.py" 2>&1 | tee -a "$OUT/summary.log"
-  [ -f "$repo/bench/gpu.py" ] && $py "$repo/bench/gpu.py" 2>&1 | tee -a "$OUT/summary.log"
+  timeout 150 $py "$repo/packages/vulkan/tools/bench_vk.py" --variants 2>&1 | tee -a "$OUT/summary.log"
+  timeout 90 $py "$repo/bench/gpu.py" 2>&1 | tee -a "$OUT/summary.log"
 fi
 if [[ " $steps " == *" bench-recurrent "* ]] && [ -f "$repo/bench/gpu_recurrent.py" ]; then
   log "bench recurrent"
-  $py "$repo/bench/gpu_recurrent.py" 2>&1 | tee -a "$OUT/summary.log"
+  timeout 240 $py "$repo/bench/gpu_recurrent.py" --deadline 180 2>&1 | tee -a "$OUT/summary.log"
 fi
 if [[ " $steps " == *" bench-optim "* ]] && [ -f "$repo/bench/gpu_optim.py" ]; then
   log "bench optim"
