@@ -313,8 +313,9 @@ def test_an_optimizer_outliving_the_device_falls_back_to_the_host(vulkan: str) -
 def test_a_device_step_moves_no_tensor_data(vulkan: str, cls: type) -> None:
     """Twenty parameters (more than one device node takes: the update is cut into several
     nodes and the norm is a tree of grad_norm nodes) with clipping by norm: the step equals
-    the CPU step, and all that crosses to or from the device is the 80-byte hyper-parameter
-    block and the 8-byte [norm, coef] read back."""
+    the CPU step, and in the steady state nothing crosses to the device (the hyper-parameters
+    live there and change only with the learning rate) and only the 8-byte [norm, coef]
+    comes back."""
     shapes = [(3, 5), (7,), (1,), (4, 4)] * 5
     init = [RNG.standard_normal(s).astype(np.float32) for s in shapes]
     grads = [RNG.standard_normal(s).astype(np.float32) for s in shapes]
@@ -341,5 +342,32 @@ def test_a_device_step_moves_no_tensor_data(vulkan: str, cls: type) -> None:
     for a, b in zip(dev_w, cpu_w):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=3 * 0.05 * 1e-4)
     assert dev_norm == pytest.approx(cpu_norm, rel=1e-5)
-    assert stats["host_to_device"]["bytes"] <= 80, stats
+    assert stats["host_to_device"]["bytes"] == 0, stats
     assert stats["device_to_host"]["bytes"] <= 8, stats
+
+
+@pytest.mark.parametrize(
+    ("cls", "kw"),
+    [
+        (optim.SGD, {"lr": 1e-2, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-2}),
+        (optim.Adam, {"lr": 1e-3, "weight_decay": 1e-2}),
+        (optim.AdamW, {"lr": 1e-3, "weight_decay": 1e-2}),
+        (optim.Lion, {"lr": 1e-4, "weight_decay": 1e-2}),
+    ],
+)
+def test_ten_device_steps_equal_ten_host_steps(vulkan: str, cls: type, kw: dict) -> None:
+    """The issue's bar: after 10 steps the device weights equal the host weights within 1e-5
+    relative (weights kept away from zero, so the relative measure means something)."""
+    rng = np.random.default_rng(11)
+    init = rng.uniform(0.5, 1.5, (6, 7)).astype(np.float32)
+    grads = [rng.standard_normal((6, 7)).astype(np.float32) for _ in range(10)]
+
+    def run(device: str) -> np.ndarray:
+        w = recurra.param(init, device=device)
+        opt = cls([w], **kw)
+        for g in grads:
+            w.grad = recurra.tensor(g, device=device)
+            opt.step()
+        return w.numpy()
+
+    np.testing.assert_allclose(run(vulkan), run("cpu"), rtol=1e-5, atol=0)

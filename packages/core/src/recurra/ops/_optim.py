@@ -166,6 +166,7 @@ class FusedStep:
         self._leaf: list[list[list[int]]] = []  # [update][tensor][source] -> node id
         self._bound: list[list[list[Any]]] = []  # what each leaf is bound to now
         self._norm_id = -1
+        self._hyper_dev: list[Any] = []  # the device copy of each update's hyper, or None
         devices: set[str] = set()
         built: list[tuple[str, list[int], int, list[list[int]], bool]] = []
         for op, extra, tensors in updates:
@@ -175,10 +176,9 @@ class FusedStep:
                 raise ValueError(f"FusedStep: {op} needs at least one tensor")
             h = pack_hyper({})
             hid = self._g.leaf("float32", [HYPER_LEN], _core.FLAG_INPUT, f"{op}.hyper")
-            self._g.bind(hid, h)
             ids: list[list[int]] = []
             bound: list[list[Any]] = []
-            on_device = False
+            on_device = ""
             for t, sources in enumerate(tensors):
                 row, brow = [], []
                 for k, a in enumerate(sources):
@@ -191,11 +191,21 @@ class FusedStep:
                         nid = self._g.leaf(str(a.dtype), list(a.shape), _core.FLAG_INPUT, "")
                         self._g.bind_device(nid, b)
                         devices.add(b.backend)
-                        on_device = True
+                        on_device = b.backend
                     row.append(nid)
                     brow.append(b)
                 ids.append(row)
                 bound.append(brow)
+            if on_device:
+                # The hyper-parameters live beside the tensors too, uploaded only when they
+                # change (set_hyper), so a steady-state step moves nothing to the device.
+                hbuf = _core.DeviceBuffer(on_device, HYPER_LEN * 4)
+                hbuf.upload(h)
+                self._g.bind_device(hid, hbuf)
+                self._hyper_dev.append(hbuf)
+            else:
+                self._g.bind(hid, h)
+                self._hyper_dev.append(None)
             self._hyper.append(h)
             self._leaf.append(ids)
             self._bound.append(bound)
@@ -230,12 +240,17 @@ class FusedStep:
         self._g.plan()
 
     def hyper(self, update: int) -> np.ndarray:
-        """The packed hyper-parameter array of update ``update`` (write it with pack_hyper)."""
-        return self._hyper[update]
+        """A copy of the packed hyper-parameters of update ``update`` (set them with
+        :meth:`set_hyper`)."""
+        return self._hyper[update].copy()
 
     def set_hyper(self, update: int, values: Mapping[str, float]) -> None:
-        """Packs ``values`` into update ``update``'s hyper-parameters (see pack_hyper)."""
+        """Packs ``values`` into update ``update``'s hyper-parameters (see pack_hyper); for
+        a device update this is the one upload, of HYPER_LEN floats."""
         pack_hyper(values, self._hyper[update])
+        dev = self._hyper_dev[update]
+        if dev is not None:
+            dev.upload(self._hyper[update])
 
     def bind(self, update: int, tensor: int, source: int, array: Any) -> None:
         """Points one source at ``array`` (a numpy array or a device tensor, same shape and
