@@ -8,6 +8,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -177,7 +179,11 @@ def test_bench_finds_the_folder_from_below(tmp_path, monkeypatch):
 
 
 def test_bench_usage_errors(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+    # A folder with no bench/ above it: pytest's tmp_path may sit inside the repository
+    # (nox puts TMPDIR under .nox/), where the upward search would rightly find bench/.
+    outside = Path(tempfile.mkdtemp(prefix="recurra-nobench-", dir="/tmp"))
+    assert not any((d / "bench" / "common.py").is_file() for d in [outside, *outside.parents])
+    monkeypatch.chdir(outside)
     res = runner.invoke(app, ["bench", "ops"])
     assert res.exit_code == 2 and "no bench/ folder" in res.output
     assert "Traceback" not in res.output
