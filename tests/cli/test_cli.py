@@ -20,6 +20,17 @@ from recurra_cli.main import app
 runner = CliRunner()
 
 
+def test_demo_full_size_trains_ok_json():
+    """The default demo (d_state 128, 16 heads of 64, 64 tokens, 16 samples, 60 epochs)."""
+    res = runner.invoke(app, ["demo", "mamba-train", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    cfg, run = out["config"], out["runs"][0]
+    assert (cfg["d_state"], cfg["n_head"], cfg["head_dim"], cfg["epochs"]) == (128, 16, 64, 60)
+    assert run["verdict"] == "OK"
+    assert run["final_loss"] < 0.5 * out["baseline"]
+
+
 def test_demo_small_trains_ok_json():
     res = runner.invoke(app, ["demo", "mamba-train", "--small", "--json"])
     assert res.exit_code == 0, res.output
