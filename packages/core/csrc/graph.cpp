@@ -125,7 +125,7 @@ int Graph::push(Node n) {
   return nodes_.back().id;
 }
 
-int Graph::leaf(DType dtype, const Shape& shape, uint32_t flags, const std::string& name) {
+int Graph::leaf(DType dtype, Shape shape, uint32_t flags, const std::string& name) {
   if (shape.ndim > kMaxDims) throw ValueError("at most 4 axes are supported");
   if ((flags & kParam) && dtype != DType::f32) throw TypeError("parameters must be float32");
   Node n;
@@ -168,7 +168,7 @@ int Graph::op(const std::string& name, std::vector<int> src, std::vector<int64_t
   return push(std::move(n));
 }
 
-int Graph::reduce_to(int a, const Shape& target) {
+int Graph::reduce_to(int a, Shape target) {
   if (node(a).shape == target) return a;
   return op("sum_to", {a}, target.vec());
 }

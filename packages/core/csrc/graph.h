@@ -163,7 +163,7 @@ class Graph {
 
   // --- building -----------------------------------------------------------------
   // A leaf with memory the caller binds later (bind()).
-  int leaf(DType dtype, const Shape& shape, uint32_t flags = 0, const std::string& name = "");
+  int leaf(DType dtype, Shape shape, uint32_t flags = 0, const std::string& name = "");
   // A node of op `name` on `src` with parameters; returns its id. Validates through the
   // op's infer and inserts `contiguous` nodes where the op requires them.
   int op(const std::string& name, std::vector<int> src, std::vector<int64_t> ip = {},
@@ -176,19 +176,21 @@ class Graph {
   int div(int a, int b) { return op("div", {a, b}); }
   int neg(int a) { return op("neg", {a}); }
   int scale(int a, double s) { return op("scale", {a}, {}, {s}); }
-  int reshape(int a, const Shape& s) { return op("reshape", {a}, s.vec()); }
+  int reshape(int a, Shape s) { return op("reshape", {a}, s.vec()); }
   int permute(int a, const std::vector<int64_t>& perm) { return op("permute", {a}, perm); }
   int contiguous(int a) { return op("contiguous", {a}); }
-  int broadcast_to(int a, const Shape& s) { return op("broadcast_to", {a}, s.vec()); }
+  int broadcast_to(int a, Shape s) { return op("broadcast_to", {a}, s.vec()); }
   // Sums `a` down to `target` (numpy broadcasting in reverse): the gradient rule of every
   // broadcasting op. Returns `a` itself when the shapes already match.
-  int reduce_to(int a, const Shape& target);
+  // Builders take shapes by value: a caller may pass a node's shape, and the node table can
+  // grow (and move) while the builder appends nodes.
+  int reduce_to(int a, Shape target);
   // A contiguous piece of a packed 1-D result (multi-output ops pack their results).
-  int unpack(int packed, int64_t offset, const Shape& s) {
+  int unpack(int packed, int64_t offset, Shape s) {
     return reshape(op("slice", {packed}, {offset, offset + s.numel(), 1}), s);
   }
   // A node filled with a constant.
-  int fill(const Shape& s, double value, DType dt = DType::f32) {
+  int fill(Shape s, double value, DType dt = DType::f32) {
     return op("fill", {}, s.vec(), {value, static_cast<double>(static_cast<int>(dt))});
   }
 
