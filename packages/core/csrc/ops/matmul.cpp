@@ -378,8 +378,10 @@ void matmul_backward(GradSink& k) {
 void out_prod_backward(GradSink& k) {
   Graph& g = k.g;
   const int a = k.node.src[0], b = k.node.src[1], G = k.grad_out;
-  if (k.needs(0)) k.add(0, g.reduce_to(g.op("matmul", {b, swap_last(g, G)}), g.node(a).shape));
-  if (k.needs(1)) k.add(1, g.reduce_to(g.op("matmul", {a, G}), g.node(b).shape));
+  // Shapes copied first: building a node may move the node table.
+  const Shape sa = g.node(a).shape, sb = g.node(b).shape;
+  if (k.needs(0)) k.add(0, g.reduce_to(g.op("matmul", {b, swap_last(g, G)}), sa));
+  if (k.needs(1)) k.add(1, g.reduce_to(g.op("matmul", {a, G}), sb));
 }
 
 }  // namespace
