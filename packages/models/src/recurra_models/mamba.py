@@ -148,12 +148,12 @@ class _Conv1d(nn.Module):
 
 
 class MambaBlock(nn.Module):
-    """Pre-norm residual block: x + mixer(norm(x))."""
+    """Pre-norm residual block: x + mixer(norm(x)); the mixer is Mamba-1's unless given."""
 
-    def __init__(self, cfg: MambaConfig, rng: np.random.Generator) -> None:
+    def __init__(self, cfg: Any, rng: np.random.Generator, mixer: type | None = None) -> None:
         super().__init__()
         self.norm = nn.RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mixer = MambaMixer(cfg, rng)
+        self.mixer = (mixer or MambaMixer)(cfg, rng)
 
     def forward(self, x: Any, state: list[Any] | None = None) -> tuple[Any, list[Any]]:
         y, st = self.mixer(self.norm(x), state)
@@ -163,48 +163,39 @@ class MambaBlock(nn.Module):
 class MambaModel(nn.Module):
     """Embeddings, the blocks and the final norm (Hugging Face's ``backbone``)."""
 
-    def __init__(self, cfg: MambaConfig, rng: np.random.Generator) -> None:
+    def __init__(self, cfg: Any, rng: np.random.Generator, mixer: type | None = None) -> None:
         super().__init__()
         self.embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model, seed=rng)
         self.embeddings.weight.assign_(
             (0.02 * rng.standard_normal((cfg.vocab_size, cfg.d_model))).astype(np.float32)
         )
-        self.layers = nn.ModuleList(MambaBlock(cfg, rng) for _ in range(cfg.n_layer))
+        self.layers = nn.ModuleList(MambaBlock(cfg, rng, mixer) for _ in range(cfg.n_layer))
         self.norm_f = nn.RMSNorm(cfg.d_model, cfg.norm_eps)
 
 
-class MambaLM(CausalLM):
-    """Mamba-1 causal LM (``arch = "mamba"``); keys match ``MambaForCausalLM``'s state_dict:
-    ``backbone.embeddings.weight``, ``backbone.layers.{i}.norm.weight``,
-    ``backbone.layers.{i}.mixer.{in_proj,conv1d,x_proj,dt_proj,out_proj}.*``,
-    ``backbone.layers.{i}.mixer.{A_log,D}``, ``backbone.norm_f.weight``, ``lm_head.weight``
-    (the same tensor as the embeddings when tied)."""
+class MambaFamilyLM(CausalLM):
+    """What Mamba-1 and Mamba-2 LMs share: backbone + LM head (optionally tied), zero
+    states, and the recurrent forward. Subclasses set ``Mixer`` and ``init_state_shapes``."""
 
-    arch: ClassVar[str] = "mamba"
-    Config: ClassVar[type] = MambaConfig
+    Mixer: ClassVar[type]
 
-    def __init__(self, config: MambaConfig | None = None, seed: int = 0) -> None:
+    def __init__(self, config: Any = None, seed: int = 0) -> None:
         super().__init__()
-        cfg = config if config is not None else MambaConfig()
+        cfg = config if config is not None else self.Config()
         self.config = cfg
         rng = np.random.default_rng(seed)
-        self.backbone = MambaModel(cfg, rng)
+        self.backbone = MambaModel(cfg, rng, self.Mixer)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, seed=rng)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.backbone.embeddings.weight
 
+    def init_state_shapes(self, batch: int) -> list[list[tuple[int, ...]]]:
+        raise NotImplementedError
+
     def init_state(self, batch: int) -> State:
-        """Zero states: per layer [conv (batch, d_inner, d_conv-1), ssm (batch, d_inner, 1,
-        d_state)]."""
-        c = self.config
+        """Zero states, per layer [conv state, scan state] (see init_state_shapes)."""
         dev = self.device
-        return [
-            [
-                _zeros((batch, c.d_inner, c.d_conv - 1), dev),
-                _zeros((batch, c.d_inner, 1, c.d_state), dev),
-            ]
-            for _ in range(c.n_layer)
-        ]
+        return [[_zeros(s, dev) for s in layer] for layer in self.init_state_shapes(batch)]
 
     def forward_with_state(self, tokens: Any, state: State | None = None) -> tuple[Any, State]:
         """Logits (B, T, vocab) of int32 tokens (B, T) starting from ``state`` (None: zeros),
@@ -214,7 +205,7 @@ class MambaLM(CausalLM):
         fit the model or the batch."""
         tok, b, _ = as_tokens(tokens, self.vocab_size, self.device)
         if state is not None:
-            _check_state(state, self.init_state_shapes(b), "MambaLM")
+            _check_state(state, self.init_state_shapes(b), type(self).__name__)
         h = self.backbone.embeddings(tok)
         new_state: State = []
         for i, layer in enumerate(self.backbone.layers):
@@ -223,7 +214,20 @@ class MambaLM(CausalLM):
         h = self.backbone.norm_f(h)
         return self.lm_head(h), new_state
 
+
+class MambaLM(MambaFamilyLM):
+    """Mamba-1 causal LM (``arch = "mamba"``); keys match ``MambaForCausalLM``'s state_dict:
+    ``backbone.embeddings.weight``, ``backbone.layers.{i}.norm.weight``,
+    ``backbone.layers.{i}.mixer.{in_proj,conv1d,x_proj,dt_proj,out_proj}.*``,
+    ``backbone.layers.{i}.mixer.{A_log,D}``, ``backbone.norm_f.weight``, ``lm_head.weight``
+    (the same tensor as the embeddings when tied)."""
+
+    arch: ClassVar[str] = "mamba"
+    Config: ClassVar[type] = MambaConfig
+    Mixer: ClassVar[type] = MambaMixer
+
     def init_state_shapes(self, batch: int) -> list[list[tuple[int, ...]]]:
+        """Per layer: conv (batch, d_inner, d_conv-1), ssm (batch, d_inner, 1, d_state)."""
         c = self.config
         return [
             [(batch, c.d_inner, c.d_conv - 1), (batch, c.d_inner, 1, c.d_state)]

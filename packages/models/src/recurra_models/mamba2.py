@@ -24,15 +24,12 @@ import recurra as rc
 from recurra import ops
 from recurra_models import nn
 from recurra_models.lm import (
-    CausalLM,
     ConfigBase,
-    State,
     _positive,
-    as_tokens,
     causal_conv,
     init_dt_bias,
 )
-from recurra_models.mamba import _check_state, _Conv1d, _zeros
+from recurra_models.mamba import MambaBlock, MambaFamilyLM, _Conv1d, _zeros
 
 __all__ = ["GatedRMSNorm", "Mamba2Block", "Mamba2Config", "Mamba2LM", "Mamba2Mixer"]
 
@@ -183,33 +180,14 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(y), [conv_state, s1]
 
 
-class Mamba2Block(nn.Module):
-    """Pre-norm residual block: x + mixer(norm(x))."""
+class Mamba2Block(MambaBlock):
+    """Pre-norm residual block with the Mamba-2 mixer: x + mixer(norm(x))."""
 
     def __init__(self, cfg: Mamba2Config, rng: np.random.Generator) -> None:
-        super().__init__()
-        self.norm = nn.RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mixer = Mamba2Mixer(cfg, rng)
-
-    def forward(self, x: Any, state: list[Any] | None = None) -> tuple[Any, list[Any]]:
-        y, st = self.mixer(self.norm(x), state)
-        return x + y, st
+        super().__init__(cfg, rng, Mamba2Mixer)
 
 
-class Mamba2Model(nn.Module):
-    """Embeddings, the blocks and the final norm (Hugging Face's ``backbone``)."""
-
-    def __init__(self, cfg: Mamba2Config, rng: np.random.Generator) -> None:
-        super().__init__()
-        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model, seed=rng)
-        self.embeddings.weight.assign_(
-            (0.02 * rng.standard_normal((cfg.vocab_size, cfg.d_model))).astype(np.float32)
-        )
-        self.layers = nn.ModuleList(Mamba2Block(cfg, rng) for _ in range(cfg.n_layer))
-        self.norm_f = nn.RMSNorm(cfg.d_model, cfg.norm_eps)
-
-
-class Mamba2LM(CausalLM):
+class Mamba2LM(MambaFamilyLM):
     """Mamba-2 causal LM (``arch = "mamba2"``); keys match ``Mamba2ForCausalLM``'s
     state_dict: ``backbone.embeddings.weight``, ``backbone.layers.{i}.norm.weight``,
     ``backbone.layers.{i}.mixer.{in_proj,conv1d,out_proj}.*``,
@@ -218,46 +196,16 @@ class Mamba2LM(CausalLM):
 
     arch: ClassVar[str] = "mamba2"
     Config: ClassVar[type] = Mamba2Config
-
-    def __init__(self, config: Mamba2Config | None = None, seed: int = 0) -> None:
-        super().__init__()
-        cfg = config if config is not None else Mamba2Config()
-        self.config = cfg
-        rng = np.random.default_rng(seed)
-        self.backbone = Mamba2Model(cfg, rng)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, seed=rng)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.backbone.embeddings.weight
+    Mixer: ClassVar[type] = Mamba2Mixer
 
     def init_state_shapes(self, batch: int) -> list[list[tuple[int, ...]]]:
+        """Per layer: conv (batch, conv_dim, d_conv-1), ssm (batch, n_heads, head_dim,
+        d_state)."""
         c = self.config
         return [
             [(batch, c.conv_dim, c.d_conv - 1), (batch, c.n_heads, c.head_dim, c.d_state)]
             for _ in range(c.n_layer)
         ]
-
-    def init_state(self, batch: int) -> State:
-        """Zero states: per layer [conv (batch, conv_dim, d_conv-1), ssm (batch, n_heads,
-        head_dim, d_state)]."""
-        dev = self.device
-        return [[_zeros(s, dev) for s in layer] for layer in self.init_state_shapes(batch)]
-
-    def forward_with_state(self, tokens: Any, state: State | None = None) -> tuple[Any, State]:
-        """Logits (B, T, vocab) of int32 tokens (B, T) starting from ``state`` (None: zeros),
-        and the state after the last token.
-
-        Raises TypeError/ValueError for bad tokens and ValueError for a state that does not
-        fit the model or the batch."""
-        tok, b, _ = as_tokens(tokens, self.vocab_size, self.device)
-        if state is not None:
-            _check_state(state, self.init_state_shapes(b), "Mamba2LM")
-        h = self.backbone.embeddings(tok)
-        new_state: State = []
-        for i, layer in enumerate(self.backbone.layers):
-            h, st = layer(h, state[i] if state is not None else None)
-            new_state.append(st)
-        h = self.backbone.norm_f(h)
-        return self.lm_head(h), new_state
 
 
 _ = rc  # re-exported tensor module used by type hints in docs
