@@ -15,6 +15,7 @@ from importlib import metadata as _metadata
 from recurra import _core
 from recurra import ops as ops
 from recurra._devices import Device, parse_device
+from recurra._files import write_atomic
 from recurra._tensor import (
     Tensor,
     is_grad_enabled,
@@ -54,6 +55,7 @@ __all__ = [
     "tensor",
     "transfer_stats",
     "reset_transfer_stats",
+    "write_atomic",
 ]
 
 

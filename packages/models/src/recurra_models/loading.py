@@ -14,12 +14,13 @@ from __future__ import annotations
 import json
 import os
 import struct
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from recurra import write_atomic
 
 __all__ = ["load_pretrained", "load_safetensors", "read_json", "save_safetensors", "write_atomic"]
 
@@ -140,49 +141,6 @@ def load_safetensors(
         if lo1 < hi0:
             raise ValueError(f"{p}: tensors {a!r} and {b!r} overlap in the data section")
     return out, {str(k): str(v) for k, v in meta.items()}
-
-
-def _fsync_dir(folder: str) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems cannot sync a directory; the rename is still atomic
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: str | os.PathLike[str], blob: bytes) -> None:
-    """Writes ``blob`` to ``path`` atomically: a temporary file in the same folder, flushed
-    and fsync'ed, renamed over ``path``, then the folder fsync'ed.
-
-    Raises OSError naming the file; an existing file is then left as it was and no
-    temporary file stays behind."""
-    p = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(p))
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(
-            prefix="." + os.path.basename(p) + ".", suffix=".tmp", dir=folder
-        )
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-        tmp = None
-        _fsync_dir(folder)
-    except OSError as e:
-        raise OSError(e.errno, f"{p}: cannot write the file: {e.strerror or e}") from e
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
 
 
 def save_safetensors(

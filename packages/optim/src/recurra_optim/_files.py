@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import os
 import struct
-import tempfile
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from recurra import write_atomic
 
 if TYPE_CHECKING:
     from recurra_optim.optimizer import Optimizer
@@ -40,19 +41,6 @@ def _decode(value: Any) -> Any:
     if isinstance(value, list):
         return [_decode(v) for v in value]
     return value
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems cannot sync a directory; the rename itself is atomic
-    finally:
-        os.close(fd)
 
 
 def save(opt: Optimizer, path: str | os.PathLike[str]) -> None:
@@ -86,27 +74,7 @@ def save(opt: Optimizer, path: str | os.PathLike[str]) -> None:
             "optimizer": json.dumps(meta),
         },
     )
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(
-            prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder
-        )
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        tmp = None
-        _fsync_dir(folder)
-    except OSError as e:
-        raise OSError(e.errno, f"{path}: cannot save the optimizer state: {e.strerror or e}") from e
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+    write_atomic(path, blob, "save the optimizer state")
 
 
 def _header(blob: bytes) -> dict[str, Any]:
