@@ -193,3 +193,29 @@ def init_dt_bias(
     """dt bias so that softplus(bias) is log-uniform in [dt_min, dt_max] (Mamba's init)."""
     dt = np.exp(rng.random(n) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
     return inv_softplus(np.maximum(dt, floor)).astype(np.float32)
+
+
+def zero_state(shapes: list[list[tuple[int, ...]]], device: Any) -> State:
+    """A state of zero tensors of the given per-layer shapes on ``device``."""
+    return [[rc.tensor(np.zeros(s, np.float32), device=device) for s in layer] for layer in shapes]
+
+
+def check_state(
+    state: Any, shapes: list[list[tuple[int, ...]]], who: str, layout: str = ""
+) -> None:
+    """Raises ValueError when ``state`` is not one list of tensors per layer of ``shapes``
+    (``layout`` names the tensors of a layer in the message)."""
+    if not isinstance(state, (list, tuple)) or len(state) != len(shapes):
+        n = len(state) if isinstance(state, (list, tuple)) else type(state).__name__
+        raise ValueError(f"{who}: the state must hold one entry per layer ({len(shapes)}), got {n}")
+    for i, (layer, want) in enumerate(zip(state, shapes)):
+        got = (
+            [tuple(getattr(z, "shape", ())) for z in layer]
+            if isinstance(layer, (list, tuple))
+            else None
+        )
+        if got != [tuple(w) for w in want]:
+            raise ValueError(
+                f"{who}: state of layer {i} has shapes {got}, expected {want}"
+                + (f" ({layout})" if layout else "")
+            )

@@ -31,7 +31,9 @@ from recurra_models.lm import (
     _positive,
     as_tokens,
     causal_conv,
+    check_state,
     init_dt_bias,
+    zero_state,
 )
 
 __all__ = ["MambaBlock", "MambaConfig", "MambaLM", "MambaMixer", "MambaModel"]
@@ -194,8 +196,7 @@ class MambaFamilyLM(CausalLM):
 
     def init_state(self, batch: int) -> State:
         """Zero states, per layer [conv state, scan state] (see init_state_shapes)."""
-        dev = self.device
-        return [[_zeros(s, dev) for s in layer] for layer in self.init_state_shapes(batch)]
+        return zero_state(self.init_state_shapes(batch), self.device)
 
     def forward_with_state(self, tokens: Any, state: State | None = None) -> tuple[Any, State]:
         """Logits (B, T, vocab) of int32 tokens (B, T) starting from ``state`` (None: zeros),
@@ -205,7 +206,7 @@ class MambaFamilyLM(CausalLM):
         fit the model or the batch."""
         tok, b, _ = as_tokens(tokens, self.vocab_size, self.device)
         if state is not None:
-            _check_state(state, self.init_state_shapes(b), type(self).__name__)
+            check_state(state, self.init_state_shapes(b), type(self).__name__)
         h = self.backbone.embeddings(tok)
         new_state: State = []
         for i, layer in enumerate(self.backbone.layers):
@@ -237,15 +238,3 @@ class MambaLM(MambaFamilyLM):
 
 def _zeros(shape: tuple[int, ...], device: Any) -> Any:
     return rc.tensor(np.zeros(shape, np.float32), device=device)
-
-
-def _check_state(state: Any, shapes: list[list[tuple[int, ...]]], who: str) -> None:
-    """Raises ValueError when ``state`` does not have one entry per layer of the given
-    shapes."""
-    if not isinstance(state, (list, tuple)) or len(state) != len(shapes):
-        n = len(state) if isinstance(state, (list, tuple)) else type(state).__name__
-        raise ValueError(f"{who}: the state must hold one entry per layer ({len(shapes)}), got {n}")
-    for i, (layer, want) in enumerate(zip(state, shapes)):
-        got = [tuple(t.shape) for t in layer] if isinstance(layer, (list, tuple)) else None
-        if got != [tuple(w) for w in want]:
-            raise ValueError(f"{who}: state of layer {i} has shapes {got}, expected {want}")

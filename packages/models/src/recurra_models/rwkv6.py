@@ -37,10 +37,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-import recurra as rc
 from recurra import ops
 from recurra_models import nn
-from recurra_models.lm import CausalLM, ConfigBase, State, as_tokens
+from recurra_models.lm import CausalLM, ConfigBase, State, as_tokens, check_state, zero_state
 
 __all__ = ["RWKV6Block", "RWKV6ChannelMix", "RWKV6Config", "RWKV6LM", "RWKV6TimeMix"]
 
@@ -217,6 +216,10 @@ class RWKV6Block(nn.Module):
         return x + dx, [att_shift, wkv, ffn_shift]
 
 
+# What a layer's state holds, for error messages.
+_LAYOUT = "[att_shift, wkv, ffn_shift]"
+
+
 class RWKV6LM(CausalLM):
     """RWKV-6 causal LM (``arch = "rwkv6"``). Parameter names and shapes are those of the
     official checkpoints (``emb.weight``, ``blocks.{i}.att.time_maa_x``, ...,
@@ -259,7 +262,7 @@ class RWKV6LM(CausalLM):
         if state is None:
             state = self.init_state(b)
         else:
-            check_state(state, self.state_shapes(b), type(self).__name__)
+            check_state(state, self.state_shapes(b), type(self).__name__, _LAYOUT)
         blocks = list(self.blocks)
         x = blocks[0].ln0(self.emb(tok))
         new_state: State = []
@@ -346,29 +349,6 @@ def head_norm(y: Any, b: int, t: int, ln: nn.LayerNorm) -> Any:
     h, s = y.shape[1], y.shape[2]
     yn = ops.layer_norm(y, LN_X_EPS).reshape(b, t, h * s)
     return yn * ln.weight + ln.bias
-
-
-def zero_state(shapes: list[list[tuple[int, ...]]], device: Any) -> State:
-    """A state of zero tensors of the given per-layer shapes on ``device``."""
-    return [[rc.tensor(np.zeros(s, np.float32), device=device) for s in layer] for layer in shapes]
-
-
-def check_state(state: Any, shapes: list[list[tuple[int, ...]]], who: str) -> None:
-    """Raises ValueError when ``state`` is not one list of tensors per layer of ``shapes``."""
-    if not isinstance(state, (list, tuple)) or len(state) != len(shapes):
-        n = len(state) if isinstance(state, (list, tuple)) else type(state).__name__
-        raise ValueError(f"{who}: the state must hold one entry per layer ({len(shapes)}), got {n}")
-    for i, (layer, want) in enumerate(zip(state, shapes)):
-        got = (
-            [tuple(getattr(z, "shape", ())) for z in layer]
-            if isinstance(layer, (list, tuple))
-            else None
-        )
-        if got != [tuple(w) for w in want]:
-            raise ValueError(
-                f"{who}: state of layer {i} has shapes {got}, expected {want} "
-                "([att_shift, wkv, ffn_shift])"
-            )
 
 
 def official_arrays(state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]:

@@ -34,6 +34,7 @@ from recurra import ops
 from recurra_models import nn
 from recurra_models.lm import CausalLM, ConfigBase, State, as_tokens
 from recurra_models.rwkv6 import (
+    _LAYOUT,
     _check_ints,
     _Init,
     _ratios,
@@ -287,7 +288,7 @@ class RWKV7LM(CausalLM):
         if state is None:
             state = self.init_state(b)
         else:
-            check_state(state, self.state_shapes(b), type(self).__name__)
+            check_state(state, self.state_shapes(b), type(self).__name__, _LAYOUT)
         blocks = list(self.blocks)
         x = blocks[0].ln0(self.emb(tok))
         v_first = None
