@@ -46,34 +46,37 @@ class Spec:
     backward: bool
     peers: list[str]
     target: str = "(no target)"
-    target_ms: float | None = None
+    target_ratio: float | None = None  # peer ms / our ms, against the first peer
     # whose input distribution: "ggml" (ggml_peer.py's bench cases) or "torch" (bench_scan.py's
     # make_m1/make_m2), so each peer runs on the inputs its design.md figure was measured on.
     # They matter: inputs whose decays underflow give denormals, which slow some kernels ~5x.
     inputs: str = "ggml"
 
 
+# Targets are ratios against the peer timed in the same run (issue 3: "<= 0.5x ggml"...):
+# ratio = peer ms / our ms, so "<= 0.5x ggml" is a ratio >= 2. The peer figures the issue
+# quotes (ggml ~52 ms...) were measured on another host; they are printed for orientation.
 SPECS: dict[str, Spec] = {
-    "mamba2_fwd": Spec("mamba2", False, ["ggml"], "<= 26 ms (ggml 52 ms)", 26.0),
+    "mamba2_fwd": Spec("mamba2", False, ["ggml"], "<= 0.5x ggml (issue's host: ggml 52 ms)", 2.0),
     "mamba2_fwdbwd": Spec(
         "mamba2",
         True,
         ["torch-ssd", "torch-loop"],
-        "<= 90 ms (torch SSD 305 ms)",
-        90.0,
+        "<= 0.3x torch SSD (issue's host: 305 ms)",
+        1 / 0.3,
         inputs="torch",
     ),
-    "mamba1_fwd": Spec("mamba1", False, ["ggml"], "<= 60 ms (ggml 180 ms)", 60.0),
+    "mamba1_fwd": Spec("mamba1", False, ["ggml"], "<= 0.33x ggml (issue's host: 190 ms)", 1 / 0.33),
     "mamba1_fwdbwd": Spec(
         "mamba1",
         True,
         ["torch-loop", "torch-pscan"],
-        "<= 180 ms (torch loop 1800 ms)",
-        180.0,
+        "<= 0.1x torch loop (issue's host: 1800 ms)",
+        10.0,
         inputs="torch",
     ),
-    "ssm_conv_fwd": Spec("conv", False, ["ggml"], "<= 4 ms (ggml 18 ms)", 4.0),
-    "wkv6_fwd": Spec("wkv6", False, ["ggml"], "<= 25 ms (ggml 37 ms)", 25.0),
+    "ssm_conv_fwd": Spec("conv", False, ["ggml"], "<= 0.25x ggml (issue's host: 18 ms)", 4.0),
+    "wkv6_fwd": Spec("wkv6", False, ["ggml"], "<= 0.7x ggml (issue's host: 37 ms)", 1 / 0.7),
     "wkv6_fwdbwd": Spec("wkv6", True, []),
     "wkv7_fwd": Spec("wkv7", False, ["ggml"]),
     "wkv7_fwdbwd": Spec("wkv7", True, []),
@@ -349,7 +352,7 @@ def time_torch(
 # --- driver --------------------------------------------------------------------------------
 def run_case(name: str, spec: Spec, rc: Any, ggml: GgmlPeer, args: Any, table: Table) -> None:
     arrays, kw = make_inputs(spec.family, spec.inputs)
-    case = Case(name, target=spec.target, target_ms=spec.target_ms)
+    case = Case(name, target=spec.target, target_ratio=spec.target_ratio)
     timing = {"reps": args.reps, "warmup": args.warmup, "budget_s": args.budget}
     ours_out: dict[str, Any] = {}
 

@@ -6,6 +6,10 @@
 #include <mutex>
 #include <new>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 namespace recurra {
 
 namespace {
@@ -31,10 +35,21 @@ void memory_stats_reset_peak() {
   for (auto& s : g_stats) s.peak_bytes = s.bytes;
 }
 
-HostBuffer::HostBuffer(size_t bytes, Pool pool) : nbytes_(bytes), pool_(pool) {
+void* host_alloc(size_t bytes) {
+  constexpr size_t kHuge = size_t{4} << 20, kHugeAlign = size_t{2} << 20;
+  const bool huge = bytes >= kHuge;
   size_t cap = (bytes + 63) / 64 * 64;
   if (cap == 0) cap = 64;
-  if (posix_memalign(&data_, 64, cap) != 0 || !data_) throw std::bad_alloc();
+  void* p = nullptr;
+  if (posix_memalign(&p, huge ? kHugeAlign : 64, cap) != 0 || !p) throw std::bad_alloc();
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  if (huge) madvise(p, cap, MADV_HUGEPAGE);  // only a hint: a kernel without THP refuses it
+#endif
+  return p;
+}
+
+HostBuffer::HostBuffer(size_t bytes, Pool pool) : nbytes_(bytes), pool_(pool) {
+  data_ = host_alloc(bytes);
   memory_stats_adjust(pool_, static_cast<int64_t>(bytes));
 }
 

@@ -22,6 +22,12 @@ struct PoolStats {
 };
 
 void memory_stats_adjust(Pool pool, int64_t delta_bytes);
+
+// Host memory for tensors, arenas and kernel scratch; free with std::free. 64-byte aligned;
+// blocks of 4 MiB and more are 2 MiB aligned and advised to use transparent huge pages
+// (as numpy does for its arrays): a kernel that walks a large array with strides would
+// otherwise miss the TLB on almost every row. Throws std::bad_alloc.
+void* host_alloc(size_t bytes);
 PoolStats memory_stats(Pool pool);
 void memory_stats_reset_peak();
 

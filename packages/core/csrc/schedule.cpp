@@ -283,9 +283,7 @@ const MemoryPlan& Graph::plan() {
   size_t host_bytes = place_.arena_bytes.count(kCpuBackend) ? place_.arena_bytes[kCpuBackend] : 0;
   if (host_bytes > arena_capacity_) {
     arena_.reset();
-    void* mem = nullptr;
-    if (posix_memalign(&mem, kAlign, host_bytes) != 0 || !mem) throw std::bad_alloc();
-    arena_.reset(mem);
+    arena_.reset(host_alloc(host_bytes));
     memory_stats_adjust(Pool::transient, static_cast<int64_t>(host_bytes) - static_cast<int64_t>(arena_capacity_));
     arena_capacity_ = host_bytes;
   }

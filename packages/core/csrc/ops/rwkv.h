@@ -31,6 +31,7 @@
 #endif
 
 #include "../graph.h"
+#include "../memory.h"
 #include "kernel_util.h"
 
 namespace recurra {
@@ -530,8 +531,7 @@ class Scratch {
     Buf& b = bufs_[static_cast<size_t>(tid)];
     if (b.n < n_floats) {
       const size_t bytes = (n_floats * sizeof(float) + 63) / 64 * 64;
-      b.p.reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
-      if (!b.p) throw std::bad_alloc();
+      b.p.reset(static_cast<float*>(host_alloc(bytes)));
       b.n = n_floats;
     }
     return b.p.get();
