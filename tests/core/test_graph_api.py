@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import os
+
 import numpy as np
 import pytest
 
@@ -75,3 +78,26 @@ def test_memory_planner_reuses_dead_buffers():
     np.testing.assert_allclose(h.numpy()[:3], [ref] * 3, rtol=1e-5)
     stats = rc.memory_stats()
     assert stats["transient"]["bytes"] >= plan["arena_bytes"]
+
+
+def test_large_host_blocks_are_kept_for_reuse_and_can_be_freed():
+    rc.empty_cache()
+    assert rc.memory_stats()["host_cache"]["bytes"] == 0
+    a = np.arange(1 << 20, dtype=np.float32)  # 4 MiB
+    t = rc.tensor(a) * 2.0
+    np.testing.assert_array_equal(t.numpy(), a * 2.0)
+    del t
+    gc.collect()
+    kept = rc.memory_stats()["host_cache"]["bytes"]
+    if os.environ.get("ASAN_OPTIONS"):  # the sanitizer build keeps nothing (use-after-free)
+        assert kept == 0
+        return
+    assert kept >= a.nbytes
+    # the next result of the same size reuses a kept block, and its values are its own
+    t2 = rc.tensor(a) + 1.0
+    np.testing.assert_array_equal(t2.numpy(), a + 1.0)
+    assert rc.memory_stats()["host_cache"]["bytes"] < kept
+    del t2
+    gc.collect()
+    rc.empty_cache()
+    assert rc.memory_stats()["host_cache"]["bytes"] == 0

@@ -253,6 +253,55 @@ def test_ssm_scan_backward_matches_float64_gradient():
         )
 
 
+@pytest.mark.parametrize(
+    "n_seqs,n_tok,n_head,d_state,n_group,n_rows,ids",
+    [
+        (2, 200, 20, 16, 1, 3, [2, 0]),  # 7 segments of 32 tokens, the last one partial
+        (1, 64, 5, 17, 5, 1, [0]),  # exactly two segments, one head per group
+        (3, 33, 16, 3, 2, 3, [1, 2, 0]),  # a one-token last segment
+        (2, 5, 3, 16, 1, 2, [1, 0]),  # shorter than one segment
+    ],
+)
+def test_ssm_scan_saved_checkpoints_match_recompute(
+    n_seqs, n_tok, n_head, d_state, n_group, n_rows, ids, monkeypatch
+):
+    # Mamba-1 on the CPU: with a gradient ahead, the forward saves the state every K tokens
+    # and the backward reads them instead of recomputing; without, it recomputes. Both must
+    # give the same gradients (the same float32 arithmetic in either order).
+    from recurra.ops import _ssm
+
+    args = scan_inputs(
+        n_seqs, n_tok, n_head, 1, d_state, n_group, per_state=True, n_rows=n_rows, ids=ids
+    )
+    xs, ss = args[1].shape, args[0].shape
+    seg = max(32, (n_tok + 63) // 64)
+    assert _ssm._checkpoint_floats(xs, ss, [rc.param(f32(args[1]))]) == (
+        n_seqs * -(-n_tok // seg) * n_head * d_state
+    )
+    saved = _grads(args, rc.get_num_threads())
+    monkeypatch.setattr(_ssm, "_checkpoint_floats", lambda *a: 0)
+    recomputed = _grads(args, rc.get_num_threads())
+    for a, b in zip(recomputed, saved):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6 * np.abs(a).max())
+    y, st = ssm_scan_ref(*args)
+    np.testing.assert_allclose(saved[0], y, rtol=1e-4, atol=1e-4 * np.abs(y).max())
+    np.testing.assert_allclose(saved[1], st, rtol=1e-4, atol=1e-4 * np.abs(st).max())
+
+
+def test_ssm_scan_checkpoints_only_where_a_cpu_gradient_follows():
+    from recurra.ops import _ssm
+
+    x = np.zeros((2, 100, 4, 1), np.float32)
+    s = np.zeros((2, 4, 1, 16), np.float32)
+    assert _ssm._checkpoint_floats(x.shape, s.shape, [x]) == 0  # nothing requires a gradient
+    p = rc.param(x)
+    assert _ssm._checkpoint_floats(x.shape, s.shape, [p]) > 0
+    with rc.no_grad():
+        assert _ssm._checkpoint_floats(x.shape, s.shape, [p]) == 0
+    x2 = np.zeros((2, 100, 4, 2), np.float32)  # head_dim 2: the rows kernel needs none
+    assert _ssm._checkpoint_floats(x2.shape, (2, 4, 2, 16), [rc.param(x2)]) == 0
+
+
 def test_ssm_scan_only_state_gradient():
     args = scan_inputs(2, 5, 4, 4, 8, 1, per_state=False)
     g = _grads(args, rc.get_num_threads(), only_state=True)

@@ -76,12 +76,22 @@ class PyGraph {
     keep[id] = py::none();
   }
 
+  // A fresh array holding the node's value. Large ones live in recurra's host memory
+  // (persistent pool): results of the same size step after step then reuse kept blocks
+  // instead of fresh pages (see host_alloc); small ones (a loss) are plain numpy arrays.
   py::array read(int id) {
     const Node& n = g.node(id);
     std::vector<py::ssize_t> shape(n.shape.d, n.shape.d + n.shape.ndim);
-    py::array out(np_dtype(n.dtype), shape);
-    g.read(id, out.mutable_data());
-    return out;
+    if (n.nbytes() < (size_t{1} << 20)) {
+      py::array out(np_dtype(n.dtype), shape);
+      g.read(id, out.mutable_data());
+      return out;
+    }
+    auto buf = std::make_shared<HostBuffer>(std::max<size_t>(n.nbytes(), 1), Pool::persistent);
+    g.read(id, buf->data());
+    auto* keep = new std::shared_ptr<HostBuffer>(buf);
+    py::capsule base(keep, [](void* p) { delete static_cast<std::shared_ptr<HostBuffer>*>(p); });
+    return py::array(np_dtype(n.dtype), shape, buf->data(), base);
   }
 
   py::dict info(int id) {
@@ -254,9 +264,13 @@ PYBIND11_MODULE(_core, m) {
       e["n_allocs"] = s.n_allocs;
       d[name] = e;
     }
+    py::dict c;
+    c["bytes"] = static_cast<int64_t>(host_cache_bytes());
+    d["host_cache"] = c;
     return d;
   });
   m.def("reset_peak_memory", &memory_stats_reset_peak);
+  m.def("empty_cache", &host_cache_clear, "Frees the large host blocks kept for reuse.");
   m.def("load_blas", &load_blas, py::arg("path"),
         "Loads an OpenBLAS shared library for matmul; returns False when it cannot be used.");
   m.def("blas_name", &blas_name);

@@ -4,7 +4,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <map>
 #include <new>
+#include <unordered_map>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -35,17 +37,102 @@ void memory_stats_reset_peak() {
   for (auto& s : g_stats) s.peak_bytes = s.bytes;
 }
 
+namespace {
+
+constexpr size_t kCacheMin = size_t{1} << 20;    // smaller blocks go straight to malloc/free
+constexpr size_t kCacheLimit = size_t{1} << 30;  // most bytes kept idle
+
+// Large blocks: those handed out (with their capacity) and those freed and kept for reuse.
+// Under AddressSanitizer nothing is kept, so that a use after free is still reported.
+struct LargeBlocks {
+  std::mutex mu;
+  std::unordered_map<void*, size_t> live;
+  std::multimap<size_t, void*> idle;  // capacity -> block
+  size_t idle_bytes = 0;
+};
+
+LargeBlocks& large_blocks() {
+  static LargeBlocks* b = new LargeBlocks;  // never destroyed: buffers may be freed during exit
+  return *b;
+}
+
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kKeepIdle = false;
+#else
+constexpr bool kKeepIdle = true;
+#endif
+
+}  // namespace
+
 void* host_alloc(size_t bytes) {
   constexpr size_t kHuge = size_t{4} << 20, kHugeAlign = size_t{2} << 20;
-  const bool huge = bytes >= kHuge;
   size_t cap = (bytes + 63) / 64 * 64;
   if (cap == 0) cap = 64;
+  LargeBlocks& lb = large_blocks();
+  if (cap >= kCacheMin) {
+    std::lock_guard<std::mutex> lk(lb.mu);
+    auto it = lb.idle.lower_bound(cap);
+    if (it != lb.idle.end() && it->first <= cap + cap / 8) {
+      void* p = it->second;
+      lb.live.emplace(p, it->first);
+      lb.idle_bytes -= it->first;
+      lb.idle.erase(it);
+      return p;
+    }
+  }
+  const bool huge = cap >= kHuge;
   void* p = nullptr;
-  if (posix_memalign(&p, huge ? kHugeAlign : 64, cap) != 0 || !p) throw std::bad_alloc();
+  if (posix_memalign(&p, huge ? kHugeAlign : 64, cap) != 0 || !p) {
+    host_cache_clear();  // memory may be short because of what is kept: try once more
+    if (posix_memalign(&p, huge ? kHugeAlign : 64, cap) != 0 || !p) throw std::bad_alloc();
+  }
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   if (huge) madvise(p, cap, MADV_HUGEPAGE);  // only a hint: a kernel without THP refuses it
 #endif
+  if (cap >= kCacheMin) {
+    std::lock_guard<std::mutex> lk(lb.mu);
+    lb.live.emplace(p, cap);
+  }
   return p;
+}
+
+void host_free(void* p) {
+  if (!p) return;
+  LargeBlocks& lb = large_blocks();
+  {
+    std::lock_guard<std::mutex> lk(lb.mu);
+    auto it = lb.live.find(p);
+    if (it != lb.live.end()) {
+      const size_t cap = it->second;
+      lb.live.erase(it);
+      if (kKeepIdle && cap <= kCacheLimit) {
+        lb.idle.emplace(cap, p);
+        lb.idle_bytes += cap;
+        while (lb.idle_bytes > kCacheLimit) {  // drop the largest idle blocks first
+          auto last = std::prev(lb.idle.end());
+          lb.idle_bytes -= last->first;
+          std::free(last->second);
+          lb.idle.erase(last);
+        }
+        return;
+      }
+    }
+  }
+  std::free(p);
+}
+
+size_t host_cache_bytes() {
+  LargeBlocks& lb = large_blocks();
+  std::lock_guard<std::mutex> lk(lb.mu);
+  return lb.idle_bytes;
+}
+
+void host_cache_clear() {
+  LargeBlocks& lb = large_blocks();
+  std::lock_guard<std::mutex> lk(lb.mu);
+  for (auto& [cap, p] : lb.idle) std::free(p);
+  lb.idle.clear();
+  lb.idle_bytes = 0;
 }
 
 HostBuffer::HostBuffer(size_t bytes, Pool pool) : nbytes_(bytes), pool_(pool) {
@@ -54,7 +141,7 @@ HostBuffer::HostBuffer(size_t bytes, Pool pool) : nbytes_(bytes), pool_(pool) {
 }
 
 HostBuffer::~HostBuffer() {
-  std::free(data_);
+  host_free(data_);
   memory_stats_adjust(pool_, -static_cast<int64_t>(nbytes_));
 }
 

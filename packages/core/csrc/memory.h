@@ -23,11 +23,17 @@ struct PoolStats {
 
 void memory_stats_adjust(Pool pool, int64_t delta_bytes);
 
-// Host memory for tensors, arenas and kernel scratch; free with std::free. 64-byte aligned;
-// blocks of 4 MiB and more are 2 MiB aligned and advised to use transparent huge pages
-// (as numpy does for its arrays): a kernel that walks a large array with strides would
-// otherwise miss the TLB on almost every row. Throws std::bad_alloc.
+// Host memory for tensors, arenas and kernel scratch; give it back with host_free. 64-byte
+// aligned; blocks of 4 MiB and more are 2 MiB aligned and advised to use transparent huge
+// pages (as numpy does for its arrays): a kernel that walks a large array with strides would
+// otherwise miss the TLB on almost every row. Freed blocks of 1 MiB and more are kept (up
+// to 1 GiB in all) and handed out again for a request of up to 1/8 less: a training step
+// allocates the same large buffers every time, and fresh pages cost a page fault and the
+// kernel's zeroing each (about a tenth of a Mamba scan's backward). Throws std::bad_alloc.
 void* host_alloc(size_t bytes);
+void host_free(void* p);
+size_t host_cache_bytes();  // bytes of freed blocks kept for reuse
+void host_cache_clear();    // gives them back to the system
 PoolStats memory_stats(Pool pool);
 void memory_stats_reset_peak();
 

@@ -20,7 +20,7 @@
 
 namespace recurra {
 
-void Graph::AlignedFree::operator()(void* p) const { std::free(p); }
+void Graph::AlignedFree::operator()(void* p) const { host_free(p); }
 
 namespace {
 

@@ -539,7 +539,7 @@ class Scratch {
 
  private:
   struct Free {
-    void operator()(float* p) const { std::free(p); }
+    void operator()(float* p) const { host_free(p); }
   };
   struct Buf {
     std::unique_ptr<float, Free> p;

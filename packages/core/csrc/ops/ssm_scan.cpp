@@ -211,6 +211,14 @@ struct Dims {
   bool per_n;  // one decay per state (NA == N > 1)
 };
 
+// Heads layout (P == 1): the backward recomputes the states segment by segment from
+// checkpoints taken every heads_seg_len(T) tokens (at most 64 segments). A forward asked to
+// (ssm_scan's ip[0] = 1, set by the Python API when a gradient will follow on the CPU) saves
+// them after its outputs, as (S, n_seg, H, N), and the backward then skips its own forward
+// sweep: a third less work for a training step.
+int64_t heads_seg_len(int64_t T) { return std::max<int64_t>(32, (T + 63) / 64); }
+int64_t heads_n_seg(int64_t T) { return (T + heads_seg_len(T) - 1) / heads_seg_len(T); }
+
 Dims dims_of(const std::vector<TensorView>& src, int off) {
   Dims d;
   const Shape &s = src[off + 0].shape, &x = src[off + 1].shape, &A = src[off + 3].shape,
@@ -556,6 +564,7 @@ void scan_forward(KernelCtx& c) {
   check_ids(ids, d, "ssm_scan");
   float* y = c.dst.f32();
   float* sout = y + d.S * d.T * d.H * d.P;
+  float* ck = !c.node.ip.empty() && c.node.ip[0] != 0 ? sout + d.S * d.H * d.P * d.N : nullptr;
   const int64_t Np = (d.N + 15) / 16 * 16;
   std::vector<Work> work(c.pool.size());
   if (d.P == 1) {
@@ -591,8 +600,22 @@ void scan_forward(KernelCtx& c) {
             f.AT[n * 16 + l] = l < f.nl ? A[(h0 + l) * d.NA + (d.NA == 1 ? 0 : n)] : 0.0f;
           }
       }
-      for (int64_t t0 = 0; t0 < d.T; t0 += kChunk)
-        for (int64_t k = 0; k < nb; ++k) heads_fwd_run(fs[k], t0, std::min(d.T, t0 + kChunk), abuf);
+      const int64_t K = heads_seg_len(d.T), nseg = heads_n_seg(d.T);
+      auto save = [&](int64_t sg) {  // the state before segment sg, as ck[i, sg, h, :]
+        for (int64_t k = 0; k < nb; ++k) {
+          float* o = ck + ((i * nseg + sg) * d.H + g * d.hpg + (b0 + k) * 16) * d.N;
+          for (int64_t l = 0; l < fs[k].nl; ++l)
+            for (int64_t n = 0; n < d.N; ++n) o[l * d.N + n] = fs[k].St[n * 16 + l];
+        }
+      };
+      if (ck && d.T > 0) save(0);
+      for (int64_t t0 = 0; t0 < d.T;) {
+        int64_t t1 = std::min(d.T, t0 + kChunk);
+        if (ck) t1 = std::min(t1, (t0 / K + 1) * K);  // chunks never straddle a checkpoint
+        for (int64_t k = 0; k < nb; ++k) heads_fwd_run(fs[k], t0, t1, abuf);
+        if (ck && t1 % K == 0 && t1 < d.T) save(t1 / K);
+        t0 = t1;
+      }
       for (int64_t k = 0; k < nb; ++k) {
         const int64_t h0 = g * d.hpg + (b0 + k) * 16;
         float* so = sout + (i * d.H + h0) * d.N;
@@ -1366,8 +1389,10 @@ void scan_backward(KernelCtx& c) {
   if (d.T == 0) {  // no tokens: dB, dC are empty, d_s = dL/d(final state)
     for (int64_t i = 0; i < d.S; ++i) std::memcpy(ds_of(i), gs + i * nstate, nstate * sizeof(float));
   } else if (heads) {
-    const int64_t K = std::max<int64_t>(32, (d.T + 63) / 64);  // segment: at most 64 of them
-    const int64_t nseg = (d.T + K - 1) / K, Np = (d.N + 15) / 16 * 16, na = d.NA == 1 ? 1 : d.N;
+    const int64_t K = heads_seg_len(d.T), nseg = heads_n_seg(d.T);
+    const int64_t Np = (d.N + 15) / 16 * 16, na = d.NA == 1 ? 1 : d.N;
+    // checkpoints saved by the forward (a 9th source: its packed result), if any
+    const float* ckf = c.src.size() > 8 ? c.src[8].f32() + d.S * d.T * d.H + d.S * d.H * d.N : nullptr;
     const int64_t blk_floats = d.N * 16 * (3 + nseg);
     const int64_t seg_floats = K * 16 * (2 + na + d.N + 2 * Np);
     c.pool.run(d.S * d.G * nsplit, [&](int64_t task, int tid) {
@@ -1413,11 +1438,20 @@ void scan_backward(KernelCtx& c) {
             f.dAa[n * 16 + l] = 0.0f;
           }
       }
-      // Pass 1: the state before each segment (the last segment's own run is not needed).
+      // Pass 1: the state before each segment (the last segment's own run is not needed),
+      // read from the forward's checkpoints when it saved them.
       for (int64_t sg = 0; sg < nseg; ++sg) {
         const int64_t t0 = sg * K, t1 = std::min(d.T, t0 + K);
-        for (HeadsBwd& f : fs) {
-          std::memcpy(f.ck + sg * d.N * 16, f.St, d.N * 16 * sizeof(float));
+        for (int64_t k = 0; k < nb; ++k) {
+          HeadsBwd& f = fs[k];
+          float* cks = f.ck + sg * d.N * 16;
+          if (ckf) {
+            const float* src = ckf + ((i * nseg + sg) * d.H + g * d.hpg + (b0 + k) * 16) * d.N;
+            for (int64_t n = 0; n < d.N; ++n)
+              for (int64_t l = 0; l < 16; ++l) cks[n * 16 + l] = l < f.nl ? src[l * d.N + n] : 0.0f;
+            continue;
+          }
+          std::memcpy(cks, f.St, d.N * 16 * sizeof(float));
           if (sg + 1 < nseg) heads_seg_forward(f, f.St, t0, t1, dbuf, ubuf, abuf, nullptr);
         }
       }
@@ -1563,6 +1597,8 @@ void scan_backward(KernelCtx& c) {
 // ---- op definitions -----------------------------------------------------------------
 
 // Validates (s, x, dt, A, B, C, ids) starting at source `off`; returns the dims.
+int64_t scan_packed(const Dims& d) { return d.S * d.T * d.H * d.P + d.S * d.H * d.P * d.N; }
+
 Dims scan_check(Graph& g, Node& n, int off) {
   for (int i = off; i < off + 6; ++i) require_f32(g, n, i);
   const Node& idn = g.node(n.src[off + 6]);
@@ -1612,8 +1648,12 @@ void register_ssm_ops(OpTable& t) {
     d.infer = [](Graph& g, Node& n) {
       if (n.src.size() != 7) fail_shape(g, n, "takes (s, x, dt, A, B, C, ids)");
       const Dims dm = scan_check(g, n, 0);
+      if (n.ip.size() > 1 || (n.ip.size() == 1 && n.ip[0] != 0 && n.ip[0] != 1))
+        throw ValueError("ssm_scan: the only parameter is save_checkpoints (0 or 1)");
+      const bool ck = n.ip.size() == 1 && n.ip[0] == 1;
+      if (ck && dm.P != 1) throw ValueError("ssm_scan: checkpoints are saved only for head_dim 1 (Mamba-1)");
       n.dtype = DType::f32;
-      n.shape = Shape{dm.S * dm.T * dm.H * dm.P + dm.S * dm.H * dm.P * dm.N};
+      n.shape = Shape{scan_packed(dm) + (ck ? dm.S * heads_n_seg(dm.T) * dm.H * dm.N : 0)};
     };
     d.forward = scan_forward;
     d.backward = [](GradSink& k) {
@@ -1622,6 +1662,7 @@ void register_ssm_ops(OpTable& t) {
       if (!any) return;
       std::vector<int> src{k.grad_out};
       src.insert(src.end(), k.node.src.begin(), k.node.src.end());
+      if (!k.node.ip.empty() && k.node.ip[0] == 1) src.push_back(k.node_id);  // its checkpoints
       const int back = k.g.op("ssm_scan_back", src);
       int64_t off = 0;
       for (int i = 0; i < 6; ++i) {
@@ -1636,13 +1677,21 @@ void register_ssm_ops(OpTable& t) {
     // The gradients of ssm_scan, packed: ds, dx, ddt, dA, dB, dC (shapes of s..C).
     OpDef d;
     d.name = "ssm_scan_back";
-    d.contiguous_srcs = 0xff;
+    d.contiguous_srcs = 0x1ff;
     d.infer = [](Graph& g, Node& n) {
-      if (n.src.size() != 8) fail_shape(g, n, "takes (grad, s, x, dt, A, B, C, ids)");
+      if (n.src.size() != 8 && n.src.size() != 9)
+        fail_shape(g, n, "takes (grad, s, x, dt, A, B, C, ids[, the forward's result with checkpoints])");
       require_f32(g, n, 0);
       const Dims dm = scan_check(g, n, 1);
+      const int64_t ck = n.src.size() == 9 ? dm.S * heads_n_seg(dm.T) * dm.H * dm.N : 0;
+      if (n.src.size() == 9) {
+        require_f32(g, n, 8);
+        const Shape& fw = g.node(n.src[8]).shape;
+        if (dm.P != 1 || fw.ndim != 1 || fw[0] != scan_packed(dm) + ck)
+          fail_shape(g, n, "the 9th source must be the forward's packed result with checkpoints");
+      }
       const Shape& gr = g.node(n.src[0]).shape;
-      if (gr.ndim != 1 || gr[0] != dm.S * dm.T * dm.H * dm.P + dm.S * dm.H * dm.P * dm.N)
+      if (gr.ndim != 1 || (gr[0] != scan_packed(dm) && gr[0] != scan_packed(dm) + ck))
         fail_shape(g, n, "grad must be the packed (y, final states) gradient");
       int64_t total = 0;
       for (int i = 1; i < 7; ++i) total += g.node(n.src[i]).numel();

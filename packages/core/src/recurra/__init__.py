@@ -40,6 +40,7 @@ __all__ = [
     "Tensor",
     "__version__",
     "blas_info",
+    "empty_cache",
     "get_include",
     "get_num_threads",
     "is_grad_enabled",
@@ -78,8 +79,19 @@ def get_num_threads() -> int:
 
 def memory_stats() -> dict[str, dict[str, int]]:
     """Bytes in use, peak bytes and allocation counts of the persistent pool (tensors the
-    user keeps: weights, optimizer state) and the transient pool (planned graph arenas)."""
+    user keeps: weights, optimizer state) and the transient pool (planned graph arenas),
+    and under ``"host_cache"`` the bytes of freed large host blocks kept for reuse (see
+    :func:`empty_cache`)."""
     return _core.memory_stats()
+
+
+def empty_cache() -> None:
+    """Gives the freed large host blocks that recurra keeps for reuse back to the system.
+
+    Freed blocks of 1 MiB and more (at most 1 GiB in all) are kept because a training step
+    allocates the same large buffers every time, and fresh memory costs page faults.
+    """
+    _core.empty_cache()
 
 
 def transfer_stats() -> dict[str, dict[str, int]]:

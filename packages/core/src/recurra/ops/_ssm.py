@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from recurra._tensor import is_grad_enabled
 from recurra.ops._apply import apply, apply_multi
 
 __all__ = ["ssm_conv", "ssm_scan"]
@@ -55,5 +56,28 @@ def ssm_scan(s: Any, x: Any, dt: Any, A: Any, B: Any, C: Any, ids: Any) -> tuple
     xs, ss = _shape_of(x), _shape_of(s)
     n_seqs = xs[0] if xs else 0
     state_shape = (n_seqs, *ss[1:4])
-    y, state = apply_multi("ssm_scan", [s, x, dt, A, B, C, ids], shapes=[xs, state_shape])
+    shapes = [xs, state_shape]
+    ckpt = _checkpoint_floats(xs, ss, [s, x, dt, A, B, C])
+    if ckpt:  # the forward also saves the backward's checkpoints (cut off here)
+        shapes.append((ckpt,))
+    y, state, *_ = apply_multi(
+        "ssm_scan", [s, x, dt, A, B, C, ids], shapes=shapes, ip=(1,) if ckpt else ()
+    )
     return y, state
+
+
+def _checkpoint_floats(xs: tuple[int, ...], ss: tuple[int, ...], srcs: list[Any]) -> int:
+    """How many floats of checkpoints the forward should save for the backward: nonzero
+    only for Mamba-1 (head_dim 1) on the CPU when a gradient will be taken. The CPU
+    backward then reads the states every K tokens instead of recomputing them; the ssm_scan
+    kernel saves them as (n_seqs, n_seg, n_head, d_state), K = max(32, ceil(T / 64))."""
+    if len(xs) != 4 or len(ss) != 4 or xs[3] != 1 or xs[1] == 0:
+        return 0
+    if not is_grad_enabled() or not any(getattr(t, "requires_grad", False) for t in srcs):
+        return 0
+    devices = {getattr(getattr(t, "device", None), "backend", "cpu") for t in srcs}
+    if devices != {"cpu"}:
+        return 0
+    n_seqs, n_tok, n_head = xs[0], xs[1], xs[2]
+    seg = max(32, (n_tok + 63) // 64)
+    return n_seqs * (-(-n_tok // seg)) * n_head * ss[3]
