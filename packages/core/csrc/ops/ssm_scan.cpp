@@ -54,6 +54,10 @@
 // 1.3 MB per thread plus 4 MB of partial sums; storing every state would take 4 GB.
 #include <cmath>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "ssm.h"
 
 namespace recurra {
@@ -176,6 +180,50 @@ RC_INLINE void exp_rows(const float* d, const float* A, int64_t m, int64_t nt, f
     }
     for (; n < m; ++n) vstore(o + n * 16, vexp(dv * vload(A + n * 16)));
   }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(RECURRA_NO_CLONES)
+#define RC_EXP512 1
+// exp_rows for AVX-512 with its scaling instructions: exp(x) = 2^n 2^f, n = round(x log2 e),
+// f in [-1/2, 1/2], 2^f by its degree-6 Taylor polynomial (relative error <= 1.3e-7),
+// 2^n applied by vscalefps; 11 instructions per 16 values instead of vexp's ~19. Values
+// below -87 give 0 as in vexp (never a denormal), NaN stays NaN.
+__attribute__((target("avx512f"), always_inline)) inline __m512 exp512(__m512 x) {
+  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.5403530393381606e-4f), f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ);  // x >= -87 or NaN
+  return _mm512_maskz_scalef_ps(keep, p, n);
+}
+
+__attribute__((target("avx512f"))) void exp_rows_avx512(const float* d, const float* A, int64_t m, int64_t nt,
+                                                        float* out) {
+  for (int64_t t = 0; t < nt; ++t) {
+    const __m512 dv = _mm512_loadu_ps(d + t * 16);
+    float* o = out + t * m * 16;
+    for (int64_t n = 0; n < m; ++n) _mm512_storeu_ps(o + n * 16, exp512(_mm512_mul_ps(dv, _mm512_loadu_ps(A + n * 16))));
+  }
+}
+#endif
+
+RC_SIMD void exp_rows_clones(const float* d, const float* A, int64_t m, int64_t nt, float* out) {
+  exp_rows(d, A, m, nt, out);
+}
+
+// out[t][j][:] = exp(d[t][:] * A[j][:]) for nt tokens and m rows: the AVX-512 kernel where
+// the CPU has it, else the vexp clones.
+void exp_rows_best(const float* d, const float* A, int64_t m, int64_t nt, float* out) {
+#ifdef RC_EXP512
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  if (avx512) return exp_rows_avx512(d, A, m, nt, out);
+#endif
+  exp_rows_clones(d, A, m, nt, out);
 }
 
 // Renormalise the scaled state when the accumulated decay leaves this range.
@@ -519,7 +567,7 @@ RC_SIMD void heads_fwd_run(const HeadsFwd& f, int64_t t0, int64_t t1, float* abu
     vstore(dbuf + (t - t0) * 16, d);
     vstore(ubuf + (t - t0) * 16, xv * d);
   }
-  exp_rows(dbuf, f.AT, na, t1 - t0, abuf);
+  exp_rows_best(dbuf, f.AT, na, t1 - t0, abuf);
   for (int64_t t = t0; t < t1; ++t) {
     const float* Bt = f.B + t * f.bs;
     const float* Ct = f.C + t * f.bs;
@@ -1251,7 +1299,7 @@ RC_SIMD void heads_seg_forward(const HeadsBwd& f, float* S, int64_t t0, int64_t 
     vstore(dbuf + (t - t0) * 16, d);
     vstore(ubuf + (t - t0) * 16, xv * d);
   }
-  exp_rows(dbuf, f.AT, na, t1 - t0, abuf);
+  exp_rows_best(dbuf, f.AT, na, t1 - t0, abuf);
   const int64_t as = na == 1 ? 0 : 16;
   for (int64_t t = t0; t < t1; ++t) {
     const float* Bt = f.B + t * f.bs;
