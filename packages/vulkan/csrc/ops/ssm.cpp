@@ -41,6 +41,7 @@
 // every state would take 4 GB. Very large d_state (N above ~2500 with 32 KiB of shared
 // memory) does not fit the staging buffers: record() raises then.
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <map>
 #include <mutex>
@@ -294,11 +295,165 @@ std::vector<int32_t> scan_spec(const ScanLayout& l, int mode, bool pern) {
           int32_t(l.NRED)};
 }
 
+struct FinPC {
+  uint64_t src, src2, dst, dst2, dt, ids;
+  uint32_t n, m, P, H, NA, nstate, S;
+};
+
+// ---- ssm_scan, chunked form (shaders/ssd.comp) -----------------------------------------
+
+constexpr int64_t kChunk = 64;  // chunk length = tile edge of ssd.comp
+
+// RECURRA_VK_SSM: "seq" forces the sequential kernels, "chunk" the chunked ones wherever
+// they apply (one decay per head); "" or "auto": chunked for one decay per head and
+// T >= 2 chunks.
+bool use_chunked(const ScanDims& d) {
+  if (d.NA != 1 || d.T < 1) return false;
+  const char* env = std::getenv("RECURRA_VK_SSM");
+  const std::string v = env ? env : "";
+  if (v == "seq") return false;
+  if (v == "chunk") return true;
+  if (!v.empty() && v != "auto")
+    fail_invalid("RECURRA_VK_SSM=" + v + ": unknown ssm_scan path (expected auto, seq or chunk)");
+  return d.T >= 2 * kChunk;
+}
+
+struct SsdGeom {
+  int64_t nc, npt, nnt;
+  int64_t fwd_floats, back_floats;  // scratch
+};
+
+// Scratch (floats, same order as in ssd.comp): dtp, cs (S*H*T each), CB (S*G*nc*64*64),
+// hin (S*H*nc*P*N) | backward: lam (S*H*nc*P*N), d s per sequence (S*H*P*N), dB and dC
+// parts per head of a group (2 * H*S*T*N), per-token partial sums per P tile (2 * npt*S*H*T),
+// <lam, h_out> parts (S*H*nc*npt), dA parts (S*H*nc).
+SsdGeom ssd_geom(const ScanDims& d) {
+  SsdGeom g;
+  g.nc = ceil_div(d.T, kChunk);
+  g.npt = ceil_div(d.P, kChunk);
+  g.nnt = ceil_div(d.N, kChunk);
+  const int64_t sht = d.S * d.H * d.T, nst = d.S * d.H * d.P * d.N;
+  g.fwd_floats = 2 * sht + d.S * d.G * g.nc * kChunk * kChunk + nst * g.nc;
+  g.back_floats = g.fwd_floats + nst * g.nc + nst + 2 * d.H * d.S * d.T * d.N + 2 * g.npt * sht +
+                  d.S * d.H * g.nc * g.npt + d.S * d.H * g.nc;
+  if (g.back_floats >= (int64_t(1) << 31))
+    throw std::runtime_error("ssm_scan (chunked): scratch past 2^31 floats; RECURRA_VK_SSM=seq avoids it");
+  return g;
+}
+
+std::vector<int32_t> ssd_spec(int mode, int var = 0) { return {mode, var}; }
+
+void ssd_dispatch(Recorder& rec, int mode, int var, const ScanPC& pc, int64_t groups,
+                  std::initializer_list<Range> reads, std::initializer_list<Range> writes) {
+  uint32_t gx, gy;
+  grid_2d(groups, gx, gy);
+  rec.dispatch("ssd", ssd_spec(mode, var), pc, gx, gy, 1, reads, writes);
+}
+
+ScanPC ssd_pc(const ScanDims& d, const SsdGeom& g) {
+  ScanPC pc{};
+  pc.R = int32_t(d.R), pc.S = int32_t(d.S), pc.T = int32_t(d.T), pc.H = int32_t(d.H), pc.P = int32_t(d.P);
+  pc.N = int32_t(d.N), pc.G = int32_t(d.G), pc.nblk = int32_t(g.nc);  // nblk slot carries nc
+  return pc;
+}
+
+void ssd_record(NodeCall& c, const ScanDims& d) {
+  Recorder& rec = c.rec;
+  const SsdGeom g = ssd_geom(d);
+  const auto scr = rec.scratch(static_cast<size_t>(g.fwd_floats) * 4);
+  ScanPC pc = ssd_pc(d, g);
+  pc.s = addr(c.src[0]);
+  pc.x = addr(c.src[1]);
+  pc.dt = addr(c.src[2]);
+  pc.A = addr(c.src[3]);
+  pc.B = addr(c.src[4]);
+  pc.C = addr(c.src[5]);
+  pc.ids = addr(c.src[6]);
+  pc.out = addr(c.dst);
+  pc.scr = scr.addr;
+  pc.err = rec.device().error_flags_address();
+  const Range &sr = c.src[0].range, &xr = c.src[1].range, &dtr = c.src[2].range, &Ar = c.src[3].range,
+              &Br = c.src[4].range, &Cr = c.src[5].range, &idr = c.src[6].range;
+  const int64_t chunks = d.S * d.H * g.nc;
+  ssd_dispatch(rec, 0, 0, pc, chunks, {dtr, Ar}, {scr.range});
+  ssd_dispatch(rec, 1, 0, pc, d.S * d.G * g.nc, {Br, Cr}, {scr.range});
+  ssd_dispatch(rec, 2, 0, pc, chunks * g.npt * g.nnt, {xr, Br, scr.range}, {scr.range});
+  ssd_dispatch(rec, 3, 0, pc, ceil_div(d.S * d.H * d.P * d.N, 256), {sr, idr, scr.range}, {scr.range, c.dst.range});
+  ssd_dispatch(rec, 4, 0, pc, chunks * g.npt, {xr, Cr, idr, scr.range}, {c.dst.range});
+}
+
+void ssd_back_record(NodeCall& c, const ScanDims& d) {
+  Recorder& rec = c.rec;
+  const SsdGeom g = ssd_geom(d);
+  const auto scr = rec.scratch(static_cast<size_t>(g.back_floats) * 4);
+  const int64_t sht = d.S * d.H * d.T, nst = d.S * d.H * d.P * d.N, nx = d.S * d.T * d.H * d.P;
+  const int64_t nbc = d.S * d.T * d.G * d.N;
+  // scratch offsets the fin passes read (floats)
+  const int64_t o_dsi = g.fwd_floats + nst * g.nc, o_dbp = o_dsi + nst, o_dcp = o_dbp + d.H * d.S * d.T * d.N;
+  const int64_t o_dap = o_dcp + d.H * d.S * d.T * d.N + 2 * g.npt * sht + d.S * d.H * g.nc * g.npt;
+  // packed outputs: ds, dx, ddt, dA, dB, dC
+  const uint64_t base = addr(c.dst);
+  const uint64_t p_ds = base, p_dx = p_ds + uint64_t(d.R * d.H * d.P * d.N) * 4, p_ddt = p_dx + uint64_t(nx) * 4;
+  const uint64_t p_dA = p_ddt + uint64_t(d.S * d.T * d.H) * 4, p_dB = p_dA + uint64_t(d.H) * 4;
+  const uint64_t p_dC = p_dB + uint64_t(nbc) * 4;
+
+  ScanPC pc = ssd_pc(d, g);
+  pc.gr = addr(c.src[0]);
+  pc.s = addr(c.src[1]);
+  pc.x = addr(c.src[2]);
+  pc.dt = addr(c.src[3]);
+  pc.A = addr(c.src[4]);
+  pc.B = addr(c.src[5]);
+  pc.C = addr(c.src[6]);
+  pc.ids = addr(c.src[7]);
+  pc.scr = scr.addr;
+  pc.err = rec.device().error_flags_address();
+  const Range &grr = c.src[0].range, &sr = c.src[1].range, &xr = c.src[2].range, &dtr = c.src[3].range,
+              &Ar = c.src[4].range, &Br = c.src[5].range, &Cr = c.src[6].range, &idr = c.src[7].range;
+  const Range &sc = scr.range, &out = c.dst.range;
+  const int64_t chunks = d.S * d.H * g.nc, elems = ceil_div(nst, 256);
+  ssd_dispatch(rec, 0, 0, pc, chunks, {dtr, Ar}, {sc});
+  ssd_dispatch(rec, 1, 0, pc, d.S * d.G * g.nc, {Br, Cr}, {sc});
+  ssd_dispatch(rec, 2, 0, pc, chunks * g.npt * g.nnt, {xr, Br, sc}, {sc});
+  ssd_dispatch(rec, 3, 1, pc, elems, {sr, idr, sc}, {sc});
+  ssd_dispatch(rec, 2, 1, pc, chunks * g.npt * g.nnt, {grr, Cr, sc}, {sc});
+  ssd_dispatch(rec, 3, 2, pc, elems, {grr, sc}, {sc});
+  ssd_dispatch(rec, 5, 0, pc, chunks * g.nnt, {grr, xr, Br, Cr, sc}, {sc});
+  ScanPC p6 = pc;
+  p6.out = p_dx;
+  ssd_dispatch(rec, 6, 0, p6, chunks * g.npt, {grr, xr, Br, Cr, sc}, {sc, out});
+  ScanPC p7 = pc;
+  p7.out = p_ddt;
+  ssd_dispatch(rec, 7, 0, p7, chunks, {dtr, Ar, sc}, {sc, out});
+
+  const uint64_t sa = scr.addr;
+  FinPC f{};
+  f.P = uint32_t(d.P), f.H = uint32_t(d.H), f.NA = 1, f.nstate = uint32_t(d.H * d.P * d.N);
+  f.S = uint32_t(d.S);
+  if (nbc > 0) {
+    FinPC p = f;
+    p.src = sa + uint64_t(o_dbp) * 4, p.src2 = sa + uint64_t(o_dcp) * 4, p.dst = p_dB, p.dst2 = p_dC;
+    p.n = uint32_t(nbc), p.m = uint32_t(d.H / d.G);
+    rec.dispatch("ssm_scan_fin", {0}, p, grid_groups(nbc, 256), 1, 1, {sc}, {out});
+  }
+  {  // dA[h] = sum_i sum_chunk parts[i][h][chunk]: OP 2 with P = chunks
+    FinPC p = f;
+    p.src = sa + uint64_t(o_dap) * 4, p.dst = p_dA, p.n = uint32_t(d.H), p.P = uint32_t(g.nc);
+    rec.dispatch("ssm_scan_fin", {2}, p, grid_groups(p.n, 256), 1, 1, {sc}, {out});
+  }
+  {
+    FinPC p = f;
+    p.src = sa + uint64_t(o_dsi) * 4, p.dst = p_ds, p.ids = addr(c.src[7]), p.n = uint32_t(d.R * d.H * d.P * d.N);
+    rec.dispatch("ssm_scan_fin", {3}, p, grid_groups(p.n, 256), 1, 1, {sc, idr}, {out});
+  }
+}
+
 void scan_record(NodeCall& c) {
   ScanDims d;
   scan_dims(c.node, 0, &d);
   if (d.S == 0) return;
   Recorder& rec = c.rec;
+  if (use_chunked(d)) return ssd_record(c, d);
   const Limits lim = limits_of(rec.device());
   const ScanLayout l = scan_layout(d, false, lim);
   ScanPC pc{};
@@ -321,15 +476,11 @@ void scan_record(NodeCall& c) {
                {c.dst.range});
 }
 
-struct FinPC {
-  uint64_t src, src2, dst, dst2, dt, ids;
-  uint32_t n, m, P, H, NA, nstate, S;
-};
-
 void scan_back_record(NodeCall& c) {
   ScanDims d;
   scan_dims(c.node, 1, &d);
   Recorder& rec = c.rec;
+  if (d.S > 0 && use_chunked(d)) return ssd_back_record(c, d);
   const Limits lim = limits_of(rec.device());
   const ScanLayout l = scan_layout(d, true, lim);
   const bool pern = d.NA != 1;

@@ -1,0 +1,489 @@
+// ssm_scan / ssm_scan_back in the chunked ("state-space duality") form, for one decay per
+// head (A of shape (H, 1): Mamba-2). Host side, grid and scratch: csrc/ops/ssm.cpp.
+//
+// Per sequence i and head h the tokens are cut into chunks of L = 64. In a chunk, with
+// dtp = softplus(dt), a_t = dtp_t A_h, cs_t = a_0 + ... + a_t (in order, so cs never rises
+// when A <= 0: every exp below is of a difference cs_t - cs_s <= 0, s <= t), u_s = dtp_s x_s,
+// h_in the state entering the chunk (P x N), lam the gradient of the state leaving it:
+//   y_t    = e^{cs_t} C_t h_in^T + sum_{s<=t} (C_t . B_s) e^{cs_t - cs_s} u_s
+//   h_out  = e^{cs_L} h_in + sum_s e^{cs_L - cs_s} u_s B_s^T              (cs_L: last token)
+//   dh_in  = e^{cs_L} lam + sum_t e^{cs_t} dy_t^T C_t
+//   dC_t   = e^{cs_t} dy_t h_in + sum_{s<=t} M_ts (dy_t . u_s) B_s       M_ts = e^{cs_t - cs_s}
+//   dB_s   = sum_{t>=s} M_ts (dy_t . u_s) C_t + e^{cs_L - cs_s} u_s lam
+//   du_s   = sum_{t>=s} M_ts (C_t . B_s) dy_t + e^{cs_L - cs_s} lam B_s^T
+//   d a_s  = <lam, h_out> + sum_{t>=s} (dy_t . y_t - u_t . du_t)     (d cs_t summed over t >= s)
+// and dx = du dtp, d dtp = du . x + A d a, dA = sum d a dtp. <lam, h_out> =
+// e^{cs_L} <lam, h_in> + sum_s e^{cs_L - cs_s} u_s . (lam B_s^T).
+//
+// MODE (specialization constant 0), one dispatch each; VAR (constant 1) picks a variant:
+//   0 prep    per (i, h, chunk): dtp_t and cs_t into scratch
+//   1 cb      per (i, g, chunk): CB[t][s] = C_t . B_s (s <= t, else 0)
+//   2 state   per (i, h, chunk, P tile, N tile): VAR 0 sum_s e^{cs_L - cs_s} u_s B_s^T,
+//             VAR 1 sum_t e^{cs_t} dy_t^T C_t, into the chunk's slot of hin / lam
+//   3 pass    per state element (i, h, p, n), sequential over chunks: VAR 0/1 forward
+//             (slot c of hin becomes the state entering chunk c; VAR 0 writes the final
+//             state, VAR 1 is the backward's recomputation), VAR 2 backward (slot c of lam
+//             becomes the gradient of the state leaving chunk c; d s_init per sequence)
+//   4 y       per (i, h, chunk, P tile): y
+//   5 dcdb    per (i, h, chunk, N tile): this head's dC, dB (summed over heads later)
+//   6 du      per (i, h, chunk, P tile): y again, du -> dx, per-token partial sums over the
+//             tile of dy . y - u . du and du . x, and the tile's part of <lam, h_out>
+//   7 decay   per (i, h, chunk): d a by a reverse sum, ddt, the chunk's part of dA
+// Every matmul is a 64 x 64 output tile for 256 threads (4 x 4 each, rows ty + 16 a, columns
+// tx + 16 b) over K in steps of 16 staged in shared memory. All sums run in a fixed order:
+// no atomics, results do not depend on timing.
+#version 450
+#include "common.glsl"
+
+layout(local_size_x = 256) in;
+layout(constant_id = 0) const int MODE = 0;
+layout(constant_id = 1) const int VAR = 0;
+
+const int L = 64;   // chunk length and tile edge
+const int KT = 16;  // K step
+
+layout(push_constant) uniform PC {
+  uvec2 gr;    // backward: packed (dy, d final state)
+  uvec2 s, x, dt, A, B, C, ids;
+  uvec2 out_;  // forward: packed (y, final state); backward: MODE 6 dx, MODE 7 ddt
+  uvec2 scr, err;
+  int R, S, T, H, P, N, G, nc;
+} pc;
+
+shared float sCs[L], sDtp[L];
+shared float sA[KT][L], sB[KT][L];
+shared float sM[L][L + 1];
+
+float acc[4][4];
+int lid, tx, ty;
+int i, h, g, c, t0, len, p0, n0, hpg;
+uint o_dtp, o_cs, o_cb, o_hin, o_lam, o_dsi, o_dbp, o_dcp, o_q, o_xd, o_e, o_dap;
+uint slot;  // (i, h, c) chunk slot: hin / lam of this chunk start at slot * P * N
+
+// softplus as the CPU computes it (log1p by the atanh series).
+float softplus(float z) {
+  if (z > 20.0) return z;
+  const float w = exp(-abs(z));
+  const float s = w / (w + 2.0), s2 = s * s;
+  float q = 1.0 / 13.0;
+  q = q * s2 + 1.0 / 11.0;
+  q = q * s2 + 1.0 / 9.0;
+  q = q * s2 + 1.0 / 7.0;
+  q = q * s2 + 1.0 / 5.0;
+  q = q * s2 + 1.0 / 3.0;
+  q = q * s2 + 1.0;
+  return max(z, 0.0) + 2.0 * s * q;
+}
+
+float sigmoid_cpu(float z) {
+  if (z > 20.0) return 1.0;
+  if (z < -87.0) return 0.0;
+  return 1.0 / (exp(-z) + 1.0);
+}
+
+// ---- operands -------------------------------------------------------------------------
+// fetch(kind, k, r): element (k, r) of a staged K x 64 operand tile; k is the contraction
+// index (absolute), r the tile row/column (relative). Kinds below KFAST walk the source's
+// fast axis along k, the others along r (this picks the staging order, for coalescing).
+const int C_TN = 0;    // C[t0 + r][k]            r token, k state
+const int B_TN = 1;    // B[t0 + r][k]
+const int HIN_PN = 2;  // hin[p0 + r][k]          r channel, k state
+const int LAM_PN = 3;  // lam[p0 + r][k]
+const int DY_TP = 4;   // dy[t0 + r][k]           r token, k channel
+const int U_TP = 5;    // dtp x[t0 + r][k]
+const int KFAST = 6;
+const int X_W = 6;     // e^{cs_L - cs_k} dtp_k x[t0 + k][p0 + r]
+const int DY_W = 7;    // e^{cs_k} dy[t0 + k][p0 + r]
+const int U_SP = 8;    // dtp_k x[t0 + k][p0 + r]
+const int DY_SP = 9;   // dy[t0 + k][p0 + r]
+const int B_SN = 10;   // B[t0 + k][n0 + r]
+const int C_SN = 11;   // C[t0 + k][n0 + r]
+const int HIN_KN = 12; // hin[k][n0 + r]
+const int LAM_KN = 13; // lam[k][n0 + r]
+
+float ld_x(uvec2 buf, int t, int p) {  // x-like (S, T, H, P) at token t0 + t of head h
+  return (t < len && p < pc.P) ? FBuf(buf).v[(i * pc.T + t0 + t) * pc.H * pc.P + h * pc.P + p] : 0.0;
+}
+float ld_bc(uvec2 buf, int t, int n) {  // B/C (S, T, G, N)
+  return (t < len && n < pc.N) ? FBuf(buf).v[((i * pc.T + t0 + t) * pc.G + g) * pc.N + n] : 0.0;
+}
+float ld_st(uint off, int p, int n) {  // a chunk slot (P, N) of hin / lam
+  return (p < pc.P && n < pc.N) ? FBuf(pc.scr).v[off + slot * uint(pc.P * pc.N) + uint(p * pc.N + n)] : 0.0;
+}
+
+float fetch(int kind, int k, int r) {
+  switch (kind) {
+    case C_TN: return ld_bc(pc.C, r, k);
+    case B_TN: return ld_bc(pc.B, r, k);
+    case HIN_PN: return ld_st(o_hin, p0 + r, k);
+    case LAM_PN: return ld_st(o_lam, p0 + r, k);
+    case DY_TP: return ld_x(pc.gr, r, k);
+    case U_TP: return r < len ? sDtp[r] * ld_x(pc.x, r, k) : 0.0;
+    case X_W: return k < len ? exp(sCs[len - 1] - sCs[k]) * sDtp[k] * ld_x(pc.x, k, p0 + r) : 0.0;
+    case DY_W: return k < len ? exp(sCs[k]) * ld_x(pc.gr, k, p0 + r) : 0.0;
+    case U_SP: return k < len ? sDtp[k] * ld_x(pc.x, k, p0 + r) : 0.0;
+    case DY_SP: return ld_x(pc.gr, k, p0 + r);
+    case B_SN: return ld_bc(pc.B, k, n0 + r);
+    case C_SN: return ld_bc(pc.C, k, n0 + r);
+    case HIN_KN: return ld_st(o_hin, k, n0 + r);
+    default: return ld_st(o_lam, k, n0 + r);
+  }
+}
+
+void stage(int kind, int k0, bool into_a) {
+  for (int e = lid; e < KT * L; e += 256) {
+    int k, r;
+    if (kind < KFAST) {
+      k = e % KT;
+      r = e / KT;
+    } else {
+      r = e % L;
+      k = e / L;
+    }
+    const float v = fetch(kind, k0 + k, r);
+    if (into_a)
+      sA[k][r] = v;
+    else
+      sB[k][r] = v;
+  }
+}
+
+void clear_acc() {
+  [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) acc[a][b] = 0.0;
+}
+
+// acc[r][q] += sum_{k < K} A(k, r) B(k, q), both operands staged from memory.
+void mma(int akind, int bkind, int K) {
+  for (int k0 = 0; k0 < K; k0 += KT) {
+    barrier();
+    stage(akind, k0, true);
+    stage(bkind, k0, false);
+    barrier();
+    [[unroll]] for (int k = 0; k < KT; ++k) {
+      float av[4], bv[4];
+      [[unroll]] for (int a = 0; a < 4; ++a) av[a] = sA[k][ty + 16 * a];
+      [[unroll]] for (int b = 0; b < 4; ++b) bv[b] = sB[k][tx + 16 * b];
+      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) acc[a][b] += av[a] * bv[b];
+    }
+  }
+}
+
+// acc[r][q] += sum_{k < K} M(r, k) B(k, q) with M = sM (trans: sM^T), K <= L.
+void mma_m(bool trans, int bkind, int K) {
+  for (int k0 = 0; k0 < K; k0 += KT) {
+    barrier();
+    stage(bkind, k0, false);
+    barrier();
+    [[unroll]] for (int k = 0; k < KT; ++k) {
+      float av[4], bv[4];
+      [[unroll]] for (int a = 0; a < 4; ++a) av[a] = trans ? sM[k0 + k][ty + 16 * a] : sM[ty + 16 * a][k0 + k];
+      [[unroll]] for (int b = 0; b < 4; ++b) bv[b] = sB[k][tx + 16 * b];
+      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) acc[a][b] += av[a] * bv[b];
+    }
+  }
+}
+
+int round_k(int k) { return (k + KT - 1) / KT * KT; }
+
+// dtp and cs of this chunk into shared memory (after prep ran).
+void load_chunk() {
+  if (lid < L) {
+    const uint o = uint((i * pc.H + h) * pc.T + t0 + lid);
+    sCs[lid] = lid < len ? FBuf(pc.scr).v[o_cs + o] : 0.0;
+    sDtp[lid] = lid < len ? FBuf(pc.scr).v[o_dtp + o] : 0.0;
+  }
+  barrier();
+}
+
+// sM[t][s] = CB[t][s] e^{cs_t - cs_s} (s <= t < len, else 0).
+void load_m() {
+  const uint ob = o_cb + uint((i * pc.G + g) * pc.nc + c) * uint(L * L);
+  for (int e = lid; e < L * L; e += 256) {
+    const int t = e / L, s = e % L;
+    sM[t][s] = (s <= t && t < len) ? FBuf(pc.scr).v[ob + uint(e)] * exp(sCs[t] - sCs[s]) : 0.0;
+  }
+}
+
+// y of rows t (tile channels p0..): e^{cs_t} C_t h_in^T + sM u.
+void compute_y() {
+  clear_acc();
+  mma(C_TN, HIN_PN, round_k(pc.N));
+  [[unroll]] for (int a = 0; a < 4; ++a) {
+    const int t = ty + 16 * a;
+    const float e = t < len ? exp(sCs[t]) : 0.0;
+    [[unroll]] for (int b = 0; b < 4; ++b) acc[a][b] *= e;
+  }
+  mma_m(false, U_SP, round_k(len));
+}
+
+void main() {
+  lid = int(gl_LocalInvocationIndex);
+  tx = lid % 16;
+  ty = lid / 16;
+  const int S = pc.S, T = pc.T, H = pc.H, P = pc.P, N = pc.N, nc = pc.nc;
+  hpg = H / pc.G;
+  const int npt = (P + L - 1) / L, nnt = (N + L - 1) / L;
+  // scratch layout (floats), see csrc/ops/ssm.cpp
+  const uint sht = uint(S * H * T), nst = uint(S * H * P * N), nbc = uint(H) * uint(S * T * N);
+  o_dtp = 0u;
+  o_cs = sht;
+  o_cb = 2u * sht;
+  o_hin = o_cb + uint(S * pc.G * nc) * uint(L * L);
+  o_lam = o_hin + nst * uint(nc);
+  o_dsi = o_lam + nst * uint(nc);
+  o_dbp = o_dsi + nst;
+  o_dcp = o_dbp + nbc;
+  o_q = o_dcp + nbc;
+  o_xd = o_q + uint(npt) * sht;
+  o_e = o_xd + uint(npt) * sht;
+  o_dap = o_e + uint(S * H * nc * npt);
+  FBuf sc = FBuf(pc.scr);
+  const uint wg = group_index();
+
+  if (MODE == 3) {  // ---- pass: one thread per state element ---------------------------
+    const uint PN = uint(P * N), e = wg * 256u + uint(lid);
+    if (e >= uint(S * H) * PN) return;
+    const uint pn = e % PN, ih = e / PN;
+    i = int(ih) / H;
+    h = int(ih) % H;
+    const uint ocs = o_cs + ih * uint(T);
+    if (VAR < 2) {
+      int row = IBuf(pc.ids).v[i];
+      const bool bad = row < 0 || row >= pc.R;
+      if (bad && pn == 0u) set_error(pc.err, VAR == 0 ? ERR_SSM_SCAN : ERR_SSM_SCAN_BACK);
+      float hc = bad ? 0.0 : FBuf(pc.s).v[uint(row * H + h) * PN + pn];
+      for (int k = 0; k < nc; ++k) {
+        const uint o = o_hin + (ih * uint(nc) + uint(k)) * PN + pn;
+        const float local = sc.v[o];
+        sc.v[o] = hc;
+        hc = exp(sc.v[ocs + uint(min(T, k * L + L) - 1)]) * hc + local;
+      }
+      if (VAR == 0) FBuf(pc.out_).v[uint(S * T * H * P) + ih * PN + pn] = bad ? 0.0 : hc;
+    } else {
+      float lc = FBuf(pc.gr).v[uint(S * T * H * P) + ih * PN + pn];
+      for (int k = nc - 1; k >= 0; --k) {
+        const uint o = o_lam + (ih * uint(nc) + uint(k)) * PN + pn;
+        const float local = sc.v[o];
+        sc.v[o] = lc;
+        lc = exp(sc.v[ocs + uint(min(T, k * L + L) - 1)]) * lc + local;
+      }
+      sc.v[o_dsi + ih * PN + pn] = lc;
+    }
+    return;
+  }
+
+  // ---- the per-chunk modes: decode the workgroup -----------------------------------------
+  uint rest = wg;
+  int pt = 0, nt = 0;
+  if (MODE == 2 || MODE == 5) {
+    nt = int(rest % uint(nnt));
+    rest /= uint(nnt);
+  }
+  if (MODE == 2 || MODE == 4 || MODE == 6) {
+    pt = int(rest % uint(npt));
+    rest /= uint(npt);
+  }
+  c = int(rest % uint(nc));
+  rest /= uint(nc);
+  if (MODE == 1) {
+    g = int(rest % uint(pc.G));
+    i = int(rest / uint(pc.G));
+    h = g * hpg;
+  } else {
+    h = int(rest % uint(H));
+    i = int(rest / uint(H));
+    g = h / hpg;
+  }
+  if (i >= S) return;  // past the grid's end: the whole workgroup
+  p0 = pt * L;
+  n0 = nt * L;
+  t0 = c * L;
+  len = min(L, T - t0);
+  slot = uint((i * H + h) * nc + c);
+  const uint ih = uint(i * H + h);
+
+  if (MODE == 0) {  // ---- prep ------------------------------------------------------------
+    float a = 0.0;
+    if (lid < len) {
+      const float dtp = softplus(FBuf(pc.dt).v[(i * T + t0 + lid) * H + h]);
+      a = dtp * FBuf(pc.A).v[h];
+      sc.v[o_dtp + ih * uint(T) + uint(t0 + lid)] = dtp;
+    }
+    if (lid < L) sCs[lid] = a;
+    barrier();
+    if (lid < len) {
+      float cs = 0.0;
+      for (int k = 0; k <= lid; ++k) cs += sCs[k];
+      sc.v[o_cs + ih * uint(T) + uint(t0 + lid)] = cs;
+    }
+    return;
+  }
+
+  if (MODE == 1) {  // ---- cb --------------------------------------------------------------
+    clear_acc();
+    mma(C_TN, B_TN, round_k(N));
+    const uint ob = o_cb + uint((i * pc.G + g) * nc + c) * uint(L * L);
+    [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
+      const int t = ty + 16 * a, s = tx + 16 * b;
+      sc.v[ob + uint(t * L + s)] = (s <= t && t < len) ? acc[a][b] : 0.0;
+    }
+    return;
+  }
+
+  load_chunk();
+
+  if (MODE == 2) {  // ---- chunk-local state / state gradient ------------------------------
+    clear_acc();
+    if (VAR == 0)
+      mma(X_W, B_SN, round_k(len));
+    else
+      mma(DY_W, C_SN, round_k(len));
+    const uint o = (VAR == 0 ? o_hin : o_lam) + slot * uint(P * N);
+    [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
+      const int p = p0 + ty + 16 * a, n = n0 + tx + 16 * b;
+      if (p < P && n < N) sc.v[o + uint(p * N + n)] = acc[a][b];
+    }
+    return;
+  }
+
+  if (MODE == 4 || MODE == 6) {  // ---- y (and du) -------------------------------------------
+    load_m();
+    compute_y();
+    float y[4][4];
+    y = acc;
+    if (MODE == 4) {
+      const int row = IBuf(pc.ids).v[i];
+      const bool bad = row < 0 || row >= pc.R;
+      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
+        const int t = ty + 16 * a, p = p0 + tx + 16 * b;
+        if (t < len && p < P) FBuf(pc.out_).v[(i * T + t0 + t) * H * P + h * P + p] = bad ? 0.0 : y[a][b];
+      }
+      return;
+    }
+    clear_acc();
+    mma_m(true, DY_SP, round_k(len));  // sum_t M_ts (C_t . B_s) dy_t
+    float du[4][4];
+    du = acc;
+    clear_acc();
+    mma(B_TN, LAM_PN, round_k(N));  // lam B_s^T
+    const float csl = sCs[len - 1];
+    float qv[4], xv[4], ev = 0.0;
+    [[unroll]] for (int a = 0; a < 4; ++a) {
+      const int s = ty + 16 * a;
+      const float w = s < len ? exp(csl - sCs[s]) : 0.0;
+      qv[a] = 0.0;
+      xv[a] = 0.0;
+      [[unroll]] for (int b = 0; b < 4; ++b) {
+        const int p = p0 + tx + 16 * b;
+        if (s < len && p < P) {
+          const float v = acc[a][b] * w, d = du[a][b] + v;
+          const float x = ld_x(pc.x, s, p), u = sDtp[s] * x;
+          FBuf(pc.out_).v[(i * T + t0 + s) * H * P + h * P + p] = d * sDtp[s];
+          qv[a] += ld_x(pc.gr, s, p) * y[a][b] - u * d;
+          xv[a] += d * x;
+          ev += u * v;
+        }
+      }
+    }
+    // <lam, h_in> over the tile's channels
+    float lh = 0.0;
+    const int np = min(L, P - p0);
+    for (int e = lid; e < np * N; e += 256) {
+      const int p = p0 + e / N, n = e % N;
+      lh += ld_st(o_lam, p, n) * ld_st(o_hin, p, n);
+    }
+    ev += exp(csl) * lh;
+    // fixed-order sums over the 16 column threads (rows) and the 256 threads (ev)
+    barrier();
+    [[unroll]] for (int a = 0; a < 4; ++a) {
+      sA[tx][ty + 16 * a] = qv[a];
+      sB[tx][ty + 16 * a] = xv[a];
+    }
+    sM[lid / L][lid % L] = ev;
+    barrier();
+    if (lid < L) {
+      float q = 0.0, xs = 0.0;
+      for (int k = 0; k < 16; ++k) {
+        q += sA[k][lid];
+        xs += sB[k][lid];
+      }
+      if (lid < len) {
+        const uint o = (ih * uint(npt) + uint(pt)) * uint(T) + uint(t0 + lid);
+        sc.v[o_q + o] = q;
+        sc.v[o_xd + o] = xs;
+      }
+    }
+    if (lid == 0) {
+      float e = 0.0;
+      for (int k = 0; k < 256; ++k) e += sM[k / L][k % L];
+      sc.v[o_e + slot * uint(npt) + uint(pt)] = e;
+    }
+    return;
+  }
+
+  if (MODE == 5) {  // ---- dC, dB of this head -----------------------------------------------
+    clear_acc();
+    mma(DY_TP, U_TP, round_k(P));  // dy_t . u_s
+    barrier();
+    [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
+      const int t = ty + 16 * a, s = tx + 16 * b;
+      sM[t][s] = (s <= t && t < len) ? acc[a][b] * exp(sCs[t] - sCs[s]) : 0.0;
+    }
+    const int j = h - g * hpg;
+    const uint opart = uint(((j * S + i) * T + t0) * pc.G + g) * uint(N);
+    clear_acc();
+    mma(DY_TP, HIN_KN, round_k(P));  // dy_t h_in
+    [[unroll]] for (int a = 0; a < 4; ++a) {
+      const int t = ty + 16 * a;
+      const float e = t < len ? exp(sCs[t]) : 0.0;
+      [[unroll]] for (int b = 0; b < 4; ++b) acc[a][b] *= e;
+    }
+    mma_m(false, B_SN, round_k(len));
+    [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
+      const int t = ty + 16 * a, n = n0 + tx + 16 * b;
+      if (t < len && n < N) sc.v[o_dcp + opart + uint(t * pc.G * N + n)] = acc[a][b];
+    }
+    clear_acc();
+    mma(U_TP, LAM_KN, round_k(P));  // u_s lam
+    const float csl = sCs[len - 1];
+    [[unroll]] for (int a = 0; a < 4; ++a) {
+      const int s = ty + 16 * a;
+      const float e = s < len ? exp(csl - sCs[s]) : 0.0;
+      [[unroll]] for (int b = 0; b < 4; ++b) acc[a][b] *= e;
+    }
+    mma_m(true, C_SN, round_k(len));
+    [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
+      const int s = ty + 16 * a, n = n0 + tx + 16 * b;
+      if (s < len && n < N) sc.v[o_dbp + opart + uint(s * pc.G * N + n)] = acc[a][b];
+    }
+    return;
+  }
+
+  // ---- MODE 7: decay gradients ------------------------------------------------------------
+  float e = 0.0;
+  for (int k = 0; k < npt; ++k) e += sc.v[o_e + slot * uint(npt) + uint(k)];
+  float q = 0.0, xs = 0.0;
+  if (lid < len)
+    for (int k = 0; k < npt; ++k) {
+      const uint o = (ih * uint(npt) + uint(k)) * uint(T) + uint(t0 + lid);
+      q += sc.v[o_q + o];
+      xs += sc.v[o_xd + o];
+    }
+  if (lid < L) sA[0][lid] = q;
+  barrier();
+  float da = e;
+  if (lid < len)
+    for (int k = len - 1; k >= lid; --k) da += sA[0][k];
+  if (lid < len) {
+    const int o = (i * T + t0 + lid) * H + h;
+    const float ddtp = da * FBuf(pc.A).v[h] + xs;
+    FBuf(pc.out_).v[o] = ddtp * sigmoid_cpu(FBuf(pc.dt).v[o]);
+  }
+  if (lid < L) sB[0][lid] = lid < len ? da * sDtp[lid] : 0.0;
+  barrier();
+  if (lid == 0) {
+    float s = 0.0;
+    for (int k = 0; k < L; ++k) s += sB[0][k];
+    sc.v[o_dap + slot] = s;
+  }
+}
