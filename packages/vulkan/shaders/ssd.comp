@@ -29,8 +29,8 @@
 //   6 du      per (i, h, chunk, P tile): y again, du -> dx, per-token partial sums over the
 //             tile of dy . y - u . du and du . x, and the tile's part of <lam, h_out>
 //   7 decay   per (i, h, chunk): d a by a reverse sum, ddt, the chunk's part of dA
-// Every matmul is a 64 x 64 output tile for 256 threads (4 x 4 each, rows ty + 16 a, columns
-// tx + 16 b) over K in steps of 16 staged in shared memory. All sums run in a fixed order:
+// Every matmul is a 64 x 64 output tile for 256 threads (4 x 4 each, rows 4 ty + a, columns
+// 4 tx + b) over K in steps of 16 staged in shared memory. All sums run in a fixed order:
 // no atomics, results do not depend on timing.
 #version 450
 #include "common.glsl"
@@ -51,7 +51,9 @@ layout(push_constant) uniform PC {
 } pc;
 
 shared float sCs[L], sDtp[L];
-shared float sA[KT][L], sB[KT][L];
+// vec4: a thread reads its 4 neighbouring rows / columns at once; one vec4 of padding per
+// row keeps the staging stores (16 threads down a column) at 2-way bank conflicts
+shared vec4 sA[KT][L / 4 + 1], sB[KT][L / 4 + 1];
 shared float sM[L][L + 1];
 
 float acc[4][4];
@@ -142,9 +144,9 @@ void stage(int kind, int k0, bool into_a) {
     }
     const float v = fetch(kind, k0 + k, r);
     if (into_a)
-      sA[k][r] = v;
+      sA[k][r >> 2][r & 3] = v;
     else
-      sB[k][r] = v;
+      sB[k][r >> 2][r & 3] = v;
   }
 }
 
@@ -160,9 +162,7 @@ void mma(int akind, int bkind, int K) {
     stage(bkind, k0, false);
     barrier();
     [[unroll]] for (int k = 0; k < KT; ++k) {
-      float av[4], bv[4];
-      [[unroll]] for (int a = 0; a < 4; ++a) av[a] = sA[k][ty + 16 * a];
-      [[unroll]] for (int b = 0; b < 4; ++b) bv[b] = sB[k][tx + 16 * b];
+      const vec4 av = sA[k][ty], bv = sB[k][tx];
       [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) acc[a][b] += av[a] * bv[b];
     }
   }
@@ -175,9 +175,9 @@ void mma_m(bool trans, int bkind, int K) {
     stage(bkind, k0, false);
     barrier();
     [[unroll]] for (int k = 0; k < KT; ++k) {
-      float av[4], bv[4];
-      [[unroll]] for (int a = 0; a < 4; ++a) av[a] = trans ? sM[k0 + k][ty + 16 * a] : sM[ty + 16 * a][k0 + k];
-      [[unroll]] for (int b = 0; b < 4; ++b) bv[b] = sB[k][tx + 16 * b];
+      float av[4];
+      [[unroll]] for (int a = 0; a < 4; ++a) av[a] = trans ? sM[k0 + k][4 * ty + a] : sM[4 * ty + a][k0 + k];
+      const vec4 bv = sB[k][tx];
       [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) acc[a][b] += av[a] * bv[b];
     }
   }
@@ -209,7 +209,7 @@ void compute_y() {
   clear_acc();
   mma(C_TN, HIN_PN, round_k(pc.N));
   [[unroll]] for (int a = 0; a < 4; ++a) {
-    const int t = ty + 16 * a;
+    const int t = 4 * ty + a;
     const float e = t < len ? exp(sCs[t]) : 0.0;
     [[unroll]] for (int b = 0; b < 4; ++b) acc[a][b] *= e;
   }
@@ -324,7 +324,7 @@ void main() {
     mma(C_TN, B_TN, round_k(N));
     const uint ob = o_cb + uint((i * pc.G + g) * nc + c) * uint(L * L);
     [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
-      const int t = ty + 16 * a, s = tx + 16 * b;
+      const int t = 4 * ty + a, s = 4 * tx + b;
       sc.v[ob + uint(t * L + s)] = (s <= t && t < len) ? acc[a][b] : 0.0;
     }
     return;
@@ -340,7 +340,7 @@ void main() {
       mma(DY_W, C_SN, round_k(len));
     const uint o = (VAR == 0 ? o_hin : o_lam) + slot * uint(P * N);
     [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
-      const int p = p0 + ty + 16 * a, n = n0 + tx + 16 * b;
+      const int p = p0 + 4 * ty + a, n = n0 + 4 * tx + b;
       if (p < P && n < N) sc.v[o + uint(p * N + n)] = acc[a][b];
     }
     return;
@@ -355,7 +355,7 @@ void main() {
       const int row = IBuf(pc.ids).v[i];
       const bool bad = row < 0 || row >= pc.R;
       [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
-        const int t = ty + 16 * a, p = p0 + tx + 16 * b;
+        const int t = 4 * ty + a, p = p0 + 4 * tx + b;
         if (t < len && p < P) FBuf(pc.out_).v[(i * T + t0 + t) * H * P + h * P + p] = bad ? 0.0 : y[a][b];
       }
       return;
@@ -369,12 +369,12 @@ void main() {
     const float csl = sCs[len - 1];
     float qv[4], xv[4], ev = 0.0;
     [[unroll]] for (int a = 0; a < 4; ++a) {
-      const int s = ty + 16 * a;
+      const int s = 4 * ty + a;
       const float w = s < len ? exp(csl - sCs[s]) : 0.0;
       qv[a] = 0.0;
       xv[a] = 0.0;
       [[unroll]] for (int b = 0; b < 4; ++b) {
-        const int p = p0 + tx + 16 * b;
+        const int p = p0 + 4 * tx + b;
         if (s < len && p < P) {
           const float v = acc[a][b] * w, d = du[a][b] + v;
           const float x = ld_x(pc.x, s, p), u = sDtp[s] * x;
@@ -396,16 +396,16 @@ void main() {
     // fixed-order sums over the 16 column threads (rows) and the 256 threads (ev)
     barrier();
     [[unroll]] for (int a = 0; a < 4; ++a) {
-      sA[tx][ty + 16 * a] = qv[a];
-      sB[tx][ty + 16 * a] = xv[a];
+      sM[tx][4 * ty + a] = qv[a];
+      sM[16 + tx][4 * ty + a] = xv[a];
     }
-    sM[lid / L][lid % L] = ev;
+    sM[32 + lid / L][lid % L] = ev;
     barrier();
     if (lid < L) {
       float q = 0.0, xs = 0.0;
       for (int k = 0; k < 16; ++k) {
-        q += sA[k][lid];
-        xs += sB[k][lid];
+        q += sM[k][lid];
+        xs += sM[16 + k][lid];
       }
       if (lid < len) {
         const uint o = (ih * uint(npt) + uint(pt)) * uint(T) + uint(t0 + lid);
@@ -415,7 +415,7 @@ void main() {
     }
     if (lid == 0) {
       float e = 0.0;
-      for (int k = 0; k < 256; ++k) e += sM[k / L][k % L];
+      for (int k = 0; k < 256; ++k) e += sM[32 + k / L][k % L];
       sc.v[o_e + slot * uint(npt) + uint(pt)] = e;
     }
     return;
@@ -426,7 +426,7 @@ void main() {
     mma(DY_TP, U_TP, round_k(P));  // dy_t . u_s
     barrier();
     [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
-      const int t = ty + 16 * a, s = tx + 16 * b;
+      const int t = 4 * ty + a, s = 4 * tx + b;
       sM[t][s] = (s <= t && t < len) ? acc[a][b] * exp(sCs[t] - sCs[s]) : 0.0;
     }
     const int j = h - g * hpg;
@@ -434,26 +434,26 @@ void main() {
     clear_acc();
     mma(DY_TP, HIN_KN, round_k(P));  // dy_t h_in
     [[unroll]] for (int a = 0; a < 4; ++a) {
-      const int t = ty + 16 * a;
+      const int t = 4 * ty + a;
       const float e = t < len ? exp(sCs[t]) : 0.0;
       [[unroll]] for (int b = 0; b < 4; ++b) acc[a][b] *= e;
     }
     mma_m(false, B_SN, round_k(len));
     [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
-      const int t = ty + 16 * a, n = n0 + tx + 16 * b;
+      const int t = 4 * ty + a, n = n0 + 4 * tx + b;
       if (t < len && n < N) sc.v[o_dcp + opart + uint(t * pc.G * N + n)] = acc[a][b];
     }
     clear_acc();
     mma(U_TP, LAM_KN, round_k(P));  // u_s lam
     const float csl = sCs[len - 1];
     [[unroll]] for (int a = 0; a < 4; ++a) {
-      const int s = ty + 16 * a;
+      const int s = 4 * ty + a;
       const float e = s < len ? exp(csl - sCs[s]) : 0.0;
       [[unroll]] for (int b = 0; b < 4; ++b) acc[a][b] *= e;
     }
     mma_m(true, C_SN, round_k(len));
     [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
-      const int s = ty + 16 * a, n = n0 + tx + 16 * b;
+      const int s = 4 * ty + a, n = n0 + 4 * tx + b;
       if (s < len && n < N) sc.v[o_dbp + opart + uint(s * pc.G * N + n)] = acc[a][b];
     }
     return;
@@ -469,21 +469,21 @@ void main() {
       q += sc.v[o_q + o];
       xs += sc.v[o_xd + o];
     }
-  if (lid < L) sA[0][lid] = q;
+  if (lid < L) sM[0][lid] = q;
   barrier();
   float da = e;
   if (lid < len)
-    for (int k = len - 1; k >= lid; --k) da += sA[0][k];
+    for (int k = len - 1; k >= lid; --k) da += sM[0][k];
   if (lid < len) {
     const int o = (i * T + t0 + lid) * H + h;
     const float ddtp = da * FBuf(pc.A).v[h] + xs;
     FBuf(pc.out_).v[o] = ddtp * sigmoid_cpu(FBuf(pc.dt).v[o]);
   }
-  if (lid < L) sB[0][lid] = lid < len ? da * sDtp[lid] : 0.0;
+  if (lid < L) sM[1][lid] = lid < len ? da * sDtp[lid] : 0.0;
   barrier();
   if (lid == 0) {
     float s = 0.0;
-    for (int k = 0; k < L; ++k) s += sB[0][k];
+    for (int k = 0; k < L; ++k) s += sM[1][k];
     sc.v[o_dap + slot] = s;
   }
 }
