@@ -25,9 +25,10 @@
 //             state, VAR 1 is the backward's recomputation), VAR 2 backward (slot c of lam
 //             becomes the gradient of the state leaving chunk c; d s_init per sequence)
 //   4 y       per (i, h, chunk, P tile): y
-//   5 dcdb    per (i, h, chunk, N tile): this head's dC, dB (summed over heads later)
-//   6 du      per (i, h, chunk, P tile): y again, du -> dx, per-token partial sums over the
-//             tile of dy . y - u . du and du . x, and the tile's part of <lam, h_out>
+//   5 dcdb    per (i, h, chunk): this head's dC, dB (all N tiles in turn; summed over the
+//             heads of a group later) and dy_t . y_t per token
+//   6 du      per (i, h, chunk, P tile): du -> dx, per-token partial sums over the tile of
+//             -u . du and du . x, and the tile's part of <lam, h_out>
 //   7 decay   per (i, h, chunk): d a by a reverse sum, ddt, the chunk's part of dA
 // Every matmul is a 64 x 64 output tile for 256 threads (4 x 4 each, rows 4 ty + a, columns
 // 4 tx + b) over K in steps of 16 staged in shared memory. All sums run in a fixed order:
@@ -59,7 +60,7 @@ shared float sM[L][L + 1];
 float acc[4][4];
 int lid, tx, ty;
 int i, h, g, c, t0, len, p0, n0, hpg;
-uint o_dtp, o_cs, o_cb, o_hin, o_lam, o_dsi, o_dbp, o_dcp, o_q, o_xd, o_e, o_dap;
+uint o_dtp, o_cs, o_cb, o_hin, o_lam, o_dsi, o_dbp, o_dcp, o_qy, o_q, o_xd, o_e, o_dap;
 uint slot;  // (i, h, c) chunk slot: hin / lam of this chunk start at slot * P * N
 
 // softplus as the CPU computes it (log1p by the atanh series).
@@ -233,7 +234,8 @@ void main() {
   o_dsi = o_lam + nst * uint(nc);
   o_dbp = o_dsi + nst;
   o_dcp = o_dbp + nbc;
-  o_q = o_dcp + nbc;
+  o_qy = o_dcp + nbc;
+  o_q = o_qy + sht;
   o_xd = o_q + uint(npt) * sht;
   o_e = o_xd + uint(npt) * sht;
   o_dap = o_e + uint(S * H * nc * npt);
@@ -275,7 +277,7 @@ void main() {
   // ---- the per-chunk modes: decode the workgroup -----------------------------------------
   uint rest = wg;
   int pt = 0, nt = 0;
-  if (MODE == 2 || MODE == 5) {
+  if (MODE == 2) {
     nt = int(rest % uint(nnt));
     rest /= uint(nnt);
   }
@@ -346,17 +348,15 @@ void main() {
     return;
   }
 
-  if (MODE == 4 || MODE == 6) {  // ---- y (and du) -------------------------------------------
+  if (MODE == 4 || MODE == 6) {  // ---- y / du ----------------------------------------------
     load_m();
-    compute_y();
-    float y[4][4];
-    y = acc;
     if (MODE == 4) {
+      compute_y();
       const int row = IBuf(pc.ids).v[i];
       const bool bad = row < 0 || row >= pc.R;
       [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
         const int t = 4 * ty + a, p = p0 + 4 * tx + b;
-        if (t < len && p < P) FBuf(pc.out_).v[(i * T + t0 + t) * H * P + h * P + p] = bad ? 0.0 : y[a][b];
+        if (t < len && p < P) FBuf(pc.out_).v[(i * T + t0 + t) * H * P + h * P + p] = bad ? 0.0 : acc[a][b];
       }
       return;
     }
@@ -379,7 +379,7 @@ void main() {
           const float v = acc[a][b] * w, d = du[a][b] + v;
           const float x = ld_x(pc.x, s, p), u = sDtp[s] * x;
           FBuf(pc.out_).v[(i * T + t0 + s) * H * P + h * P + p] = d * sDtp[s];
-          qv[a] += ld_x(pc.gr, s, p) * y[a][b] - u * d;
+          qv[a] -= u * d;
           xv[a] += d * x;
           ev += u * v;
         }
@@ -401,17 +401,15 @@ void main() {
     }
     sM[32 + lid / L][lid % L] = ev;
     barrier();
-    if (lid < L) {
+    if (lid < len) {
       float q = 0.0, xs = 0.0;
       for (int k = 0; k < 16; ++k) {
         q += sM[k][lid];
         xs += sM[16 + k][lid];
       }
-      if (lid < len) {
-        const uint o = (ih * uint(npt) + uint(pt)) * uint(T) + uint(t0 + lid);
-        sc.v[o_q + o] = q;
-        sc.v[o_xd + o] = xs;
-      }
+      const uint o = (ih * uint(npt) + uint(pt)) * uint(T) + uint(t0 + lid);
+      sc.v[o_q + o] = q;
+      sc.v[o_xd + o] = xs;
     }
     if (lid == 0) {
       float e = 0.0;
@@ -421,40 +419,63 @@ void main() {
     return;
   }
 
-  if (MODE == 5) {  // ---- dC, dB of this head -----------------------------------------------
+  if (MODE == 5) {  // ---- dC, dB of this head, and dy_t . y_t -------------------------------
     clear_acc();
     mma(DY_TP, U_TP, round_k(P));  // dy_t . u_s
     barrier();
-    [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
-      const int t = 4 * ty + a, s = 4 * tx + b;
-      sM[t][s] = (s <= t && t < len) ? acc[a][b] * exp(sCs[t] - sCs[s]) : 0.0;
+    // dy_t . y_t = sum_n C_t[n] (e^{cs_t} dy_t h_in)[n] + sum_{s<=t} (C_t . B_s) sM[t][s]
+    float qy[4];
+    const uint ob = o_cb + uint((i * pc.G + g) * nc + c) * uint(L * L);
+    [[unroll]] for (int a = 0; a < 4; ++a) {
+      qy[a] = 0.0;
+      [[unroll]] for (int b = 0; b < 4; ++b) {
+        const int t = 4 * ty + a, s = 4 * tx + b;
+        const float m = (s <= t && t < len) ? acc[a][b] * exp(sCs[t] - sCs[s]) : 0.0;
+        sM[t][s] = m;
+        qy[a] += m * sc.v[ob + uint(t * L + s)];
+      }
     }
     const int j = h - g * hpg;
     const uint opart = uint(((j * S + i) * T + t0) * pc.G + g) * uint(N);
-    clear_acc();
-    mma(DY_TP, HIN_KN, round_k(P));  // dy_t h_in
-    [[unroll]] for (int a = 0; a < 4; ++a) {
-      const int t = 4 * ty + a;
-      const float e = t < len ? exp(sCs[t]) : 0.0;
-      [[unroll]] for (int b = 0; b < 4; ++b) acc[a][b] *= e;
-    }
-    mma_m(false, B_SN, round_k(len));
-    [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
-      const int t = 4 * ty + a, n = n0 + 4 * tx + b;
-      if (t < len && n < N) sc.v[o_dcp + opart + uint(t * pc.G * N + n)] = acc[a][b];
-    }
-    clear_acc();
-    mma(U_TP, LAM_KN, round_k(P));  // u_s lam
     const float csl = sCs[len - 1];
-    [[unroll]] for (int a = 0; a < 4; ++a) {
-      const int s = 4 * ty + a;
-      const float e = s < len ? exp(csl - sCs[s]) : 0.0;
-      [[unroll]] for (int b = 0; b < 4; ++b) acc[a][b] *= e;
+    for (int nt = 0; nt < nnt; ++nt) {
+      n0 = nt * L;
+      clear_acc();
+      mma(DY_TP, HIN_KN, round_k(P));  // dy_t h_in
+      [[unroll]] for (int a = 0; a < 4; ++a) {
+        const int t = 4 * ty + a;
+        const float e = t < len ? exp(sCs[t]) : 0.0;
+        [[unroll]] for (int b = 0; b < 4; ++b) {
+          acc[a][b] *= e;
+          qy[a] += acc[a][b] * ld_bc(pc.C, t, n0 + 4 * tx + b);
+        }
+      }
+      mma_m(false, B_SN, round_k(len));
+      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
+        const int t = 4 * ty + a, n = n0 + 4 * tx + b;
+        if (t < len && n < N) sc.v[o_dcp + opart + uint(t * pc.G * N + n)] = acc[a][b];
+      }
+      clear_acc();
+      mma(U_TP, LAM_KN, round_k(P));  // u_s lam
+      [[unroll]] for (int a = 0; a < 4; ++a) {
+        const int s = 4 * ty + a;
+        const float e = s < len ? exp(csl - sCs[s]) : 0.0;
+        [[unroll]] for (int b = 0; b < 4; ++b) acc[a][b] *= e;
+      }
+      mma_m(true, C_SN, round_k(len));
+      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
+        const int s = 4 * ty + a, n = n0 + 4 * tx + b;
+        if (s < len && n < N) sc.v[o_dbp + opart + uint(s * pc.G * N + n)] = acc[a][b];
+      }
     }
-    mma_m(true, C_SN, round_k(len));
-    [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
-      const int s = 4 * ty + a, n = n0 + 4 * tx + b;
-      if (s < len && n < N) sc.v[o_dbp + opart + uint(s * pc.G * N + n)] = acc[a][b];
+    // fixed-order sum of qy over the 16 column threads
+    barrier();
+    [[unroll]] for (int a = 0; a < 4; ++a) sM[tx][4 * ty + a] = qy[a];
+    barrier();
+    if (lid < len) {
+      float q = 0.0;
+      for (int k = 0; k < 16; ++k) q += sM[k][lid];
+      sc.v[o_qy + ih * uint(T) + uint(t0 + lid)] = q;
     }
     return;
   }
@@ -463,6 +484,7 @@ void main() {
   float e = 0.0;
   for (int k = 0; k < npt; ++k) e += sc.v[o_e + slot * uint(npt) + uint(k)];
   float q = 0.0, xs = 0.0;
+  if (lid < len) q = sc.v[o_qy + ih * uint(T) + uint(t0 + lid)];
   if (lid < len)
     for (int k = 0; k < npt; ++k) {
       const uint o = (ih * uint(npt) + uint(k)) * uint(T) + uint(t0 + lid);

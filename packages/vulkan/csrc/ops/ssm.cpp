@@ -325,7 +325,8 @@ struct SsdGeom {
 
 // Scratch (floats, same order as in ssd.comp): dtp, cs (S*H*T each), CB (S*G*nc*64*64),
 // hin (S*H*nc*P*N) | backward: lam (S*H*nc*P*N), d s per sequence (S*H*P*N), dB and dC
-// parts per head of a group (2 * H*S*T*N), per-token partial sums per P tile (2 * npt*S*H*T),
+// parts per head of a group (2 * H*S*T*N), dy . y per token (S*H*T), per-token partial sums
+// per P tile (2 * npt*S*H*T),
 // <lam, h_out> parts (S*H*nc*npt), dA parts (S*H*nc).
 SsdGeom ssd_geom(const ScanDims& d) {
   SsdGeom g;
@@ -334,7 +335,7 @@ SsdGeom ssd_geom(const ScanDims& d) {
   g.nnt = ceil_div(d.N, kChunk);
   const int64_t sht = d.S * d.H * d.T, nst = d.S * d.H * d.P * d.N;
   g.fwd_floats = 2 * sht + d.S * d.G * g.nc * kChunk * kChunk + nst * g.nc;
-  g.back_floats = g.fwd_floats + nst * g.nc + nst + 2 * d.H * d.S * d.T * d.N + 2 * g.npt * sht +
+  g.back_floats = g.fwd_floats + nst * g.nc + nst + 2 * d.H * d.S * d.T * d.N + sht + 2 * g.npt * sht +
                   d.S * d.H * g.nc * g.npt + d.S * d.H * g.nc;
   if (g.back_floats >= (int64_t(1) << 31))
     throw std::runtime_error("ssm_scan (chunked): scratch past 2^31 floats; RECURRA_VK_SSM=seq avoids it");
@@ -390,7 +391,7 @@ void ssd_back_record(NodeCall& c, const ScanDims& d) {
   const int64_t nbc = d.S * d.T * d.G * d.N;
   // scratch offsets the fin passes read (floats)
   const int64_t o_dsi = g.fwd_floats + nst * g.nc, o_dbp = o_dsi + nst, o_dcp = o_dbp + d.H * d.S * d.T * d.N;
-  const int64_t o_dap = o_dcp + d.H * d.S * d.T * d.N + 2 * g.npt * sht + d.S * d.H * g.nc * g.npt;
+  const int64_t o_dap = o_dcp + d.H * d.S * d.T * d.N + sht + 2 * g.npt * sht + d.S * d.H * g.nc * g.npt;
   // packed outputs: ds, dx, ddt, dA, dB, dC
   const uint64_t base = addr(c.dst);
   const uint64_t p_ds = base, p_dx = p_ds + uint64_t(d.R * d.H * d.P * d.N) * 4, p_ddt = p_dx + uint64_t(nx) * 4;
@@ -418,7 +419,7 @@ void ssd_back_record(NodeCall& c, const ScanDims& d) {
   ssd_dispatch(rec, 3, 1, pc, elems, {sr, idr, sc}, {sc});
   ssd_dispatch(rec, 2, 1, pc, chunks * g.npt * g.nnt, {grr, Cr, sc}, {sc});
   ssd_dispatch(rec, 3, 2, pc, elems, {grr, sc}, {sc});
-  ssd_dispatch(rec, 5, 0, pc, chunks * g.nnt, {grr, xr, Br, Cr, sc}, {sc});
+  ssd_dispatch(rec, 5, 0, pc, chunks, {grr, xr, Br, Cr, sc}, {sc});
   ScanPC p6 = pc;
   p6.out = p_dx;
   ssd_dispatch(rec, 6, 0, p6, chunks * g.npt, {grr, xr, Br, Cr, sc}, {sc, out});
