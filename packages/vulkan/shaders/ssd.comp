@@ -133,21 +133,27 @@ float fetch(int kind, int k, int r) {
   }
 }
 
-void stage(int kind, int k0, bool into_a) {
-  for (int e = lid; e < KT * L; e += 256) {
-    int k, r;
-    if (kind < KFAST) {
-      k = e % KT;
-      r = e / KT;
-    } else {
-      r = e % L;
-      k = e / L;
-    }
-    const float v = fetch(kind, k0 + k, r);
+// Element j (< 4) of this thread in a staged K x 64 tile: (k, r).
+ivec2 tile_pos(int kind, int j) {
+  const int e = lid + 256 * j;
+  return kind < KFAST ? ivec2(e % KT, e / KT) : ivec2(e / L, e % L);
+}
+
+// This thread's 4 elements of the tile starting at k0 (loaded into registers ahead of use).
+void fetch4(int kind, int k0, out float v[4]) {
+  [[unroll]] for (int j = 0; j < 4; ++j) {
+    const ivec2 kr = tile_pos(kind, j);
+    v[j] = fetch(kind, k0 + kr.x, kr.y);
+  }
+}
+
+void store4(int kind, float v[4], bool into_a) {
+  [[unroll]] for (int j = 0; j < 4; ++j) {
+    const ivec2 kr = tile_pos(kind, j);
     if (into_a)
-      sA[k][r >> 2][r & 3] = v;
+      sA[kr.x][kr.y >> 2][kr.y & 3] = v[j];
     else
-      sB[k][r >> 2][r & 3] = v;
+      sB[kr.x][kr.y >> 2][kr.y & 3] = v[j];
   }
 }
 
@@ -155,13 +161,21 @@ void clear_acc() {
   [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) acc[a][b] = 0.0;
 }
 
-// acc[r][q] += sum_{k < K} A(k, r) B(k, q), both operands staged from memory.
+// acc[r][q] += sum_{k < K} A(k, r) B(k, q), both operands staged from memory; the next
+// tile's loads are issued before this tile's products (their latency overlaps the maths).
 void mma(int akind, int bkind, int K) {
+  float ra[4], rb[4];
+  fetch4(akind, 0, ra);
+  fetch4(bkind, 0, rb);
   for (int k0 = 0; k0 < K; k0 += KT) {
     barrier();
-    stage(akind, k0, true);
-    stage(bkind, k0, false);
+    store4(akind, ra, true);
+    store4(bkind, rb, false);
     barrier();
+    if (k0 + KT < K) {
+      fetch4(akind, k0 + KT, ra);
+      fetch4(bkind, k0 + KT, rb);
+    }
     [[unroll]] for (int k = 0; k < KT; ++k) {
       const vec4 av = sA[k][ty], bv = sB[k][tx];
       [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) acc[a][b] += av[a] * bv[b];
@@ -171,10 +185,13 @@ void mma(int akind, int bkind, int K) {
 
 // acc[r][q] += sum_{k < K} M(r, k) B(k, q) with M = sM (trans: sM^T), K <= L.
 void mma_m(bool trans, int bkind, int K) {
+  float rb[4];
+  fetch4(bkind, 0, rb);
   for (int k0 = 0; k0 < K; k0 += KT) {
     barrier();
-    stage(bkind, k0, false);
+    store4(bkind, rb, false);
     barrier();
+    if (k0 + KT < K) fetch4(bkind, k0 + KT, rb);
     [[unroll]] for (int k = 0; k < KT; ++k) {
       float av[4];
       [[unroll]] for (int a = 0; a < 4; ++a) av[a] = trans ? sM[k0 + k][4 * ty + a] : sM[4 * ty + a][k0 + k];
