@@ -1,5 +1,5 @@
 // Mamba's recurrent ops: ssm_conv, ssm_conv_back, ssm_scan, ssm_scan_back.
-// Shaders: ssm_conv.comp, ssm_scan.comp, ssm_scan_fin.comp.
+// Shaders: ssm_conv.comp, ssm_scan.comp, ssm_scan_fin.comp, ssd.comp.
 //
 // Shapes (numpy order) and packed results exactly as the core's CPU kernels
 // (packages/core/csrc/ops/ssm_conv.cpp, ssm_scan.cpp; docs/ops.md):
@@ -40,6 +40,26 @@
 // For the Mamba-2 benchmark that is ~16M + 8M + 67M + 8M + 1M floats (~400 MB); storing
 // every state would take 4 GB. Very large d_state (N above ~2500 with 32 KiB of shared
 // memory) does not fit the staging buffers: record() raises then.
+//
+// ssm_scan, chunked (state-space-duality) form: shaders/ssd.comp (algorithm in its header).
+// Taken for one decay per head (A (H, 1), Mamba-2) when T >= 128 (two 64-token chunks);
+// RECURRA_VK_SSM=seq forces the sequential kernels above, =chunk the chunked ones for any
+// Mamba-2 shape (T >= 1), =auto (or unset) the rule above. Any P, N, G, H work (tiles of 64
+// channels / states, partial tiles masked); efficiency is best for P, N multiples of 64 and
+// falls for P or N far below 64 (P = 1 uses 1/64 of a tile); Mamba-1 (A (H, N)) always runs
+// sequentially. Scratch grows as S*H*ceil(T/64)*P*N (the states entering each chunk), with
+// no per-token storage: it is bounded by the sizes, not by a checkpoint interval; the host
+// refuses past 2^31 floats (RECURRA_VK_SSM=seq then still works).
+// Dispatches (256 threads each) for the Mamba-2 benchmark (S 4, T 1024, H 32, P 64, N 128,
+// G 1: nc = 16 chunks, 1 P tile, 2 N tiles; "chunks" = S*H*nc = 2048):
+//   forward   prep 2048 | CB 64 | chunk states 4096 | state pass 4096 (one thread per state
+//             element, 16 chunks in sequence) | y 2048
+//   backward  prep 2048 | CB 64 | chunk states 4096 | state pass 4096 | chunk state grads
+//             4096 | reverse pass 4096 | dC,dB 2048 | du 2048 | decay 2048 | fin: dB,dC 2048,
+//             dA 1, ds 4096
+// Scratch (floats; sht = S*H*T, nst = S*H*P*N): forward 2*sht + S*G*nc*64*64 + nc*nst
+// = 17.3M (69 MB); backward adds nc*nst (state gradients) + nst + 2*H*S*T*N (dB, dC per
+// head) + (1 + 2*npt)*sht + (1 + npt)*S*H*nc (npt = P tiles): 69.1M floats (276 MB) here.
 #include <algorithm>
 #include <cstdlib>
 #include <cmath>
