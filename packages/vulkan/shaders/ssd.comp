@@ -271,20 +271,34 @@ void main() {
       const bool bad = row < 0 || row >= pc.R;
       if (bad && pn == 0u) set_error(pc.err, VAR == 0 ? ERR_SSM_SCAN : ERR_SSM_SCAN_BACK);
       float hc = bad ? 0.0 : FBuf(pc.s).v[uint(row * H + h) * PN + pn];
-      for (int k = 0; k < nc; ++k) {
-        const uint o = o_hin + (ih * uint(nc) + uint(k)) * PN + pn;
-        const float local = sc.v[o];
-        sc.v[o] = hc;
-        hc = exp(sc.v[ocs + uint(min(T, k * L + L) - 1)]) * hc + local;
+      for (int k0 = 0; k0 < nc; k0 += 4) {  // 4 chunks' loads in flight at once
+        float local[4], decay[4];
+        [[unroll]] for (int j = 0; j < 4; ++j) {
+          const int k = min(k0 + j, nc - 1);
+          local[j] = sc.v[o_hin + (ih * uint(nc) + uint(k)) * PN + pn];
+          decay[j] = exp(sc.v[ocs + uint(min(T, k * L + L) - 1)]);
+        }
+        [[unroll]] for (int j = 0; j < 4; ++j)
+          if (k0 + j < nc) {
+            sc.v[o_hin + (ih * uint(nc) + uint(k0 + j)) * PN + pn] = hc;
+            hc = decay[j] * hc + local[j];
+          }
       }
       if (VAR == 0) FBuf(pc.out_).v[uint(S * T * H * P) + ih * PN + pn] = bad ? 0.0 : hc;
     } else {
       float lc = FBuf(pc.gr).v[uint(S * T * H * P) + ih * PN + pn];
-      for (int k = nc - 1; k >= 0; --k) {
-        const uint o = o_lam + (ih * uint(nc) + uint(k)) * PN + pn;
-        const float local = sc.v[o];
-        sc.v[o] = lc;
-        lc = exp(sc.v[ocs + uint(min(T, k * L + L) - 1)]) * lc + local;
+      for (int k0 = nc - 1; k0 >= 0; k0 -= 4) {
+        float local[4], decay[4];
+        [[unroll]] for (int j = 0; j < 4; ++j) {
+          const int k = max(k0 - j, 0);
+          local[j] = sc.v[o_lam + (ih * uint(nc) + uint(k)) * PN + pn];
+          decay[j] = exp(sc.v[ocs + uint(min(T, k * L + L) - 1)]);
+        }
+        [[unroll]] for (int j = 0; j < 4; ++j)
+          if (k0 - j >= 0) {
+            sc.v[o_lam + (ih * uint(nc) + uint(k0 - j)) * PN + pn] = lc;
+            lc = decay[j] * lc + local[j];
+          }
       }
       sc.v[o_dsi + ih * PN + pn] = lc;
     }
