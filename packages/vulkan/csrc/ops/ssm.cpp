@@ -48,8 +48,10 @@
 // channels / states, partial tiles masked); efficiency is best for P, N multiples of 64 and
 // falls for P or N far below 64 (P = 1 uses 1/64 of a tile); Mamba-1 (A (H, N)) always runs
 // sequentially. Scratch grows as S*H*ceil(T/64)*P*N (the states entering each chunk), with
-// no per-token storage: it is bounded by the sizes, not by a checkpoint interval; the host
-// refuses past 2^31 floats (RECURRA_VK_SSM=seq then still works).
+// no per-token storage; past 2^31 floats (32-bit offsets), or on a device with less than
+// ~26 KB of shared memory, the sequential kernels run instead. A <= 0 (Mamba's -exp(A_log))
+// makes every exponent in the chunked form <= 0 (no overflow, at most underflow to 0); with
+// a positive A the recurrence itself grows exponentially, and both paths can overflow.
 // Dispatches (256 threads each) for the Mamba-2 benchmark (S 4, T 1024, H 32, P 64, N 128,
 // G 1: nc = 16 chunks, 1 P tile, 2 N tiles; "chunks" = S*H*nc = 2048):
 //   forward   prep 2048 | CB 64 | chunk states 4096 | state pass 4096 (one thread per state
@@ -324,20 +326,6 @@ struct FinPC {
 
 constexpr int64_t kChunk = 64;  // chunk length = tile edge of ssd.comp
 
-// RECURRA_VK_SSM: "seq" forces the sequential kernels, "chunk" the chunked ones wherever
-// they apply (one decay per head); "" or "auto": chunked for one decay per head and
-// T >= 2 chunks.
-bool use_chunked(const ScanDims& d) {
-  if (d.NA != 1 || d.T < 1) return false;
-  const char* env = std::getenv("RECURRA_VK_SSM");
-  const std::string v = env ? env : "";
-  if (v == "seq") return false;
-  if (v == "chunk") return true;
-  if (!v.empty() && v != "auto")
-    fail_invalid("RECURRA_VK_SSM=" + v + ": unknown ssm_scan path (expected auto, seq or chunk)");
-  return d.T >= 2 * kChunk;
-}
-
 struct SsdGeom {
   int64_t nc, npt, nnt;
   int64_t fwd_floats, back_floats;  // scratch
@@ -346,8 +334,7 @@ struct SsdGeom {
 // Scratch (floats, same order as in ssd.comp): dtp, cs (S*H*T each), CB (S*G*nc*64*64),
 // hin (S*H*nc*P*N) | backward: lam (S*H*nc*P*N), d s per sequence (S*H*P*N), dB and dC
 // parts per head of a group (2 * H*S*T*N), dy . y per token (S*H*T), per-token partial sums
-// per P tile (2 * npt*S*H*T),
-// <lam, h_out> parts (S*H*nc*npt), dA parts (S*H*nc).
+// per P tile (2 * npt*S*H*T), <lam, h_out> parts (S*H*nc*npt), dA parts (S*H*nc).
 SsdGeom ssd_geom(const ScanDims& d) {
   SsdGeom g;
   g.nc = ceil_div(d.T, kChunk);
@@ -357,9 +344,24 @@ SsdGeom ssd_geom(const ScanDims& d) {
   g.fwd_floats = 2 * sht + d.S * d.G * g.nc * kChunk * kChunk + nst * g.nc;
   g.back_floats = g.fwd_floats + nst * g.nc + nst + 2 * d.H * d.S * d.T * d.N + sht + 2 * g.npt * sht +
                   d.S * d.H * g.nc * g.npt + d.S * d.H * g.nc;
-  if (g.back_floats >= (int64_t(1) << 31))
-    throw std::runtime_error("ssm_scan (chunked): scratch past 2^31 floats; RECURRA_VK_SSM=seq avoids it");
   return g;
+}
+
+// ssd.comp's shared memory: cs, dtp, two staged 16 x 68 tiles, one 64 x 65 matrix.
+constexpr uint32_t kSsdShared = 4 * (2 * 64 + 2 * 16 * 68 + 64 * 65);
+
+// RECURRA_VK_SSM: "seq" forces the sequential kernels, "chunk" the chunked ones wherever
+// they apply; "" or "auto": chunked from T >= 2 chunks. They apply to one decay per head,
+// T >= 1, scratch below 2^31 floats (32-bit offsets) and devices with the shared memory
+// of ssd.comp (~26 KB; Vulkan guarantees only 16 KB); elsewhere the sequential kernels run.
+bool use_chunked(const ScanDims& d, Device& dev) {
+  const char* env = std::getenv("RECURRA_VK_SSM");
+  const std::string v = env ? env : "";
+  if (!v.empty() && v != "auto" && v != "seq" && v != "chunk")
+    fail_invalid("RECURRA_VK_SSM=" + v + ": unknown ssm_scan path (expected auto, seq or chunk)");
+  if (v == "seq" || d.NA != 1 || d.T < 1) return false;
+  if (ssd_geom(d).back_floats >= (int64_t(1) << 31) || limits_of(dev).shmem < kSsdShared) return false;
+  return v == "chunk" || d.T >= 2 * kChunk;
 }
 
 std::vector<int32_t> ssd_spec(int mode, int var = 0) { return {mode, var}; }
@@ -474,7 +476,7 @@ void scan_record(NodeCall& c) {
   scan_dims(c.node, 0, &d);
   if (d.S == 0) return;
   Recorder& rec = c.rec;
-  if (use_chunked(d)) return ssd_record(c, d);
+  if (use_chunked(d, rec.device())) return ssd_record(c, d);
   const Limits lim = limits_of(rec.device());
   const ScanLayout l = scan_layout(d, false, lim);
   ScanPC pc{};
@@ -501,7 +503,7 @@ void scan_back_record(NodeCall& c) {
   ScanDims d;
   scan_dims(c.node, 1, &d);
   Recorder& rec = c.rec;
-  if (d.S > 0 && use_chunked(d)) return ssd_back_record(c, d);
+  if (d.S > 0 && use_chunked(d, rec.device())) return ssd_back_record(c, d);
   const Limits lim = limits_of(rec.device());
   const ScanLayout l = scan_layout(d, true, lim);
   const bool pern = d.NA != 1;
