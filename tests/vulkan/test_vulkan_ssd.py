@@ -138,6 +138,20 @@ def test_chunked_matches_cpu(R, S, T, H, P, N, G, ids, monkeypatch):
         assert np.all(ds[unused] == 0)
 
 
+@pytest.mark.parametrize("hblk", [1, 2, 4])
+def test_head_blocks(hblk, monkeypatch):
+    """dC/dB workgroups that own 1, 2 or 4 heads of a group (RECURRA_VK_SSD_HBLK; by default
+    the block grows only at large sizes): same results; 4 heads per group, two groups,
+    N past one tile."""
+    monkeypatch.setenv("RECURRA_VK_SSD_HBLK", str(hblk))
+    srcs = inputs(3, 2, 150, 8, 16, 70, 2, [2, 0], seed=21)
+    want = cpu("ssm_scan", srcs)
+    grad = rand(np.random.default_rng(22), want.size)
+    want_b = cpu("ssm_scan_back", [grad, *srcs])
+    got_b = vk("ssm_scan_back", [grad, *srcs], want_b.size, "chunk", monkeypatch)
+    assert_close("ssm_scan_back", got_b, want_b, sizes_back(srcs))
+
+
 def test_chunked_and_sequential_agree_and_differ(monkeypatch):
     """Both paths on the same inputs: equal within the tolerance, yet not bitwise equal (the
     override really switches the kernels: the chunked form adds in another order)."""

@@ -25,8 +25,8 @@
 //             state, VAR 1 is the backward's recomputation), VAR 2 backward (slot c of lam
 //             becomes the gradient of the state leaving chunk c; d s_init per sequence)
 //   4 y       per (i, h, chunk, P tile): y
-//   5 dcdb    per (i, h, chunk): this head's dC, dB (all N tiles in turn; summed over the
-//             heads of a group later) and dy_t . y_t per token
+//   5 dcdb    per (i, g, block of VAR heads, chunk): the block's dC, dB (all N tiles in
+//             turn; the blocks of a group are summed later) and dy_t . y_t per head and token
 //   6 du      per (i, h, chunk, P tile): du -> dx, per-token partial sums over the tile of
 //             -u . du and du . x, and the tile's part of <lam, h_out>
 //   7 decay   per (i, h, chunk): d a by a reverse sum, ddt, the chunk's part of dA
@@ -49,6 +49,7 @@ layout(push_constant) uniform PC {
   uvec2 out_;  // forward: packed (y, final state); backward: MODE 6 dx, MODE 7 ddt
   uvec2 scr, err;
   int R, S, T, H, P, N, G, nc;
+  int hblk;  // heads per MODE 5 workgroup (divides H / G)
 } pc;
 
 shared float sCs[L], sDtp[L];
@@ -94,15 +95,17 @@ const int HIN_PN = 2;  // hin[p0 + r][k]          r channel, k state
 const int LAM_PN = 3;  // lam[p0 + r][k]
 const int DY_TP = 4;   // dy[t0 + r][k]           r token, k channel
 const int U_TP = 5;    // dtp x[t0 + r][k]
-const int KFAST = 6;
-const int X_W = 6;     // e^{cs_L - cs_k} dtp_k x[t0 + k][p0 + r]
-const int DY_W = 7;    // e^{cs_k} dy[t0 + k][p0 + r]
-const int U_SP = 8;    // dtp_k x[t0 + k][p0 + r]
-const int DY_SP = 9;   // dy[t0 + k][p0 + r]
-const int B_SN = 10;   // B[t0 + k][n0 + r]
-const int C_SN = 11;   // C[t0 + k][n0 + r]
-const int HIN_KN = 12; // hin[k][n0 + r]
-const int LAM_KN = 13; // lam[k][n0 + r]
+const int DYE_TP = 6;  // e^{cs_r} dy[t0 + r][k]
+const int UE_TP = 7;   // e^{cs_L - cs_r} dtp x[t0 + r][k]
+const int KFAST = 8;
+const int X_W = 8;     // e^{cs_L - cs_k} dtp_k x[t0 + k][p0 + r]
+const int DY_W = 9;    // e^{cs_k} dy[t0 + k][p0 + r]
+const int U_SP = 10;   // dtp_k x[t0 + k][p0 + r]
+const int DY_SP = 11;  // dy[t0 + k][p0 + r]
+const int B_SN = 12;   // B[t0 + k][n0 + r]
+const int C_SN = 13;   // C[t0 + k][n0 + r]
+const int HIN_KN = 14; // hin[k][n0 + r]
+const int LAM_KN = 15; // lam[k][n0 + r]
 
 float ld_x(uvec2 buf, int t, int p) {  // x-like (S, T, H, P) at token t0 + t of head h
   return (t < len && p < pc.P) ? FBuf(buf).v[(i * pc.T + t0 + t) * pc.H * pc.P + h * pc.P + p] : 0.0;
@@ -122,6 +125,8 @@ float fetch(int kind, int k, int r) {
     case LAM_PN: return ld_st(o_lam, p0 + r, k);
     case DY_TP: return ld_x(pc.gr, r, k);
     case U_TP: return r < len ? sDtp[r] * ld_x(pc.x, r, k) : 0.0;
+    case DYE_TP: return r < len ? exp(sCs[r]) * ld_x(pc.gr, r, k) : 0.0;
+    case UE_TP: return r < len ? exp(sCs[len - 1] - sCs[r]) * sDtp[r] * ld_x(pc.x, r, k) : 0.0;
     case X_W: return k < len ? exp(sCs[len - 1] - sCs[k]) * sDtp[k] * ld_x(pc.x, k, p0 + r) : 0.0;
     case DY_W: return k < len ? exp(sCs[k]) * ld_x(pc.gr, k, p0 + r) : 0.0;
     case U_SP: return k < len ? sDtp[k] * ld_x(pc.x, k, p0 + r) : 0.0;
@@ -242,7 +247,7 @@ void main() {
   hpg = H / pc.G;
   const int npt = (P + L - 1) / L, nnt = (N + L - 1) / L;
   // scratch layout (floats), see csrc/ops/ssm.cpp
-  const uint sht = uint(S * H * T), nst = uint(S * H * P * N), nbc = uint(H) * uint(S * T * N);
+  const uint sht = uint(S * H * T), nst = uint(S * H * P * N), nbc = uint(hpg / pc.hblk) * uint(S * T * pc.G * N);
   o_dtp = 0u;
   o_cs = sht;
   o_cb = 2u * sht;
@@ -307,7 +312,7 @@ void main() {
 
   // ---- the per-chunk modes: decode the workgroup -----------------------------------------
   uint rest = wg;
-  int pt = 0, nt = 0;
+  int pt = 0, nt = 0, hb = 0;
   if (MODE == 2) {
     nt = int(rest % uint(nnt));
     rest /= uint(nnt);
@@ -318,10 +323,14 @@ void main() {
   }
   c = int(rest % uint(nc));
   rest /= uint(nc);
-  if (MODE == 1) {
+  if (MODE == 1 || MODE == 5) {  // MODE 5: rest = (i, g, head block)
+    if (MODE == 5) {
+      hb = int(rest % uint(hpg / pc.hblk));
+      rest /= uint(hpg / pc.hblk);
+    }
     g = int(rest % uint(pc.G));
     i = int(rest / uint(pc.G));
-    h = g * hpg;
+    h = g * hpg + hb * pc.hblk;
   } else {
     h = int(rest % uint(H));
     i = int(rest / uint(H));
@@ -450,63 +459,77 @@ void main() {
     return;
   }
 
-  if (MODE == 5) {  // ---- dC, dB of this head, and dy_t . y_t -------------------------------
-    clear_acc();
-    mma(DY_TP, U_TP, round_k(P));  // dy_t . u_s
-    barrier();
-    // dy_t . y_t = sum_n C_t[n] (e^{cs_t} dy_t h_in)[n] + sum_{s<=t} (C_t . B_s) sM[t][s]
-    float qy[4];
+  if (MODE == 5) {  // ---- dC, dB of a block of VAR heads, and dy_t . y_t per head --------
+    // Per N tile, the heads of the block in turn: dC = sum_h e^{cs_t} dy_t h_in (operand
+    // scaled as staged) + (sum_h sM_h) B, dB = sum_h e^{cs_L - cs_s} u_s lam + (sum_h sM_h)^T C,
+    // sM_h[t][s] = M_ts (dy_t . u_s) kept in registers (msum): the products with B and C run
+    // once per block. dy . u is recomputed per N tile (cheaper than keeping it per head).
+    const int HB = VAR;  // == pc.hblk
+    const int hfirst = h;
     const uint ob = o_cb + uint((i * pc.G + g) * nc + c) * uint(L * L);
-    [[unroll]] for (int a = 0; a < 4; ++a) {
-      qy[a] = 0.0;
-      [[unroll]] for (int b = 0; b < 4; ++b) {
-        const int t = 4 * ty + a, s = 4 * tx + b;
-        const float m = (s <= t && t < len) ? acc[a][b] * exp(sCs[t] - sCs[s]) : 0.0;
-        sM[t][s] = m;
-        qy[a] += m * sc.v[ob + uint(t * L + s)];
-      }
-    }
-    const int j = h - g * hpg;
-    const uint opart = uint(((j * S + i) * T + t0) * pc.G + g) * uint(N);
-    const float csl = sCs[len - 1];
+    const uint opart = uint(((hb * S + i) * T + t0) * pc.G + g) * uint(N);
+    float qy[4][4];  // [head of the block][row]
+    [[unroll]] for (int jh = 0; jh < 4; ++jh)[[unroll]] for (int a = 0; a < 4; ++a) qy[jh][a] = 0.0;
     for (int nt = 0; nt < nnt; ++nt) {
       n0 = nt * L;
-      clear_acc();
-      mma(DY_TP, HIN_KN, round_k(P));  // dy_t h_in
-      [[unroll]] for (int a = 0; a < 4; ++a) {
-        const int t = 4 * ty + a;
-        const float e = t < len ? exp(sCs[t]) : 0.0;
-        [[unroll]] for (int b = 0; b < 4; ++b) {
-          acc[a][b] *= e;
-          qy[a] += acc[a][b] * ld_bc(pc.C, t, n0 + 4 * tx + b);
+      float accC[4][4], accB[4][4], msum[4][4];
+      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
+        accC[a][b] = 0.0;
+        accB[a][b] = 0.0;
+        msum[a][b] = 0.0;
+      }
+      [[unroll]] for (int jh = 0; jh < 4; ++jh) {
+        if (jh < HB) {
+          h = hfirst + jh;
+          slot = uint((i * H + h) * nc + c);
+          barrier();  // everyone is done with the previous head's cs, dtp
+          load_chunk();
+          clear_acc();
+          mma(DY_TP, U_TP, round_k(P));  // dy_t . u_s
+          [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
+            const int t = 4 * ty + a, s = 4 * tx + b;
+            const float m = (s <= t && t < len) ? acc[a][b] * exp(sCs[t] - sCs[s]) : 0.0;
+            msum[a][b] += m;
+            if (nt == 0) qy[jh][a] += m * sc.v[ob + uint(t * L + s)];
+          }
+          clear_acc();
+          mma(DYE_TP, HIN_KN, round_k(P));  // e^{cs_t} dy_t h_in
+          [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
+            qy[jh][a] += acc[a][b] * ld_bc(pc.C, 4 * ty + a, n0 + 4 * tx + b);
+            accC[a][b] += acc[a][b];
+          }
+          clear_acc();
+          mma(UE_TP, LAM_KN, round_k(P));  // e^{cs_L - cs_s} u_s lam
+          [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) accB[a][b] += acc[a][b];
         }
       }
+      barrier();
+      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) sM[4 * ty + a][4 * tx + b] = msum[a][b];
+      acc = accC;
       mma_m(false, B_SN, round_k(len));
       [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
         const int t = 4 * ty + a, n = n0 + 4 * tx + b;
         if (t < len && n < N) sc.v[o_dcp + opart + uint(t * pc.G * N + n)] = acc[a][b];
       }
-      clear_acc();
-      mma(U_TP, LAM_KN, round_k(P));  // u_s lam
-      [[unroll]] for (int a = 0; a < 4; ++a) {
-        const int s = 4 * ty + a;
-        const float e = s < len ? exp(csl - sCs[s]) : 0.0;
-        [[unroll]] for (int b = 0; b < 4; ++b) acc[a][b] *= e;
-      }
+      acc = accB;
       mma_m(true, C_SN, round_k(len));
       [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
         const int s = 4 * ty + a, n = n0 + 4 * tx + b;
         if (s < len && n < N) sc.v[o_dbp + opart + uint(s * pc.G * N + n)] = acc[a][b];
       }
     }
-    // fixed-order sum of qy over the 16 column threads
-    barrier();
-    [[unroll]] for (int a = 0; a < 4; ++a) sM[tx][4 * ty + a] = qy[a];
-    barrier();
-    if (lid < len) {
-      float q = 0.0;
-      for (int k = 0; k < 16; ++k) q += sM[k][lid];
-      sc.v[o_qy + ih * uint(T) + uint(t0 + lid)] = q;
+    // fixed-order sums of qy over the 16 column threads, per head
+    [[unroll]] for (int jh = 0; jh < 4; ++jh) {
+      if (jh < HB) {
+        barrier();
+        [[unroll]] for (int a = 0; a < 4; ++a) sM[tx][4 * ty + a] = qy[jh][a];
+        barrier();
+        if (lid < len) {
+          float q = 0.0;
+          for (int k = 0; k < 16; ++k) q += sM[k][lid];
+          sc.v[o_qy + uint(i * H + hfirst + jh) * uint(T) + uint(t0 + lid)] = q;
+        }
+      }
     }
     return;
   }

@@ -57,11 +57,12 @@
 //   forward   prep 2048 | CB 64 | chunk states 4096 | state pass 4096 (one thread per state
 //             element, 16 chunks in sequence) | y 2048
 //   backward  prep 2048 | CB 64 | chunk states 4096 | state pass 4096 | chunk state grads
-//             4096 | reverse pass 4096 | dC,dB 2048 | du 2048 | decay 2048 | fin: dB,dC 2048,
-//             dA 1, ds 4096
+//             4096 | reverse pass 4096 | dC,dB 512 (4 heads each) | du 2048 | decay 2048 |
+//             fin: dB,dC 2048, dA 1, ds 4096
 // Scratch (floats; sht = S*H*T, nst = S*H*P*N): forward 2*sht + S*G*nc*64*64 + nc*nst
-// = 17.3M (69 MB); backward adds nc*nst (state gradients) + nst + 2*H*S*T*N (dB, dC per
-// head) + (1 + 2*npt)*sht + (1 + npt)*S*H*nc (npt = P tiles): 69.1M floats (276 MB) here.
+// = 17.3M (69 MB); backward adds nc*nst (state gradients) + nst + 2*S*T*N*H/hblk (dB, dC
+// per block of hblk heads) + (1 + 2*npt)*sht + (1 + npt)*S*H*nc (npt = P tiles): 43.9M
+// floats (176 MB) here.
 #include <algorithm>
 #include <cstdlib>
 #include <cmath>
@@ -328,21 +329,40 @@ constexpr int64_t kChunk = 64;  // chunk length = tile edge of ssd.comp
 
 struct SsdGeom {
   int64_t nc, npt, nnt;
+  int64_t hblk;                     // heads per dC/dB workgroup
   int64_t fwd_floats, back_floats;  // scratch
 };
 
 // Scratch (floats, same order as in ssd.comp): dtp, cs (S*H*T each), CB (S*G*nc*64*64),
 // hin (S*H*nc*P*N) | backward: lam (S*H*nc*P*N), d s per sequence (S*H*P*N), dB and dC
-// parts per head of a group (2 * H*S*T*N), dy . y per token (S*H*T), per-token partial sums
-// per P tile (2 * npt*S*H*T), <lam, h_out> parts (S*H*nc*npt), dA parts (S*H*nc).
+// parts per block of hblk heads of a group (2 * H/G/hblk * S*T*G*N), dy . y per token
+// (S*H*T), per-token partial sums per P tile (2 * npt*S*H*T), <lam, h_out> parts
+// (S*H*nc*npt), dA parts (S*H*nc).
 SsdGeom ssd_geom(const ScanDims& d) {
   SsdGeom g;
   g.nc = ceil_div(d.T, kChunk);
   g.npt = ceil_div(d.P, kChunk);
   g.nnt = ceil_div(d.N, kChunk);
+  // Heads per dC/dB workgroup: up to 4 (their products with B and C are shared), while
+  // >= 512 workgroups remain.
+  // RECURRA_VK_SSD_HBLK=1|2|4 forces a block size (where it divides H / G; for tests).
+  const int64_t hpg = d.H / d.G;
+  const char* env = std::getenv("RECURRA_VK_SSD_HBLK");
+  const int64_t forced = env ? std::atoi(env) : 0;
+  g.hblk = 1;
+  if (forced == 1 || forced == 2 || forced == 4) {
+    if (hpg % forced == 0) g.hblk = forced;
+  } else {
+    for (int64_t hb : {4, 2})
+      if (hpg % hb == 0 && d.S * d.G * g.nc * (hpg / hb) >= 512) {
+        g.hblk = hb;
+        break;
+      }
+  }
   const int64_t sht = d.S * d.H * d.T, nst = d.S * d.H * d.P * d.N;
+  const int64_t nbc = hpg / g.hblk * d.S * d.T * d.G * d.N;
   g.fwd_floats = 2 * sht + d.S * d.G * g.nc * kChunk * kChunk + nst * g.nc;
-  g.back_floats = g.fwd_floats + nst * g.nc + nst + 2 * d.H * d.S * d.T * d.N + sht + 2 * g.npt * sht +
+  g.back_floats = g.fwd_floats + nst * g.nc + nst + 2 * nbc + sht + 2 * g.npt * sht +
                   d.S * d.H * g.nc * g.npt + d.S * d.H * g.nc;
   return g;
 }
@@ -376,7 +396,8 @@ void ssd_dispatch(Recorder& rec, int mode, int var, const ScanPC& pc, int64_t gr
 ScanPC ssd_pc(const ScanDims& d, const SsdGeom& g) {
   ScanPC pc{};
   pc.R = int32_t(d.R), pc.S = int32_t(d.S), pc.T = int32_t(d.T), pc.H = int32_t(d.H), pc.P = int32_t(d.P);
-  pc.N = int32_t(d.N), pc.G = int32_t(d.G), pc.nblk = int32_t(g.nc);  // nblk slot carries nc
+  pc.N = int32_t(d.N), pc.G = int32_t(d.G);
+  pc.nblk = int32_t(g.nc), pc.K = int32_t(g.hblk);  // ssd.comp's nc, hblk
   return pc;
 }
 
@@ -412,8 +433,9 @@ void ssd_back_record(NodeCall& c, const ScanDims& d) {
   const int64_t sht = d.S * d.H * d.T, nst = d.S * d.H * d.P * d.N, nx = d.S * d.T * d.H * d.P;
   const int64_t nbc = d.S * d.T * d.G * d.N;
   // scratch offsets the fin passes read (floats)
-  const int64_t o_dsi = g.fwd_floats + nst * g.nc, o_dbp = o_dsi + nst, o_dcp = o_dbp + d.H * d.S * d.T * d.N;
-  const int64_t o_dap = o_dcp + d.H * d.S * d.T * d.N + sht + 2 * g.npt * sht + d.S * d.H * g.nc * g.npt;
+  const int64_t nblkh = d.H / d.G / g.hblk, nbcp = nblkh * d.S * d.T * d.G * d.N;
+  const int64_t o_dsi = g.fwd_floats + nst * g.nc, o_dbp = o_dsi + nst, o_dcp = o_dbp + nbcp;
+  const int64_t o_dap = o_dcp + nbcp + sht + 2 * g.npt * sht + d.S * d.H * g.nc * g.npt;
   // packed outputs: ds, dx, ddt, dA, dB, dC
   const uint64_t base = addr(c.dst);
   const uint64_t p_ds = base, p_dx = p_ds + uint64_t(d.R * d.H * d.P * d.N) * 4, p_ddt = p_dx + uint64_t(nx) * 4;
@@ -441,7 +463,7 @@ void ssd_back_record(NodeCall& c, const ScanDims& d) {
   ssd_dispatch(rec, 3, 1, pc, elems, {sr, idr, sc}, {sc});
   ssd_dispatch(rec, 2, 1, pc, chunks * g.npt * g.nnt, {grr, Cr, sc}, {sc});
   ssd_dispatch(rec, 3, 2, pc, elems, {grr, sc}, {sc});
-  ssd_dispatch(rec, 5, 0, pc, chunks, {grr, xr, Br, Cr, sc}, {sc});
+  ssd_dispatch(rec, 5, int(g.hblk), pc, d.S * d.G * nblkh * g.nc, {grr, xr, Br, Cr, sc}, {sc});
   ScanPC p6 = pc;
   p6.out = p_dx;
   ssd_dispatch(rec, 6, 0, p6, chunks * g.npt, {grr, xr, Br, Cr, sc}, {sc, out});
@@ -456,7 +478,7 @@ void ssd_back_record(NodeCall& c, const ScanDims& d) {
   if (nbc > 0) {
     FinPC p = f;
     p.src = sa + uint64_t(o_dbp) * 4, p.src2 = sa + uint64_t(o_dcp) * 4, p.dst = p_dB, p.dst2 = p_dC;
-    p.n = uint32_t(nbc), p.m = uint32_t(d.H / d.G);
+    p.n = uint32_t(nbc), p.m = uint32_t(nblkh);
     rec.dispatch("ssm_scan_fin", {0}, p, grid_groups(nbc, 256), 1, 1, {sc}, {out});
   }
   {  // dA[h] = sum_i sum_chunk parts[i][h][chunk]: OP 2 with P = chunks
