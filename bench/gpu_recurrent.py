@@ -852,7 +852,8 @@ def main() -> int:
     env.setdefault("blas", [])
     print(f"# peers: {env['peers']}")
     print(f"# sizes: {env['sizes']}; cases: {', '.join(args.cases)}", flush=True)
-    print(f"# vulkan ssm_scan path: {os.environ.get('RECURRA_VK_SSM') or 'auto'}", flush=True)
+    env["vk_ssm_path"] = os.environ.get("RECURRA_VK_SSM") or "auto"
+    print(f"# vulkan ssm_scan path: {env['vk_ssm_path']}", flush=True)
     table = Table("gpu_recurrent", env)
     for name in args.cases:
         with _never_raise(name):
