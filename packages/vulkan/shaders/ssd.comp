@@ -460,28 +460,21 @@ void main() {
   }
 
   if (MODE == 5) {  // ---- dC, dB of a block of VAR heads, and dy_t . y_t per head --------
-    // Per N tile, the heads of the block in turn: dC = sum_h e^{cs_t} dy_t h_in (operand
-    // scaled as staged) + (sum_h sM_h) B, dB = sum_h e^{cs_L - cs_s} u_s lam + (sum_h sM_h)^T C,
-    // sM_h[t][s] = M_ts (dy_t . u_s) kept in registers (msum): the products with B and C run
-    // once per block. dy . u is recomputed per N tile (cheaper than keeping it per head).
+    // sM = sum_h M_ts (dy_t . u_s) over the block's heads first; then per N tile, the heads
+    // in turn: dC = sum_h e^{cs_t} dy_t h_in (operand scaled as staged) + sM B, dB = sum_h
+    // e^{cs_L - cs_s} u_s lam + sM^T C: the products with B and C run once per block.
     const int HB = VAR;  // == pc.hblk
     const int hfirst = h;
     const uint ob = o_cb + uint((i * pc.G + g) * nc + c) * uint(L * L);
     const uint opart = uint(((hb * S + i) * T + t0) * pc.G + g) * uint(N);
     float qy[4][4];  // [head of the block][row]
-    [[unroll]] for (int jh = 0; jh < 4; ++jh)[[unroll]] for (int a = 0; a < 4; ++a) qy[jh][a] = 0.0;
-    for (int nt = 0; nt < nnt; ++nt) {
-      n0 = nt * L;
-      float accC[4][4], accB[4][4], msum[4][4];
-      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
-        accC[a][b] = 0.0;
-        accB[a][b] = 0.0;
-        msum[a][b] = 0.0;
-      }
+    {
+      float msum[4][4];
+      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) msum[a][b] = 0.0;
       [[unroll]] for (int jh = 0; jh < 4; ++jh) {
+        [[unroll]] for (int a = 0; a < 4; ++a) qy[jh][a] = 0.0;
         if (jh < HB) {
           h = hfirst + jh;
-          slot = uint((i * H + h) * nc + c);
           barrier();  // everyone is done with the previous head's cs, dtp
           load_chunk();
           clear_acc();
@@ -490,8 +483,26 @@ void main() {
             const int t = 4 * ty + a, s = 4 * tx + b;
             const float m = (s <= t && t < len) ? acc[a][b] * exp(sCs[t] - sCs[s]) : 0.0;
             msum[a][b] += m;
-            if (nt == 0) qy[jh][a] += m * sc.v[ob + uint(t * L + s)];
+            qy[jh][a] += m * sc.v[ob + uint(t * L + s)];
           }
+        }
+      }
+      barrier();
+      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) sM[4 * ty + a][4 * tx + b] = msum[a][b];
+    }
+    for (int nt = 0; nt < nnt; ++nt) {
+      n0 = nt * L;
+      float accC[4][4], accB[4][4];
+      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
+        accC[a][b] = 0.0;
+        accB[a][b] = 0.0;
+      }
+      [[unroll]] for (int jh = 0; jh < 4; ++jh) {
+        if (jh < HB) {
+          h = hfirst + jh;
+          slot = uint((i * H + h) * nc + c);
+          barrier();
+          load_chunk();
           clear_acc();
           mma(DYE_TP, HIN_KN, round_k(P));  // e^{cs_t} dy_t h_in
           [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
@@ -503,8 +514,6 @@ void main() {
           [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) accB[a][b] += acc[a][b];
         }
       }
-      barrier();
-      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) sM[4 * ty + a][4 * tx + b] = msum[a][b];
       acc = accC;
       mma_m(false, B_SN, round_k(len));
       [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
