@@ -25,7 +25,7 @@
 //             state, VAR 1 is the backward's recomputation), VAR 2 backward (slot c of lam
 //             becomes the gradient of the state leaving chunk c; d s_init per sequence)
 //   4 y       per (i, h, chunk, P tile): y
-//   5 dcdb    per (i, g, block of VAR heads, chunk): the block's dC, dB (all N tiles in
+//   5 dcdb    per (i, g, block of hblk heads, chunk): the block's dC, dB (all N tiles in
 //             turn; the blocks of a group are summed later) and dy_t . y_t per head and token
 //   6 du      per (i, h, chunk, P tile): du -> dx, per-token partial sums over the tile of
 //             -u . du and du . x, and the tile's part of <lam, h_out>
@@ -168,11 +168,19 @@ void clear_acc() {
 
 // acc[r][q] += sum_{k < K} A(k, r) B(k, q), both operands staged from memory; the next
 // tile's loads are issued before this tile's products (their latency overlaps the maths).
-void mma(int akind, int bkind, int K) {
+// lam_hin (with bkind LAM_PN): also adds lam * h_in over the staged elements into lh_acc
+// (each element of the P tile once), reading only h_in beside the staged lam.
+float lh_acc = 0.0;
+void mma(int akind, int bkind, int K, bool lam_hin) {
   float ra[4], rb[4];
   fetch4(akind, 0, ra);
   fetch4(bkind, 0, rb);
   for (int k0 = 0; k0 < K; k0 += KT) {
+    if (lam_hin)
+      [[unroll]] for (int j = 0; j < 4; ++j) {
+        const ivec2 kr = tile_pos(bkind, j);
+        lh_acc += rb[j] * fetch(HIN_PN, k0 + kr.x, kr.y);
+      }
     barrier();
     store4(akind, ra, true);
     store4(bkind, rb, false);
@@ -230,7 +238,7 @@ void load_m() {
 // y of rows t (tile channels p0..): e^{cs_t} C_t h_in^T + sM u.
 void compute_y() {
   clear_acc();
-  mma(C_TN, HIN_PN, round_k(pc.N));
+  mma(C_TN, HIN_PN, round_k(pc.N), false);
   [[unroll]] for (int a = 0; a < 4; ++a) {
     const int t = 4 * ty + a;
     const float e = t < len ? exp(sCs[t]) : 0.0;
@@ -363,7 +371,7 @@ void main() {
 
   if (MODE == 1) {  // ---- cb --------------------------------------------------------------
     clear_acc();
-    mma(C_TN, B_TN, round_k(N));
+    mma(C_TN, B_TN, round_k(N), false);
     const uint ob = o_cb + uint((i * pc.G + g) * nc + c) * uint(L * L);
     [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
       const int t = 4 * ty + a, s = 4 * tx + b;
@@ -377,9 +385,9 @@ void main() {
   if (MODE == 2) {  // ---- chunk-local state / state gradient ------------------------------
     clear_acc();
     if (VAR == 0)
-      mma(X_W, B_SN, round_k(len));
+      mma(X_W, B_SN, round_k(len), false);
     else
-      mma(DY_W, C_SN, round_k(len));
+      mma(DY_W, C_SN, round_k(len), false);
     const uint o = (VAR == 0 ? o_hin : o_lam) + slot * uint(P * N);
     [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
       const int p = p0 + 4 * ty + a, n = n0 + 4 * tx + b;
@@ -405,7 +413,7 @@ void main() {
     float du[4][4];
     du = acc;
     clear_acc();
-    mma(B_TN, LAM_PN, round_k(N));  // lam B_s^T
+    mma(B_TN, LAM_PN, round_k(N), true);  // lam B_s^T
     const float csl = sCs[len - 1];
     float qv[4], xv[4], ev = 0.0;
     [[unroll]] for (int a = 0; a < 4; ++a) {
@@ -425,14 +433,7 @@ void main() {
         }
       }
     }
-    // <lam, h_in> over the tile's channels
-    float lh = 0.0;
-    const int np = min(L, P - p0);
-    for (int e = lid; e < np * N; e += 256) {
-      const int p = p0 + e / N, n = e % N;
-      lh += ld_st(o_lam, p, n) * ld_st(o_hin, p, n);
-    }
-    ev += exp(csl) * lh;
+    ev += exp(csl) * lh_acc;  // <lam, h_in> over the tile's channels
     // fixed-order sums over the 16 column threads (rows) and the 256 threads (ev)
     barrier();
     [[unroll]] for (int a = 0; a < 4; ++a) {
@@ -459,11 +460,11 @@ void main() {
     return;
   }
 
-  if (MODE == 5) {  // ---- dC, dB of a block of VAR heads, and dy_t . y_t per head --------
+  if (MODE == 5) {  // ---- dC, dB of a block of hblk heads, and dy_t . y_t per head --------
     // sM = sum_h M_ts (dy_t . u_s) over the block's heads first; then per N tile, the heads
     // in turn: dC = sum_h e^{cs_t} dy_t h_in (operand scaled as staged) + sM B, dB = sum_h
     // e^{cs_L - cs_s} u_s lam + sM^T C: the products with B and C run once per block.
-    const int HB = VAR;  // == pc.hblk
+    const int HB = pc.hblk;  // a push constant: one pipeline for every block size
     const int hfirst = h;
     const uint ob = o_cb + uint((i * pc.G + g) * nc + c) * uint(L * L);
     const uint opart = uint(((hb * S + i) * T + t0) * pc.G + g) * uint(N);
@@ -471,14 +472,16 @@ void main() {
     {
       float msum[4][4];
       [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) msum[a][b] = 0.0;
-      [[unroll]] for (int jh = 0; jh < 4; ++jh) {
-        [[unroll]] for (int a = 0; a < 4; ++a) qy[jh][a] = 0.0;
-        if (jh < HB) {
+      [[unroll]] for (int jh = 0; jh < 4; ++jh)[[unroll]] for (int a = 0; a < 4; ++a) qy[jh][a] = 0.0;
+      // not unrolled: the body is large (code size, compile time); qy[jh] is then indexed
+      // at run time, 16 updates per head
+      [[dont_unroll]] for (int jh = 0; jh < HB; ++jh) {
+        {
           h = hfirst + jh;
           barrier();  // everyone is done with the previous head's cs, dtp
           load_chunk();
           clear_acc();
-          mma(DY_TP, U_TP, round_k(P));  // dy_t . u_s
+          mma(DY_TP, U_TP, round_k(P), false);  // dy_t . u_s
           [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
             const int t = 4 * ty + a, s = 4 * tx + b;
             const float m = (s <= t && t < len) ? acc[a][b] * exp(sCs[t] - sCs[s]) : 0.0;
@@ -497,20 +500,20 @@ void main() {
         accC[a][b] = 0.0;
         accB[a][b] = 0.0;
       }
-      [[unroll]] for (int jh = 0; jh < 4; ++jh) {
-        if (jh < HB) {
+      [[dont_unroll]] for (int jh = 0; jh < HB; ++jh) {
+        {
           h = hfirst + jh;
           slot = uint((i * H + h) * nc + c);
           barrier();
           load_chunk();
           clear_acc();
-          mma(DYE_TP, HIN_KN, round_k(P));  // e^{cs_t} dy_t h_in
+          mma(DYE_TP, HIN_KN, round_k(P), false);  // e^{cs_t} dy_t h_in
           [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
             qy[jh][a] += acc[a][b] * ld_bc(pc.C, 4 * ty + a, n0 + 4 * tx + b);
             accC[a][b] += acc[a][b];
           }
           clear_acc();
-          mma(UE_TP, LAM_KN, round_k(P));  // e^{cs_L - cs_s} u_s lam
+          mma(UE_TP, LAM_KN, round_k(P), false);  // e^{cs_L - cs_s} u_s lam
           [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) accB[a][b] += acc[a][b];
         }
       }
@@ -528,8 +531,8 @@ void main() {
       }
     }
     // fixed-order sums of qy over the 16 column threads, per head
-    [[unroll]] for (int jh = 0; jh < 4; ++jh) {
-      if (jh < HB) {
+    [[dont_unroll]] for (int jh = 0; jh < HB; ++jh) {
+      {
         barrier();
         [[unroll]] for (int a = 0; a < 4; ++a) sM[tx][4 * ty + a] = qy[jh][a];
         barrier();

@@ -463,7 +463,7 @@ void ssd_back_record(NodeCall& c, const ScanDims& d) {
   ssd_dispatch(rec, 3, 1, pc, elems, {sr, idr, sc}, {sc});
   ssd_dispatch(rec, 2, 1, pc, chunks * g.npt * g.nnt, {grr, Cr, sc}, {sc});
   ssd_dispatch(rec, 3, 2, pc, elems, {grr, sc}, {sc});
-  ssd_dispatch(rec, 5, int(g.hblk), pc, d.S * d.G * nblkh * g.nc, {grr, xr, Br, Cr, sc}, {sc});
+  ssd_dispatch(rec, 5, 0, pc, d.S * d.G * nblkh * g.nc, {grr, xr, Br, Cr, sc}, {sc});
   ScanPC p6 = pc;
   p6.out = p_dx;
   ssd_dispatch(rec, 6, 0, p6, chunks * g.npt, {grr, xr, Br, Cr, sc}, {sc, out});
