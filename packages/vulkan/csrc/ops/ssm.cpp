@@ -59,6 +59,9 @@
 //   backward  prep 2048 | CB 64 | chunk states 4096 | state pass 4096 | chunk state grads
 //             4096 | reverse pass 4096 | dC,dB 512 (4 heads each) | du 2048 | decay 2048 |
 //             fin: dB,dC 2048, dA 1, ds 4096
+// Each dispatch declares the scratch regions it reads and writes, so independent ones share
+// a barrier phase: forward [prep, CB] [states] [pass] [y], backward [prep, CB] [states, state
+// grads] [pass, reverse pass] [ds, dC/dB, du] [decay, fin dB/dC] [fin dA].
 // Scratch (floats; sht = S*H*T, nst = S*H*P*N): forward 2*sht + S*G*nc*64*64 + nc*nst
 // = 17.3M (69 MB); backward adds nc*nst (state gradients) + nst + 2*S*T*N*H/hblk (dB, dC
 // per block of hblk heads) + (1 + 2*npt)*sht + (1 + npt)*S*H*nc (npt = P tiles): 43.9M
@@ -401,6 +404,13 @@ ScanPC ssd_pc(const ScanDims& d, const SsdGeom& g) {
   return pc;
 }
 
+// Floats [lo, hi) of a region that starts at byte r.lo (scratch or a dense output): the
+// recorder then orders only dispatches whose regions overlap, so independent passes of the
+// chunked scan (prep and CB, the two state passes, ...) run side by side.
+Range part(const Range& r, int64_t lo, int64_t hi) {
+  return Range{r.block, r.lo + VkDeviceSize(lo) * 4, r.lo + VkDeviceSize(hi) * 4};
+}
+
 void ssd_record(NodeCall& c, const ScanDims& d) {
   Recorder& rec = c.rec;
   const SsdGeom g = ssd_geom(d);
@@ -418,12 +428,17 @@ void ssd_record(NodeCall& c, const ScanDims& d) {
   pc.err = rec.device().error_flags_address();
   const Range &sr = c.src[0].range, &xr = c.src[1].range, &dtr = c.src[2].range, &Ar = c.src[3].range,
               &Br = c.src[4].range, &Cr = c.src[5].range, &idr = c.src[6].range;
+  const int64_t sht = d.S * d.H * d.T, nx = d.S * d.T * d.H * d.P, nst = d.S * d.H * d.P * d.N;
+  const int64_t o_hin = 2 * sht + d.S * d.G * g.nc * kChunk * kChunk;
+  const Range pre = part(scr.range, 0, 2 * sht), cb = part(scr.range, 2 * sht, o_hin),
+              hin = part(scr.range, o_hin, g.fwd_floats);
+  const Range out_y = part(c.dst.range, 0, nx), out_fin = part(c.dst.range, nx, nx + nst);
   const int64_t chunks = d.S * d.H * g.nc;
-  ssd_dispatch(rec, 0, 0, pc, chunks, {dtr, Ar}, {scr.range});
-  ssd_dispatch(rec, 1, 0, pc, d.S * d.G * g.nc, {Br, Cr}, {scr.range});
-  ssd_dispatch(rec, 2, 0, pc, chunks * g.npt * g.nnt, {xr, Br, scr.range}, {scr.range});
-  ssd_dispatch(rec, 3, 0, pc, ceil_div(d.S * d.H * d.P * d.N, 256), {sr, idr, scr.range}, {scr.range, c.dst.range});
-  ssd_dispatch(rec, 4, 0, pc, chunks * g.npt, {xr, Cr, idr, scr.range}, {c.dst.range});
+  ssd_dispatch(rec, 0, 0, pc, chunks, {dtr, Ar}, {pre});
+  ssd_dispatch(rec, 1, 0, pc, d.S * d.G * g.nc, {Br, Cr}, {cb});
+  ssd_dispatch(rec, 2, 0, pc, chunks * g.npt * g.nnt, {xr, Br, pre}, {hin});
+  ssd_dispatch(rec, 3, 0, pc, ceil_div(nst, 256), {sr, idr, pre, hin}, {hin, out_fin});
+  ssd_dispatch(rec, 4, 0, pc, chunks * g.npt, {xr, Cr, idr, pre, cb, hin}, {out_y});
 }
 
 void ssd_back_record(NodeCall& c, const ScanDims& d) {
@@ -432,15 +447,27 @@ void ssd_back_record(NodeCall& c, const ScanDims& d) {
   const auto scr = rec.scratch(static_cast<size_t>(g.back_floats) * 4);
   const int64_t sht = d.S * d.H * d.T, nst = d.S * d.H * d.P * d.N, nx = d.S * d.T * d.H * d.P;
   const int64_t nbc = d.S * d.T * d.G * d.N;
-  // scratch offsets the fin passes read (floats)
-  const int64_t nblkh = d.H / d.G / g.hblk, nbcp = nblkh * d.S * d.T * d.G * d.N;
-  const int64_t o_dsi = g.fwd_floats + nst * g.nc, o_dbp = o_dsi + nst, o_dcp = o_dbp + nbcp;
-  const int64_t o_dap = o_dcp + nbcp + sht + 2 * g.npt * sht + d.S * d.H * g.nc * g.npt;
-  // packed outputs: ds, dx, ddt, dA, dB, dC
+  // scratch regions (floats; the order of ssd.comp)
+  const int64_t nblkh = d.H / d.G / g.hblk, nbcp = nblkh * nbc;
+  const int64_t o_cb = 2 * sht, o_hin = o_cb + d.S * d.G * g.nc * kChunk * kChunk;
+  const int64_t o_lam = g.fwd_floats, o_dsi = o_lam + nst * g.nc, o_dbp = o_dsi + nst, o_dcp = o_dbp + nbcp;
+  const int64_t o_qy = o_dcp + nbcp, o_q = o_qy + sht, o_e = o_q + 2 * g.npt * sht;
+  const int64_t o_dap = o_e + d.S * d.H * g.nc * g.npt;
+  const Range &sc = scr.range;
+  const Range pre = part(sc, 0, o_cb), cb = part(sc, o_cb, o_hin), hin = part(sc, o_hin, o_lam),
+              lam = part(sc, o_lam, o_dsi), dsi = part(sc, o_dsi, o_dbp), dbc = part(sc, o_dbp, o_qy),
+              qy = part(sc, o_qy, o_q), qx = part(sc, o_q, o_e), ep = part(sc, o_e, o_dap),
+              dap = part(sc, o_dap, g.back_floats);
+  // packed outputs: ds, dx, ddt, dA, dB, dC (floats, then addresses)
+  const int64_t f_dx = d.R * d.H * d.P * d.N, f_ddt = f_dx + nx, f_dA = f_ddt + d.S * d.T * d.H;
+  const int64_t f_dB = f_dA + d.H, f_dC = f_dB + nbc, f_end = f_dC + nbc;
   const uint64_t base = addr(c.dst);
-  const uint64_t p_ds = base, p_dx = p_ds + uint64_t(d.R * d.H * d.P * d.N) * 4, p_ddt = p_dx + uint64_t(nx) * 4;
-  const uint64_t p_dA = p_ddt + uint64_t(d.S * d.T * d.H) * 4, p_dB = p_dA + uint64_t(d.H) * 4;
-  const uint64_t p_dC = p_dB + uint64_t(nbc) * 4;
+  const uint64_t p_ds = base, p_dx = base + uint64_t(f_dx) * 4, p_ddt = base + uint64_t(f_ddt) * 4;
+  const uint64_t p_dA = base + uint64_t(f_dA) * 4, p_dB = base + uint64_t(f_dB) * 4;
+  const uint64_t p_dC = base + uint64_t(f_dC) * 4;
+  const Range &o = c.dst.range;
+  const Range out_ds = part(o, 0, f_dx), out_dx = part(o, f_dx, f_ddt), out_ddt = part(o, f_ddt, f_dA),
+              out_dA = part(o, f_dA, f_dB), out_dBC = part(o, f_dB, f_end);
 
   ScanPC pc = ssd_pc(d, g);
   pc.gr = addr(c.src[0]);
@@ -455,41 +482,42 @@ void ssd_back_record(NodeCall& c, const ScanDims& d) {
   pc.err = rec.device().error_flags_address();
   const Range &grr = c.src[0].range, &sr = c.src[1].range, &xr = c.src[2].range, &dtr = c.src[3].range,
               &Ar = c.src[4].range, &Br = c.src[5].range, &Cr = c.src[6].range, &idr = c.src[7].range;
-  const Range &sc = scr.range, &out = c.dst.range;
   const int64_t chunks = d.S * d.H * g.nc, elems = ceil_div(nst, 256);
-  ssd_dispatch(rec, 0, 0, pc, chunks, {dtr, Ar}, {sc});
-  ssd_dispatch(rec, 1, 0, pc, d.S * d.G * g.nc, {Br, Cr}, {sc});
-  ssd_dispatch(rec, 2, 0, pc, chunks * g.npt * g.nnt, {xr, Br, sc}, {sc});
-  ssd_dispatch(rec, 3, 1, pc, elems, {sr, idr, sc}, {sc});
-  ssd_dispatch(rec, 2, 1, pc, chunks * g.npt * g.nnt, {grr, Cr, sc}, {sc});
-  ssd_dispatch(rec, 3, 2, pc, elems, {grr, sc}, {sc});
-  ssd_dispatch(rec, 5, 0, pc, d.S * d.G * nblkh * g.nc, {grr, xr, Br, Cr, sc}, {sc});
-  ScanPC p6 = pc;
-  p6.out = p_dx;
-  ssd_dispatch(rec, 6, 0, p6, chunks * g.npt, {grr, xr, Br, Cr, sc}, {sc, out});
-  ScanPC p7 = pc;
-  p7.out = p_ddt;
-  ssd_dispatch(rec, 7, 0, p7, chunks, {dtr, Ar, sc}, {sc, out});
+  // Recorded in dependency order; consecutive dispatches on disjoint regions share a phase:
+  // [prep, CB] [states, state grads] [pass, reverse pass] [ds, dC/dB, du] [decay, dB/dC] [dA]
+  ssd_dispatch(rec, 0, 0, pc, chunks, {dtr, Ar}, {pre});
+  ssd_dispatch(rec, 1, 0, pc, d.S * d.G * g.nc, {Br, Cr}, {cb});
+  ssd_dispatch(rec, 2, 0, pc, chunks * g.npt * g.nnt, {xr, Br, pre}, {hin});
+  ssd_dispatch(rec, 2, 1, pc, chunks * g.npt * g.nnt, {grr, Cr, pre}, {lam});
+  ssd_dispatch(rec, 3, 1, pc, elems, {sr, idr, pre, hin}, {hin});
+  ssd_dispatch(rec, 3, 2, pc, elems, {grr, pre, lam}, {lam, dsi});
 
   const uint64_t sa = scr.addr;
   FinPC f{};
   f.P = uint32_t(d.P), f.H = uint32_t(d.H), f.NA = 1, f.nstate = uint32_t(d.H * d.P * d.N);
   f.S = uint32_t(d.S);
+  {
+    FinPC p = f;
+    p.src = sa + uint64_t(o_dsi) * 4, p.dst = p_ds, p.ids = addr(c.src[7]), p.n = uint32_t(d.R * d.H * d.P * d.N);
+    rec.dispatch("ssm_scan_fin", {3}, p, grid_groups(p.n, 256), 1, 1, {dsi, idr}, {out_ds});
+  }
+  ssd_dispatch(rec, 5, 0, pc, d.S * d.G * nblkh * g.nc, {grr, xr, Br, Cr, pre, cb, hin, lam}, {dbc, qy});
+  ScanPC p6 = pc;
+  p6.out = p_dx;
+  ssd_dispatch(rec, 6, 0, p6, chunks * g.npt, {grr, xr, Br, Cr, pre, cb, hin, lam}, {out_dx, qx, ep});
+  ScanPC p7 = pc;
+  p7.out = p_ddt;
+  ssd_dispatch(rec, 7, 0, p7, chunks, {dtr, Ar, pre, qy, qx, ep}, {out_ddt, dap});
   if (nbc > 0) {
     FinPC p = f;
     p.src = sa + uint64_t(o_dbp) * 4, p.src2 = sa + uint64_t(o_dcp) * 4, p.dst = p_dB, p.dst2 = p_dC;
     p.n = uint32_t(nbc), p.m = uint32_t(nblkh);
-    rec.dispatch("ssm_scan_fin", {0}, p, grid_groups(nbc, 256), 1, 1, {sc}, {out});
+    rec.dispatch("ssm_scan_fin", {0}, p, grid_groups(nbc, 256), 1, 1, {dbc}, {out_dBC});
   }
   {  // dA[h] = sum_i sum_chunk parts[i][h][chunk]: OP 2 with P = chunks
     FinPC p = f;
     p.src = sa + uint64_t(o_dap) * 4, p.dst = p_dA, p.n = uint32_t(d.H), p.P = uint32_t(g.nc);
-    rec.dispatch("ssm_scan_fin", {2}, p, grid_groups(p.n, 256), 1, 1, {sc}, {out});
-  }
-  {
-    FinPC p = f;
-    p.src = sa + uint64_t(o_dsi) * 4, p.dst = p_ds, p.ids = addr(c.src[7]), p.n = uint32_t(d.R * d.H * d.P * d.N);
-    rec.dispatch("ssm_scan_fin", {3}, p, grid_groups(p.n, 256), 1, 1, {sc, idr}, {out});
+    rec.dispatch("ssm_scan_fin", {2}, p, grid_groups(p.n, 256), 1, 1, {dap}, {out_dA});
   }
 }
 
