@@ -1,6 +1,15 @@
 """GPU benchmark of the recurrent ops: ours on Vulkan against Triton (fla) and PyTorch on CUDA.
 
     python bench/gpu_recurrent.py [--small] [--only mamba2,wkv6] [--reps 7] [--deadline 220]
+                                  [--ssm-path auto|seq|chunk]
+
+ssm_scan path on Vulkan (mamba2_* cases): --ssm-path sets RECURRA_VK_SSM for the run. "auto"
+(the default, also when the variable is unset) takes the chunked (state-space-duality) kernels
+of shaders/ssd.comp for one decay per head and n_tok >= 128 (so at the full sizes; --small's 32
+tokens run the sequential ones), "chunk" forces them for any Mamba-2 shape, "seq" forces the
+sequential kernels of shaders/ssm_scan.comp. Mamba-1 (one decay per state) is always sequential.
+Tuning knob of the chunked backward: RECURRA_VK_SSD_HBLK=1|2|4 heads per dC/dB workgroup
+(default: 4 while >= 512 workgroups remain, i.e. 4 at the full size).
 
 Cases (issue 5; shapes in numpy order, docs/ops.md):
 
@@ -799,7 +808,15 @@ def parse_args() -> argparse.Namespace:
         help="comma-separated case names or prefixes; of: " + ", ".join(names),
     )
     ap.add_argument("--no-check", action="store_true", help="skip comparing results with peers")
+    ap.add_argument(
+        "--ssm-path",
+        choices=["auto", "seq", "chunk"],
+        default=None,
+        help="Vulkan ssm_scan kernels (sets RECURRA_VK_SSM; default: the environment's, else auto)",
+    )
     args = ap.parse_args()
+    if args.ssm_path is not None:
+        os.environ["RECURRA_VK_SSM"] = args.ssm_path
     if args.reps < 1:
         ap.error("--reps must be >= 1")
     wanted = [w.strip() for w in args.only.split(",") if w.strip()]
@@ -837,6 +854,8 @@ def main() -> int:
     env.setdefault("blas", [])
     print(f"# peers: {env['peers']}")
     print(f"# sizes: {env['sizes']}; cases: {', '.join(args.cases)}", flush=True)
+    env["vk_ssm_path"] = os.environ.get("RECURRA_VK_SSM") or "auto"
+    print(f"# vulkan ssm_scan path: {env['vk_ssm_path']}", flush=True)
     table = Table("gpu_recurrent", env)
     for name in args.cases:
         with _never_raise(name):

@@ -1,5 +1,5 @@
 // Mamba's recurrent ops: ssm_conv, ssm_conv_back, ssm_scan, ssm_scan_back.
-// Shaders: ssm_conv.comp, ssm_scan.comp, ssm_scan_fin.comp.
+// Shaders: ssm_conv.comp, ssm_scan.comp, ssm_scan_fin.comp, ssd.comp.
 //
 // Shapes (numpy order) and packed results exactly as the core's CPU kernels
 // (packages/core/csrc/ops/ssm_conv.cpp, ssm_scan.cpp; docs/ops.md):
@@ -40,7 +40,34 @@
 // For the Mamba-2 benchmark that is ~16M + 8M + 67M + 8M + 1M floats (~400 MB); storing
 // every state would take 4 GB. Very large d_state (N above ~2500 with 32 KiB of shared
 // memory) does not fit the staging buffers: record() raises then.
+//
+// ssm_scan, chunked (state-space-duality) form: shaders/ssd.comp (algorithm in its header).
+// Taken for one decay per head (A (H, 1), Mamba-2) when T >= 128 (two 64-token chunks);
+// RECURRA_VK_SSM=seq forces the sequential kernels above, =chunk the chunked ones for any
+// Mamba-2 shape (T >= 1), =auto (or unset) the rule above. Any P, N, G, H work (tiles of 64
+// channels / states, partial tiles masked); efficiency is best for P, N multiples of 64 and
+// falls for P or N far below 64 (P = 1 uses 1/64 of a tile); Mamba-1 (A (H, N)) always runs
+// sequentially. Scratch grows as S*H*ceil(T/64)*P*N (the states entering each chunk), with
+// no per-token storage; past 2^31 floats (32-bit offsets), or on a device with less than
+// ~26 KB of shared memory, the sequential kernels run instead. A <= 0 (Mamba's -exp(A_log))
+// makes every exponent in the chunked form <= 0 (no overflow, at most underflow to 0); with
+// a positive A the recurrence itself grows exponentially, and both paths can overflow.
+// Dispatches (256 threads each) for the Mamba-2 benchmark (S 4, T 1024, H 32, P 64, N 128,
+// G 1: nc = 16 chunks, 1 P tile, 2 N tiles; "chunks" = S*H*nc = 2048):
+//   forward   prep 2048 | CB 64 | chunk states 4096 | state pass 4096 (one thread per state
+//             element, 16 chunks in sequence) | y 2048
+//   backward  prep 2048 | CB 64 | chunk states 4096 | state pass 4096 | chunk state grads
+//             4096 | reverse pass 4096 | dC,dB 512 (4 heads each) | du 2048 | decay 2048 |
+//             fin: dB,dC 2048, dA 1, ds 4096
+// Each dispatch declares the scratch regions it reads and writes, so independent ones share
+// a barrier phase: forward [prep, CB] [states] [pass] [y], backward [prep, CB] [states, state
+// grads] [pass, reverse pass] [ds, dC/dB, du] [decay, fin dB/dC] [fin dA].
+// Scratch (floats; sht = S*H*T, nst = S*H*P*N): forward 2*sht + S*G*nc*64*64 + nc*nst
+// = 17.3M (69 MB); backward adds nc*nst (state gradients) + nst + 2*S*T*N*H/hblk (dB, dC
+// per block of hblk heads) + (1 + 2*npt)*sht + (1 + npt)*S*H*nc (npt = P tiles): 43.9M
+// floats (176 MB) here.
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <map>
 #include <mutex>
@@ -294,11 +321,212 @@ std::vector<int32_t> scan_spec(const ScanLayout& l, int mode, bool pern) {
           int32_t(l.NRED)};
 }
 
+struct FinPC {
+  uint64_t src, src2, dst, dst2, dt, ids;
+  uint32_t n, m, P, H, NA, nstate, S;
+};
+
+// ---- ssm_scan, chunked form (shaders/ssd.comp) -----------------------------------------
+
+constexpr int64_t kChunk = 64;  // chunk length = tile edge of ssd.comp
+
+struct SsdGeom {
+  int64_t nc, npt, nnt;
+  int64_t hblk;                     // heads per dC/dB workgroup
+  int64_t fwd_floats, back_floats;  // scratch
+};
+
+// Scratch (floats, same order as in ssd.comp): dtp, cs (S*H*T each), CB (S*G*nc*64*64),
+// hin (S*H*nc*P*N) | backward: lam (S*H*nc*P*N), d s per sequence (S*H*P*N), dB and dC
+// parts per block of hblk heads of a group (2 * H/G/hblk * S*T*G*N), dy . y per token
+// (S*H*T), per-token partial sums per P tile (2 * npt*S*H*T), <lam, h_out> parts
+// (S*H*nc*npt), dA parts (S*H*nc).
+SsdGeom ssd_geom(const ScanDims& d) {
+  SsdGeom g;
+  g.nc = ceil_div(d.T, kChunk);
+  g.npt = ceil_div(d.P, kChunk);
+  g.nnt = ceil_div(d.N, kChunk);
+  // Heads per dC/dB workgroup: up to 4 (their products with B and C are shared), while
+  // >= 512 workgroups remain.
+  // RECURRA_VK_SSD_HBLK=1|2|4 forces a block size (where it divides H / G; for tests).
+  const int64_t hpg = d.H / d.G;
+  const char* env = std::getenv("RECURRA_VK_SSD_HBLK");
+  const int64_t forced = env ? std::atoi(env) : 0;
+  g.hblk = 1;
+  if (forced == 1 || forced == 2 || forced == 4) {
+    if (hpg % forced == 0) g.hblk = forced;
+  } else {
+    for (int64_t hb : {4, 2})
+      if (hpg % hb == 0 && d.S * d.G * g.nc * (hpg / hb) >= 512) {
+        g.hblk = hb;
+        break;
+      }
+  }
+  const int64_t sht = d.S * d.H * d.T, nst = d.S * d.H * d.P * d.N;
+  const int64_t nbc = hpg / g.hblk * d.S * d.T * d.G * d.N;
+  g.fwd_floats = 2 * sht + d.S * d.G * g.nc * kChunk * kChunk + nst * g.nc;
+  g.back_floats = g.fwd_floats + nst * g.nc + nst + 2 * nbc + sht + 2 * g.npt * sht +
+                  d.S * d.H * g.nc * g.npt + d.S * d.H * g.nc;
+  return g;
+}
+
+// ssd.comp's shared memory: cs, dtp, two staged 16 x 68 tiles, one 64 x 65 matrix.
+constexpr uint32_t kSsdShared = 4 * (2 * 64 + 2 * 16 * 68 + 64 * 65);
+
+// RECURRA_VK_SSM: "seq" forces the sequential kernels, "chunk" the chunked ones wherever
+// they apply; "" or "auto": chunked from T >= 2 chunks. They apply to one decay per head,
+// T >= 1, scratch below 2^31 floats (32-bit offsets) and devices with the shared memory
+// of ssd.comp (~26 KB; Vulkan guarantees only 16 KB); elsewhere the sequential kernels run.
+bool use_chunked(const ScanDims& d, Device& dev) {
+  const char* env = std::getenv("RECURRA_VK_SSM");
+  const std::string v = env ? env : "";
+  if (!v.empty() && v != "auto" && v != "seq" && v != "chunk")
+    fail_invalid("RECURRA_VK_SSM=" + v + ": unknown ssm_scan path (expected auto, seq or chunk)");
+  if (v == "seq" || d.NA != 1 || d.T < 1) return false;
+  if (ssd_geom(d).back_floats >= (int64_t(1) << 31) || limits_of(dev).shmem < kSsdShared) return false;
+  return v == "chunk" || d.T >= 2 * kChunk;
+}
+
+std::vector<int32_t> ssd_spec(int mode, int var = 0) { return {mode, var}; }
+
+void ssd_dispatch(Recorder& rec, int mode, int var, const ScanPC& pc, int64_t groups,
+                  std::initializer_list<Range> reads, std::initializer_list<Range> writes) {
+  uint32_t gx, gy;
+  grid_2d(groups, gx, gy);
+  rec.dispatch("ssd", ssd_spec(mode, var), pc, gx, gy, 1, reads, writes);
+}
+
+ScanPC ssd_pc(const ScanDims& d, const SsdGeom& g) {
+  ScanPC pc{};
+  pc.R = int32_t(d.R), pc.S = int32_t(d.S), pc.T = int32_t(d.T), pc.H = int32_t(d.H), pc.P = int32_t(d.P);
+  pc.N = int32_t(d.N), pc.G = int32_t(d.G);
+  pc.nblk = int32_t(g.nc), pc.K = int32_t(g.hblk);  // ssd.comp's nc, hblk
+  return pc;
+}
+
+// Floats [lo, hi) of a region that starts at byte r.lo (scratch or a dense output): the
+// recorder then orders only dispatches whose regions overlap, so independent passes of the
+// chunked scan (prep and CB, the two state passes, ...) run side by side.
+Range part(const Range& r, int64_t lo, int64_t hi) {
+  return Range{r.block, r.lo + VkDeviceSize(lo) * 4, r.lo + VkDeviceSize(hi) * 4};
+}
+
+void ssd_record(NodeCall& c, const ScanDims& d) {
+  Recorder& rec = c.rec;
+  const SsdGeom g = ssd_geom(d);
+  const auto scr = rec.scratch(static_cast<size_t>(g.fwd_floats) * 4);
+  ScanPC pc = ssd_pc(d, g);
+  pc.s = addr(c.src[0]);
+  pc.x = addr(c.src[1]);
+  pc.dt = addr(c.src[2]);
+  pc.A = addr(c.src[3]);
+  pc.B = addr(c.src[4]);
+  pc.C = addr(c.src[5]);
+  pc.ids = addr(c.src[6]);
+  pc.out = addr(c.dst);
+  pc.scr = scr.addr;
+  pc.err = rec.device().error_flags_address();
+  const Range &sr = c.src[0].range, &xr = c.src[1].range, &dtr = c.src[2].range, &Ar = c.src[3].range,
+              &Br = c.src[4].range, &Cr = c.src[5].range, &idr = c.src[6].range;
+  const int64_t sht = d.S * d.H * d.T, nx = d.S * d.T * d.H * d.P, nst = d.S * d.H * d.P * d.N;
+  const int64_t o_hin = 2 * sht + d.S * d.G * g.nc * kChunk * kChunk;
+  const Range pre = part(scr.range, 0, 2 * sht), cb = part(scr.range, 2 * sht, o_hin),
+              hin = part(scr.range, o_hin, g.fwd_floats);
+  const Range out_y = part(c.dst.range, 0, nx), out_fin = part(c.dst.range, nx, nx + nst);
+  const int64_t chunks = d.S * d.H * g.nc;
+  ssd_dispatch(rec, 0, 0, pc, chunks, {dtr, Ar}, {pre});
+  ssd_dispatch(rec, 1, 0, pc, d.S * d.G * g.nc, {Br, Cr}, {cb});
+  ssd_dispatch(rec, 2, 0, pc, chunks * g.npt * g.nnt, {xr, Br, pre}, {hin});
+  ssd_dispatch(rec, 3, 0, pc, ceil_div(nst, 256), {sr, idr, pre, hin}, {hin, out_fin});
+  ssd_dispatch(rec, 4, 0, pc, chunks * g.npt, {xr, Cr, idr, pre, cb, hin}, {out_y});
+}
+
+void ssd_back_record(NodeCall& c, const ScanDims& d) {
+  Recorder& rec = c.rec;
+  const SsdGeom g = ssd_geom(d);
+  const auto scr = rec.scratch(static_cast<size_t>(g.back_floats) * 4);
+  const int64_t sht = d.S * d.H * d.T, nst = d.S * d.H * d.P * d.N, nx = d.S * d.T * d.H * d.P;
+  const int64_t nbc = d.S * d.T * d.G * d.N;
+  // scratch regions (floats; the order of ssd.comp)
+  const int64_t nblkh = d.H / d.G / g.hblk, nbcp = nblkh * nbc;
+  const int64_t o_cb = 2 * sht, o_hin = o_cb + d.S * d.G * g.nc * kChunk * kChunk;
+  const int64_t o_lam = g.fwd_floats, o_dsi = o_lam + nst * g.nc, o_dbp = o_dsi + nst, o_dcp = o_dbp + nbcp;
+  const int64_t o_qy = o_dcp + nbcp, o_q = o_qy + sht, o_e = o_q + 2 * g.npt * sht;
+  const int64_t o_dap = o_e + d.S * d.H * g.nc * g.npt;
+  const Range &sc = scr.range;
+  const Range pre = part(sc, 0, o_cb), cb = part(sc, o_cb, o_hin), hin = part(sc, o_hin, o_lam),
+              lam = part(sc, o_lam, o_dsi), dsi = part(sc, o_dsi, o_dbp), dbc = part(sc, o_dbp, o_qy),
+              qy = part(sc, o_qy, o_q), qx = part(sc, o_q, o_e), ep = part(sc, o_e, o_dap),
+              dap = part(sc, o_dap, g.back_floats);
+  // packed outputs: ds, dx, ddt, dA, dB, dC (floats, then addresses)
+  const int64_t f_dx = d.R * d.H * d.P * d.N, f_ddt = f_dx + nx, f_dA = f_ddt + d.S * d.T * d.H;
+  const int64_t f_dB = f_dA + d.H, f_dC = f_dB + nbc, f_end = f_dC + nbc;
+  const uint64_t base = addr(c.dst);
+  const uint64_t p_ds = base, p_dx = base + uint64_t(f_dx) * 4, p_ddt = base + uint64_t(f_ddt) * 4;
+  const uint64_t p_dA = base + uint64_t(f_dA) * 4, p_dB = base + uint64_t(f_dB) * 4;
+  const uint64_t p_dC = base + uint64_t(f_dC) * 4;
+  const Range &o = c.dst.range;
+  const Range out_ds = part(o, 0, f_dx), out_dx = part(o, f_dx, f_ddt), out_ddt = part(o, f_ddt, f_dA),
+              out_dA = part(o, f_dA, f_dB), out_dBC = part(o, f_dB, f_end);
+
+  ScanPC pc = ssd_pc(d, g);
+  pc.gr = addr(c.src[0]);
+  pc.s = addr(c.src[1]);
+  pc.x = addr(c.src[2]);
+  pc.dt = addr(c.src[3]);
+  pc.A = addr(c.src[4]);
+  pc.B = addr(c.src[5]);
+  pc.C = addr(c.src[6]);
+  pc.ids = addr(c.src[7]);
+  pc.scr = scr.addr;
+  pc.err = rec.device().error_flags_address();
+  const Range &grr = c.src[0].range, &sr = c.src[1].range, &xr = c.src[2].range, &dtr = c.src[3].range,
+              &Ar = c.src[4].range, &Br = c.src[5].range, &Cr = c.src[6].range, &idr = c.src[7].range;
+  const int64_t chunks = d.S * d.H * g.nc, elems = ceil_div(nst, 256);
+  // Recorded in dependency order; consecutive dispatches on disjoint regions share a phase:
+  // [prep, CB] [states, state grads] [pass, reverse pass] [ds, dC/dB, du] [decay, dB/dC] [dA]
+  ssd_dispatch(rec, 0, 0, pc, chunks, {dtr, Ar}, {pre});
+  ssd_dispatch(rec, 1, 0, pc, d.S * d.G * g.nc, {Br, Cr}, {cb});
+  ssd_dispatch(rec, 2, 0, pc, chunks * g.npt * g.nnt, {xr, Br, pre}, {hin});
+  ssd_dispatch(rec, 2, 1, pc, chunks * g.npt * g.nnt, {grr, Cr, pre}, {lam});
+  ssd_dispatch(rec, 3, 1, pc, elems, {sr, idr, pre, hin}, {hin});
+  ssd_dispatch(rec, 3, 2, pc, elems, {grr, pre, lam}, {lam, dsi});
+
+  const uint64_t sa = scr.addr;
+  FinPC f{};
+  f.P = uint32_t(d.P), f.H = uint32_t(d.H), f.NA = 1, f.nstate = uint32_t(d.H * d.P * d.N);
+  f.S = uint32_t(d.S);
+  {
+    FinPC p = f;
+    p.src = sa + uint64_t(o_dsi) * 4, p.dst = p_ds, p.ids = addr(c.src[7]), p.n = uint32_t(d.R * d.H * d.P * d.N);
+    rec.dispatch("ssm_scan_fin", {3}, p, grid_groups(p.n, 256), 1, 1, {dsi, idr}, {out_ds});
+  }
+  ssd_dispatch(rec, 5, 0, pc, d.S * d.G * nblkh * g.nc, {grr, xr, Br, Cr, pre, cb, hin, lam}, {dbc, qy});
+  ScanPC p6 = pc;
+  p6.out = p_dx;
+  ssd_dispatch(rec, 6, 0, p6, chunks * g.npt, {grr, xr, Br, Cr, pre, cb, hin, lam}, {out_dx, qx, ep});
+  ScanPC p7 = pc;
+  p7.out = p_ddt;
+  ssd_dispatch(rec, 7, 0, p7, chunks, {dtr, Ar, pre, qy, qx, ep}, {out_ddt, dap});
+  if (nbc > 0) {
+    FinPC p = f;
+    p.src = sa + uint64_t(o_dbp) * 4, p.src2 = sa + uint64_t(o_dcp) * 4, p.dst = p_dB, p.dst2 = p_dC;
+    p.n = uint32_t(nbc), p.m = uint32_t(nblkh);
+    rec.dispatch("ssm_scan_fin", {0}, p, grid_groups(nbc, 256), 1, 1, {dbc}, {out_dBC});
+  }
+  {  // dA[h] = sum_i sum_chunk parts[i][h][chunk]: OP 2 with P = chunks
+    FinPC p = f;
+    p.src = sa + uint64_t(o_dap) * 4, p.dst = p_dA, p.n = uint32_t(d.H), p.P = uint32_t(g.nc);
+    rec.dispatch("ssm_scan_fin", {2}, p, grid_groups(p.n, 256), 1, 1, {dap}, {out_dA});
+  }
+}
+
 void scan_record(NodeCall& c) {
   ScanDims d;
   scan_dims(c.node, 0, &d);
   if (d.S == 0) return;
   Recorder& rec = c.rec;
+  if (use_chunked(d, rec.device())) return ssd_record(c, d);
   const Limits lim = limits_of(rec.device());
   const ScanLayout l = scan_layout(d, false, lim);
   ScanPC pc{};
@@ -321,15 +549,11 @@ void scan_record(NodeCall& c) {
                {c.dst.range});
 }
 
-struct FinPC {
-  uint64_t src, src2, dst, dst2, dt, ids;
-  uint32_t n, m, P, H, NA, nstate, S;
-};
-
 void scan_back_record(NodeCall& c) {
   ScanDims d;
   scan_dims(c.node, 1, &d);
   Recorder& rec = c.rec;
+  if (d.S > 0 && use_chunked(d, rec.device())) return ssd_back_record(c, d);
   const Limits lim = limits_of(rec.device());
   const ScanLayout l = scan_layout(d, true, lim);
   const bool pern = d.NA != 1;

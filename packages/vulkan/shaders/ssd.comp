@@ -1,0 +1,577 @@
+// ssm_scan / ssm_scan_back in the chunked ("state-space duality") form, for one decay per
+// head (A of shape (H, 1): Mamba-2). Host side, grid and scratch: csrc/ops/ssm.cpp.
+//
+// Per sequence i and head h the tokens are cut into chunks of L = 64. In a chunk, with
+// dtp = softplus(dt), a_t = dtp_t A_h, cs_t = a_0 + ... + a_t (in order, so cs never rises
+// when A <= 0: every exp below is of a difference cs_t - cs_s <= 0, s <= t), u_s = dtp_s x_s,
+// h_in the state entering the chunk (P x N), lam the gradient of the state leaving it:
+//   y_t    = e^{cs_t} C_t h_in^T + sum_{s<=t} (C_t . B_s) e^{cs_t - cs_s} u_s
+//   h_out  = e^{cs_L} h_in + sum_s e^{cs_L - cs_s} u_s B_s^T              (cs_L: last token)
+//   dh_in  = e^{cs_L} lam + sum_t e^{cs_t} dy_t^T C_t
+//   dC_t   = e^{cs_t} dy_t h_in + sum_{s<=t} M_ts (dy_t . u_s) B_s       M_ts = e^{cs_t - cs_s}
+//   dB_s   = sum_{t>=s} M_ts (dy_t . u_s) C_t + e^{cs_L - cs_s} u_s lam
+//   du_s   = sum_{t>=s} M_ts (C_t . B_s) dy_t + e^{cs_L - cs_s} lam B_s^T
+//   d a_s  = <lam, h_out> + sum_{t>=s} (dy_t . y_t - u_t . du_t)     (d cs_t summed over t >= s)
+// and dx = du dtp, d dtp = du . x + A d a, dA = sum d a dtp. <lam, h_out> =
+// e^{cs_L} <lam, h_in> + sum_s e^{cs_L - cs_s} u_s . (lam B_s^T).
+//
+// MODE (specialization constant 0), one dispatch each; VAR (constant 1) picks a variant:
+//   0 prep    per (i, h, chunk): dtp_t and cs_t into scratch
+//   1 cb      per (i, g, chunk): CB[t][s] = C_t . B_s (s <= t, else 0)
+//   2 state   per (i, h, chunk, P tile, N tile): VAR 0 sum_s e^{cs_L - cs_s} u_s B_s^T,
+//             VAR 1 sum_t e^{cs_t} dy_t^T C_t, into the chunk's slot of hin / lam
+//   3 pass    per state element (i, h, p, n), sequential over chunks: VAR 0/1 forward
+//             (slot c of hin becomes the state entering chunk c; VAR 0 writes the final
+//             state, VAR 1 is the backward's recomputation), VAR 2 backward (slot c of lam
+//             becomes the gradient of the state leaving chunk c; d s_init per sequence)
+//   4 y       per (i, h, chunk, P tile): y
+//   5 dcdb    per (i, g, block of hblk heads, chunk): the block's dC, dB (all N tiles in
+//             turn; the blocks of a group are summed later) and dy_t . y_t per head and token
+//   6 du      per (i, h, chunk, P tile): du -> dx, per-token partial sums over the tile of
+//             -u . du and du . x, and the tile's part of <lam, h_out>
+//   7 decay   per (i, h, chunk): d a by a reverse sum, ddt, the chunk's part of dA
+// Every matmul is a 64 x 64 output tile for 256 threads (4 x 4 each, rows 4 ty + a, columns
+// 4 tx + b) over K in steps of 16 staged in shared memory. All sums run in a fixed order:
+// no atomics, results do not depend on timing.
+#version 450
+#include "common.glsl"
+
+layout(local_size_x = 256) in;
+layout(constant_id = 0) const int MODE = 0;
+layout(constant_id = 1) const int VAR = 0;
+
+const int L = 64;   // chunk length and tile edge
+const int KT = 16;  // K step
+
+layout(push_constant) uniform PC {
+  uvec2 gr;    // backward: packed (dy, d final state)
+  uvec2 s, x, dt, A, B, C, ids;
+  uvec2 out_;  // forward: packed (y, final state); backward: MODE 6 dx, MODE 7 ddt
+  uvec2 scr, err;
+  int R, S, T, H, P, N, G, nc;
+  int hblk;  // heads per MODE 5 workgroup (divides H / G)
+} pc;
+
+shared float sCs[L], sDtp[L];
+// vec4: a thread reads its 4 neighbouring rows / columns at once; one vec4 of padding per
+// row keeps the staging stores (16 threads down a column) at 2-way bank conflicts
+shared vec4 sA[KT][L / 4 + 1], sB[KT][L / 4 + 1];
+shared float sM[L][L + 1];
+
+float acc[4][4];
+int lid, tx, ty;
+int i, h, g, c, t0, len, p0, n0, hpg;
+uint o_dtp, o_cs, o_cb, o_hin, o_lam, o_dsi, o_dbp, o_dcp, o_qy, o_q, o_xd, o_e, o_dap;
+uint slot;  // (i, h, c) chunk slot: hin / lam of this chunk start at slot * P * N
+
+// softplus as the CPU computes it (log1p by the atanh series).
+float softplus(float z) {
+  if (z > 20.0) return z;
+  const float w = exp(-abs(z));
+  const float s = w / (w + 2.0), s2 = s * s;
+  float q = 1.0 / 13.0;
+  q = q * s2 + 1.0 / 11.0;
+  q = q * s2 + 1.0 / 9.0;
+  q = q * s2 + 1.0 / 7.0;
+  q = q * s2 + 1.0 / 5.0;
+  q = q * s2 + 1.0 / 3.0;
+  q = q * s2 + 1.0;
+  return max(z, 0.0) + 2.0 * s * q;
+}
+
+float sigmoid_cpu(float z) {
+  if (z > 20.0) return 1.0;
+  if (z < -87.0) return 0.0;
+  return 1.0 / (exp(-z) + 1.0);
+}
+
+// ---- operands -------------------------------------------------------------------------
+// fetch(kind, k, r): element (k, r) of a staged K x 64 operand tile; k is the contraction
+// index (absolute), r the tile row/column (relative). Kinds below KFAST walk the source's
+// fast axis along k, the others along r (this picks the staging order, for coalescing).
+const int C_TN = 0;    // C[t0 + r][k]            r token, k state
+const int B_TN = 1;    // B[t0 + r][k]
+const int HIN_PN = 2;  // hin[p0 + r][k]          r channel, k state
+const int LAM_PN = 3;  // lam[p0 + r][k]
+const int DY_TP = 4;   // dy[t0 + r][k]           r token, k channel
+const int U_TP = 5;    // dtp x[t0 + r][k]
+const int DYE_TP = 6;  // e^{cs_r} dy[t0 + r][k]
+const int UE_TP = 7;   // e^{cs_L - cs_r} dtp x[t0 + r][k]
+const int KFAST = 8;
+const int X_W = 8;     // e^{cs_L - cs_k} dtp_k x[t0 + k][p0 + r]
+const int DY_W = 9;    // e^{cs_k} dy[t0 + k][p0 + r]
+const int U_SP = 10;   // dtp_k x[t0 + k][p0 + r]
+const int DY_SP = 11;  // dy[t0 + k][p0 + r]
+const int B_SN = 12;   // B[t0 + k][n0 + r]
+const int C_SN = 13;   // C[t0 + k][n0 + r]
+const int HIN_KN = 14; // hin[k][n0 + r]
+const int LAM_KN = 15; // lam[k][n0 + r]
+
+float ld_x(uvec2 buf, int t, int p) {  // x-like (S, T, H, P) at token t0 + t of head h
+  return (t < len && p < pc.P) ? FBuf(buf).v[(i * pc.T + t0 + t) * pc.H * pc.P + h * pc.P + p] : 0.0;
+}
+float ld_bc(uvec2 buf, int t, int n) {  // B/C (S, T, G, N)
+  return (t < len && n < pc.N) ? FBuf(buf).v[((i * pc.T + t0 + t) * pc.G + g) * pc.N + n] : 0.0;
+}
+float ld_st(uint off, int p, int n) {  // a chunk slot (P, N) of hin / lam
+  return (p < pc.P && n < pc.N) ? FBuf(pc.scr).v[off + slot * uint(pc.P * pc.N) + uint(p * pc.N + n)] : 0.0;
+}
+
+float fetch(int kind, int k, int r) {
+  switch (kind) {
+    case C_TN: return ld_bc(pc.C, r, k);
+    case B_TN: return ld_bc(pc.B, r, k);
+    case HIN_PN: return ld_st(o_hin, p0 + r, k);
+    case LAM_PN: return ld_st(o_lam, p0 + r, k);
+    case DY_TP: return ld_x(pc.gr, r, k);
+    case U_TP: return r < len ? sDtp[r] * ld_x(pc.x, r, k) : 0.0;
+    case DYE_TP: return r < len ? exp(sCs[r]) * ld_x(pc.gr, r, k) : 0.0;
+    case UE_TP: return r < len ? exp(sCs[len - 1] - sCs[r]) * sDtp[r] * ld_x(pc.x, r, k) : 0.0;
+    case X_W: return k < len ? exp(sCs[len - 1] - sCs[k]) * sDtp[k] * ld_x(pc.x, k, p0 + r) : 0.0;
+    case DY_W: return k < len ? exp(sCs[k]) * ld_x(pc.gr, k, p0 + r) : 0.0;
+    case U_SP: return k < len ? sDtp[k] * ld_x(pc.x, k, p0 + r) : 0.0;
+    case DY_SP: return ld_x(pc.gr, k, p0 + r);
+    case B_SN: return ld_bc(pc.B, k, n0 + r);
+    case C_SN: return ld_bc(pc.C, k, n0 + r);
+    case HIN_KN: return ld_st(o_hin, k, n0 + r);
+    default: return ld_st(o_lam, k, n0 + r);
+  }
+}
+
+// Element j (< 4) of this thread in a staged K x 64 tile: (k, r).
+ivec2 tile_pos(int kind, int j) {
+  const int e = lid + 256 * j;
+  return kind < KFAST ? ivec2(e % KT, e / KT) : ivec2(e / L, e % L);
+}
+
+// This thread's 4 elements of the tile starting at k0 (loaded into registers ahead of use).
+void fetch4(int kind, int k0, out float v[4]) {
+  [[unroll]] for (int j = 0; j < 4; ++j) {
+    const ivec2 kr = tile_pos(kind, j);
+    v[j] = fetch(kind, k0 + kr.x, kr.y);
+  }
+}
+
+void store4(int kind, float v[4], bool into_a) {
+  [[unroll]] for (int j = 0; j < 4; ++j) {
+    const ivec2 kr = tile_pos(kind, j);
+    if (into_a)
+      sA[kr.x][kr.y >> 2][kr.y & 3] = v[j];
+    else
+      sB[kr.x][kr.y >> 2][kr.y & 3] = v[j];
+  }
+}
+
+void clear_acc() {
+  [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) acc[a][b] = 0.0;
+}
+
+// acc[r][q] += sum_{k < K} A(k, r) B(k, q), both operands staged from memory; the next
+// tile's loads are issued before this tile's products (their latency overlaps the maths).
+// lam_hin (with bkind LAM_PN): also adds lam * h_in over the staged elements into lh_acc
+// (each element of the P tile once), reading only h_in beside the staged lam.
+float lh_acc = 0.0;
+void mma(int akind, int bkind, int K, bool lam_hin) {
+  float ra[4], rb[4];
+  fetch4(akind, 0, ra);
+  fetch4(bkind, 0, rb);
+  for (int k0 = 0; k0 < K; k0 += KT) {
+    if (lam_hin)
+      [[unroll]] for (int j = 0; j < 4; ++j) {
+        const ivec2 kr = tile_pos(bkind, j);
+        lh_acc += rb[j] * fetch(HIN_PN, k0 + kr.x, kr.y);
+      }
+    barrier();
+    store4(akind, ra, true);
+    store4(bkind, rb, false);
+    barrier();
+    if (k0 + KT < K) {
+      fetch4(akind, k0 + KT, ra);
+      fetch4(bkind, k0 + KT, rb);
+    }
+    [[unroll]] for (int k = 0; k < KT; ++k) {
+      const vec4 av = sA[k][ty], bv = sB[k][tx];
+      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) acc[a][b] += av[a] * bv[b];
+    }
+  }
+}
+
+// acc[r][q] += sum_{k < K} M(r, k) B(k, q) with M = sM (trans: sM^T), K <= L.
+void mma_m(bool trans, int bkind, int K) {
+  float rb[4];
+  fetch4(bkind, 0, rb);
+  for (int k0 = 0; k0 < K; k0 += KT) {
+    barrier();
+    store4(bkind, rb, false);
+    barrier();
+    if (k0 + KT < K) fetch4(bkind, k0 + KT, rb);
+    [[unroll]] for (int k = 0; k < KT; ++k) {
+      float av[4];
+      [[unroll]] for (int a = 0; a < 4; ++a) av[a] = trans ? sM[k0 + k][4 * ty + a] : sM[4 * ty + a][k0 + k];
+      const vec4 bv = sB[k][tx];
+      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) acc[a][b] += av[a] * bv[b];
+    }
+  }
+}
+
+int round_k(int k) { return (k + KT - 1) / KT * KT; }
+
+// dtp and cs of this chunk into shared memory (after prep ran).
+void load_chunk() {
+  if (lid < L) {
+    const uint o = uint((i * pc.H + h) * pc.T + t0 + lid);
+    sCs[lid] = lid < len ? FBuf(pc.scr).v[o_cs + o] : 0.0;
+    sDtp[lid] = lid < len ? FBuf(pc.scr).v[o_dtp + o] : 0.0;
+  }
+  barrier();
+}
+
+// sM[t][s] = CB[t][s] e^{cs_t - cs_s} (s <= t < len, else 0).
+void load_m() {
+  const uint ob = o_cb + uint((i * pc.G + g) * pc.nc + c) * uint(L * L);
+  for (int e = lid; e < L * L; e += 256) {
+    const int t = e / L, s = e % L;
+    sM[t][s] = (s <= t && t < len) ? FBuf(pc.scr).v[ob + uint(e)] * exp(sCs[t] - sCs[s]) : 0.0;
+  }
+}
+
+// y of rows t (tile channels p0..): e^{cs_t} C_t h_in^T + sM u.
+void compute_y() {
+  clear_acc();
+  mma(C_TN, HIN_PN, round_k(pc.N), false);
+  [[unroll]] for (int a = 0; a < 4; ++a) {
+    const int t = 4 * ty + a;
+    const float e = t < len ? exp(sCs[t]) : 0.0;
+    [[unroll]] for (int b = 0; b < 4; ++b) acc[a][b] *= e;
+  }
+  mma_m(false, U_SP, round_k(len));
+}
+
+void main() {
+  lid = int(gl_LocalInvocationIndex);
+  tx = lid % 16;
+  ty = lid / 16;
+  const int S = pc.S, T = pc.T, H = pc.H, P = pc.P, N = pc.N, nc = pc.nc;
+  hpg = H / pc.G;
+  const int npt = (P + L - 1) / L, nnt = (N + L - 1) / L;
+  // scratch layout (floats), see csrc/ops/ssm.cpp
+  const uint sht = uint(S * H * T), nst = uint(S * H * P * N), nbc = uint(hpg / pc.hblk) * uint(S * T * pc.G * N);
+  o_dtp = 0u;
+  o_cs = sht;
+  o_cb = 2u * sht;
+  o_hin = o_cb + uint(S * pc.G * nc) * uint(L * L);
+  o_lam = o_hin + nst * uint(nc);
+  o_dsi = o_lam + nst * uint(nc);
+  o_dbp = o_dsi + nst;
+  o_dcp = o_dbp + nbc;
+  o_qy = o_dcp + nbc;
+  o_q = o_qy + sht;
+  o_xd = o_q + uint(npt) * sht;
+  o_e = o_xd + uint(npt) * sht;
+  o_dap = o_e + uint(S * H * nc * npt);
+  FBuf sc = FBuf(pc.scr);
+  const uint wg = group_index();
+
+  if (MODE == 3) {  // ---- pass: one thread per state element ---------------------------
+    const uint PN = uint(P * N), e = wg * 256u + uint(lid);
+    if (e >= uint(S * H) * PN) return;
+    const uint pn = e % PN, ih = e / PN;
+    i = int(ih) / H;
+    h = int(ih) % H;
+    const uint ocs = o_cs + ih * uint(T);
+    if (VAR < 2) {
+      int row = IBuf(pc.ids).v[i];
+      const bool bad = row < 0 || row >= pc.R;
+      if (bad && pn == 0u) set_error(pc.err, VAR == 0 ? ERR_SSM_SCAN : ERR_SSM_SCAN_BACK);
+      float hc = bad ? 0.0 : FBuf(pc.s).v[uint(row * H + h) * PN + pn];
+      for (int k0 = 0; k0 < nc; k0 += 4) {  // 4 chunks' loads in flight at once
+        float local[4], decay[4];
+        [[unroll]] for (int j = 0; j < 4; ++j) {
+          const int k = min(k0 + j, nc - 1);
+          local[j] = sc.v[o_hin + (ih * uint(nc) + uint(k)) * PN + pn];
+          decay[j] = exp(sc.v[ocs + uint(min(T, k * L + L) - 1)]);
+        }
+        [[unroll]] for (int j = 0; j < 4; ++j)
+          if (k0 + j < nc) {
+            sc.v[o_hin + (ih * uint(nc) + uint(k0 + j)) * PN + pn] = hc;
+            hc = decay[j] * hc + local[j];
+          }
+      }
+      if (VAR == 0) FBuf(pc.out_).v[uint(S * T * H * P) + ih * PN + pn] = bad ? 0.0 : hc;
+    } else {
+      float lc = FBuf(pc.gr).v[uint(S * T * H * P) + ih * PN + pn];
+      for (int k0 = nc - 1; k0 >= 0; k0 -= 4) {
+        float local[4], decay[4];
+        [[unroll]] for (int j = 0; j < 4; ++j) {
+          const int k = max(k0 - j, 0);
+          local[j] = sc.v[o_lam + (ih * uint(nc) + uint(k)) * PN + pn];
+          decay[j] = exp(sc.v[ocs + uint(min(T, k * L + L) - 1)]);
+        }
+        [[unroll]] for (int j = 0; j < 4; ++j)
+          if (k0 - j >= 0) {
+            sc.v[o_lam + (ih * uint(nc) + uint(k0 - j)) * PN + pn] = lc;
+            lc = decay[j] * lc + local[j];
+          }
+      }
+      sc.v[o_dsi + ih * PN + pn] = lc;
+    }
+    return;
+  }
+
+  // ---- the per-chunk modes: decode the workgroup -----------------------------------------
+  uint rest = wg;
+  int pt = 0, nt = 0, hb = 0;
+  if (MODE == 2) {
+    nt = int(rest % uint(nnt));
+    rest /= uint(nnt);
+  }
+  if (MODE == 2 || MODE == 4 || MODE == 6) {
+    pt = int(rest % uint(npt));
+    rest /= uint(npt);
+  }
+  c = int(rest % uint(nc));
+  rest /= uint(nc);
+  if (MODE == 1 || MODE == 5) {  // MODE 5: rest = (i, g, head block)
+    if (MODE == 5) {
+      hb = int(rest % uint(hpg / pc.hblk));
+      rest /= uint(hpg / pc.hblk);
+    }
+    g = int(rest % uint(pc.G));
+    i = int(rest / uint(pc.G));
+    h = g * hpg + hb * pc.hblk;
+  } else {
+    h = int(rest % uint(H));
+    i = int(rest / uint(H));
+    g = h / hpg;
+  }
+  if (i >= S) return;  // past the grid's end: the whole workgroup
+  p0 = pt * L;
+  n0 = nt * L;
+  t0 = c * L;
+  len = min(L, T - t0);
+  slot = uint((i * H + h) * nc + c);
+  const uint ih = uint(i * H + h);
+
+  if (MODE == 0) {  // ---- prep ------------------------------------------------------------
+    float a = 0.0;
+    if (lid < len) {
+      const float dtp = softplus(FBuf(pc.dt).v[(i * T + t0 + lid) * H + h]);
+      a = dtp * FBuf(pc.A).v[h];
+      sc.v[o_dtp + ih * uint(T) + uint(t0 + lid)] = dtp;
+    }
+    if (lid < L) sCs[lid] = a;
+    barrier();
+    if (lid < len) {
+      float cs = 0.0;
+      for (int k = 0; k <= lid; ++k) cs += sCs[k];
+      sc.v[o_cs + ih * uint(T) + uint(t0 + lid)] = cs;
+    }
+    return;
+  }
+
+  if (MODE == 1) {  // ---- cb --------------------------------------------------------------
+    clear_acc();
+    mma(C_TN, B_TN, round_k(N), false);
+    const uint ob = o_cb + uint((i * pc.G + g) * nc + c) * uint(L * L);
+    [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
+      const int t = 4 * ty + a, s = 4 * tx + b;
+      sc.v[ob + uint(t * L + s)] = (s <= t && t < len) ? acc[a][b] : 0.0;
+    }
+    return;
+  }
+
+  load_chunk();
+
+  if (MODE == 2) {  // ---- chunk-local state / state gradient ------------------------------
+    clear_acc();
+    if (VAR == 0)
+      mma(X_W, B_SN, round_k(len), false);
+    else
+      mma(DY_W, C_SN, round_k(len), false);
+    const uint o = (VAR == 0 ? o_hin : o_lam) + slot * uint(P * N);
+    [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
+      const int p = p0 + 4 * ty + a, n = n0 + 4 * tx + b;
+      if (p < P && n < N) sc.v[o + uint(p * N + n)] = acc[a][b];
+    }
+    return;
+  }
+
+  if (MODE == 4 || MODE == 6) {  // ---- y / du ----------------------------------------------
+    load_m();
+    if (MODE == 4) {
+      compute_y();
+      const int row = IBuf(pc.ids).v[i];
+      const bool bad = row < 0 || row >= pc.R;
+      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
+        const int t = 4 * ty + a, p = p0 + 4 * tx + b;
+        if (t < len && p < P) FBuf(pc.out_).v[(i * T + t0 + t) * H * P + h * P + p] = bad ? 0.0 : acc[a][b];
+      }
+      return;
+    }
+    clear_acc();
+    mma_m(true, DY_SP, round_k(len));  // sum_t M_ts (C_t . B_s) dy_t
+    float du[4][4];
+    du = acc;
+    clear_acc();
+    mma(B_TN, LAM_PN, round_k(N), true);  // lam B_s^T
+    const float csl = sCs[len - 1];
+    float qv[4], xv[4], ev = 0.0;
+    [[unroll]] for (int a = 0; a < 4; ++a) {
+      const int s = 4 * ty + a;
+      const float w = s < len ? exp(csl - sCs[s]) : 0.0;
+      qv[a] = 0.0;
+      xv[a] = 0.0;
+      [[unroll]] for (int b = 0; b < 4; ++b) {
+        const int p = p0 + 4 * tx + b;
+        if (s < len && p < P) {
+          const float v = acc[a][b] * w, d = du[a][b] + v;
+          const float x = ld_x(pc.x, s, p), u = sDtp[s] * x;
+          FBuf(pc.out_).v[(i * T + t0 + s) * H * P + h * P + p] = d * sDtp[s];
+          qv[a] -= u * d;
+          xv[a] += d * x;
+          ev += u * v;
+        }
+      }
+    }
+    ev += exp(csl) * lh_acc;  // <lam, h_in> over the tile's channels
+    // fixed-order sums over the 16 column threads (rows) and the 256 threads (ev)
+    barrier();
+    [[unroll]] for (int a = 0; a < 4; ++a) {
+      sM[tx][4 * ty + a] = qv[a];
+      sM[16 + tx][4 * ty + a] = xv[a];
+    }
+    sM[32 + lid / L][lid % L] = ev;
+    barrier();
+    if (lid < len) {
+      float q = 0.0, xs = 0.0;
+      for (int k = 0; k < 16; ++k) {
+        q += sM[k][lid];
+        xs += sM[16 + k][lid];
+      }
+      const uint o = (ih * uint(npt) + uint(pt)) * uint(T) + uint(t0 + lid);
+      sc.v[o_q + o] = q;
+      sc.v[o_xd + o] = xs;
+    }
+    if (lid == 0) {
+      float e = 0.0;
+      for (int k = 0; k < 256; ++k) e += sM[32 + k / L][k % L];
+      sc.v[o_e + slot * uint(npt) + uint(pt)] = e;
+    }
+    return;
+  }
+
+  if (MODE == 5) {  // ---- dC, dB of a block of hblk heads, and dy_t . y_t per head --------
+    // sM = sum_h M_ts (dy_t . u_s) over the block's heads first; then per N tile, the heads
+    // in turn: dC = sum_h e^{cs_t} dy_t h_in (operand scaled as staged) + sM B, dB = sum_h
+    // e^{cs_L - cs_s} u_s lam + sM^T C: the products with B and C run once per block.
+    const int HB = pc.hblk;  // a push constant: one pipeline for every block size
+    const int hfirst = h;
+    const uint ob = o_cb + uint((i * pc.G + g) * nc + c) * uint(L * L);
+    const uint opart = uint(((hb * S + i) * T + t0) * pc.G + g) * uint(N);
+    float qy[4][4];  // [head of the block][row]
+    {
+      float msum[4][4];
+      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) msum[a][b] = 0.0;
+      [[unroll]] for (int jh = 0; jh < 4; ++jh)[[unroll]] for (int a = 0; a < 4; ++a) qy[jh][a] = 0.0;
+      // not unrolled: the body is large (code size, compile time); qy[jh] is then indexed
+      // at run time, 16 updates per head
+      [[dont_unroll]] for (int jh = 0; jh < HB; ++jh) {
+        {
+          h = hfirst + jh;
+          barrier();  // everyone is done with the previous head's cs, dtp
+          load_chunk();
+          clear_acc();
+          mma(DY_TP, U_TP, round_k(P), false);  // dy_t . u_s
+          [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
+            const int t = 4 * ty + a, s = 4 * tx + b;
+            const float m = (s <= t && t < len) ? acc[a][b] * exp(sCs[t] - sCs[s]) : 0.0;
+            msum[a][b] += m;
+            qy[jh][a] += m * sc.v[ob + uint(t * L + s)];
+          }
+        }
+      }
+      barrier();
+      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) sM[4 * ty + a][4 * tx + b] = msum[a][b];
+    }
+    for (int nt = 0; nt < nnt; ++nt) {
+      n0 = nt * L;
+      float accC[4][4], accB[4][4];
+      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
+        accC[a][b] = 0.0;
+        accB[a][b] = 0.0;
+      }
+      [[dont_unroll]] for (int jh = 0; jh < HB; ++jh) {
+        {
+          h = hfirst + jh;
+          slot = uint((i * H + h) * nc + c);
+          barrier();
+          load_chunk();
+          clear_acc();
+          mma(DYE_TP, HIN_KN, round_k(P), false);  // e^{cs_t} dy_t h_in
+          [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
+            qy[jh][a] += acc[a][b] * ld_bc(pc.C, 4 * ty + a, n0 + 4 * tx + b);
+            accC[a][b] += acc[a][b];
+          }
+          clear_acc();
+          mma(UE_TP, LAM_KN, round_k(P), false);  // e^{cs_L - cs_s} u_s lam
+          [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) accB[a][b] += acc[a][b];
+        }
+      }
+      acc = accC;
+      mma_m(false, B_SN, round_k(len));
+      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
+        const int t = 4 * ty + a, n = n0 + 4 * tx + b;
+        if (t < len && n < N) sc.v[o_dcp + opart + uint(t * pc.G * N + n)] = acc[a][b];
+      }
+      acc = accB;
+      mma_m(true, C_SN, round_k(len));
+      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
+        const int s = 4 * ty + a, n = n0 + 4 * tx + b;
+        if (s < len && n < N) sc.v[o_dbp + opart + uint(s * pc.G * N + n)] = acc[a][b];
+      }
+    }
+    // fixed-order sums of qy over the 16 column threads, per head
+    [[dont_unroll]] for (int jh = 0; jh < HB; ++jh) {
+      {
+        barrier();
+        [[unroll]] for (int a = 0; a < 4; ++a) sM[tx][4 * ty + a] = qy[jh][a];
+        barrier();
+        if (lid < len) {
+          float q = 0.0;
+          for (int k = 0; k < 16; ++k) q += sM[k][lid];
+          sc.v[o_qy + uint(i * H + hfirst + jh) * uint(T) + uint(t0 + lid)] = q;
+        }
+      }
+    }
+    return;
+  }
+
+  // ---- MODE 7: decay gradients ------------------------------------------------------------
+  float e = 0.0;
+  for (int k = 0; k < npt; ++k) e += sc.v[o_e + slot * uint(npt) + uint(k)];
+  float q = 0.0, xs = 0.0;
+  if (lid < len) q = sc.v[o_qy + ih * uint(T) + uint(t0 + lid)];
+  if (lid < len)
+    for (int k = 0; k < npt; ++k) {
+      const uint o = (ih * uint(npt) + uint(k)) * uint(T) + uint(t0 + lid);
+      q += sc.v[o_q + o];
+      xs += sc.v[o_xd + o];
+    }
+  if (lid < L) sM[0][lid] = q;
+  barrier();
+  float da = e;
+  if (lid < len)
+    for (int k = len - 1; k >= lid; --k) da += sM[0][k];
+  if (lid < len) {
+    const int o = (i * T + t0 + lid) * H + h;
+    const float ddtp = da * FBuf(pc.A).v[h] + xs;
+    FBuf(pc.out_).v[o] = ddtp * sigmoid_cpu(FBuf(pc.dt).v[o]);
+  }
+  if (lid < L) sM[1][lid] = lid < len ? da * sDtp[lid] : 0.0;
+  barrier();
+  if (lid == 0) {
+    float s = 0.0;
+    for (int k = 0; k < L; ++k) s += sM[1][k];
+    sc.v[o_dap + slot] = s;
+  }
+}
