@@ -14,6 +14,7 @@ log() { echo "=== $* ($(date +%T))" | tee -a "$OUT/summary.log"; }
 
 if [[ " $steps " == *" build "* ]]; then
   log build
+  rm -rf "$site"  # a warm machine keeps the last install: pip --target would not replace it
   # wheels carried in .whl (scipy-openblas32, fla) go to a private site dir
   if compgen -G ".whl/*.whl" >/dev/null; then
     $py -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl

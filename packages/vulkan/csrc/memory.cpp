@@ -120,7 +120,16 @@ uint32_t DeviceMemory::new_block(VkDeviceSize size, int pool, bool dedicated) {
 Allocation DeviceMemory::take(VkDeviceSize nbytes, int pool) {
   VkDeviceSize size = align_up(std::max<VkDeviceSize>(nbytes, 4), kAlign);
   if (size > block_size_ / 2) {  // a block of its own: large buffers do not fragment blocks
-    uint32_t id = new_block(size, pool, true);
+    // An idle one kept from an earlier graph when one fits (up to a quarter larger): a
+    // step that needs the same large scratch every time then allocates nothing.
+    uint32_t id = UINT32_MAX;
+    for (uint32_t i = 0; i < blocks_.size(); ++i) {
+      const Block& b = blocks_[i];
+      if (b.memory && b.dedicated && b.pool == pool && b.used == 0 && b.size >= size &&
+          b.size <= size + size / 4 && (id == UINT32_MAX || b.size < blocks_[id].size))
+        id = i;
+    }
+    if (id == UINT32_MAX) id = new_block(size, pool, true);
     Block& b = blocks_[id];
     b.free.clear();
     b.used = size;
@@ -211,11 +220,20 @@ Allocation DeviceMemory::alloc_internal(size_t nbytes) { return take(nbytes, kIn
 bool DeviceMemory::free_internal(const Allocation& a) { return give_back(a); }
 
 void DeviceMemory::release_empty_blocks() {
+  // Keep one empty shared block per pool and the most recent empty dedicated blocks up to
+  // kKeepDedicated bytes: the next graph (usually the same step again) reuses them.
+  constexpr VkDeviceSize kKeepDedicated = VkDeviceSize{1} << 30;
   bool kept[3] = {false, false, false};
-  for (Block& b : blocks_) {
+  VkDeviceSize kept_dedicated = 0;
+  for (size_t k = blocks_.size(); k-- > 0;) {
+    Block& b = blocks_[k];
     if (!b.memory || b.used != 0) continue;
     if (!b.dedicated && !kept[b.pool]) {
-      kept[b.pool] = true;  // keep one empty block per pool: the next graph reuses it
+      kept[b.pool] = true;
+      continue;
+    }
+    if (b.dedicated && b.pool == kInternal && kept_dedicated + b.size <= kKeepDedicated) {
+      kept_dedicated += b.size;
       continue;
     }
     destroy_block(b);
