@@ -5,8 +5,11 @@
 Sizes (default, a real small LM that still finishes on 2 cores): byte vocabulary 256,
 d_model 512, 4 layers; Mamba-1 d_state 16, expand 2; Mamba-2 head_dim 64, d_state 64;
 RWKV-7 head size 64 (dim_ffn 4 d_model). The parameter count of each model is printed.
+Training batches are 4 x 128 tokens, not 4 x 256: transformers' Mamba-1 training step
+takes ~40 s at 128 tokens on 2 cores and grows with T^2 (its backward), so 256 would not
+fit the ~10 minutes a default run may take.
 
-Training: one step (forward, backward, AdamW update) on a (batch 4, seq_len 256) batch of
+Training: one step (forward, backward, AdamW update) on a (batch 4, seq_len 128) batch of
 random tokens; the figure is ms per step, with tokens/s in the note. The peer is the same
 model in PyTorch eager holding the same weights, with torch.optim.AdamW: transformers'
 MambaForCausalLM / Mamba2ForCausalLM, and for RWKV-7 the eager model of torch_rwkv.py
@@ -19,8 +22,11 @@ is transformers' generate() (Mamba) or torch_rwkv.greedy_generate (RWKV-7) on th
 weights; the check says whether both produced the same tokens and how far the prompt's
 logits are apart (max |difference| / max |logit|).
 
-`--tiny` runs tiny sizes (a smoke test of the script, not a measurement). Every figure is
-the median of the timed runs; ratio = peer time / our time, from the same process.
+The two sides of a case are timed alternately in one process (see `interleaved`): the
+machine is shared, and alternating makes a change of load hit both sides alike. Every
+figure is the median of the timed runs; ratio = peer time / our time. A side whose first
+run alone exceeds --budget seconds (transformers' Mamba-1 training) is timed by that run.
+`--tiny` runs tiny sizes (a smoke test of the script, not a measurement).
 """
 
 from __future__ import annotations
@@ -40,7 +46,6 @@ from common import (
     Timing,
     environment,
     load_recurra,
-    measure,
     parse_args,
 )
 
@@ -188,9 +193,10 @@ def tokens(size: dict[str, int], seed: int) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------
-# the two sides of a case; each returns its Timing and leaves its result for the check
+# the two sides of a case: each builds its model and returns the function to time (one
+# training step, or one whole generation); the first run leaves its result in `out`
 # ------------------------------------------------------------------------------------------
-def ours_train(arch: str, size: dict[str, int], args: Any, out: dict[str, Any]) -> Timing:
+def ours_train(arch: str, size: dict[str, int], out: dict[str, Any]) -> Callable[[], None]:
     from recurra_optim import AdamW
 
     model = make_ours(arch, size)
@@ -198,29 +204,25 @@ def ours_train(arch: str, size: dict[str, int], args: Any, out: dict[str, Any]) 
     opt = AdamW(list(model.parameters()), lr=1e-4)
     data = tokens(size, 0)
     x, y = data[:, :-1], data[:, 1:]
-    losses: list[Any] = []
 
     def step() -> None:
         loss = model.loss(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        if not losses:
-            losses.append(loss)
+        if "ours" not in out:
+            out["ours"] = float(loss.item())  # already computed: no extra work
 
-    t = timed(step, args)
-    out["ours"] = float(losses[0].item())
-    return t
+    return step
 
 
-def torch_train(arch: str, size: dict[str, int], args: Any, out: dict[str, Any]) -> Timing:
+def torch_train(arch: str, size: dict[str, int], out: dict[str, Any]) -> Callable[[], None]:
     import torch
 
     model = make_torch(arch, make_ours(arch, size)).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     data = torch.from_numpy(tokens(size, 0).astype(np.int64))
     x, y = data[:, :-1], data[:, 1:]
-    losses: list[float] = []
 
     def step() -> None:
         logits = torch_logits(arch, model, x)
@@ -230,31 +232,13 @@ def torch_train(arch: str, size: dict[str, int], args: Any, out: dict[str, Any])
         loss.backward()
         opt.step()
         opt.zero_grad()
-        if not losses:
-            losses.append(float(loss.detach()))
+        if "torch" not in out:
+            out["torch"] = float(loss.detach())
 
-    t = timed(step, args)
-    out["torch"] = losses[0]
-    return t
+    return step
 
 
-def timed(fn: Callable[[], Any], args: Any) -> Timing:
-    """common.measure, except that a side whose first run already takes longer than
-    --budget seconds (transformers' Mamba-1 training on the CPU: its reference scan loops
-    over time in Python, and its backward grows with T^2) is timed by that one run."""
-    t0 = time.perf_counter()
-    fn()
-    first = time.perf_counter() - t0
-    if first > args.budget:
-        return Timing([first * 1e3])
-    return measure(fn, args.reps, max(0, args.warmup - 1), args.budget)
-
-
-def _per_token(t: Timing, n: int) -> Timing:
-    return Timing([ms / n for ms in t.runs_ms])
-
-
-def ours_gen(arch: str, size: dict[str, int], args: Any, out: dict[str, Any]) -> Timing:
+def ours_gen(arch: str, size: dict[str, int], out: dict[str, Any]) -> Callable[[], None]:
     import recurra as rc
     import recurra_models as rm
 
@@ -268,10 +252,10 @@ def ours_gen(arch: str, size: dict[str, int], args: Any, out: dict[str, Any]) ->
     def gen() -> None:
         out["ours"] = rm.generate(model, prompt, max_tokens=n, temperature=0.0)
 
-    return _per_token(timed(gen, args), n)
+    return gen
 
 
-def torch_gen(arch: str, size: dict[str, int], args: Any, out: dict[str, Any]) -> Timing:
+def torch_gen(arch: str, size: dict[str, int], out: dict[str, Any]) -> Callable[[], None]:
     import torch
 
     model = make_torch(arch, make_ours(arch, size)).eval()
@@ -297,16 +281,52 @@ def torch_gen(arch: str, size: dict[str, int], args: Any, out: dict[str, Any]) -
             )
         out["torch"] = ids[0, prompt.shape[1] :].tolist()
 
-    return _per_token(timed(gen, args), n)
+    return gen
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], args: Any) -> dict[str, Timing]:
+    """Times the sides of a case alternately (ours, peer, peer, ours, ...), so that a change
+    of the machine's load during the case hits both sides alike (the machine is shared).
+
+    Each side's first run is untimed (warm-up; it fills the result for the checks), then
+    ``--warmup - 1`` more warm-up rounds and up to ``--reps`` timed rounds (fewer when a
+    round is slow: the rounds must fit ``--budget`` seconds per side, never below 3). A side
+    whose first run alone exceeds the budget (transformers' Mamba-1 training on the CPU: its
+    reference scan loops over time in Python and its backward grows with T^2) is not run
+    again: that run is its one figure. Returns each side's timed runs (ms)."""
+    first: dict[str, float] = {}
+    for k, f in fns.items():
+        t0 = time.perf_counter()
+        f()
+        first[k] = time.perf_counter() - t0
+    out = {k: Timing([first[k] * 1e3]) for k in fns if first[k] > args.budget}
+    rest = [k for k in fns if k not in out]
+    if not rest:
+        return out
+    round_s = sum(first[k] for k in rest)
+    for _ in range(max(0, args.warmup - 1)):
+        if round_s * (args.warmup + args.reps) > args.budget * len(rest):
+            break
+        for k in rest:
+            fns[k]()
+    n = max(3, min(args.reps, int(args.budget * len(rest) / max(round_s, 1e-9))))
+    runs: dict[str, list[float]] = {k: [] for k in rest}
+    for i in range(n):
+        for k in rest if i % 2 == 0 else reversed(rest):
+            t0 = time.perf_counter()
+            fns[k]()
+            runs[k].append((time.perf_counter() - t0) * 1e3)
+    out.update({k: Timing(v) for k, v in runs.items()})
+    return out
 
 
 # ------------------------------------------------------------------------------------------
 # a case: both sides, their check, the verdict
 # ------------------------------------------------------------------------------------------
-def _side(fn: Callable[[], Timing]) -> tuple[float | None, str]:
-    """Runs one side; returns (median ms, "") or (None, why not). Never raises."""
+def _prepare(fn: Callable[[], Callable[[], None]]) -> tuple[Callable[[], None] | None, str]:
+    """Builds one side; returns (the function to time, "") or (None, why not)."""
     try:
-        return fn().median_ms, ""
+        return fn(), ""
     except PeerUnavailable as exc:
         return None, f"n/a ({exc})"
     except Exception as exc:  # a failing side costs its row, never the run
@@ -347,20 +367,29 @@ def run_case(name: str, spec: Spec, args: Any, size: dict[str, int], table: Tabl
     case = Case(name, target=spec.target, target_ratio=spec.target_ratio)
     peer = PEER_NAME[spec.arch]
     toks = size["batch"] * size["seq_len"]
+    per = 1 if spec.mode == "train" else size["gen_tokens"]  # gen: ms per new token
     outs: dict[str, Any] = {}
     ours_fn = ours_train if spec.mode == "train" else ours_gen
     peer_fn = torch_train if spec.mode == "train" else torch_gen
-    case.ours_ms, note = _side(lambda: ours_fn(spec.arch, size, args, outs))
-    ms, pnote = _side(lambda: peer_fn(spec.arch, size, args, outs))
-    case.peers[peer] = ms
+    ours, note = _prepare(lambda: ours_fn(spec.arch, size, outs))
+    theirs, pnote = _prepare(lambda: peer_fn(spec.arch, size, outs))
+    fns = {k: f for k, f in (("ours", ours), (peer, theirs)) if f is not None}
+    try:
+        timings = interleaved(fns, args)
+    except Exception as exc:  # reported in the row, never raised
+        timings = {}
+        note = note or f"error: {type(exc).__name__}: {str(exc)[:160]}"
+    ms = {k: t.median_ms / per for k, t in timings.items()}
+    case.ours_ms = ms.get("ours")
+    case.peers[peer] = ms.get(peer)
+    runs = {k: len(t.runs_ms) for k, t in timings.items()}
     params = f"{outs['params'] / 1e6:.2f}M parameters" if "params" in outs else ""
-    if spec.mode == "train":
-        if case.ours_ms:
-            note = note or f"{toks / case.ours_ms * 1e3:.0f} tokens/s, {params}"
-        if ms:
-            pnote = pnote or f"{toks / ms * 1e3:.0f} tokens/s"
-    elif case.ours_ms:
-        note = note or params
+    if case.ours_ms:
+        rate = f"{toks / case.ours_ms * 1e3:.0f} tokens/s, " if spec.mode == "train" else ""
+        note = note or f"{rate}{params}, {runs['ours']} timed runs"
+    if case.peers[peer]:
+        rate = f"{toks / case.peers[peer] * 1e3:.0f} tokens/s, " if spec.mode == "train" else ""
+        pnote = pnote or f"{rate}{runs[peer]} timed run{'s' if runs[peer] > 1 else ''}"
     case.ours_note = note
     if pnote:
         case.peer_notes[peer] = pnote
