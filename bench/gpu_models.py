@@ -3,7 +3,7 @@
     python bench/gpu_models.py [--device-index 0] [--tiny] [--reps 7] [--only train_mamba]
 
 The models, sizes, weights and batches are those of bench/models.py (d_model 512, 4 layers,
-byte vocabulary; batch 4 x 128 tokens for training, prompt 32 + 64 generated tokens).
+byte vocabulary; batch 4 x 256 tokens for training, prompt 32 + 64 generated tokens).
 
 Ours: the model moved to the Vulkan device (``model.to("vulkan:N")``) under strict
 placement (a node the device cannot run raises instead of falling back to the CPU).
@@ -40,6 +40,7 @@ from common import Case, PeerUnavailable, Table, Timing, environment, measure, p
 from models import SMALL, SPECS, TINY, Spec, make_ours, make_torch, tokens, torch_logits  # noqa: E402
 
 PEER = "torch cuda"
+_NO_PEER = {"why": "no CUDA"}  # why the peer cannot run here (set by main)
 
 
 def timed(fn: Callable[[], Any], args: Any) -> Timing:
@@ -166,7 +167,7 @@ def torch_train(
     arch: str, size: dict[str, int], args: Any, torch: Any, out: dict[str, Any]
 ) -> Timing:
     if torch is None:
-        raise PeerUnavailable("no CUDA")
+        raise PeerUnavailable(_NO_PEER["why"])
     model = make_torch(arch, make_ours(arch, size), device="cuda").train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     data = torch.from_numpy(tokens(size, 0).astype(np.int64)).cuda()
@@ -194,7 +195,7 @@ def torch_gen(
     arch: str, size: dict[str, int], args: Any, torch: Any, out: dict[str, Any]
 ) -> Timing:
     if torch is None:
-        raise PeerUnavailable("no CUDA")
+        raise PeerUnavailable(_NO_PEER["why"])
     model = make_torch(arch, make_ours(arch, size), device="cuda").eval()
     prompt = torch.from_numpy(tokens(size, 1)[:1, : size["prompt"]].astype(np.int64)).cuda()
     n = size["gen_tokens"]
@@ -294,6 +295,8 @@ def main() -> None:
     rc.set_num_threads(args.threads)
     dev, dev_line = load_vulkan(extra.device_index)
     torch, torch_line = load_torch_cuda()
+    if torch is None:
+        _NO_PEER["why"] = torch_line.split(":")[0]
     size = TINY if extra.tiny else SMALL
     print(f"# ours: {dev_line}; recurra from {rc.__file__}")
     print(f"# peer: {torch_line}")

@@ -5,11 +5,11 @@
 Sizes (default, a real small LM that still finishes on 2 cores): byte vocabulary 256,
 d_model 512, 4 layers; Mamba-1 d_state 16, expand 2; Mamba-2 head_dim 64, d_state 64;
 RWKV-7 head size 64 (dim_ffn 4 d_model). The parameter count of each model is printed.
-Training batches are 4 x 128 tokens, not 4 x 256: transformers' Mamba-1 training step
-takes ~40 s at 128 tokens on 2 cores and grows with T^2 (its backward), so 256 would not
-fit the ~10 minutes a default run may take.
+transformers' Mamba-1 training step is slow on the CPU (its reference scan loops over time
+in Python and its backward grows with T^2: ~25 s at 4 x 128 tokens on 2 cores), so it is
+timed by one run (see below).
 
-Training: one step (forward, backward, AdamW update) on a (batch 4, seq_len 128) batch of
+Training: one step (forward, backward, AdamW update) on a (batch 4, seq_len 256) batch of
 random tokens; the figure is ms per step, with tokens/s in the note. The peer is the same
 model in PyTorch eager holding the same weights, with torch.optim.AdamW: transformers'
 MambaForCausalLM / Mamba2ForCausalLM, and for RWKV-7 the eager model of torch_rwkv.py
@@ -57,7 +57,7 @@ SMALL = {
     "d_state2": 64,  # Mamba-2
     "head_dim": 64,  # Mamba-2 head_dim and RWKV-7 head size
     "batch": 4,
-    "seq_len": 128,
+    "seq_len": 256,
     "prompt": 32,
     "gen_tokens": 64,
 }
