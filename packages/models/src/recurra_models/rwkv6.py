@@ -41,7 +41,14 @@ from recurra import ops
 from recurra_models import nn
 from recurra_models.lm import CausalLM, ConfigBase, State, as_tokens, check_state, zero_state
 
-__all__ = ["RWKV6Block", "RWKV6ChannelMix", "RWKV6Config", "RWKV6LM", "RWKV6TimeMix"]
+__all__ = [
+    "RWKV6Block",
+    "RWKV6ChannelMix",
+    "RWKV6Config",
+    "RWKV6LM",
+    "RWKV6TimeMix",
+    "RWKVFamilyLM",
+]
 
 LN_X_EPS = 64e-5  # GroupNorm eps of ln_x in the official code: 1e-5 * head_size_divisor**2
 
@@ -220,25 +227,27 @@ class RWKV6Block(nn.Module):
 _LAYOUT = "[att_shift, wkv, ffn_shift]"
 
 
-class RWKV6LM(CausalLM):
-    """RWKV-6 causal LM (``arch = "rwkv6"``). Parameter names and shapes are those of the
-    official checkpoints (``emb.weight``, ``blocks.{i}.att.time_maa_x``, ...,
-    ``ln_out.weight``, ``head.weight``), so ``state_dict()`` is an official state dict and
-    :meth:`from_official` loads one."""
+class RWKVFamilyLM(CausalLM):
+    """What the RWKV-6 and RWKV-7 LMs share: ``emb -> blocks.0.ln0 -> blocks -> ln_out ->
+    head`` under the official parameter names, the per-layer state ``[att_shift (B, C),
+    wkv (B, H, S, S), ffn_shift (B, C)]``, its checks, and the recurrent forward around the
+    blocks. Subclasses set ``arch``, ``Config`` (with ``vocab_size``, ``n_embd``,
+    ``n_layer``, ``head_size``, ``n_head``), ``Block`` (built as ``Block(cfg, layer_id,
+    rng)``) and implement :meth:`run_blocks`."""
 
-    arch: ClassVar[str] = "rwkv6"
-    Config: ClassVar[type] = RWKV6Config
+    Block: ClassVar[type]
 
-    def __init__(self, config: RWKV6Config | None = None, seed: int | None = 0) -> None:
-        """A model of ``config``, initialised like the official training code from ``seed``
-        (``seed=None``: all zeros, for loading weights afterwards)."""
+    def __init__(self, config: Any = None, seed: int | None = 0) -> None:
+        """A model of ``config`` (None: the default Config), initialised like the official
+        training code from ``seed`` (``seed=None``: all zeros, for loading weights
+        afterwards)."""
         super().__init__()
-        cfg = config if config is not None else RWKV6Config()
+        cfg = config if config is not None else self.Config()
         self.config = cfg
         rng = None if seed is None else np.random.default_rng(seed)
         init = _Init(rng)
         self.emb = init.embedding(cfg.vocab_size, cfg.n_embd)
-        self.blocks = nn.ModuleList(RWKV6Block(cfg, i, rng) for i in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(self.Block(cfg, i, rng) for i in range(cfg.n_layer))
         self.ln_out = nn.LayerNorm(cfg.n_embd)
         self.head = init.head(cfg.n_embd, cfg.vocab_size)
 
@@ -263,13 +272,33 @@ class RWKV6LM(CausalLM):
             state = self.init_state(b)
         else:
             check_state(state, self.state_shapes(b), type(self).__name__, _LAYOUT)
-        blocks = list(self.blocks)
-        x = blocks[0].ln0(self.emb(tok))
-        new_state: State = []
-        for blk, st in zip(blocks, state):
-            x, st2 = blk(x, list(st))
-            new_state.append(st2)
+        x = self.blocks[0].ln0(self.emb(tok))
+        x, new_state = self.run_blocks(x, [list(st) for st in state])
         return self.head(self.ln_out(x)), new_state
+
+    def run_blocks(self, x: Any, state: State) -> tuple[Any, State]:
+        """The blocks over x (B, T, C) (after ln0) from ``state`` (one list per layer).
+        Returns (x after the last block, the new state)."""
+        raise NotImplementedError
+
+
+class RWKV6LM(RWKVFamilyLM):
+    """RWKV-6 causal LM (``arch = "rwkv6"``). Parameter names and shapes are those of the
+    official checkpoints (``emb.weight``, ``blocks.{i}.att.time_maa_x``, ...,
+    ``ln_out.weight``, ``head.weight``), so ``state_dict()`` is an official state dict and
+    :meth:`from_official` loads one."""
+
+    arch: ClassVar[str] = "rwkv6"
+    Config: ClassVar[type] = RWKV6Config
+    Block: ClassVar[type] = RWKV6Block
+
+    def run_blocks(self, x: Any, state: State) -> tuple[Any, State]:
+        """The blocks over x from ``state``; returns (x, new state)."""
+        new_state: State = []
+        for blk, st in zip(self.blocks, state):
+            x, st2 = blk(x, st)
+            new_state.append(st2)
+        return x, new_state
 
     @classmethod
     def from_official(
