@@ -113,3 +113,31 @@ def test_value_errors_name_the_op():
 def test_int_inputs_raise_type_error():
     with pytest.raises(TypeError, match="mul: input 0 must be float32"):
         ops.mul(rc.tensor(np.arange(3)), rc.tensor(np.ones(3)))
+
+
+@pytest.mark.parametrize(
+    "big,small",
+    [
+        ((4, 37, 300), (300,)),  # a bias gradient: the last axis kept, two blocks of columns
+        ((3, 5, 7, 9), (5, 1, 1)),  # the last axis summed, interleaved kept axes
+        ((2, 300, 70), ()),  # to a scalar: several chunks of rows
+        ((6, 1, 11), (6, 4, 1)),  # broadcast both ways: only some axes summed
+        ((5, 3, 1000), (5, 1, 1000)),  # a middle axis summed
+        ((1000, 1), (1,)),
+    ],
+)
+def test_broadcast_gradients_sum_back_exactly(big, small):
+    # The gradient of a broadcast source is the sum over the broadcast axes (sum_to),
+    # checked against float64 numpy on values whose float32 sum would drift.
+    rng = np.random.default_rng(5)
+    r = rng.standard_normal(np.broadcast_shapes(big, small)).astype(np.float32) + 100.0
+    p = rc.param(np.zeros(small, np.float32))
+    x = rc.tensor(np.zeros(big, np.float32))
+    ((p + x) * rc.tensor(r)).sum().backward()
+    full = np.broadcast_shapes(big, small)
+    want = r.astype(np.float64)
+    lead = len(full) - len(small)
+    want = want.sum(axis=tuple(range(lead))) if lead else want
+    axes = tuple(i for i, d in enumerate(small) if d == 1 and want.shape[i] != 1)
+    want = want.sum(axis=axes, keepdims=True) if axes else want
+    np.testing.assert_allclose(p.grad.numpy(), want.reshape(small), rtol=1e-6)

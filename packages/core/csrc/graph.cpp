@@ -205,7 +205,7 @@ void Graph::build_backward(int loss, int seed) {
     if (n.is_leaf()) continue;
     const OpDef& def = tab.at(n.op);
     if (!def.backward) throw ValueError("backward: op '" + def.name + "' is not differentiable");
-    GradSink sink{*this, n, grads[i], std::vector<int>(n.src.size(), -1), &needs, i};
+    GradSink sink{*this, n, grads[i], std::vector<int>(n.src.size(), -1), &needs};
     def.backward(sink);
     for (size_t j = 0; j < n.src.size(); ++j) {
       int c = sink.contributions[j];

@@ -87,7 +87,6 @@ struct GradSink {
   int grad_out;      // d(loss)/d(node)
   std::vector<int> contributions;  // per source: gradient node id, or -1
   const std::vector<char>* needs_ = nullptr;  // per node id: a parameter flows into it
-  int node_id = -1;  // id of the node being differentiated (a source for ops that reuse its result)
   // Adds a gradient for source i. The shape must equal the source's shape (use
   // Graph::reduce_to to undo broadcasting first).
   void add(int i, int grad_node);

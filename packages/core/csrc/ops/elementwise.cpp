@@ -169,13 +169,13 @@ void register_elementwise_ops(OpTable& t) {
   // Shapes are copied before any node is added: adding a node may move the node list.
   add_binary(t, "add", add_row, [](GradSink& k) {
     const Shape sa = k.g.node(k.node.src[0]).shape, sb = k.g.node(k.node.src[1]).shape;
-    k.add(0, k.g.reduce_to(k.grad_out, sa));
-    k.add(1, k.g.reduce_to(k.grad_out, sb));
+    if (k.needs(0)) k.add(0, k.g.reduce_to(k.grad_out, sa));
+    if (k.needs(1)) k.add(1, k.g.reduce_to(k.grad_out, sb));  // a constant needs no sum_to
   });
   add_binary(t, "sub", sub_row, [](GradSink& k) {
     const Shape sa = k.g.node(k.node.src[0]).shape, sb = k.g.node(k.node.src[1]).shape;
-    k.add(0, k.g.reduce_to(k.grad_out, sa));
-    k.add(1, k.g.reduce_to(k.g.neg(k.grad_out), sb));
+    if (k.needs(0)) k.add(0, k.g.reduce_to(k.grad_out, sa));
+    if (k.needs(1)) k.add(1, k.g.reduce_to(k.g.neg(k.grad_out), sb));
   });
   add_binary(t, "mul", mul_row, [](GradSink& k) {
     const int a = k.node.src[0], b = k.node.src[1];

@@ -1710,7 +1710,7 @@ void register_ssm_ops(OpTable& t) {
       if (!any) return;
       std::vector<int> src{k.grad_out};
       src.insert(src.end(), k.node.src.begin(), k.node.src.end());
-      if (!k.node.ip.empty() && k.node.ip[0] == 1) src.push_back(k.node_id);  // its checkpoints
+      if (!k.node.ip.empty() && k.node.ip[0] == 1) src.push_back(k.node.id);  // its checkpoints
       const int back = k.g.op("ssm_scan_back", src);
       int64_t off = 0;
       for (int i = 0; i < 6; ++i) {

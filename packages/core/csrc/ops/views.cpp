@@ -1,7 +1,9 @@
 // View ops (reshape, permute, slice, broadcast_to) run no code: they give a node new
 // strides into its base's memory. Also here: contiguous (the copy that turns a view into
 // dense memory), fill, sum_to (broadcasting in reverse) and slice_grad.
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "../graph.h"
 #include "kernel_util.h"
@@ -36,6 +38,118 @@ void copy_strided(const TensorView& dst, const TensorView& src, ThreadPool& tp) 
 }
 
 }  // namespace
+
+// sum_to: every output element is the sum of its preimage in double, always in the same
+// order (never dependent on the thread count). The rows of `a` (its last axis) are the unit
+// of work, so the index arithmetic is per row, not per element:
+// * last axis kept (a bias gradient: (B, T, D) -> (D,)): a task owns an output row and a
+//   block of up to 256 columns and adds the preimage rows into it, vectorized along the row;
+// * last axis summed (-> () or (H, 1)): the preimage rows of an output element are cut into
+//   chunks of ~kGrainElems elements, each summed by one task (8 interleaved partial sums,
+//   so the loop vectorizes), and the chunk sums are added in order.
+static void sum_to_forward(KernelCtx& c) {
+  const TensorView& a = c.src[0];
+  const int nd = a.shape.ndim;
+  float* out = c.dst.f32();
+  const float* src = a.f32();
+  const int64_t n_out = c.dst.numel();
+  if (nd == 0 || a.numel() == 0) {
+    for (int64_t i = 0; i < n_out; ++i) out[i] = nd == 0 ? src[0] : 0.0f;
+    return;
+  }
+  bool red[kMaxDims] = {false, false, false, false};
+  int64_t tst[kMaxDims] = {0, 0, 0, 0};  // target strides aligned to a's axes
+  for (int i = 0; i < nd; ++i) {
+    const int it = c.dst.shape.ndim - nd + i;
+    red[i] = it < 0 || (c.dst.shape.d[it] == 1 && a.shape.d[i] != 1);
+    tst[i] = (it < 0 || red[i]) ? 0 : c.dst.strides[it];
+  }
+  // Outer axes (all but the last), kept and summed.
+  Shape ko, so;
+  int64_t ko_a[kMaxDims], ko_t[kMaxDims], so_a[kMaxDims];
+  for (int i = 0; i < nd - 1; ++i) {
+    if (red[i]) {
+      so_a[so.ndim] = a.strides[i];
+      so.d[so.ndim++] = a.shape.d[i];
+    } else {
+      ko_a[ko.ndim] = a.strides[i];
+      ko_t[ko.ndim] = tst[i];
+      ko.d[ko.ndim++] = a.shape.d[i];
+    }
+  }
+  const int64_t L = a.shape.d[nd - 1], sl = a.strides[nd - 1];
+  const int64_t n_ko = ko.numel(), n_so = so.numel();
+  auto kept_off = [&](int64_t q, int64_t* oa, int64_t* ot) {
+    int64_t x = 0, y = 0;
+    for (int i = ko.ndim - 1; i >= 0; --i) {
+      const int64_t idx = q % ko.d[i];
+      q /= ko.d[i];
+      x += idx * ko_a[i];
+      y += idx * ko_t[i];
+    }
+    *oa = x;
+    *ot = y;
+  };
+  auto summed_off = [&](int64_t r) {
+    int64_t x = 0;
+    for (int i = so.ndim - 1; i >= 0; --i) {
+      x += (r % so.d[i]) * so_a[i];
+      r /= so.d[i];
+    }
+    return x;
+  };
+  if (!red[nd - 1]) {
+    constexpr int64_t kCB = 256;
+    const int64_t tl = tst[nd - 1], ncb = (L + kCB - 1) / kCB;
+    c.pool.parallel_for(n_ko * ncb, std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, n_so * kCB)),
+                        [&](int64_t b, int64_t e, int) {
+      double acc[kCB];
+      for (int64_t task = b; task < e; ++task) {
+        const int64_t q = task / ncb, j0 = task % ncb * kCB, nj = std::min(kCB, L - j0);
+        int64_t oa, ot;
+        kept_off(q, &oa, &ot);
+        std::fill(acc, acc + nj, 0.0);
+        for (int64_t r = 0; r < n_so; ++r) {
+          const float* p = src + oa + summed_off(r) + j0 * sl;
+          if (sl == 1)
+            for (int64_t j = 0; j < nj; ++j) acc[j] += p[j];
+          else
+            for (int64_t j = 0; j < nj; ++j) acc[j] += p[j * sl];
+        }
+        float* o = out + ot + j0 * tl;
+        for (int64_t j = 0; j < nj; ++j) o[j * tl] = static_cast<float>(acc[j]);
+      }
+    });
+    return;
+  }
+  const int64_t rows_per_chunk = std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, L));
+  const int64_t nch = (n_so + rows_per_chunk - 1) / rows_per_chunk;
+  std::vector<double> part(static_cast<size_t>(n_ko * nch));
+  c.pool.parallel_for(n_ko * nch, 1, [&](int64_t b, int64_t e, int) {
+    for (int64_t task = b; task < e; ++task) {
+      const int64_t q = task / nch, r0 = task % nch * rows_per_chunk, r1 = std::min(n_so, r0 + rows_per_chunk);
+      int64_t oa, ot;
+      kept_off(q, &oa, &ot);
+      double lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t r = r0; r < r1; ++r) {
+        const float* p = src + oa + summed_off(r);
+        int64_t j = 0;
+        if (sl == 1)
+          for (; j + 8 <= L; j += 8)
+            for (int k = 0; k < 8; ++k) lane[k] += p[j + k];
+        for (; j < L; ++j) lane[j % 8] += p[j * sl];
+      }
+      part[task] = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+    }
+  });
+  for (int64_t q = 0; q < n_ko; ++q) {
+    int64_t oa, ot;
+    kept_off(q, &oa, &ot);
+    double acc = 0.0;
+    for (int64_t ch = 0; ch < nch; ++ch) acc += part[q * nch + ch];
+    out[ot] = static_cast<float>(acc);
+  }
+}
 
 void register_view_ops(OpTable& t) {
   {
@@ -218,58 +332,7 @@ void register_view_ops(OpTable& t) {
       n.dtype = DType::f32;
       n.shape = target;
     };
-    d.forward = [](KernelCtx& c) {
-      const TensorView& a = c.src[0];
-      const int nd = a.shape.ndim;
-      // Target strides aligned to a's axes; 0 on the summed ones.
-      int64_t tst[kMaxDims] = {0, 0, 0, 0};
-      bool red[kMaxDims] = {false, false, false, false};
-      for (int i = 0; i < nd; ++i) {
-        int it = c.dst.shape.ndim - nd + i;
-        red[i] = it < 0 || (c.dst.shape.d[it] == 1 && a.shape.d[i] != 1);
-        tst[i] = (it < 0 || red[i]) ? 0 : c.dst.strides[it];
-      }
-      const int64_t n_out = c.dst.numel();
-      // Parallel over output elements; each sums its preimage in double, so the result
-      // does not depend on the thread count.
-      Shape kept, summed;
-      int64_t kst_a[kMaxDims], kst_t[kMaxDims], sst_a[kMaxDims];
-      for (int i = 0; i < nd; ++i) {
-        if (red[i]) {
-          sst_a[summed.ndim] = a.strides[i];
-          summed.d[summed.ndim++] = a.shape.d[i];
-        } else {
-          kst_a[kept.ndim] = a.strides[i];
-          kst_t[kept.ndim] = tst[i];
-          kept.d[kept.ndim++] = a.shape.d[i];
-        }
-      }
-      const int64_t n_sum = summed.numel();
-      float* out = c.dst.f32();
-      const float* src = a.f32();
-      c.pool.parallel_for(n_out, std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, n_sum)),
-                          [&](int64_t b, int64_t e, int) {
-        for (int64_t o = b; o < e; ++o) {
-          int64_t rem = o, off_a = 0, off_t = 0;
-          for (int i = kept.ndim - 1; i >= 0; --i) {
-            int64_t idx = rem % kept.d[i];
-            rem /= kept.d[i];
-            off_a += idx * kst_a[i];
-            off_t += idx * kst_t[i];
-          }
-          double acc = 0.0;
-          for (int64_t q = 0; q < n_sum; ++q) {
-            int64_t r2 = q, off = off_a;
-            for (int i = summed.ndim - 1; i >= 0; --i) {
-              off += (r2 % summed.d[i]) * sst_a[i];
-              r2 /= summed.d[i];
-            }
-            acc += src[off];
-          }
-          out[off_t] = static_cast<float>(acc);
-        }
-      });
-    };
+    d.forward = sum_to_forward;
     d.backward = [](GradSink& k) {
       k.add(0, k.g.contiguous(k.g.broadcast_to(k.grad_out, k.g.node(k.node.src[0]).shape)));
     };
