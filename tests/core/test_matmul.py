@@ -238,3 +238,17 @@ def test_int_inputs_raise_type_error():
         ops.matmul(f, i)
     with pytest.raises(TypeError, match="out_prod: input 1 must be float32"):
         ops.out_prod(f, i)
+
+
+@pytest.mark.parametrize("ta", [False, True])
+@pytest.mark.parametrize("tb", [False, True])
+@pytest.mark.parametrize("m,k,n", [(1, 300, 70), (70, 300, 1), (1, 5, 1), (1, 1, 9)])
+def test_matrix_vector_products(ta, tb, m, k, n):
+    # One row or one column: the BLAS path uses sgemv; operands given transposed as views.
+    rng = np.random.default_rng(m * 1000 + n)
+    a = rng.standard_normal((k, m) if ta else (m, k)).astype(np.float32)
+    b = rng.standard_normal((n, k) if tb else (k, n)).astype(np.float32)
+    at, bt = rc.tensor(a), rc.tensor(b)
+    got = ((at.T if ta else at) @ (bt.T if tb else bt)).numpy()
+    want = (a.T if ta else a).astype(np.float64) @ (b.T if tb else b).astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
