@@ -245,7 +245,22 @@ void register_view_ops(OpTable& t) {
       }
     };
     d.forward = [](KernelCtx& c) {
-      std::memset(c.dst.data, 0, c.dst.numel() * 4);
+      const int64_t total = c.dst.numel();
+      float* dst = c.dst.f32();
+      if (c.dst.shape.ndim == 1 && c.node.ip[3] == 1 && c.src[0].is_contiguous()) {
+        // A piece of a packed 1-D result (the usual case): zeros around it, the gradient in
+        // it, each element written once, in parallel.
+        const int64_t b = c.node.ip[1], e = b + c.src[0].numel();
+        const float* src = c.src[0].f32();
+        c.pool.parallel_for(total, kGrainElems * 8, [&](int64_t lo, int64_t hi, int) {
+          for (int64_t i = lo; i < std::min(hi, b); ++i) dst[i] = 0.0f;
+          const int64_t cb = std::max(lo, b), ce = std::min(hi, e);
+          if (ce > cb) std::memcpy(dst + cb, src + (cb - b), (ce - cb) * sizeof(float));
+          for (int64_t i = std::max(lo, e); i < hi; ++i) dst[i] = 0.0f;
+        });
+        return;
+      }
+      std::memset(c.dst.data, 0, total * 4);
       TensorView w = c.dst;
       int nd = c.dst.shape.ndim;
       int64_t off = 0;
