@@ -3,7 +3,6 @@
 #include <dlfcn.h>
 
 #include <climits>
-#include <cstdlib>
 
 #include "threadpool.h"
 
@@ -23,11 +22,6 @@ constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
 }  // namespace
 
 bool load_blas(const std::string& path) {
-  // OpenBLAS's worker threads spin for 2^28 cycles (~0.1 s) after each call before they
-  // sleep; between the matmuls of a training step they would take the cores from recurra's
-  // own thread pool (a third of the CPU time of an RWKV-7 step on two cores). 2^4 cycles:
-  // they sleep at once. Read once when the library loads; a value the user set is kept.
-  setenv("OPENBLAS_THREAD_TIMEOUT", "4", 0);
   void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (!h) return false;
   for (const char* sym : {"scipy_cblas_sgemm", "cblas_sgemm"}) {

@@ -113,6 +113,12 @@ def blas_info() -> str:
 def _load_blas() -> None:
     if os.environ.get("RECURRA_NO_BLAS", "") not in ("", "0"):
         return
+    # OpenBLAS's worker threads spin for 2^28 cycles (~0.1 s) after each call before they
+    # sleep; between the matmuls of a training step they take the cores from recurra's own
+    # thread pool (a third of the CPU time of a Mamba-2 step on two cores). 2^4 cycles: they
+    # sleep at once. Read when the library loads (importing scipy_openblas32 loads it); a
+    # value the user set is kept.
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
     try:
         import scipy_openblas32
     except ImportError:
