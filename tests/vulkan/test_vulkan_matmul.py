@@ -17,7 +17,6 @@ are compiled by lavapipe on first use (a few seconds per variant when its cache 
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import struct
@@ -36,18 +35,6 @@ VARIANTS = ["legacy", "r128k8", "r128", "r128x64", "r64", "auto"]
 REG_MODULES = ["matmul_r128k8", "matmul_r128", "matmul_r128x64", "matmul_r64"]
 NMSE_MAX = 1e-10
 VK_DIR = Path(__file__).resolve().parents[2] / "packages" / "vulkan"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _device() -> None:
-    """Skips (or fails with RECURRA_EXPECT_VULKAN=1) when the backend offers no device."""
-    info = recurra_vulkan.backend_info()
-    if info["devices"]:
-        return
-    reason = f"no Vulkan device: {info['reason']}"
-    if os.environ.get("RECURRA_EXPECT_VULKAN", "").strip() not in ("", "0", "false", "no"):
-        pytest.fail(f"RECURRA_EXPECT_VULKAN=1 but {reason}", pytrace=False)
-    pytest.skip(reason)
 
 
 def randn(*shape: int, seed: int = 0) -> np.ndarray:

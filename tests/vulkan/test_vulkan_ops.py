@@ -13,10 +13,10 @@ Without a Vulkan device these tests skip, or fail when RECURRA_EXPECT_VULKAN=1.
 from __future__ import annotations
 
 import ctypes
-import os
 
 import numpy as np
 import pytest
+from vk_util import cpu
 
 recurra_vulkan = pytest.importorskip("recurra_vulkan")
 rc = pytest.importorskip("recurra")
@@ -27,25 +27,7 @@ NMSE_MAX = 1e-7
 RNG = np.random.default_rng(20261129)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _device() -> None:
-    """Skips (or fails with RECURRA_EXPECT_VULKAN=1) when the backend offers no device."""
-    info = recurra_vulkan.backend_info()
-    if info["devices"]:
-        return
-    reason = f"no Vulkan device: {info['reason']}"
-    if os.environ.get("RECURRA_EXPECT_VULKAN", "").strip() not in ("", "0", "false", "no"):
-        pytest.fail(f"RECURRA_EXPECT_VULKAN=1 but {reason}", pytrace=False)
-    pytest.skip(reason)
-
-
 # ---- helpers ----------------------------------------------------------------------------
-
-
-def cpu(name: str, srcs: list[np.ndarray], ip=(), fp=()) -> np.ndarray:
-    """The op on the CPU through recurra's Python API."""
-    ts = [rc.tensor(np.ascontiguousarray(s)) for s in srcs]
-    return np.asarray(rc.ops.apply(name, ts, ip=ip, fp=fp).numpy())
 
 
 def vk(

@@ -14,11 +14,11 @@ Without a Vulkan device these tests skip, or fail when RECURRA_EXPECT_VULKAN=1.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import numpy as np
 import pytest
+from vk_util import cpu
 
 recurra_vulkan = pytest.importorskip("recurra_vulkan")
 rc = pytest.importorskip("recurra")
@@ -27,18 +27,6 @@ pytestmark = pytest.mark.vulkan
 
 NMSE_MAX = 1e-7
 OPS = ("rwkv_wkv6", "rwkv_wkv7", "gated_linear_attn")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _device() -> None:
-    """Skips (or fails with RECURRA_EXPECT_VULKAN=1) when the backend offers no device."""
-    info = recurra_vulkan.backend_info()
-    if info["devices"]:
-        return
-    reason = f"no Vulkan device: {info['reason']}"
-    if os.environ.get("RECURRA_EXPECT_VULKAN", "").strip() not in ("", "0", "false", "no"):
-        pytest.fail(f"RECURRA_EXPECT_VULKAN=1 but {reason}", pytrace=False)
-    pytest.skip(reason)
 
 
 # ---- helpers ----------------------------------------------------------------------------
@@ -71,12 +59,6 @@ def make_inputs(
     return [r(T, H, S), decay(T, H, S), r(T, H, S), r(T, H, S), a, b, state], ()
 
 
-def cpu(name: str, srcs: list[np.ndarray], fp: tuple[float, ...]) -> np.ndarray:
-    """The op on the CPU through the core."""
-    ts = [rc.tensor(np.ascontiguousarray(s)) for s in srcs]
-    return np.asarray(rc.ops.apply(name, ts, fp=fp).numpy())
-
-
 def vk(name: str, srcs: list[np.ndarray], fp: tuple[float, ...], n_out: int) -> np.ndarray:
     """The op as one node on the Vulkan device; returns its packed 1-D result."""
     return recurra_vulkan.run_node(name, srcs, [], list(fp), (n_out,), "float32", 0)
@@ -91,13 +73,13 @@ def nmse(got: np.ndarray, want: np.ndarray) -> float:
 
 def check_op(op: str, srcs: list[np.ndarray], fp: tuple[float, ...], seed: int = 1) -> None:
     """Asserts that the forward op and its *_back op agree with the CPU kernels."""
-    want = cpu(op, srcs, fp)
+    want = cpu(op, srcs, fp=fp)
     got = vk(op, srcs, fp, want.size)
     assert got.shape == want.shape
     assert np.all(np.isfinite(got))
     assert nmse(got, want) <= NMSE_MAX, f"{op}: forward NMSE {nmse(got, want):.3g}"
     g = np.random.default_rng(seed).standard_normal(want.shape).astype(np.float32)
-    wantb = cpu(op + "_back", [*srcs, g], fp)
+    wantb = cpu(op + "_back", [*srcs, g], fp=fp)
     gotb = vk(op + "_back", [*srcs, g], fp, wantb.size)
     assert gotb.shape == wantb.shape == (sum(s.size for s in srcs),)
     off = 0

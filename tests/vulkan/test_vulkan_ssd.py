@@ -18,10 +18,9 @@ Without a Vulkan device these tests skip, or fail when RECURRA_EXPECT_VULKAN=1.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
+from vk_util import cpu
 
 recurra_vulkan = pytest.importorskip("recurra_vulkan")
 rc = pytest.importorskip("recurra")
@@ -30,24 +29,6 @@ pytestmark = pytest.mark.vulkan
 
 NMSE_MAX = 1e-7
 PARTS_BACK = ["ds", "dx", "ddt", "dA", "dB", "dC"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _device() -> None:
-    """Skips (or fails with RECURRA_EXPECT_VULKAN=1) when the backend offers no device."""
-    info = recurra_vulkan.backend_info()
-    if info["devices"]:
-        return
-    reason = f"no Vulkan device: {info['reason']}"
-    if os.environ.get("RECURRA_EXPECT_VULKAN", "").strip() not in ("", "0", "false", "no"):
-        pytest.fail(f"RECURRA_EXPECT_VULKAN=1 but {reason}", pytrace=False)
-    pytest.skip(reason)
-
-
-def cpu(name: str, srcs: list[np.ndarray]) -> np.ndarray:
-    """Returns the op's result computed by the core on the CPU."""
-    ts = [rc.tensor(np.ascontiguousarray(s)) for s in srcs]
-    return np.asarray(rc.ops.apply(name, ts).numpy())
 
 
 def vk(name: str, srcs: list[np.ndarray], size: int, path: str, monkeypatch) -> np.ndarray:
