@@ -279,6 +279,23 @@ def need(module: Any, *names: str) -> list[Any]:
     return out
 
 
+def cuda_measure(torch: Any, fn: Callable[[], Any], reps: int, warmup: int) -> Timing:
+    """Times fn with CUDA events after `warmup` untimed runs; returns the runs in ms."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    runs = []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        runs.append(float(start.elapsed_time(end)))
+    return Timing(runs)
+
+
 # ------------------------------------------------------------------------------------------
 # results
 # ------------------------------------------------------------------------------------------

@@ -19,21 +19,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 import traceback
 
 import numpy as np
-
-
-def median_ms(fn, reps: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+from common import cuda_measure, measure
 
 
 def torch_cuda():
@@ -46,21 +35,6 @@ def torch_cuda():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     return torch
-
-
-def torch_ms(torch, fn, reps: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def row(name: str, ours: float | None, peer: float | None, unit: str, target: str) -> None:
@@ -107,7 +81,7 @@ def bench_mlp(args, torch) -> None:
         rc.reset_transfer_stats()
         step()
         traffic = rc.transfer_stats()
-        ours = median_ms(step, args.reps)
+        ours = measure(step, reps=args.reps, warmup=3).median_ms
     finally:
         rc.set_strict_placement(False)
     flops = 3 * 2 * B * (D * H + H * D)
@@ -135,7 +109,7 @@ def bench_mlp(args, torch) -> None:
             topt.zero_grad()
             loss.item()
 
-        peer = torch_ms(torch, tstep, args.reps)
+        peer = cuda_measure(torch, tstep, args.reps, 3).median_ms
     row("mlp step (wall, incl. loss.item())", ours, peer, "ms", "zero CPU nodes")
     print(f"  ours {flops / ours / 1e9:.2f} TFLOP/s", flush=True)
 
@@ -161,13 +135,13 @@ def bench_adam(args, torch) -> None:
         opt = optim.Adam([w], lr=1e-3)
         w.grad = rc.tensor(g, device="vulkan")
 
-        wall_ms = median_ms(opt.step, args.reps)
+        wall_ms = measure(opt.step, reps=args.reps, warmup=3).median_ms
         peer = None
         if torch is not None:
             tp = torch.tensor(p, device="cuda", requires_grad=True)
             tp.grad = torch.tensor(g, device="cuda")
             topt = torch.optim.Adam([tp], lr=1e-3, fused=True)
-            peer = torch_ms(torch, topt.step, args.reps)
+            peer = cuda_measure(torch, topt.step, args.reps, 3).median_ms
         nbytes = 7 * 4 * n
         row(f"adam {n / 1e6:g}M: GPU time of the node", gpu_ms, peer, "ms", ">= 2.5 TB/s")
         row(f"adam {n / 1e6:g}M: Adam.step() wall", wall_ms, peer, "ms", "")

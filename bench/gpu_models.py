@@ -37,7 +37,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Case, PeerUnavailable, Table, Timing, environment, measure, parse_args  # noqa: E402
-from models import SMALL, SPECS, TINY, Spec, make_ours, make_torch, tokens, torch_logits  # noqa: E402
+from models import (  # noqa: E402
+    SMALL,
+    SPECS,
+    TINY,
+    Spec,
+    make_ours,
+    make_torch,
+    tokens,
+    torch_greedy,
+    torch_logits,
+)
 
 PEER = "torch cuda"
 _NO_PEER = {"why": "no CUDA"}  # why the peer cannot run here (set by main)
@@ -103,9 +113,7 @@ def load_torch_cuda() -> tuple[Any, str]:
 # ------------------------------------------------------------------------------------------
 # ours
 # ------------------------------------------------------------------------------------------
-def ours_train(
-    arch: str, size: dict[str, int], args: Any, dev: str, out: dict[str, Any]
-) -> Timing:
+def ours_train(arch: str, size: dict[str, int], args: Any, dev: str, out: dict[str, Any]) -> Timing:
     import recurra as rc
     from recurra_optim import AdamW
 
@@ -201,21 +209,7 @@ def torch_gen(
     n = size["gen_tokens"]
 
     def gen() -> None:
-        if arch == "rwkv7":
-            from torch_rwkv import greedy_generate
-
-            out["torch"] = greedy_generate(model, prompt, n)
-        else:
-            with torch.no_grad():
-                ids = model.generate(
-                    prompt,
-                    max_new_tokens=n,
-                    min_new_tokens=n,
-                    do_sample=False,
-                    pad_token_id=0,
-                    eos_token_id=None,
-                )
-            out["torch"] = ids[0, prompt.shape[1] :].tolist()
+        out["torch"] = torch_greedy(arch, model, prompt, n)
         torch.cuda.synchronize()
 
     return _per_token(timed(gen, args), n)
@@ -246,7 +240,12 @@ def _agree(spec: Spec, a: Any, b: Any) -> str:
 
 
 def run_case(
-    name: str, spec: Spec, args: Any, size: dict[str, int], dev: str | None, torch: Any,
+    name: str,
+    spec: Spec,
+    args: Any,
+    size: dict[str, int],
+    dev: str | None,
+    torch: Any,
     table: Table,
 ) -> None:
     case = Case(name, target="(none set; GPU figures for the lead)")

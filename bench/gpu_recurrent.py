@@ -67,7 +67,7 @@ import numpy as np
 # Before anything imports triton: fp32 dots in IEEE precision (no TF32), as for torch.
 os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
-from common import Case, Table, Timing, environment, measure  # noqa: E402
+from common import Case, Table, Timing, cuda_measure, environment, measure  # noqa: E402
 
 RWKV7_LOWER_BOUND = -0.6065306597126334  # log decay bound of fla's RWKV-7 layer
 
@@ -592,23 +592,6 @@ def peer_function(tc: Torch, peer: str, family: str) -> Callable[..., Any]:
     if peer == "fla-rwkv7":
         return fla_rwkv7(tc.fla_fn("chunk_rwkv7"))
     raise ValueError(f"unknown peer {peer!r}")
-
-
-def cuda_measure(torch: Any, fn: Callable[[], Any], reps: int, warmup: int) -> Timing:
-    """Times fn with CUDA events after `warmup` untimed runs; returns the runs in ms."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    runs = []
-    for _ in range(reps):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        runs.append(float(start.elapsed_time(end)))
-    return Timing(runs)
 
 
 @dataclass

@@ -265,23 +265,30 @@ def torch_gen(arch: str, size: dict[str, int], out: dict[str, Any]) -> Callable[
         out["torch_logits"] = torch_logits(arch, model, prompt).numpy()
 
     def gen() -> None:
-        if arch == "rwkv7":
-            from torch_rwkv import greedy_generate
-
-            out["torch"] = greedy_generate(model, prompt, n)
-            return
-        with torch.no_grad():
-            ids = model.generate(
-                prompt,
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                pad_token_id=0,
-                eos_token_id=None,
-            )
-        out["torch"] = ids[0, prompt.shape[1] :].tolist()
+        out["torch"] = torch_greedy(arch, model, prompt, n)
 
     return gen
+
+
+def torch_greedy(arch: str, model: Any, prompt: Any, n: int) -> list[int]:
+    """Greedy decoding of n new tokens by the PyTorch peer (transformers' generate() for
+    Mamba, torch_rwkv's loop for RWKV-7); returns the new token ids."""
+    import torch
+
+    if arch == "rwkv7":
+        from torch_rwkv import greedy_generate
+
+        return greedy_generate(model, prompt, n)
+    with torch.no_grad():
+        ids = model.generate(
+            prompt,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+    return ids[0, prompt.shape[1] :].tolist()
 
 
 def interleaved(fns: dict[str, Callable[[], Any]], args: Any) -> dict[str, Timing]:
