@@ -316,6 +316,25 @@ struct ScanPC {
   int32_t R, S, T, H, P, N, G, nblk, K, nck;
 };
 
+// Push constants shared by every scan dispatch: the sources s, x, dt, A, B, C, ids from
+// c.src[off..off+6] (off 1 for the backward, whose c.src[0] is the gradient), the error flags
+// and the sizes. The caller adds out, scr and its layout's nblk, K, nck.
+ScanPC scan_pc(NodeCall& c, const ScanDims& d, int off) {
+  ScanPC pc{};
+  if (off == 1) pc.gr = addr(c.src[0]);
+  pc.s = addr(c.src[off + 0]);
+  pc.x = addr(c.src[off + 1]);
+  pc.dt = addr(c.src[off + 2]);
+  pc.A = addr(c.src[off + 3]);
+  pc.B = addr(c.src[off + 4]);
+  pc.C = addr(c.src[off + 5]);
+  pc.ids = addr(c.src[off + 6]);
+  pc.err = c.rec.device().error_flags_address();
+  pc.R = int32_t(d.R), pc.S = int32_t(d.S), pc.T = int32_t(d.T), pc.H = int32_t(d.H), pc.P = int32_t(d.P);
+  pc.N = int32_t(d.N), pc.G = int32_t(d.G);
+  return pc;
+}
+
 std::vector<int32_t> scan_spec(const ScanLayout& l, int mode, bool pern) {
   return {int32_t(l.UW * l.NL), int32_t(l.NL), int32_t(l.NT), int32_t(l.TC), mode, pern ? 1 : 0, int32_t(l.UW),
           int32_t(l.NRED)};
@@ -396,10 +415,8 @@ void ssd_dispatch(Recorder& rec, int mode, int var, const ScanPC& pc, int64_t gr
   rec.dispatch("ssd", ssd_spec(mode, var), pc, gx, gy, 1, reads, writes);
 }
 
-ScanPC ssd_pc(const ScanDims& d, const SsdGeom& g) {
-  ScanPC pc{};
-  pc.R = int32_t(d.R), pc.S = int32_t(d.S), pc.T = int32_t(d.T), pc.H = int32_t(d.H), pc.P = int32_t(d.P);
-  pc.N = int32_t(d.N), pc.G = int32_t(d.G);
+ScanPC ssd_pc(NodeCall& c, const ScanDims& d, const SsdGeom& g, int off) {
+  ScanPC pc = scan_pc(c, d, off);
   pc.nblk = int32_t(g.nc), pc.K = int32_t(g.hblk);  // ssd.comp's nc, hblk
   return pc;
 }
@@ -415,17 +432,9 @@ void ssd_record(NodeCall& c, const ScanDims& d) {
   Recorder& rec = c.rec;
   const SsdGeom g = ssd_geom(d);
   const auto scr = rec.scratch(static_cast<size_t>(g.fwd_floats) * 4);
-  ScanPC pc = ssd_pc(d, g);
-  pc.s = addr(c.src[0]);
-  pc.x = addr(c.src[1]);
-  pc.dt = addr(c.src[2]);
-  pc.A = addr(c.src[3]);
-  pc.B = addr(c.src[4]);
-  pc.C = addr(c.src[5]);
-  pc.ids = addr(c.src[6]);
+  ScanPC pc = ssd_pc(c, d, g, 0);
   pc.out = addr(c.dst);
   pc.scr = scr.addr;
-  pc.err = rec.device().error_flags_address();
   const Range &sr = c.src[0].range, &xr = c.src[1].range, &dtr = c.src[2].range, &Ar = c.src[3].range,
               &Br = c.src[4].range, &Cr = c.src[5].range, &idr = c.src[6].range;
   const int64_t sht = d.S * d.H * d.T, nx = d.S * d.T * d.H * d.P, nst = d.S * d.H * d.P * d.N;
@@ -469,17 +478,8 @@ void ssd_back_record(NodeCall& c, const ScanDims& d) {
   const Range out_ds = part(o, 0, f_dx), out_dx = part(o, f_dx, f_ddt), out_ddt = part(o, f_ddt, f_dA),
               out_dA = part(o, f_dA, f_dB), out_dBC = part(o, f_dB, f_end);
 
-  ScanPC pc = ssd_pc(d, g);
-  pc.gr = addr(c.src[0]);
-  pc.s = addr(c.src[1]);
-  pc.x = addr(c.src[2]);
-  pc.dt = addr(c.src[3]);
-  pc.A = addr(c.src[4]);
-  pc.B = addr(c.src[5]);
-  pc.C = addr(c.src[6]);
-  pc.ids = addr(c.src[7]);
+  ScanPC pc = ssd_pc(c, d, g, 1);
   pc.scr = scr.addr;
-  pc.err = rec.device().error_flags_address();
   const Range &grr = c.src[0].range, &sr = c.src[1].range, &xr = c.src[2].range, &dtr = c.src[3].range,
               &Ar = c.src[4].range, &Br = c.src[5].range, &Cr = c.src[6].range, &idr = c.src[7].range;
   const int64_t chunks = d.S * d.H * g.nc, elems = ceil_div(nst, 256);
@@ -529,18 +529,9 @@ void scan_record(NodeCall& c) {
   if (use_chunked(d, rec.device())) return ssd_record(c, d);
   const Limits lim = limits_of(rec.device());
   const ScanLayout l = scan_layout(d, false, lim);
-  ScanPC pc{};
-  pc.s = addr(c.src[0]);
-  pc.x = addr(c.src[1]);
-  pc.dt = addr(c.src[2]);
-  pc.A = addr(c.src[3]);
-  pc.B = addr(c.src[4]);
-  pc.C = addr(c.src[5]);
-  pc.ids = addr(c.src[6]);
+  ScanPC pc = scan_pc(c, d, 0);
   pc.out = addr(c.dst);
-  pc.err = rec.device().error_flags_address();
-  pc.R = int32_t(d.R), pc.S = int32_t(d.S), pc.T = int32_t(d.T), pc.H = int32_t(d.H), pc.P = int32_t(d.P);
-  pc.N = int32_t(d.N), pc.G = int32_t(d.G), pc.nblk = int32_t(l.nblk), pc.K = 1, pc.nck = 0;
+  pc.nblk = int32_t(l.nblk), pc.K = 1, pc.nck = 0;
   uint32_t gx, gy;
   grid_2d(d.S * d.G * l.nblk, gx, gy);
   rec.dispatch("ssm_scan", scan_spec(l, 0, d.NA != 1), pc, gx, gy, 1,
@@ -583,20 +574,10 @@ void scan_back_record(NodeCall& c) {
   const uint64_t p_dC = p_dB + uint64_t(nbc) * 4;
 
   if (d.S > 0) {
-    ScanPC pc{};
-    pc.gr = addr(c.src[0]);
-    pc.s = addr(c.src[1]);
-    pc.x = addr(c.src[2]);
-    pc.dt = addr(c.src[3]);
-    pc.A = addr(c.src[4]);
-    pc.B = addr(c.src[5]);
-    pc.C = addr(c.src[6]);
-    pc.ids = addr(c.src[7]);
+    ScanPC pc = scan_pc(c, d, 1);
     pc.out = p_dx;
     pc.scr = scr.addr;
-    pc.err = rec.device().error_flags_address();
-    pc.R = int32_t(d.R), pc.S = int32_t(d.S), pc.T = int32_t(d.T), pc.H = int32_t(d.H), pc.P = int32_t(d.P);
-    pc.N = int32_t(d.N), pc.G = int32_t(d.G), pc.nblk = int32_t(l.nblk), pc.K = int32_t(K), pc.nck = int32_t(nck);
+    pc.nblk = int32_t(l.nblk), pc.K = int32_t(K), pc.nck = int32_t(nck);
     uint32_t gx, gy;
     grid_2d(d.S * d.G * l.nblk, gx, gy);
     rec.dispatch("ssm_scan", scan_spec(l, mode, pern), pc, gx, gy, 1,
