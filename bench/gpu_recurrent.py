@@ -1,7 +1,7 @@
 """GPU benchmark of the recurrent ops: ours on Vulkan against Triton (fla) and PyTorch on CUDA.
 
     python bench/gpu_recurrent.py [--small] [--only mamba2,wkv6] [--reps 7] [--deadline 220]
-                                  [--ssm-path auto|seq|chunk]
+                                  [--ssm-path auto|seq|chunk] [--dispatches]
 
 ssm_scan path on Vulkan (mamba2_* cases): --ssm-path sets RECURRA_VK_SSM for the run. "auto"
 (the default, also when the variable is unset) takes the chunked (state-space-duality) kernels
@@ -390,9 +390,29 @@ def run_ours(
                 name + "_back", srcs, [], [], (n_bwd,), "float32", iters, warm, ours.index
             )
             res.gpu_bwd = statistics.median(t) * 1e3
+        if args.dispatches:
+            print_dispatches(ours, name, arrays, fwd_shape, iters, warm)
+            if backward:
+                print_dispatches(ours, name + "_back", srcs, (n_bwd,), iters, warm)
     except Exception as exc:
         res.errors.append(f"profile_node: {_err(exc)}")
     return res
+
+
+def print_dispatches(
+    ours: Ours, op: str, srcs: list[np.ndarray], shape: tuple[int, ...], iters: int, warm: int
+) -> None:
+    """--dispatches: the GPU time of each dispatch of one node (median over iters runs;
+    each dispatch runs alone, behind a barrier, so the sum exceeds the node's time)."""
+    recs = ours.vk.profile_dispatches(op, srcs, [], [], shape, "float32", iters, warm, ours.index)
+    per = len(recs) // iters
+    total = 0.0
+    for k in range(per):
+        label = recs[k][0]
+        ms = statistics.median(recs[j * per + k][1] for j in range(iters)) * 1e3
+        total += ms
+        print(f"#   {label:<44} {ms:8.3f} ms", flush=True)
+    print(f"#   {op}: {per} dispatches, {total:.3f} ms in all", flush=True)
 
 
 # --- peers: PyTorch and fla on CUDA ---------------------------------------------------------
@@ -791,6 +811,9 @@ def parse_args() -> argparse.Namespace:
         help="comma-separated case names or prefixes; of: " + ", ".join(names),
     )
     ap.add_argument("--no-check", action="store_true", help="skip comparing results with peers")
+    ap.add_argument(
+        "--dispatches", action="store_true", help="print each dispatch's GPU time of our nodes"
+    )
     ap.add_argument(
         "--ssm-path",
         choices=["auto", "seq", "chunk"],

@@ -220,6 +220,45 @@ PYBIND11_MODULE(_vk, m) {
       py::arg("device") = 0,
       "Like run_node, but runs the node warmup + iters times and returns the GPU time of each of the last iters "
       "runs in seconds (timestamp queries).");
+  m.def(
+      "profile_dispatches",
+      [](const std::string& op, const std::vector<py::array>& srcs, const std::vector<int64_t>& ip,
+         const std::vector<double>& fp, const std::vector<ssize_t>& out_shape, const std::string& out_dtype,
+         int iters, int warmup, int device) {
+        NodeRun r(device);
+        r.setup(op, srcs, ip, fp, out_shape, out_dtype, 0);
+        std::vector<ProfileRecord> recs;
+        bool was = false;
+        auto restore = [&](Device& d) {
+          d.set_profile_sink(nullptr);
+          d.set_profile_dispatches(was);
+        };
+        {
+          py::gil_scoped_release nogil;
+          for (int i = 0; i < warmup; ++i) r.compute();
+          with_device(device, [&](Device& d) {
+            if (d.info().timestamp_bits == 0) fail_invalid("this device's queue has no timestamps");
+            was = d.profiling_dispatches();
+            d.set_profile_dispatches(true);
+            d.set_profile_sink(&recs);
+          });
+          try {
+            for (int i = 0; i < iters; ++i) r.compute();
+          } catch (...) {
+            with_device(device, restore);
+            throw;
+          }
+          with_device(device, restore);
+        }
+        py::list out;
+        for (const auto& p : recs) out.append(py::make_tuple(p.op, p.seconds));
+        return out;
+      },
+      py::arg("op"), py::arg("srcs"), py::arg("ip") = std::vector<int64_t>{}, py::arg("fp") = std::vector<double>{},
+      py::arg("out_shape"), py::arg("out_dtype") = "float32", py::arg("iters") = 10, py::arg("warmup") = 2,
+      py::arg("device") = 0,
+      "Like profile_node, but times each dispatch: returns (label, seconds) for every dispatch of the last iters "
+      "runs, labelled 'op/shader[specialization constants]', in recording order.");
   m.def("shutdown", [] { backend_table()->shutdown(nullptr); },
         "Releases every device; the backend cannot be used afterwards.");
 

@@ -246,6 +246,8 @@ Device::Device(const PhysicalDevice& pd) : info_(pd) {
     throw;
   }
   profile_env_ = env_flag("RECURRA_VULKAN_PROFILE");
+  const char* pe = std::getenv("RECURRA_VULKAN_PROFILE");
+  profile_dispatch_ = pe && std::strcmp(pe, "dispatch") == 0;
 }
 
 Device::~Device() { release(); }
@@ -573,7 +575,8 @@ void Device::compute(const recurra_node_desc* nodes, int32_t n) {
   try {
     const bool prof = profiling();
     if (prof) {
-      const uint32_t need = 2 * static_cast<uint32_t>(n);
+      // per dispatch: room for up to 64 dispatches a node (later ones go unprofiled)
+      const uint32_t need = 2 * static_cast<uint32_t>(n) * (profiling_dispatches() ? 64 : 1);
       if (s.query_capacity < need) {
         if (s.queries) vkDestroyQueryPool(dev_, s.queries, nullptr);
         s.queries = VK_NULL_HANDLE;

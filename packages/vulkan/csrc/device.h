@@ -105,6 +105,9 @@ class Device {
   // the benchmark entry point) collects them instead.
   void set_profile_sink(std::vector<ProfileRecord>* sink) { sink_ = sink; }
   bool profiling() const { return (profile_env_ || sink_) && info_.timestamp_bits > 0; }
+  // RECURRA_VULKAN_PROFILE=dispatch: one time per dispatch ("op/module[spec]") instead of per node.
+  bool profiling_dispatches() const { return profile_dispatch_ && profiling(); }
+  void set_profile_dispatches(bool on) { profile_dispatch_ = on; }
 
  private:
   struct HostBuffer {
@@ -137,6 +140,7 @@ class Device {
   bool lost_ = false;
   bool blocks_to_release_ = false;
   bool profile_env_ = false;
+  bool profile_dispatch_ = false;
   std::vector<ProfileRecord>* sink_ = nullptr;
 };
 

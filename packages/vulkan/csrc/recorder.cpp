@@ -13,7 +13,7 @@ bool overlap(const Range& a, const Range& b) {
 }  // namespace
 
 Recorder::Recorder(Device& dev, Submission& sub)
-    : dev_(dev), sub_(sub), cb_(sub.cb), profiling_(dev.profiling()) {}
+    : dev_(dev), sub_(sub), cb_(sub.cb), profiling_(dev.profiling()), per_dispatch_(dev.profiling_dispatches()) {}
 
 bool Recorder::conflicts(std::initializer_list<Range> reads, std::initializer_list<Range> writes) const {
   for (const Range& r : reads)
@@ -54,7 +54,20 @@ void Recorder::dispatch_raw(const std::string& module, const std::vector<int32_t
   }
   vkCmdPushConstants(cb_, dev_.pipelines().layout(), VK_SHADER_STAGE_COMPUTE_BIT, 0,
                      static_cast<uint32_t>(pc_bytes), pc);
+  const bool mark = per_dispatch_ && 2 * n_profiled_ + 2 <= sub_.query_capacity;
+  if (mark) {
+    barrier();
+    vkCmdWriteTimestamp(cb_, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, sub_.queries, 2 * n_profiled_);
+    std::string label = op_ + "/" + module;
+    for (size_t k = 0; k < spec.size(); ++k) label += (k ? "," : "[") + std::to_string(spec[k]);
+    sub_.profile_ops.push_back(spec.empty() ? label : label + "]");
+  }
   vkCmdDispatch(cb_, gx, gy, gz);
+  if (mark) {
+    barrier();
+    vkCmdWriteTimestamp(cb_, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, sub_.queries, 2 * n_profiled_ + 1);
+    ++n_profiled_;
+  }
 }
 
 Recorder::Scratch Recorder::scratch(size_t nbytes) {
@@ -67,14 +80,15 @@ Recorder::Scratch Recorder::scratch(size_t nbytes) {
 }
 
 void Recorder::begin_node(const char* op) {
-  if (!profiling_) return;
+  op_ = op;
+  if (!profiling_ || per_dispatch_) return;
   barrier();  // profiled nodes run one at a time so each one's time is its own
   vkCmdWriteTimestamp(cb_, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, sub_.queries, 2 * n_profiled_);
   sub_.profile_ops.push_back(op);
 }
 
 void Recorder::end_node() {
-  if (!profiling_) return;
+  if (!profiling_ || per_dispatch_) return;
   barrier();
   vkCmdWriteTimestamp(cb_, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, sub_.queries, 2 * n_profiled_ + 1);
   ++n_profiled_;

@@ -64,8 +64,9 @@ class Recorder {
   Device& dev_;
   Submission& sub_;
   VkCommandBuffer cb_;
-  bool profiling_;
+  bool profiling_, per_dispatch_;
   uint32_t n_profiled_ = 0;
+  std::string op_;  // the node being recorded (per-dispatch profile labels)
   std::vector<Range> reads_, writes_;  // since the last barrier
   VkPipeline bound_ = VK_NULL_HANDLE;
 };

@@ -9,7 +9,7 @@ Two ways in:
 
 from __future__ import annotations
 
-import os
+import os as _os
 from importlib import metadata as _metadata
 
 from recurra import _core
@@ -62,7 +62,7 @@ __all__ = [
 
 def get_include() -> str:
     """The directory holding ``recurra/backend.h``, the C interface for backend plugins."""
-    return os.path.join(os.path.dirname(__file__), "include")
+    return _os.path.join(_os.path.dirname(__file__), "include")
 
 
 def set_num_threads(n: int) -> None:
@@ -111,23 +111,23 @@ def blas_info() -> str:
 
 
 def _load_blas() -> None:
-    if os.environ.get("RECURRA_NO_BLAS", "") not in ("", "0"):
+    if _os.environ.get("RECURRA_NO_BLAS", "") not in ("", "0"):
         return
     # OpenBLAS's worker threads spin for 2^28 cycles (~0.1 s) after each call before they
     # sleep; between the matmuls of a training step they take the cores from recurra's own
     # thread pool (a third of the CPU time of a Mamba-2 step on two cores). 2^4 cycles: they
     # sleep at once. Read when the library loads (importing scipy_openblas32 loads it); a
     # value the user set is kept.
-    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+    _os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
     try:
         import scipy_openblas32
     except ImportError:
         return
-    lib = os.path.join(scipy_openblas32.get_lib_dir(), f"lib{scipy_openblas32.get_library()}.so")
-    if os.path.exists(lib):
+    lib = _os.path.join(scipy_openblas32.get_lib_dir(), f"lib{scipy_openblas32.get_library()}.so")
+    if _os.path.exists(lib):
         _core.load_blas(lib)
 
 
 _load_blas()
-if "RECURRA_NUM_THREADS" in os.environ:
-    set_num_threads(int(os.environ["RECURRA_NUM_THREADS"]))
+if "RECURRA_NUM_THREADS" in _os.environ:
+    set_num_threads(int(_os.environ["RECURRA_NUM_THREADS"]))
