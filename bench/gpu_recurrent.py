@@ -228,6 +228,13 @@ def packed_sizes(family: str, arrays: list[np.ndarray]) -> tuple[int, int]:
     return arrays[0].size + state.size, floats
 
 
+def checkpoint_floats(arrays: list[np.ndarray]) -> int:
+    """Floats of the checkpoints ssm_scan saves with ip [1] (one decay per head): the state
+    entering each 64-token chunk, (n_seqs, n_head, ceil(n_tok / 64), head_dim, d_state)."""
+    s, x = arrays[0], arrays[1]
+    return x.shape[0] * x.shape[2] * -(-x.shape[1] // 64) * x.shape[3] * s.shape[3]
+
+
 def nmse(got: Any, want: Any) -> float:
     """sum((got - want)^2) / sum(want^2), in float64."""
     g = np.asarray(got, np.float64)
@@ -374,8 +381,14 @@ def run_ours(
         name = OP_NAME[family]
         iters, warm = max(3, args.reps), max(1, args.warmup)
         fwd_shape = output_shape(family, arrays) if family == "conv" else (n_fwd,)
+        ip: list[int] = []
+        if family == "mamba2" and backward:
+            # as the lazy API does when a gradient follows on the GPU: the forward saves the
+            # state entering each 64-token chunk, the backward reads them (a 9th source)
+            ip = [1]
+            fwd_shape = (n_fwd + checkpoint_floats(arrays),)
         t = ours.vk.profile_node(
-            name, arrays, [], [], fwd_shape, "float32", iters, warm, ours.index
+            name, arrays, ip, [], fwd_shape, "float32", iters, warm, ours.index
         )
         res.gpu_fwd = statistics.median(t) * 1e3
         if backward:
@@ -386,25 +399,35 @@ def run_ours(
                 grad[: R.size] = R.reshape(-1)  # dL/dy = R, dL/d(final state) = 0
                 # ssm_scan_back takes (grad, srcs...), the RWKV ops (srcs..., grad)
                 srcs = [grad, *arrays] if family in ("mamba2", "mamba1") else [*arrays, grad]
+                if ip:
+                    srcs.append(
+                        ours.vk.run_node(name, arrays, ip, [], fwd_shape, "float32", 0, ours.index)
+                    )
             t = ours.vk.profile_node(
                 name + "_back", srcs, [], [], (n_bwd,), "float32", iters, warm, ours.index
             )
             res.gpu_bwd = statistics.median(t) * 1e3
         if args.dispatches:
-            print_dispatches(ours, name, arrays, fwd_shape, iters, warm)
+            print_dispatches(ours, name, arrays, ip, fwd_shape, iters, warm)
             if backward:
-                print_dispatches(ours, name + "_back", srcs, (n_bwd,), iters, warm)
+                print_dispatches(ours, name + "_back", srcs, [], (n_bwd,), iters, warm)
     except Exception as exc:
         res.errors.append(f"profile_node: {_err(exc)}")
     return res
 
 
 def print_dispatches(
-    ours: Ours, op: str, srcs: list[np.ndarray], shape: tuple[int, ...], iters: int, warm: int
+    ours: Ours,
+    op: str,
+    srcs: list[np.ndarray],
+    ip: list[int],
+    shape: tuple[int, ...],
+    iters: int,
+    warm: int,
 ) -> None:
     """--dispatches: the GPU time of each dispatch of one node (median over iters runs;
     each dispatch runs alone, behind a barrier, so the sum exceeds the node's time)."""
-    recs = ours.vk.profile_dispatches(op, srcs, [], [], shape, "float32", iters, warm, ours.index)
+    recs = ours.vk.profile_dispatches(op, srcs, ip, [], shape, "float32", iters, warm, ours.index)
     per = len(recs) // iters
     total = 0.0
     for k in range(per):
@@ -457,12 +480,28 @@ class Torch:
             f"TRITON_F32_DEFAULT={os.environ.get('TRITON_F32_DEFAULT')}"
         )
 
+    def _fla_blocked(self) -> str:
+        """Why fla cannot run here, found without compiling anything ("" if it may): fla
+        0.6 refuses Triton < 3.7 on Hopper (compute capability 9) only after compiling its
+        forward kernels, minutes per case."""
+        try:
+            import triton
+
+            major, minor = (int(v) for v in triton.__version__.split(".")[:2])
+        except Exception:
+            return ""
+        if self.torch.cuda.get_device_capability()[0] == 9 and (major, minor) < (3, 7):
+            return f"blocked: fla needs Triton >= 3.7 on Hopper, this has {triton.__version__}"
+        return ""
+
     def fla_fn(self, name: str) -> Any:
         """fla's chunk_* function `name` (imported on first use); raises Skipped if absent."""
         if not self.cuda:
             raise Skipped(self.fla_why or "no CUDA")
         if name in self.fla:
             return self.fla[name]
+        if not self.fla_why:
+            self.fla_why = self._fla_blocked()
         if self.fla_why:
             raise Skipped(self.fla_why)
         _einops_stub()

@@ -302,6 +302,44 @@ def test_ssm_scan_checkpoints_only_where_a_cpu_gradient_follows():
     assert _ssm._checkpoint_floats(x2.shape, (2, 4, 2, 16), [rc.param(x2)]) == 0
 
 
+@pytest.mark.parametrize("n_tok", [1, 64, 150])
+def test_ssm_scan_mamba2_checkpoints_are_the_chunk_states(n_tok):
+    # One decay per head, asked to save checkpoints (ip 1, what the Python API does when a
+    # gradient follows on another device): the packed result gains the state entering each
+    # 64-token chunk, (n_seqs, n_head, ceil(T / 64), head_dim, d_state), equal to the final
+    # state of the scan cut at that token (float64 reference); y and the final states are
+    # unchanged, and the backward given the checkpoints (a 9th source) is unchanged too.
+    args = scan_inputs(2, n_tok, 3, 5, 17, 1, per_state=False, n_rows=3, ids=[2, 0])
+    srcs = [f32(a) if a.dtype.kind == "f" else a for a in args]
+    plain = rc.ops.apply("ssm_scan", [rc.tensor(a) for a in srcs]).numpy()
+    saved = rc.ops.apply("ssm_scan", [rc.tensor(a) for a in srcs], ip=(1,)).numpy()
+    nc = -(-n_tok // 64)
+    assert saved.size == plain.size + 2 * 3 * nc * 5 * 17
+    np.testing.assert_array_equal(saved[: plain.size], plain)
+    ck = saved[plain.size :].reshape(2, 3, nc, 5, 17)
+    s, x, dt, A, B, C, ids = args
+    for c in range(nc):
+        if c == 0:
+            want = s[ids]
+        else:
+            t = 64 * c
+            want = ssm_scan_ref(s, x[:, :t], dt[:, :t], A, B[:, :t], C[:, :t], ids)[1]
+        np.testing.assert_allclose(ck[:, :, c], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    grad = f32(RNG.standard_normal(saved.size))
+
+    def back(*a):
+        return rc.ops.apply("ssm_scan_back", [rc.tensor(v) for v in a]).numpy()
+
+    np.testing.assert_array_equal(back(grad, *srcs, saved), back(grad[: plain.size], *srcs))
+
+
+def test_ssm_scan_checkpoints_refused_for_per_state_decay_rows():
+    args = scan_inputs(1, 8, 2, 3, 16, 1, per_state=True)
+    srcs = [rc.tensor(f32(a) if a.dtype.kind == "f" else a) for a in args]
+    with pytest.raises(ValueError, match="one decay per head"):
+        rc.ops.apply("ssm_scan", srcs, ip=(1,))
+
+
 def test_ssm_scan_only_state_gradient():
     args = scan_inputs(2, 5, 4, 4, 8, 1, per_state=False)
     g = _grads(args, rc.get_num_threads(), only_state=True)

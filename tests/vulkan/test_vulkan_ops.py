@@ -450,7 +450,7 @@ class NodeDesc(ctypes.Structure):
         ("op", ctypes.c_char_p),
         ("dst", TensorDesc),
         ("n_src", ctypes.c_int32),
-        ("src", TensorDesc * 8),
+        ("src", TensorDesc * recurra_vulkan._vk.MAX_SRC),
         ("n_ip", ctypes.c_int32),
         ("ip", ctypes.POINTER(ctypes.c_int64)),
         ("n_fp", ctypes.c_int32),

@@ -267,3 +267,99 @@ def test_unknown_path_is_refused(monkeypatch):
     srcs = inputs(1, 1, 4, 2, 2, 3, 1, None, seed=2)
     with pytest.raises(ValueError, match="RECURRA_VK_SSM"):
         vk("ssm_scan", srcs, 4 * 2 * 2 + 2 * 2 * 3, "fast", monkeypatch)
+
+
+# ---- checkpoints: the forward saves the chunk states, the backward reads them --------------
+
+
+def ck_size(S, T, H, P, N) -> int:
+    return S * H * -(-T // 64) * P * N
+
+
+@pytest.mark.parametrize("path", ["chunk", "seq", "auto"])
+@pytest.mark.parametrize("T", [37, 150])
+def test_checkpoints_saved_and_read(path, T, monkeypatch):
+    """ssm_scan with ip 1 (save checkpoints) appends the state entering each 64-token chunk
+    (S, H, ceil(T/64), P, N) to its packed result, as the CPU does; ssm_scan_back given the
+    forward's result as a 9th source reads them (the chunked backward skips recomputing
+    them) and returns what the CPU returns without them. "seq": the sequential forward, then
+    the chunked kernels fill the checkpoints; "auto" takes the chunked path even below 128
+    tokens when checkpoints are asked for."""
+    S, H, P, N, G = 2, 4, 16, 17, 2
+    srcs = inputs(3, S, T, H, P, N, G, [2, 0], seed=40 + T)
+    want = cpu("ssm_scan", srcs, ip=(1,))
+    monkeypatch.setenv("RECURRA_VK_SSM", path)
+    got = recurra_vulkan.run_node("ssm_scan", srcs, [1], [], (want.size,), "float32", 0)
+    sizes = {**sizes_fwd(S, T, H, P, N), "checkpoints": ck_size(S, T, H, P, N)}
+    assert want.size == sum(sizes.values())
+    assert_close(f"ssm_scan ip 1 ({path})", got, want, sizes)
+
+    grad = rand(np.random.default_rng(T), want.size)
+    grad[-sizes["checkpoints"] :] = 0  # nothing depends on the checkpoints
+    want_b = cpu("ssm_scan_back", [grad[: want.size - sizes["checkpoints"]], *srcs])
+    for g in (grad, grad[: want.size - sizes["checkpoints"]]):  # both grad sizes are valid
+        got_b = recurra_vulkan.run_node(
+            "ssm_scan_back", [g, *srcs, got], [], [], (want_b.size,), "float32", 0
+        )
+        assert_close(f"ssm_scan_back with checkpoints ({path})", got_b, want_b, sizes_back(srcs))
+
+
+def test_checkpoints_are_read_not_recomputed(monkeypatch):
+    """The chunked backward really reads the 9th source: checkpoints scaled by 2 change the
+    result (and the unchanged ones give the CPU's)."""
+    S, T, H, P, N = 1, 150, 2, 8, 16
+    srcs = inputs(1, S, T, H, P, N, 1, None, seed=9)
+    fwd = cpu("ssm_scan", srcs, ip=(1,))
+    n_ck = ck_size(S, T, H, P, N)
+    grad = rand(np.random.default_rng(10), fwd.size - n_ck)
+    monkeypatch.setenv("RECURRA_VK_SSM", "chunk")
+    total = sum(a.size for a in srcs[:6])
+
+    def back(f):
+        srcs9 = [grad, *srcs, f]
+        return recurra_vulkan.run_node("ssm_scan_back", srcs9, [], [], (total,), "float32", 0)
+
+    want = cpu("ssm_scan_back", [grad, *srcs])
+    assert_close("with checkpoints", back(fwd), want, sizes_back(srcs))
+    bad = fwd.copy()
+    bad[-n_ck:] *= 2
+    assert nmse(back(bad), want) > 1e-3
+
+
+def test_checkpoints_refused_where_the_layout_is_cpu_only():
+    """head_dim 1 checkpoints (Mamba-1's, a CPU-kernel layout) are not a Vulkan node: the
+    backend says so (the scheduler would run such a node on the CPU)."""
+    rng = np.random.default_rng(4)
+    srcs = inputs(1, 1, 40, 2, 1, 16, 1, None, seed=4)
+    srcs[3] = (-np.exp(rand(rng, 2, 16, scale=0.7))).astype(np.float32)
+    want = cpu("ssm_scan", srcs, ip=(1,))
+    with pytest.raises(NotImplementedError, match="CPU-kernel layout"):
+        recurra_vulkan.run_node("ssm_scan", srcs, [1], [], (want.size,), "float32", 0)
+
+
+def test_lazy_api_on_vulkan_saves_checkpoints_and_grads_match_cpu(monkeypatch):
+    """Through recurra.ops.ssm_scan with parameters on the Vulkan device, strict placement:
+    the forward is asked for checkpoints (one decay per head, a gradient ahead, not all on
+    the CPU), both nodes run on Vulkan, and every gradient equals the CPU's."""
+    from recurra.ops import _ssm
+
+    monkeypatch.delenv("RECURRA_VK_SSM", raising=False)
+    srcs = inputs(3, 2, 100, 4, 16, 17, 2, [2, 0], seed=12)
+    R = rand(np.random.default_rng(13), 2, 100, 4, 16)
+
+    def grads(device):
+        ps = [rc.param(a, device=device) for a in srcs[:6]]
+        y, st = rc.ops.ssm_scan(*ps, srcs[6])
+        loss = (y * rc.tensor(R, device=device)).sum() + st.sum()
+        loss.backward()
+        return ps, [np.asarray(p.grad.numpy()) for p in ps]
+
+    rc.set_strict_placement(True)  # every node on Vulkan (the 9-source backward included)
+    try:
+        ps, got = grads("vulkan")
+    finally:
+        rc.set_strict_placement(False)
+    assert _ssm._checkpoint_floats(srcs[1].shape, srcs[0].shape, ps) == ck_size(2, 100, 4, 16, 17)
+    _, want = grads(None)
+    for k, g, w in zip(PARTS_BACK, got, want):
+        assert nmse(g, w) <= NMSE_MAX, k

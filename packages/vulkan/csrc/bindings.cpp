@@ -87,7 +87,7 @@ struct NodeRun {
   void setup(const std::string& op_name, const std::vector<py::array>& srcs, const std::vector<int64_t>& ips,
              const std::vector<double>& fps, const std::vector<ssize_t>& shape, const std::string& dtype,
              size_t src_offset) {
-    if (srcs.size() > RECURRA_MAX_SRC) throw py::value_error("at most 8 sources");
+    if (srcs.size() > RECURRA_MAX_SRC) throw py::value_error("at most " + std::to_string(RECURRA_MAX_SRC) + " sources");
     if (shape.size() > RECURRA_MAX_DIMS) throw py::value_error("at most 4 axes");
     if (dtype != "float32" && dtype != "int32") throw py::type_error("out_dtype must be 'float32' or 'int32'");
     op = op_name;
@@ -167,6 +167,7 @@ py::dict backend_info() {
 PYBIND11_MODULE(_vk, m) {
   m.doc() = "recurra's Vulkan backend (native part)";
   m.attr("ABI_VERSION") = RECURRA_BACKEND_ABI_VERSION;
+  m.attr("MAX_SRC") = RECURRA_MAX_SRC;
   m.def("backend_info", &backend_info,
         "Returns {'devices': [...], 'reason': str, 'table': PyCapsule} ('table' only when there are devices).");
   m.def("op_names", &op_names, "Names of the ops with a Vulkan kernel.");

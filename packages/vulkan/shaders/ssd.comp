@@ -4,7 +4,9 @@
 // Per sequence i and head h the tokens are cut into chunks of L = 64. In a chunk, with
 // dtp = softplus(dt), a_t = dtp_t A_h, cs_t = a_0 + ... + a_t (in order, so cs never rises
 // when A <= 0: every exp below is of a difference cs_t - cs_s <= 0, s <= t), u_s = dtp_s x_s,
-// h_in the state entering the chunk (P x N), lam the gradient of the state leaving it:
+// h_in the state entering the chunk (P x N; pc.hin: in scratch, or the checkpoints that a
+// forward asked to save writes into its output and the backward reads), lam the gradient
+// of the state leaving it:
 //   y_t    = e^{cs_t} C_t h_in^T + sum_{s<=t} (C_t . B_s) e^{cs_t - cs_s} u_s
 //   h_out  = e^{cs_L} h_in + sum_s e^{cs_L - cs_s} u_s B_s^T              (cs_L: last token)
 //   dh_in  = e^{cs_L} lam + sum_t e^{cs_t} dy_t^T C_t
@@ -20,9 +22,10 @@
 //   1 cb      per (i, g, chunk): CB[t][s] = C_t . B_s (s <= t, else 0)
 //   2 state   per (i, h, chunk, P tile, N tile): VAR 0 sum_s e^{cs_L - cs_s} u_s B_s^T,
 //             VAR 1 sum_t e^{cs_t} dy_t^T C_t, into the chunk's slot of hin / lam
-//   3 pass    per state element (i, h, p, n), sequential over chunks: VAR 0/1 forward
+//   3 pass    per state element (i, h, p, n), sequential over chunks: VAR 0/1/3 forward
 //             (slot c of hin becomes the state entering chunk c; VAR 0 writes the final
-//             state, VAR 1 is the backward's recomputation), VAR 2 backward (slot c of lam
+//             state, VAR 1 is the backward's recomputation, VAR 3 fills the forward's
+//             checkpoints after the sequential kernels ran), VAR 2 backward (slot c of lam
 //             becomes the gradient of the state leaving chunk c; d s_init per sequence)
 //   4 y       per (i, h, chunk, P tile): y
 //   5 dcdb    per (i, g, block of hblk heads, chunk): the block's dC, dB (all N tiles in
@@ -48,8 +51,10 @@ layout(push_constant) uniform PC {
   uvec2 s, x, dt, A, B, C, ids;
   uvec2 out_;  // forward: packed (y, final state); backward: MODE 6 dx, MODE 7 ddt
   uvec2 scr, err;
-  int R, S, T, H, P, N, G, nc;
-  int hblk;  // heads per MODE 5 workgroup (divides H / G)
+  uvec2 hin;    // the states entering each chunk (S, H, nc, P, N): scratch, or the forward's
+                // checkpoints (saved by the forward into its output, read by the backward)
+  int R, S, T, H, P, N, G;
+  int nc_hblk;  // nc | hblk << 24; hblk: heads per MODE 5 workgroup (divides H / G)
 } pc;
 
 shared float sCs[L], sDtp[L];
@@ -62,6 +67,7 @@ float acc[4][4];
 int lid, tx, ty;
 int i, h, g, c, t0, len, p0, n0, hpg;
 uint o_dtp, o_cs, o_cb, o_hin, o_lam, o_dsi, o_dbp, o_dcp, o_qy, o_q, o_xd, o_e, o_dap;
+int nc_, hblk_;
 uint slot;  // (i, h, c) chunk slot: hin / lam of this chunk start at slot * P * N
 
 // softplus as the CPU computes it (log1p by the atanh series).
@@ -113,16 +119,18 @@ float ld_x(uvec2 buf, int t, int p) {  // x-like (S, T, H, P) at token t0 + t of
 float ld_bc(uvec2 buf, int t, int n) {  // B/C (S, T, G, N)
   return (t < len && n < pc.N) ? FBuf(buf).v[((i * pc.T + t0 + t) * pc.G + g) * pc.N + n] : 0.0;
 }
-float ld_st(uint off, int p, int n) {  // a chunk slot (P, N) of hin / lam
-  return (p < pc.P && n < pc.N) ? FBuf(pc.scr).v[off + slot * uint(pc.P * pc.N) + uint(p * pc.N + n)] : 0.0;
+float ld_st(bool hin, int p, int n) {  // a chunk slot (P, N) of hin / lam
+  if (p >= pc.P || n >= pc.N) return 0.0;
+  const uint o = slot * uint(pc.P * pc.N) + uint(p * pc.N + n);
+  return hin ? FBuf(pc.hin).v[o] : FBuf(pc.scr).v[o_lam + o];
 }
 
 float fetch(int kind, int k, int r) {
   switch (kind) {
     case C_TN: return ld_bc(pc.C, r, k);
     case B_TN: return ld_bc(pc.B, r, k);
-    case HIN_PN: return ld_st(o_hin, p0 + r, k);
-    case LAM_PN: return ld_st(o_lam, p0 + r, k);
+    case HIN_PN: return ld_st(true, p0 + r, k);
+    case LAM_PN: return ld_st(false, p0 + r, k);
     case DY_TP: return ld_x(pc.gr, r, k);
     case U_TP: return r < len ? sDtp[r] * ld_x(pc.x, r, k) : 0.0;
     case DYE_TP: return r < len ? exp(sCs[r]) * ld_x(pc.gr, r, k) : 0.0;
@@ -133,8 +141,8 @@ float fetch(int kind, int k, int r) {
     case DY_SP: return ld_x(pc.gr, k, p0 + r);
     case B_SN: return ld_bc(pc.B, k, n0 + r);
     case C_SN: return ld_bc(pc.C, k, n0 + r);
-    case HIN_KN: return ld_st(o_hin, k, n0 + r);
-    default: return ld_st(o_lam, k, n0 + r);
+    case HIN_KN: return ld_st(true, k, n0 + r);
+    default: return ld_st(false, k, n0 + r);
   }
 }
 
@@ -228,7 +236,7 @@ void load_chunk() {
 
 // sM[t][s] = CB[t][s] e^{cs_t - cs_s} (s <= t < len, else 0).
 void load_m() {
-  const uint ob = o_cb + uint((i * pc.G + g) * pc.nc + c) * uint(L * L);
+  const uint ob = o_cb + uint((i * pc.G + g) * nc_ + c) * uint(L * L);
   for (int e = lid; e < L * L; e += 256) {
     const int t = e / L, s = e % L;
     sM[t][s] = (s <= t && t < len) ? FBuf(pc.scr).v[ob + uint(e)] * exp(sCs[t] - sCs[s]) : 0.0;
@@ -251,11 +259,13 @@ void main() {
   lid = int(gl_LocalInvocationIndex);
   tx = lid % 16;
   ty = lid / 16;
-  const int S = pc.S, T = pc.T, H = pc.H, P = pc.P, N = pc.N, nc = pc.nc;
+  nc_ = pc.nc_hblk & 0xffffff;
+  hblk_ = pc.nc_hblk >> 24;
+  const int S = pc.S, T = pc.T, H = pc.H, P = pc.P, N = pc.N, nc = nc_;
   hpg = H / pc.G;
   const int npt = (P + L - 1) / L, nnt = (N + L - 1) / L;
   // scratch layout (floats), see csrc/ops/ssm.cpp
-  const uint sht = uint(S * H * T), nst = uint(S * H * P * N), nbc = uint(hpg / pc.hblk) * uint(S * T * pc.G * N);
+  const uint sht = uint(S * H * T), nst = uint(S * H * P * N), nbc = uint(hpg / hblk_) * uint(S * T * pc.G * N);
   o_dtp = 0u;
   o_cs = sht;
   o_cb = 2u * sht;
@@ -273,43 +283,50 @@ void main() {
   const uint wg = group_index();
 
   if (MODE == 3) {  // ---- pass: one thread per state element ---------------------------
+    // VAR 0 forward (also writes the final state), 1 the backward's recomputation, 3 the
+    // forward's checkpoints alone (after the sequential kernels), 2 the reverse pass. The
+    // chunk-local values of KP chunks are loaded before any is used (their loads overlap).
+    const int KP = 16;
     const uint PN = uint(P * N), e = wg * 256u + uint(lid);
     if (e >= uint(S * H) * PN) return;
     const uint pn = e % PN, ih = e / PN;
     i = int(ih) / H;
     h = int(ih) % H;
     const uint ocs = o_cs + ih * uint(T);
-    if (VAR < 2) {
+    if (VAR != 2) {
+      FBuf hv = FBuf(pc.hin);
+      const uint base = ih * uint(nc) * PN + pn;  // slot (i, h, k) at base + k PN
       int row = IBuf(pc.ids).v[i];
       const bool bad = row < 0 || row >= pc.R;
-      if (bad && pn == 0u) set_error(pc.err, VAR == 0 ? ERR_SSM_SCAN : ERR_SSM_SCAN_BACK);
+      if (bad && pn == 0u) set_error(pc.err, VAR == 1 ? ERR_SSM_SCAN_BACK : ERR_SSM_SCAN);
       float hc = bad ? 0.0 : FBuf(pc.s).v[uint(row * H + h) * PN + pn];
-      for (int k0 = 0; k0 < nc; k0 += 4) {  // 4 chunks' loads in flight at once
-        float local[4], decay[4];
-        [[unroll]] for (int j = 0; j < 4; ++j) {
+      for (int k0 = 0; k0 < nc; k0 += KP) {
+        float local[KP], decay[KP];
+        [[unroll]] for (int j = 0; j < KP; ++j) {
           const int k = min(k0 + j, nc - 1);
-          local[j] = sc.v[o_hin + (ih * uint(nc) + uint(k)) * PN + pn];
+          local[j] = hv.v[base + uint(k) * PN];
           decay[j] = exp(sc.v[ocs + uint(min(T, k * L + L) - 1)]);
         }
-        [[unroll]] for (int j = 0; j < 4; ++j)
+        [[unroll]] for (int j = 0; j < KP; ++j)
           if (k0 + j < nc) {
-            sc.v[o_hin + (ih * uint(nc) + uint(k0 + j)) * PN + pn] = hc;
+            hv.v[base + uint(k0 + j) * PN] = hc;
             hc = decay[j] * hc + local[j];
           }
       }
       if (VAR == 0) FBuf(pc.out_).v[uint(S * T * H * P) + ih * PN + pn] = bad ? 0.0 : hc;
     } else {
+      const uint base = o_lam + ih * uint(nc) * PN + pn;
       float lc = FBuf(pc.gr).v[uint(S * T * H * P) + ih * PN + pn];
-      for (int k0 = nc - 1; k0 >= 0; k0 -= 4) {
-        float local[4], decay[4];
-        [[unroll]] for (int j = 0; j < 4; ++j) {
+      for (int k0 = nc - 1; k0 >= 0; k0 -= KP) {
+        float local[KP], decay[KP];
+        [[unroll]] for (int j = 0; j < KP; ++j) {
           const int k = max(k0 - j, 0);
-          local[j] = sc.v[o_lam + (ih * uint(nc) + uint(k)) * PN + pn];
+          local[j] = sc.v[base + uint(k) * PN];
           decay[j] = exp(sc.v[ocs + uint(min(T, k * L + L) - 1)]);
         }
-        [[unroll]] for (int j = 0; j < 4; ++j)
+        [[unroll]] for (int j = 0; j < KP; ++j)
           if (k0 - j >= 0) {
-            sc.v[o_lam + (ih * uint(nc) + uint(k0 - j)) * PN + pn] = lc;
+            sc.v[base + uint(k0 - j) * PN] = lc;
             lc = decay[j] * lc + local[j];
           }
       }
@@ -333,12 +350,12 @@ void main() {
   rest /= uint(nc);
   if (MODE == 1 || MODE == 5) {  // MODE 5: rest = (i, g, head block)
     if (MODE == 5) {
-      hb = int(rest % uint(hpg / pc.hblk));
-      rest /= uint(hpg / pc.hblk);
+      hb = int(rest % uint(hpg / hblk_));
+      rest /= uint(hpg / hblk_);
     }
     g = int(rest % uint(pc.G));
     i = int(rest / uint(pc.G));
-    h = g * hpg + hb * pc.hblk;
+    h = g * hpg + hb * hblk_;
   } else {
     h = int(rest % uint(H));
     i = int(rest / uint(H));
@@ -388,10 +405,11 @@ void main() {
       mma(X_W, B_SN, round_k(len), false);
     else
       mma(DY_W, C_SN, round_k(len), false);
-    const uint o = (VAR == 0 ? o_hin : o_lam) + slot * uint(P * N);
+    FBuf dst = FBuf(VAR == 0 ? pc.hin : pc.scr);
+    const uint o = (VAR == 0 ? 0u : o_lam) + slot * uint(P * N);
     [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
       const int p = p0 + 4 * ty + a, n = n0 + 4 * tx + b;
-      if (p < P && n < N) sc.v[o + uint(p * N + n)] = acc[a][b];
+      if (p < P && n < N) dst.v[o + uint(p * N + n)] = acc[a][b];
     }
     return;
   }
@@ -464,7 +482,7 @@ void main() {
     // sM = sum_h M_ts (dy_t . u_s) over the block's heads first; then per N tile, the heads
     // in turn: dC = sum_h e^{cs_t} dy_t h_in (operand scaled as staged) + sM B, dB = sum_h
     // e^{cs_L - cs_s} u_s lam + sM^T C: the products with B and C run once per block.
-    const int HB = pc.hblk;  // a push constant: one pipeline for every block size
+    const int HB = hblk_;  // a push constant: one pipeline for every block size
     const int hfirst = h;
     const uint ob = o_cb + uint((i * pc.G + g) * nc + c) * uint(L * L);
     const uint opart = uint(((hb * S + i) * T + t0) * pc.G + g) * uint(N);

@@ -267,6 +267,13 @@ struct Dims {
 int64_t heads_seg_len(int64_t T) { return std::max<int64_t>(32, (T + 63) / 64); }
 int64_t heads_n_seg(int64_t T) { return (T + heads_seg_len(T) - 1) / heads_seg_len(T); }
 
+// Rows layout with one decay per head (Mamba-2): a forward asked to save checkpoints writes
+// the state entering each kCkChunk-token chunk, as (S, H, ceil(T / kCkChunk), P, N): what
+// the chunked (state-space-duality) backward of the Vulkan backend reads instead of
+// recomputing it. The CPU backward has no use for them (its forward sweep is cheap beside
+// its reverse sweep) and ignores them.
+constexpr int64_t kCkChunk = 64;
+
 Dims dims_of(const std::vector<TensorView>& src, int off) {
   Dims d;
   const Shape &s = src[off + 0].shape, &x = src[off + 1].shape, &A = src[off + 3].shape,
@@ -311,7 +318,8 @@ struct RowsFwd {
   const float* C;
   float* y;     // y[i, 0, h, p0]: token stride xs
   float* sout;  // final state [i, h, p0, 0]
-  int64_t T, N, pl, xs, bs;
+  float* ck;    // checkpoints [i, h, 0, p0, 0] (chunk stride P * N), or nullptr
+  int64_t T, N, pl, xs, bs, ck_stride;
   float* St;       // [N][L]: S / P (kept between chunks)
   float* Pv;       // Np: accumulated per-state decay (per-state A)
   float* scratch;  // 4 * Np
@@ -428,6 +436,15 @@ void rows_fwd_begin(RowsFwd& f) {
     for (int64_t l = 0; l < L; ++l) f.St[n * L + l] = l < f.pl ? f.s0[l * N + n] : 0.0f;
   for (int64_t n = 0; n < Np; ++n) f.Pv[n] = 1.0f;
   f.P = 1.0f;
+}
+
+// The state entering chunk t / kCkChunk into the checkpoints (one decay per head).
+template <int V>
+void rows_fwd_save(const RowsFwd& f, int64_t t) {
+  constexpr int L = 16 * V;
+  float* o = f.ck + t / kCkChunk * f.ck_stride;
+  for (int64_t l = 0; l < f.pl; ++l)
+    for (int64_t n = 0; n < f.N; ++n) o[l * f.N + n] = f.St[n * L + l] * f.P;
 }
 
 template <int V>
@@ -699,6 +716,8 @@ void scan_forward(KernelCtx& c) {
         f.C = C + (i * d.T * d.G + g) * d.N;
         f.y = y + (i * d.T * d.H + h) * d.P + p0;
         f.sout = sout + ((i * d.H + h) * d.P + p0) * d.N;
+        f.ck_stride = d.P * d.N;
+        f.ck = ck ? ck + ((i * d.H + h) * ((d.T + kCkChunk - 1) / kCkChunk) * d.P + p0) * d.N : nullptr;
         f.T = d.T;
         f.N = d.N;
         f.pl = std::min(L, d.P - p0);
@@ -713,8 +732,15 @@ void scan_forward(KernelCtx& c) {
           rows_fwd_begin<2>(f);
       }
     }
+    static_assert(kCkChunk % kChunk == 0, "a checkpoint falls on a chunk start");
     for (int64_t t0 = 0; t0 < d.T; t0 += kChunk)
       for (RowsFwd& f : fs) {
+        if (f.ck && t0 % kCkChunk == 0) {
+          if (L == 16)
+            rows_fwd_save<1>(f, t0);
+          else
+            rows_fwd_save<2>(f, t0);
+        }
         if (L == 16)
           rows_fwd_run16(f, t0, std::min(d.T, t0 + kChunk));
         else
@@ -1647,6 +1673,13 @@ void scan_backward(KernelCtx& c) {
 // Validates (s, x, dt, A, B, C, ids) starting at source `off`; returns the dims.
 int64_t scan_packed(const Dims& d) { return d.S * d.T * d.H * d.P + d.S * d.H * d.P * d.N; }
 
+// Floats of the checkpoints a forward saves when asked (ip[0] = 1): head_dim 1 (heads
+// layout), or one decay per head (rows layout; see kCkChunk).
+int64_t ck_floats(const Dims& d) {
+  if (d.P == 1) return d.S * heads_n_seg(d.T) * d.H * d.N;
+  return d.S * d.H * ((d.T + kCkChunk - 1) / kCkChunk) * d.P * d.N;
+}
+
 Dims scan_check(Graph& g, Node& n, int off) {
   for (int i = off; i < off + 6; ++i) require_f32(g, n, i);
   const Node& idn = g.node(n.src[off + 6]);
@@ -1699,9 +1732,10 @@ void register_ssm_ops(OpTable& t) {
       if (n.ip.size() > 1 || (n.ip.size() == 1 && n.ip[0] != 0 && n.ip[0] != 1))
         throw ValueError("ssm_scan: the only parameter is save_checkpoints (0 or 1)");
       const bool ck = n.ip.size() == 1 && n.ip[0] == 1;
-      if (ck && dm.P != 1) throw ValueError("ssm_scan: checkpoints are saved only for head_dim 1 (Mamba-1)");
+      if (ck && dm.P != 1 && dm.per_n)
+        throw ValueError("ssm_scan: checkpoints are saved for head_dim 1 or one decay per head only");
       n.dtype = DType::f32;
-      n.shape = Shape{scan_packed(dm) + (ck ? dm.S * heads_n_seg(dm.T) * dm.H * dm.N : 0)};
+      n.shape = Shape{scan_packed(dm) + (ck ? ck_floats(dm) : 0)};
     };
     d.forward = scan_forward;
     d.backward = [](GradSink& k) {
@@ -1731,11 +1765,11 @@ void register_ssm_ops(OpTable& t) {
         fail_shape(g, n, "takes (grad, s, x, dt, A, B, C, ids[, the forward's result with checkpoints])");
       require_f32(g, n, 0);
       const Dims dm = scan_check(g, n, 1);
-      const int64_t ck = n.src.size() == 9 ? dm.S * heads_n_seg(dm.T) * dm.H * dm.N : 0;
+      const int64_t ck = n.src.size() == 9 ? ck_floats(dm) : 0;
       if (n.src.size() == 9) {
         require_f32(g, n, 8);
         const Shape& fw = g.node(n.src[8]).shape;
-        if (dm.P != 1 || fw.ndim != 1 || fw[0] != scan_packed(dm) + ck)
+        if ((dm.P != 1 && dm.per_n) || fw.ndim != 1 || fw[0] != scan_packed(dm) + ck)
           fail_shape(g, n, "the 9th source must be the forward's packed result with checkpoints");
       }
       const Shape& gr = g.node(n.src[0]).shape;

@@ -56,14 +56,22 @@
 // G 1: nc = 16 chunks, 1 P tile, 2 N tiles; "chunks" = S*H*nc = 2048):
 //   forward   prep 2048 | CB 64 | chunk states 4096 | state pass 4096 (one thread per state
 //             element, 16 chunks in sequence) | y 2048
-//   backward  prep 2048 | CB 64 | chunk states 4096 | state pass 4096 | chunk state grads
-//             4096 | reverse pass 4096 | dC,dB 512 (4 heads each) | du 2048 | decay 2048 |
-//             fin: dB,dC 2048, dA 1, ds 4096
+//   backward  prep 2048 | CB 64 | [chunk states 4096 | state pass 4096] | chunk state
+//             grads 4096 | reverse pass 4096 | dC,dB 512 (4 heads each) | du 2048 | decay
+//             2048 | fin: dB,dC 2048, dA 1, ds 4096
+// Checkpoints: a forward asked to save them (ip[0] = 1: the Python API does when a gradient
+// follows and an input is on a device) writes the states entering each chunk (nc*nst floats,
+// the core's layout (S, H, nc, P, N)) after (y, final states) in its output instead of
+// scratch; the backward given that output as a 9th source reads them and skips the two
+// bracketed dispatches (the forward's recomputation). Under RECURRA_VK_SSM=seq the
+// sequential forward runs and prep, chunk states and a pass (VAR 3) then fill them; with
+// checkpoints the chunked kernels run from T = 1 on. Head_dim 1 checkpoints (Mamba-1's CPU
+// layout) are refused: such a node runs on the CPU.
 // Each dispatch declares the scratch regions it reads and writes, so independent ones share
 // a barrier phase: forward [prep, CB] [states] [pass] [y], backward [prep, CB] [states, state
 // grads] [pass, reverse pass] [ds, dC/dB, du] [decay, fin dB/dC] [fin dA].
 // Scratch (floats; sht = S*H*T, nst = S*H*P*N): forward 2*sht + S*G*nc*64*64 + nc*nst
-// = 17.3M (69 MB); backward adds nc*nst (state gradients) + nst + 2*S*T*N*H/hblk (dB, dC
+// = 17.3M (69 MB; the nc*nst of states, 16.8M, go to the output with checkpoints); backward adds nc*nst (state gradients) + nst + 2*S*T*N*H/hblk (dB, dC
 // per block of hblk heads) + (1 + 2*npt)*sht + (1 + npt)*S*H*nc (npt = P tiles): 43.9M
 // floats (176 MB) here.
 #include <algorithm>
@@ -260,23 +268,44 @@ std::string scan_dims(const recurra_node_desc& n, int off, ScanDims* d) {
   return "";
 }
 
+// Floats of (y, final states), the packed forward result without checkpoints.
+int64_t scan_packed(const ScanDims& d) { return d.S * d.T * d.H * d.P + d.S * d.H * d.P * d.N; }
+
+// Checkpoints a forward asked to save (ip[0] = 1) for the backward: with one decay per head
+// and head_dim > 1, the state entering each 64-token chunk, (S, H, ceil(T/64), P, N), after
+// (y, final states) in the packed result (the core's layout; its CPU kernels write the same).
+// The core's other checkpoint layout (head_dim 1, Mamba-1) is a CPU-kernel format: refused.
+int64_t ck_floats(const ScanDims& d) { return d.S * d.H * ceil_div(d.T, 64) * d.P * d.N; }
+
 std::string scan_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 7);
   ScanDims d;
   if (why.empty()) why = scan_dims(n, 0, &d);
   if (!why.empty()) return why;
-  if (n.dst.ndim != 1 || n.dst.shape[0] != d.S * d.T * d.H * d.P + d.S * d.H * d.P * d.N)
-    return "ssm_scan: the output must be the packed (y, final states)";
+  if (n.n_fp != 0 || n.n_ip > 1 || (n.n_ip == 1 && n.ip[0] != 0 && n.ip[0] != 1))
+    return "ssm_scan: the only parameter is save_checkpoints (0 or 1)";
+  const bool ck = n.n_ip == 1 && n.ip[0] == 1;
+  if (ck && (d.P == 1 || d.NA != 1))
+    return "ssm_scan: checkpoints for head_dim 1 or one decay per state are a CPU-kernel layout";
+  if (n.dst.ndim != 1 || n.dst.shape[0] != scan_packed(d) + (ck ? ck_floats(d) : 0))
+    return "ssm_scan: the output must be the packed (y, final states[, checkpoints])";
   return dense_srcs(n);
 }
 
 std::string scan_back_check(const recurra_node_desc& n) {
-  std::string why = require_srcs(n, 8);
+  std::string why = n.n_src == 9 ? "" : require_srcs(n, 8);
   ScanDims d;
   if (why.empty()) why = scan_dims(n, 1, &d);
   if (!why.empty()) return why;
+  const int64_t ck = n.n_src == 9 ? ck_floats(d) : 0;
+  if (n.n_src == 9) {
+    const recurra_tensor_desc& fw = n.src[8];
+    if (d.P == 1 || d.NA != 1) return "ssm_scan_back: checkpoints for head_dim 1 or one decay per state are a CPU-kernel layout";
+    if (fw.dtype != RECURRA_F32 || fw.ndim != 1 || fw.shape[0] != scan_packed(d) + ck)
+      return "ssm_scan_back: the 9th source must be the forward's packed result with checkpoints";
+  }
   const recurra_tensor_desc& gr = n.src[0];
-  if (gr.dtype != RECURRA_F32 || gr.ndim != 1 || gr.shape[0] != d.S * d.T * d.H * d.P + d.S * d.H * d.P * d.N)
+  if (gr.dtype != RECURRA_F32 || gr.ndim != 1 || (gr.shape[0] != scan_packed(d) && gr.shape[0] != scan_packed(d) + ck))
     return "ssm_scan_back: grad must be the packed float32 (y, final states) gradient";
   int64_t total = 0;
   for (int k = 1; k < 7; ++k) total += numel(n.src[k]);
@@ -396,28 +425,39 @@ constexpr uint32_t kSsdShared = 4 * (2 * 64 + 2 * 16 * 68 + 64 * 65);
 // they apply; "" or "auto": chunked from T >= 2 chunks. They apply to one decay per head,
 // T >= 1, scratch below 2^31 floats (32-bit offsets) and devices with the shared memory
 // of ssd.comp (~26 KB; Vulkan guarantees only 16 KB); elsewhere the sequential kernels run.
-bool use_chunked(const ScanDims& d, Device& dev) {
+bool chunk_capable(const ScanDims& d, Device& dev) {
+  return d.NA == 1 && d.T >= 1 && ssd_geom(d).back_floats < (int64_t(1) << 31) && limits_of(dev).shmem >= kSsdShared;
+}
+
+// ck: the node saves (forward) or reads (backward) checkpoints: then the chunked kernels run
+// for any T unless RECURRA_VK_SSM=seq (their checkpoints are what the backward wants).
+bool use_chunked(const ScanDims& d, Device& dev, bool ck) {
   const char* env = std::getenv("RECURRA_VK_SSM");
   const std::string v = env ? env : "";
   if (!v.empty() && v != "auto" && v != "seq" && v != "chunk")
     fail_invalid("RECURRA_VK_SSM=" + v + ": unknown ssm_scan path (expected auto, seq or chunk)");
-  if (v == "seq" || d.NA != 1 || d.T < 1) return false;
-  if (ssd_geom(d).back_floats >= (int64_t(1) << 31) || limits_of(dev).shmem < kSsdShared) return false;
-  return v == "chunk" || d.T >= 2 * kChunk;
+  if (v == "seq" || !chunk_capable(d, dev)) return false;
+  return v == "chunk" || ck || d.T >= 2 * kChunk;
 }
 
-std::vector<int32_t> ssd_spec(int mode, int var = 0) { return {mode, var}; }
+// ssd.comp's push constants: the scan's addresses, hin (the states entering each chunk),
+// the sizes, and nc | hblk << 24.
+struct SsdPC {
+  uint64_t gr, s, x, dt, A, B, C, ids, out, scr, err, hin;
+  int32_t R, S, T, H, P, N, G, nc_hblk;
+};
 
-void ssd_dispatch(Recorder& rec, int mode, int var, const ScanPC& pc, int64_t groups,
+void ssd_dispatch(Recorder& rec, int mode, int var, const SsdPC& pc, int64_t groups,
                   std::initializer_list<Range> reads, std::initializer_list<Range> writes) {
   uint32_t gx, gy;
   grid_2d(groups, gx, gy);
-  rec.dispatch("ssd", ssd_spec(mode, var), pc, gx, gy, 1, reads, writes);
+  rec.dispatch("ssd", {mode, var}, pc, gx, gy, 1, reads, writes);
 }
 
-ScanPC ssd_pc(NodeCall& c, const ScanDims& d, const SsdGeom& g, int off) {
-  ScanPC pc = scan_pc(c, d, off);
-  pc.nblk = int32_t(g.nc), pc.K = int32_t(g.hblk);  // ssd.comp's nc, hblk
+SsdPC ssd_pc(NodeCall& c, const ScanDims& d, const SsdGeom& g, int off) {
+  const ScanPC b = scan_pc(c, d, off);
+  SsdPC pc{b.gr, b.s, b.x, b.dt, b.A, b.B, b.C, b.ids, 0, 0, b.err, 0, b.R, b.S, b.T, b.H, b.P, b.N, b.G,
+           int32_t(g.nc | (g.hblk << 24))};
   return pc;
 }
 
@@ -428,24 +468,32 @@ Range part(const Range& r, int64_t lo, int64_t hi) {
   return Range{r.block, r.lo + VkDeviceSize(lo) * 4, r.lo + VkDeviceSize(hi) * 4};
 }
 
-void ssd_record(NodeCall& c, const ScanDims& d) {
+// The forward, chunked; with ck the states entering each chunk go to the output's checkpoint
+// region instead of scratch. fill_only: the sequential kernels computed y and the final
+// states; only the checkpoints are computed here (prep, chunk states, pass VAR 3).
+void ssd_record(NodeCall& c, const ScanDims& d, bool ck, bool fill_only = false) {
   Recorder& rec = c.rec;
   const SsdGeom g = ssd_geom(d);
-  const auto scr = rec.scratch(static_cast<size_t>(g.fwd_floats) * 4);
-  ScanPC pc = ssd_pc(c, d, g, 0);
-  pc.out = addr(c.dst);
-  pc.scr = scr.addr;
-  const Range &sr = c.src[0].range, &xr = c.src[1].range, &dtr = c.src[2].range, &Ar = c.src[3].range,
-              &Br = c.src[4].range, &Cr = c.src[5].range, &idr = c.src[6].range;
   const int64_t sht = d.S * d.H * d.T, nx = d.S * d.T * d.H * d.P, nst = d.S * d.H * d.P * d.N;
   const int64_t o_hin = 2 * sht + d.S * d.G * g.nc * kChunk * kChunk;
+  const auto scr = rec.scratch(static_cast<size_t>(ck ? o_hin : g.fwd_floats) * 4);
+  SsdPC pc = ssd_pc(c, d, g, 0);
+  pc.out = addr(c.dst);
+  pc.scr = scr.addr;
+  pc.hin = ck ? pc.out + uint64_t(nx + nst) * 4 : scr.addr + uint64_t(o_hin) * 4;
+  const Range &sr = c.src[0].range, &xr = c.src[1].range, &dtr = c.src[2].range, &Ar = c.src[3].range,
+              &Br = c.src[4].range, &Cr = c.src[5].range, &idr = c.src[6].range;
   const Range pre = part(scr.range, 0, 2 * sht), cb = part(scr.range, 2 * sht, o_hin),
-              hin = part(scr.range, o_hin, g.fwd_floats);
+              hin = ck ? part(c.dst.range, nx + nst, nx + nst + ck_floats(d)) : part(scr.range, o_hin, g.fwd_floats);
   const Range out_y = part(c.dst.range, 0, nx), out_fin = part(c.dst.range, nx, nx + nst);
   const int64_t chunks = d.S * d.H * g.nc;
   ssd_dispatch(rec, 0, 0, pc, chunks, {dtr, Ar}, {pre});
-  ssd_dispatch(rec, 1, 0, pc, d.S * d.G * g.nc, {Br, Cr}, {cb});
+  if (!fill_only) ssd_dispatch(rec, 1, 0, pc, d.S * d.G * g.nc, {Br, Cr}, {cb});
   ssd_dispatch(rec, 2, 0, pc, chunks * g.npt * g.nnt, {xr, Br, pre}, {hin});
+  if (fill_only) {
+    ssd_dispatch(rec, 3, 3, pc, ceil_div(nst, 256), {sr, idr, pre, hin}, {hin});
+    return;
+  }
   ssd_dispatch(rec, 3, 0, pc, ceil_div(nst, 256), {sr, idr, pre, hin}, {hin, out_fin});
   ssd_dispatch(rec, 4, 0, pc, chunks * g.npt, {xr, Cr, idr, pre, cb, hin}, {out_y});
 }
@@ -463,7 +511,7 @@ void ssd_back_record(NodeCall& c, const ScanDims& d) {
   const int64_t o_qy = o_dcp + nbcp, o_q = o_qy + sht, o_e = o_q + 2 * g.npt * sht;
   const int64_t o_dap = o_e + d.S * d.H * g.nc * g.npt;
   const Range &sc = scr.range;
-  const Range pre = part(sc, 0, o_cb), cb = part(sc, o_cb, o_hin), hin = part(sc, o_hin, o_lam),
+  const Range pre = part(sc, 0, o_cb), cb = part(sc, o_cb, o_hin), hin_s = part(sc, o_hin, o_lam),
               lam = part(sc, o_lam, o_dsi), dsi = part(sc, o_dsi, o_dbp), dbc = part(sc, o_dbp, o_qy),
               qy = part(sc, o_qy, o_q), qx = part(sc, o_q, o_e), ep = part(sc, o_e, o_dap),
               dap = part(sc, o_dap, g.back_floats);
@@ -478,8 +526,12 @@ void ssd_back_record(NodeCall& c, const ScanDims& d) {
   const Range out_ds = part(o, 0, f_dx), out_dx = part(o, f_dx, f_ddt), out_ddt = part(o, f_ddt, f_dA),
               out_dA = part(o, f_dA, f_dB), out_dBC = part(o, f_dB, f_end);
 
-  ScanPC pc = ssd_pc(c, d, g, 1);
+  SsdPC pc = ssd_pc(c, d, g, 1);
   pc.scr = scr.addr;
+  // the forward's checkpoints (a 9th source) replace the recomputed chunk states
+  const bool ck = c.node.n_src == 9;
+  const Range hin = ck ? part(c.src[8].range, nx + nst, nx + nst + ck_floats(d)) : hin_s;
+  pc.hin = ck ? addr(c.src[8]) + uint64_t(nx + nst) * 4 : scr.addr + uint64_t(o_hin) * 4;
   const Range &grr = c.src[0].range, &sr = c.src[1].range, &xr = c.src[2].range, &dtr = c.src[3].range,
               &Ar = c.src[4].range, &Br = c.src[5].range, &Cr = c.src[6].range, &idr = c.src[7].range;
   const int64_t chunks = d.S * d.H * g.nc, elems = ceil_div(nst, 256);
@@ -487,9 +539,9 @@ void ssd_back_record(NodeCall& c, const ScanDims& d) {
   // [prep, CB] [states, state grads] [pass, reverse pass] [ds, dC/dB, du] [decay, dB/dC] [dA]
   ssd_dispatch(rec, 0, 0, pc, chunks, {dtr, Ar}, {pre});
   ssd_dispatch(rec, 1, 0, pc, d.S * d.G * g.nc, {Br, Cr}, {cb});
-  ssd_dispatch(rec, 2, 0, pc, chunks * g.npt * g.nnt, {xr, Br, pre}, {hin});
+  if (!ck) ssd_dispatch(rec, 2, 0, pc, chunks * g.npt * g.nnt, {xr, Br, pre}, {hin});
   ssd_dispatch(rec, 2, 1, pc, chunks * g.npt * g.nnt, {grr, Cr, pre}, {lam});
-  ssd_dispatch(rec, 3, 1, pc, elems, {sr, idr, pre, hin}, {hin});
+  if (!ck) ssd_dispatch(rec, 3, 1, pc, elems, {sr, idr, pre, hin}, {hin});
   ssd_dispatch(rec, 3, 2, pc, elems, {grr, pre, lam}, {lam, dsi});
 
   const uint64_t sa = scr.addr;
@@ -502,10 +554,10 @@ void ssd_back_record(NodeCall& c, const ScanDims& d) {
     rec.dispatch("ssm_scan_fin", {3}, p, grid_groups(p.n, 256), 1, 1, {dsi, idr}, {out_ds});
   }
   ssd_dispatch(rec, 5, 0, pc, d.S * d.G * nblkh * g.nc, {grr, xr, Br, Cr, pre, cb, hin, lam}, {dbc, qy});
-  ScanPC p6 = pc;
+  SsdPC p6 = pc;
   p6.out = p_dx;
   ssd_dispatch(rec, 6, 0, p6, chunks * g.npt, {grr, xr, Br, Cr, pre, cb, hin, lam}, {out_dx, qx, ep});
-  ScanPC p7 = pc;
+  SsdPC p7 = pc;
   p7.out = p_ddt;
   ssd_dispatch(rec, 7, 0, p7, chunks, {dtr, Ar, pre, qy, qx, ep}, {out_ddt, dap});
   if (nbc > 0) {
@@ -526,7 +578,8 @@ void scan_record(NodeCall& c) {
   scan_dims(c.node, 0, &d);
   if (d.S == 0) return;
   Recorder& rec = c.rec;
-  if (use_chunked(d, rec.device())) return ssd_record(c, d);
+  const bool ck = c.node.n_ip == 1 && c.node.ip[0] == 1;
+  if (use_chunked(d, rec.device(), ck)) return ssd_record(c, d, ck);
   const Limits lim = limits_of(rec.device());
   const ScanLayout l = scan_layout(d, false, lim);
   ScanPC pc = scan_pc(c, d, 0);
@@ -538,13 +591,17 @@ void scan_record(NodeCall& c) {
                {c.src[0].range, c.src[1].range, c.src[2].range, c.src[3].range, c.src[4].range, c.src[5].range,
                 c.src[6].range},
                {c.dst.range});
+  // checkpoints asked for while the sequential kernels ran (RECURRA_VK_SSM=seq): computed by
+  // the chunked ones, so that a chunked backward can read them. Where the chunked kernels
+  // cannot run, no backward here reads them either (it runs sequentially).
+  if (ck && d.T > 0 && chunk_capable(d, rec.device())) ssd_record(c, d, true, true);
 }
 
 void scan_back_record(NodeCall& c) {
   ScanDims d;
   scan_dims(c.node, 1, &d);
   Recorder& rec = c.rec;
-  if (d.S > 0 && use_chunked(d, rec.device())) return ssd_back_record(c, d);
+  if (d.S > 0 && use_chunked(d, rec.device(), c.node.n_src == 9)) return ssd_back_record(c, d);
   const Limits lim = limits_of(rec.device());
   const ScanLayout l = scan_layout(d, true, lim);
   const bool pern = d.NA != 1;

@@ -97,8 +97,8 @@ def pack_hyper(values: Mapping[str, float], out: np.ndarray | None = None) -> np
     return out
 
 
-#: Sources one node may take when it runs on a device backend (RECURRA_MAX_SRC of the C
-#: backend table); device steps are cut into nodes of at most this many sources.
+#: Sources one optimizer node takes at most when it runs on a device backend (at most
+#: RECURRA_MAX_SRC, 12, of the C backend table); device steps are cut into such nodes.
 DEVICE_MAX_SRC = 8
 
 

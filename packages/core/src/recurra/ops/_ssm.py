@@ -67,17 +67,30 @@ def ssm_scan(s: Any, x: Any, dt: Any, A: Any, B: Any, C: Any, ids: Any) -> tuple
 
 
 def _checkpoint_floats(xs: tuple[int, ...], ss: tuple[int, ...], srcs: list[Any]) -> int:
-    """How many floats of checkpoints the forward should save for the backward: nonzero
-    only for Mamba-1 (head_dim 1) on the CPU when a gradient will be taken. The CPU
-    backward then reads the states every K tokens instead of recomputing them; the ssm_scan
-    kernel saves them as (n_seqs, n_seg, n_head, d_state), K = max(32, ceil(T / 64))."""
-    if len(xs) != 4 or len(ss) != 4 or xs[3] != 1 or xs[1] == 0:
+    """How many floats of checkpoints the forward should save for the backward (0: none),
+    when a gradient will be taken:
+
+    - Mamba-1 (head_dim 1) with every input on the CPU: the CPU backward then reads the
+      states every K tokens instead of recomputing them; saved as (n_seqs, n_seg, n_head,
+      d_state), K = max(32, ceil(T / 64)).
+    - one decay per head (Mamba-2, A of shape (n_head, 1)) with an input on another device:
+      the chunked backward of the Vulkan backend then reads the state entering each
+      64-token chunk instead of recomputing it; saved as (n_seqs, n_head, ceil(T / 64),
+      head_dim, d_state). (The CPU kernels write the same when the node runs there.)"""
+    if len(xs) != 4 or len(ss) != 4 or xs[1] == 0:
         return 0
     if not is_grad_enabled() or not any(getattr(t, "requires_grad", False) for t in srcs):
         return 0
     devices = {getattr(getattr(t, "device", None), "backend", "cpu") for t in srcs}
-    if devices != {"cpu"}:
+    n_seqs, n_tok, n_head, head_dim = xs
+    if head_dim == 1:
+        if devices != {"cpu"}:
+            return 0
+        seg = max(32, (n_tok + 63) // 64)
+        return n_seqs * (-(-n_tok // seg)) * n_head * ss[3]
+    if devices == {"cpu"}:
         return 0
-    n_seqs, n_tok, n_head = xs[0], xs[1], xs[2]
-    seg = max(32, (n_tok + 63) // 64)
-    return n_seqs * (-(-n_tok // seg)) * n_head * ss[3]
+    a_shape = _shape_of(srcs[3])
+    if len(a_shape) != 2 or a_shape[1] != 1:
+        return 0
+    return n_seqs * n_head * (-(-n_tok // 64)) * head_dim * ss[3]

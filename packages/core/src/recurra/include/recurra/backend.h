@@ -20,9 +20,10 @@
 extern "C" {
 #endif
 
-#define RECURRA_BACKEND_ABI_VERSION 1
+/* 2: RECURRA_MAX_SRC 8 -> 12 (ssm_scan_back with the forward's checkpoints takes 9) */
+#define RECURRA_BACKEND_ABI_VERSION 2
 #define RECURRA_MAX_DIMS 4
-#define RECURRA_MAX_SRC 8
+#define RECURRA_MAX_SRC 12
 
 typedef enum recurra_dtype { RECURRA_F32 = 0, RECURRA_I32 = 1 } recurra_dtype;
 
