@@ -9,7 +9,7 @@ of shaders/ssd.comp for one decay per head and n_tok >= 128 (so at the full size
 tokens run the sequential ones), "chunk" forces them for any Mamba-2 shape, "seq" forces the
 sequential kernels of shaders/ssm_scan.comp. Mamba-1 (one decay per state) is always sequential.
 Tuning knob of the chunked backward: RECURRA_VK_SSD_HBLK=1|2|4 heads per dC/dB workgroup
-(default: 4 while >= 512 workgroups remain, i.e. 4 at the full size).
+(default: 2 while >= 512 workgroups remain, else 1; 2 at the full size).
 
 Cases (issue 5; shapes in numpy order, docs/ops.md):
 

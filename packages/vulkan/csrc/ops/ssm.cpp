@@ -57,7 +57,7 @@
 //   forward   prep 2048 | CB 64 | chunk states 4096 | state pass 4096 (one thread per state
 //             element, 16 chunks in sequence) | y 2048
 //   backward  prep 2048 | CB 64 | [chunk states 4096 | state pass 4096] | chunk state
-//             grads 4096 | reverse pass 4096 | dC,dB 512 (4 heads each) | du 2048 | decay
+//             grads 4096 | reverse pass 4096 | dC,dB 1024 (2 heads each) | du 2048 | decay
 //             2048 | fin: dB,dC 2048, dA 1, ds 4096
 // Checkpoints: a forward asked to save them (ip[0] = 1: the Python API does when a gradient
 // follows and an input is on a device) writes the states entering each chunk (nc*nst floats,
@@ -71,9 +71,9 @@
 // a barrier phase: forward [prep, CB] [states] [pass] [y], backward [prep, CB] [states, state
 // grads] [pass, reverse pass] [ds, dC/dB, du] [decay, fin dB/dC] [fin dA].
 // Scratch (floats; sht = S*H*T, nst = S*H*P*N): forward 2*sht + S*G*nc*64*64 + nc*nst
-// = 17.3M (69 MB; the nc*nst of states, 16.8M, go to the output with checkpoints); backward adds nc*nst (state gradients) + nst + 2*S*T*N*H/hblk (dB, dC
-// per block of hblk heads) + (1 + 2*npt)*sht + (1 + npt)*S*H*nc (npt = P tiles): 43.9M
-// floats (176 MB) here.
+// = 17.3M (69 MB; the nc*nst states, 16.8M, go to the output with checkpoints); backward
+// adds nc*nst (state gradients) + nst + 2*S*T*N*H/hblk (dB, dC per block of hblk heads)
+// + (1 + 2*npt)*sht + (1 + npt)*S*H*nc (npt = P tiles): 52.3M floats (209 MB) here.
 #include <algorithm>
 #include <cstdlib>
 #include <cmath>
@@ -394,8 +394,8 @@ SsdGeom ssd_geom(const ScanDims& d) {
   g.nc = ceil_div(d.T, kChunk);
   g.npt = ceil_div(d.P, kChunk);
   g.nnt = ceil_div(d.N, kChunk);
-  // Heads per dC/dB workgroup: up to 4 (their products with B and C are shared), while
-  // >= 512 workgroups remain.
+  // Heads per dC/dB workgroup: 2 (their products with B and C are shared) while >= 512
+  // workgroups remain, else 1. On the H200 at the benchmark size, 2 heads: 0.78 ms, 4: 0.85.
   // RECURRA_VK_SSD_HBLK=1|2|4 forces a block size (where it divides H / G; for tests).
   const int64_t hpg = d.H / d.G;
   const char* env = std::getenv("RECURRA_VK_SSD_HBLK");
@@ -404,11 +404,7 @@ SsdGeom ssd_geom(const ScanDims& d) {
   if (forced == 1 || forced == 2 || forced == 4) {
     if (hpg % forced == 0) g.hblk = forced;
   } else {
-    for (int64_t hb : {4, 2})
-      if (hpg % hb == 0 && d.S * d.G * g.nc * (hpg / hb) >= 512) {
-        g.hblk = hb;
-        break;
-      }
+    if (hpg % 2 == 0 && d.S * d.G * g.nc * (hpg / 2) >= 512) g.hblk = 2;
   }
   const int64_t sht = d.S * d.H * d.T, nst = d.S * d.H * d.P * d.N;
   const int64_t nbc = hpg / g.hblk * d.S * d.T * d.G * d.N;
