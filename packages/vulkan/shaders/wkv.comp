@@ -17,18 +17,22 @@ shared float shk[NK * C * SP];  // [vector][token][kappa]
 shared float shv[C * CW];       // v: [token][column of the block]
 
 // Stages tokens [t0, t0 + nc) of run q, head h (zeros past nc and past S).
+// Each thread loads STG elements before storing any (the loads' latencies overlap).
 void stage(uint q, uint h, uint nu0, uint t0, uint nc) {
-  for (uint i = gl_LocalInvocationIndex; i < NK * C * SP; i += WG) {
-    const uint vi = i / (C * SP), rem = i - vi * (C * SP), tt = rem / SP, kk = rem - tt * SP;
-    float val = 0.0;
-    if (tt < nc && kk < pc.S) val = FBuf(pc.src[vec_src(vi)]).v[tok_base(q, t0 + tt, h) + kk];
-    shk[i] = val;
+  for (uint i0 = gl_LocalInvocationIndex; i0 < NK * C * SP; i0 += STG * WG) {
+    float val[STG];
+    [[unroll]] for (uint b = 0u; b < STG; ++b) val[b] = stage_vec(q, h, t0, nc, i0 + b * WG);
+    [[unroll]] for (uint b = 0u; b < STG; ++b)
+      if (i0 + b * WG < NK * C * SP) shk[i0 + b * WG] = val[b];
   }
-  for (uint i = gl_LocalInvocationIndex; i < C * CW; i += WG) {
-    const uint tt = i / CW, nu = nu0 + (i - tt * CW);
-    float val = 0.0;
-    if (tt < nc && nu < pc.S) val = FBuf(pc.src[SRC_V]).v[tok_base(q, t0 + tt, h) + nu];
-    shv[i] = val;
+  for (uint i0 = gl_LocalInvocationIndex; i0 < C * CW; i0 += STG * WG) {
+    float val[STG];
+    [[unroll]] for (uint b = 0u; b < STG; ++b) {
+      const uint i = i0 + b * WG, tt = i / CW, nu = nu0 + (i - tt * CW);
+      val[b] = (i < C * CW && tt < nc && nu < pc.S) ? FBuf(pc.src[SRC_V]).v[tok_base(q, t0 + tt, h) + nu] : 0.0;
+    }
+    [[unroll]] for (uint b = 0u; b < STG; ++b)
+      if (i0 + b * WG < C * CW) shv[i0 + b * WG] = val[b];
   }
 }
 

@@ -17,6 +17,13 @@
 #include "common.glsl"
 #include "wkv_common.glsl"
 
+// Floats of a saved token this op reads back: X_{t-1}, and wkv7's sa.
+#if OP == 1
+const uint NE = RC + CJ;
+#else
+const uint NE = RC;
+#endif
+
 shared float shk[NK * C * SP];       // [vector][token][kappa]
 shared float shv[C * CW];            // v: [token][column of the block]
 shared float shg[C * CW];            // dL/dy: [token][column]
@@ -24,23 +31,31 @@ shared float shp[C * NX * NSG * SP];  // row partials: [token][quantity][subgrou
 
 // Stages tokens [t0, t0 + nc) of run q, head h (zeros past nc and past S); dL/dy too when
 // `grad`.
+// Each thread loads STG elements before storing any (the loads' latencies overlap).
 void stage(uint q, uint h, uint nu0, uint t0, uint nc, bool grad) {
-  for (uint i = gl_LocalInvocationIndex; i < NK * C * SP; i += WG) {
-    const uint vi = i / (C * SP), rem = i - vi * (C * SP), tt = rem / SP, kk = rem - tt * SP;
-    float val = 0.0;
-    if (tt < nc && kk < pc.S) val = FBuf(pc.src[vec_src(vi)]).v[tok_base(q, t0 + tt, h) + kk];
-    shk[i] = val;
+  for (uint i0 = gl_LocalInvocationIndex; i0 < NK * C * SP; i0 += STG * WG) {
+    float val[STG];
+    [[unroll]] for (uint b = 0u; b < STG; ++b) val[b] = stage_vec(q, h, t0, nc, i0 + b * WG);
+    [[unroll]] for (uint b = 0u; b < STG; ++b)
+      if (i0 + b * WG < NK * C * SP) shk[i0 + b * WG] = val[b];
   }
-  for (uint i = gl_LocalInvocationIndex; i < C * CW; i += WG) {
-    const uint tt = i / CW, nu = nu0 + (i - tt * CW);
-    float val = 0.0, g = 0.0;
-    if (tt < nc && nu < pc.S) {
-      const uint o = tok_base(q, t0 + tt, h) + nu;
-      val = FBuf(pc.src[SRC_V]).v[o];
-      if (grad) g = FBuf(pc.src[NSRC]).v[o];
+  for (uint i0 = gl_LocalInvocationIndex; i0 < C * CW; i0 += STG * WG) {
+    float val[STG], g[STG];
+    [[unroll]] for (uint b = 0u; b < STG; ++b) {
+      const uint i = i0 + b * WG, tt = i / CW, nu = nu0 + (i - tt * CW);
+      val[b] = 0.0;
+      g[b] = 0.0;
+      if (i < C * CW && tt < nc && nu < pc.S) {
+        const uint o = tok_base(q, t0 + tt, h) + nu;
+        val[b] = FBuf(pc.src[SRC_V]).v[o];
+        if (grad) g[b] = FBuf(pc.src[NSRC]).v[o];
+      }
     }
-    shv[i] = val;
-    shg[i] = g;
+    [[unroll]] for (uint b = 0u; b < STG; ++b)
+      if (i0 + b * WG < C * CW) {
+        shv[i0 + b * WG] = val[b];
+        shg[i0 + b * WG] = g[b];
+      }
   }
 }
 
@@ -167,11 +182,20 @@ void main() {
       barrier();
       stage(q, h, nu0, t0, nc, true);
       barrier();
+      // the saved states of token tt - 1 are loaded while token tt is computed
+      float xn[NE];
+      {
+        const uint sbase = (t0 + nc - 1u - ts) * E * WG + l;
+        [[unroll]] for (uint e = 0u; e < NE; ++e) xn[e] = sg.v[sbase + e * WG];
+      }
       for (int tti = int(nc) - 1; tti >= 0; --tti) {
         const uint tt = uint(tti);
-        const uint sbase = (t0 + tt - ts) * E * WG + l;
-        float xp[RC];
-        [[unroll]] for (uint e = 0u; e < RC; ++e) xp[e] = sg.v[sbase + e * WG];
+        float xp[NE];
+        [[unroll]] for (uint e = 0u; e < NE; ++e) xp[e] = xn[e];
+        if (tti > 0) {
+          const uint sbase = (t0 + tt - 1u - ts) * E * WG + l;
+          [[unroll]] for (uint e = 0u; e < NE; ++e) xn[e] = sg.v[sbase + e * WG];
+        }
         const uint kb = tt * SP + p;
         const uint ybase = tok_base(q, t0 + tt, h);
         float acc[NX * R];  // row partials, summed over this lane's columns
@@ -195,7 +219,7 @@ void main() {
           dv = cluster_sum(dv);
 #elif OP == 1
           // acc: dr, dw, dk, da, db
-          const float sa = sg.v[sbase + (RC + jj) * WG];
+          const float sa = xp[RC + jj];
           float dsa = 0.0;
           [[unroll]] for (uint m = 0u; m < R; ++m) {
             const uint o = kb + m * P;

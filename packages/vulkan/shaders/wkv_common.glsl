@@ -108,3 +108,14 @@ uint st_off(uint kappa, uint nu) { return OP == 1 ? nu * pc.S + kappa : kappa * 
 
 // Offset of token t of run q, head h in a (T, H, S) array.
 uint tok_base(uint q, uint t, uint h) { return ((q * pc.n + t) * pc.H + h) * pc.S; }
+
+// Staging: elements each thread loads before it stores any to shared memory.
+const uint STG = 8;
+
+// Element i of the staged per-token vectors of tokens [t0, t0 + nc) of run q, head h:
+// shk[i] = [vector][token][kappa] (zero past nc, past S and past the array).
+float stage_vec(uint q, uint h, uint t0, uint nc, uint i) {
+  if (i >= NK * C * SP) return 0.0;
+  const uint vi = i / (C * SP), rem = i - vi * (C * SP), tt = rem / SP, kk = rem - tt * SP;
+  return (tt < nc && kk < pc.S) ? FBuf(pc.src[vec_src(vi)]).v[tok_base(q, t0 + tt, h) + kk] : 0.0;
+}
