@@ -126,7 +126,8 @@ SCAN_LAYOUTS = [
     (2, 6, 6, 1, 17, 3, True),  # Mamba-1 layout, groups of 2 heads, d_state 17
     (2, 5, 4, 1, 16, 2, False),  # head_dim 1 with one decay per head
     (2, 6, 4, 3, 16, 2, True),  # head_dim 3 with one decay per state
-    (3, 1, 8, 8, 16, 4, False),  # one-token sequences
+    (3, 1, 8, 8, 16, 4, False),  # one-token sequences (the generation step kernel)
+    (2, 1, 3, 5, 17, 1, True),  # one token, one decay per state, d_state past 16
     (1, 40, 2, 32, 33, 1, True),  # 40 tokens, per-state decay in the rows kernel
 ]
 

@@ -308,6 +308,41 @@ void check_ids(const int32_t* ids, const Dims& d, const char* op) {
 // while each unit's state stays in L1/L2 during its chunk.
 constexpr int64_t kChunk = 16;
 
+RC_INLINE float hsum(vf v) {
+  const vi s8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+  const vi s4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+  const vi s2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+  const vi s1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+  v += __builtin_shuffle(v, s8);
+  v += __builtin_shuffle(v, s4);
+  v += __builtin_shuffle(v, s2);
+  v += __builtin_shuffle(v, s1);
+  return v[0];
+}
+
+// One token (T == 1, head_dim > 1: a generation step). The rows kernels' transposed, scaled
+// state would cost two passes more over it than the token itself; here each row [p][:] of
+// a (sequence, head) state is read once and written once, vectorized along n:
+// S'[p][n] = a[n] S[p][n] + B[n] dtp x[p], y[p] = C . S'[p].
+RC_SIMD float step_row(const float* __restrict s, const float* __restrict an, float bu,
+                       const float* __restrict B, const float* __restrict C, float* __restrict out,
+                       int64_t N) {
+  vf acc = {};
+  int64_t n = 0;
+  for (; n + 16 <= N; n += 16) {
+    const vf v = vload(an + n) * vload(s + n) + vload(B + n) * bu;
+    vstore(out + n, v);
+    acc += vload(C + n) * v;
+  }
+  if (n < N) {
+    const int64_t m = N - n;
+    const vf v = vload_part(an + n, m) * vload_part(s + n, m) + vload_part(B + n, m) * bu;
+    vstore_part(out + n, v, m);
+    acc += vload_part(C + n, m) * v;
+  }
+  return hsum(acc);
+}
+
 struct RowsFwd {
   const float* s0;   // s[row, h, p0, 0]: (p, n) at s0[p * N + n]
   const float* x;    // x[i, 0, h, p0]: token stride xs
@@ -632,6 +667,27 @@ void scan_forward(KernelCtx& c) {
   float* ck = !c.node.ip.empty() && c.node.ip[0] != 0 ? sout + d.S * d.H * d.P * d.N : nullptr;
   const int64_t Np = (d.N + 15) / 16 * 16;
   std::vector<Work> work(c.pool.size());
+  if (d.T == 1 && d.P > 1) {  // one token: see step_row
+    c.pool.run(d.S * d.H, [&](int64_t task, int tid) {
+      const int64_t i = task / d.H, h = task % d.H, g = h / d.hpg;
+      float* an = work[tid].get(Np);
+      float dtp, a;
+      dt_column(dt + i * d.H + h, d.H, 1, A[h * d.NA], &dtp, &a, nullptr);
+      if (d.per_n)
+        exp_row(A + h * d.NA, dtp, d.N, Np, an);
+      else
+        std::fill(an, an + d.N, a);
+      const float* Bi = B + (i * d.G + g) * d.N;
+      const float* Ci = C + (i * d.G + g) * d.N;
+      const float* s0 = s + (ids[i] * d.H + h) * d.P * d.N;
+      const int64_t ih = i * d.H + h;
+      for (int64_t p = 0; p < d.P; ++p)
+        y[ih * d.P + p] = step_row(s0 + p * d.N, an, dtp * x[ih * d.P + p], Bi, Ci,
+                                   sout + (ih * d.P + p) * d.N, d.N);
+      if (ck) std::copy(s0, s0 + d.P * d.N, ck + ih * d.P * d.N);  // the state entering chunk 0
+    });
+    return;
+  }
   if (d.P == 1) {
     const int64_t nbg = (d.hpg + 15) / 16;  // 16-head blocks per group
     const int64_t bpt = 8;                  // blocks per task
@@ -917,17 +973,6 @@ RC_INLINE void scale_pn(float* S, const float* f, int64_t pl, int64_t Np) {
 }
 
 // Sum of the 16 lanes, in a fixed order.
-RC_INLINE float hsum(vf v) {
-  const vi s8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
-  const vi s4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
-  const vi s2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
-  const vi s1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-  v += __builtin_shuffle(v, s8);
-  v += __builtin_shuffle(v, s4);
-  v += __builtin_shuffle(v, s2);
-  v += __builtin_shuffle(v, s1);
-  return v[0];
-}
 
 // Lanes n0 .. n0 + 15 of a row of N floats (zero past N).
 RC_INLINE vf row_at(const float* p, int64_t n0, int64_t N) {
