@@ -451,7 +451,10 @@ OpDef make_op(const char* name, std::function<void(Graph&, Node&)> infer,
 
 }  // namespace
 
+void register_gated_norm_ops(OpTable& t);  // gated_norm.cpp
+
 void register_nn_ops(OpTable& t) {
+  register_gated_norm_ops(t);
   t.add(make_op("softmax", row_infer, softmax_forward, 0b1, [](GradSink& k) {
     k.add(0, k.g.op("softmax_back", {k.grad_out, k.node.id}));
   }));

@@ -1,0 +1,253 @@
+// gated_rms_norm: Mamba-2's output norm in one pass over memory (CPU only; the Python side
+// picks it when every input is on the CPU and otherwise builds it from elementwise ops):
+//
+//   u   = y + x * D[c / P]            (the D skip; without x and D: u = y)
+//   h   = u * silu(z)
+//   out = h / sqrt(mean_group(h^2) + eps) * w      (RMS over groups of `gs` channels)
+//
+// Shapes (numpy order): y, z, x (..., C) (x and z may be views whose last axis has stride
+// 1, like slices of a projection), w (C,), D (H,) with P = C / H; out (..., C).
+// ip: [gs] (gs divides C); fp: [eps].
+// gated_rms_norm_back (g, y, z, w[, x, D]) -> packed 1-D: dy, dz (each (..., C)), dw (C,),
+// then dx (..., C) and dD (H,) when x and D are given.
+//
+// The weight and D gradients are sums over rows: each block of kRowsPerPart rows (fixed by
+// the shapes, not the thread count) keeps per-channel partial sums, added in block order,
+// so results are the same for any number of threads.
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "../graph.h"
+#include "kernel_util.h"
+#include "lane_math.h"
+
+namespace recurra {
+
+namespace {
+
+constexpr int64_t kRowsPerPart = 16;
+
+// h = (y + x * d) * silu(z) (x == nullptr: no skip).
+RC_SIMD void gate_row(float* __restrict h, const float* __restrict y, const float* __restrict x,
+                      const float* __restrict d, const float* __restrict z, int64_t n) {
+  if (x)
+    for (int64_t i = 0; i < n; ++i) h[i] = (y[i] + x[i] * d[i]) * z[i] * sigmoid_lane(z[i]);
+  else
+    for (int64_t i = 0; i < n; ++i) h[i] = y[i] * z[i] * sigmoid_lane(z[i]);
+}
+
+// sum(a * b * c) in 16 interleaved partial sums (vectorizes without reassociation).
+RC_SIMD float dot3_row(const float* __restrict a, const float* __restrict b, const float* __restrict c,
+                       int64_t n) {
+  float acc[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) acc[j] += a[i + j] * b[i + j] * c[i + j];
+  float s = 0.0f;
+  for (; i < n; ++i) s += a[i] * b[i] * c[i];
+  for (float v : acc) s += v;
+  return s;
+}
+
+// h *= r * w
+RC_SIMD void scale_weight_row(float* __restrict h, const float* __restrict w, float r, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) h[i] = h[i] * r * w[i];
+}
+
+// With n = h * r and dh = r * (g w - n c1): dy = dh * silu(z), dz = dh * u * silu'(z),
+// dx = dy * d, pw += g * n, pd += dy * x (x == nullptr: no skip, dx and pd untouched).
+RC_SIMD void gate_back_row(float* __restrict dy, float* __restrict dz, float* __restrict dx,
+                           float* __restrict pw, float* __restrict pd, const float* __restrict g,
+                           const float* __restrict y, const float* __restrict x,
+                           const float* __restrict d, const float* __restrict z,
+                           const float* __restrict w, float r, float c1, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float u = x ? y[i] + x[i] * d[i] : y[i];
+    const float sg = sigmoid_lane(z[i]);
+    const float s = z[i] * sg;
+    const float nv = u * s * r;
+    const float dh = r * (g[i] * w[i] - nv * c1);
+    const float du = dh * s;
+    dy[i] = du;
+    dz[i] = dh * u * sg * (1.0f + z[i] * (1.0f - sg));
+    pw[i] += g[i] * nv;
+    if (x) {
+      dx[i] = du * d[i];
+      pd[i] += du * x[i];
+    }
+  }
+}
+
+// The sources as row pointers: rows of C channels, last-axis stride 1.
+struct Rows {
+  const TensorView* v = nullptr;
+  const float* at(int64_t r) const {
+    if (!v) return nullptr;
+    return v->f32() + row_offset(v->shape, v->strides, r);
+  }
+};
+
+const TensorView* opt_src(const KernelCtx& c, size_t i) { return c.src.size() > i ? &c.src[i] : nullptr; }
+
+// D expanded to one value per channel (c / P).
+std::vector<float> per_channel(const KernelCtx& c, size_t i, int64_t C) {
+  std::vector<float> d(C, 0.0f);
+  if (c.src.size() <= i) return d;
+  const TensorView& D = c.src[i];
+  const int64_t H = D.shape.d[0], P = C / H;
+  for (int64_t k = 0; k < C; ++k) d[k] = D.f32()[(k / P) * D.strides[0]];
+  return d;
+}
+
+void check_row_stride(Graph& g, Node& n, int i) {
+  const Node& s = g.node(n.src.at(i));
+  if (s.shape.ndim > 0 && s.strides[s.shape.ndim - 1] != 1 && s.shape.d[s.shape.ndim - 1] > 1)
+    n.src[i] = g.contiguous(n.src[i]);
+}
+
+// Shared checks of (first, y, z, w[, x, D]) from source `first` on; returns C.
+int64_t gated_infer(Graph& g, Node& n, size_t first) {
+  const size_t ns = n.src.size() - first;
+  if (ns != 3 && ns != 5) fail_shape(g, n, "takes (y, z, w) or (y, z, w, x, D)");
+  for (size_t i = 0; i < n.src.size(); ++i) require_f32(g, n, static_cast<int>(i));
+  if (n.ip.size() != 1 || n.fp.size() != 1) fail_shape(g, n, "takes ip [group_size] and fp [eps]");
+  if (!(n.fp[0] >= 0.0) || !std::isfinite(n.fp[0])) fail_shape(g, n, "eps must be finite and >= 0");
+  const Shape ys = g.node(n.src[first]).shape;
+  if (ys.ndim < 1) fail_shape(g, n, "y needs at least one axis");
+  const int64_t C = ys.d[ys.ndim - 1];
+  if (g.node(n.src[first + 1]).shape != ys) fail_shape(g, n, "z must have y's shape");
+  const Shape ws = g.node(n.src[first + 2]).shape;
+  if (ws.ndim != 1 || ws.d[0] != C) fail_shape(g, n, "w must be (C,) for y (..., C)");
+  if (n.ip[0] < 1 || C % n.ip[0] != 0) fail_shape(g, n, "group_size must divide the channels");
+  if (ns == 5) {
+    if (g.node(n.src[first + 3]).shape != ys) fail_shape(g, n, "x must have y's shape");
+    const Shape ds = g.node(n.src[first + 4]).shape;
+    if (ds.ndim != 1 || ds.d[0] < 1 || C % ds.d[0] != 0) fail_shape(g, n, "D must be (H,) with H dividing C");
+  }
+  for (size_t i = first; i < n.src.size(); ++i) check_row_stride(g, n, static_cast<int>(i));
+  return C;
+}
+
+void gated_forward(KernelCtx& c) {
+  const Shape& s = c.dst.shape;
+  const int64_t C = row_len(s), R = n_rows(s), gs = c.node.ip[0];
+  const float eps = static_cast<float>(c.node.fp[0]);
+  const Rows y{&c.src[0]}, z{&c.src[1]}, x{opt_src(c, 3)};
+  const float* w = c.src[2].f32();
+  const std::vector<float> d = per_channel(c, 4, C), ones(gs, 1.0f);
+  float* out = c.dst.f32();
+  c.pool.parallel_for(R, row_grain(C), [&](int64_t r0, int64_t r1, int) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* o = out + r * C;
+      const float *yr = y.at(r), *zr = z.at(r), *xr = x.at(r);
+      for (int64_t k = 0; k < C; k += gs) {
+        gate_row(o + k, yr + k, xr ? xr + k : nullptr, d.data() + k, zr + k, gs);
+        const float ss = dot3_row(o + k, o + k, ones.data(), gs);
+        const float rr = 1.0f / std::sqrt(ss / static_cast<float>(gs) + eps);
+        scale_weight_row(o + k, w + k, rr, gs);
+      }
+    }
+  });
+}
+
+void gated_back_forward(KernelCtx& c) {
+  const Shape& s = c.src[1].shape;
+  const int64_t C = row_len(s), R = n_rows(s), gs = c.node.ip[0];
+  const float eps = static_cast<float>(c.node.fp[0]);
+  const bool skip = c.src.size() == 6;
+  const Rows g{&c.src[0]}, y{&c.src[1]}, z{&c.src[2]}, x{opt_src(c, 4)};
+  const float* w = c.src[3].f32();
+  const std::vector<float> d = per_channel(c, 5, C), ones(gs, 1.0f);
+  const int64_t RC = R * C;
+  float* dy = c.dst.f32();
+  float* dz = dy + RC;
+  float* dw = dz + RC;
+  float* dx = dw + C;
+  float* dD = dx + RC;
+  const int64_t n_part = (R + kRowsPerPart - 1) / kRowsPerPart;
+  std::vector<float> pw(n_part * C, 0.0f), pd(skip ? n_part * C : 0, 0.0f);
+  c.pool.run(n_part, [&](int64_t part, int) {
+    float* pwp = pw.data() + part * C;
+    float* pdp = skip ? pd.data() + part * C : nullptr;
+    for (int64_t r = part * kRowsPerPart; r < std::min(R, (part + 1) * kRowsPerPart); ++r) {
+      const float *gr = g.at(r), *yr = y.at(r), *zr = z.at(r), *xr = x.at(r);
+      float* dyr = dy + r * C;
+      for (int64_t k = 0; k < C; k += gs) {
+        const float* xk = xr ? xr + k : nullptr;
+        // h into dy's row first: its sum of squares and <g w, h> give r and c1.
+        gate_row(dyr + k, yr + k, xk, d.data() + k, zr + k, gs);
+        const float ss = dot3_row(dyr + k, dyr + k, ones.data(), gs);
+        const float rr = 1.0f / std::sqrt(ss / static_cast<float>(gs) + eps);
+        const float c1 = rr * dot3_row(gr + k, w + k, dyr + k, gs) / static_cast<float>(gs);
+        gate_back_row(dyr + k, dz + r * C + k, skip ? dx + r * C + k : nullptr, pwp + k, pdp ? pdp + k : nullptr,
+                      gr + k, yr + k, xk, d.data() + k, zr + k, w + k, rr, c1, gs);
+      }
+    }
+  });
+  for (int64_t k = 0; k < C; ++k) {
+    double a = 0.0;
+    for (int64_t p = 0; p < n_part; ++p) a += pw[p * C + k];
+    dw[k] = static_cast<float>(a);
+  }
+  if (!skip) return;
+  const int64_t H = c.src[5].shape.d[0], P = C / H;
+  for (int64_t h = 0; h < H; ++h) {
+    double a = 0.0;
+    for (int64_t p = 0; p < n_part; ++p)
+      for (int64_t k = h * P; k < (h + 1) * P; ++k) a += pd[p * C + k];
+    dD[h] = static_cast<float>(a);
+  }
+}
+
+}  // namespace
+
+void register_gated_norm_ops(OpTable& t) {
+  {
+    OpDef d;
+    d.name = "gated_rms_norm";
+    d.infer = [](Graph& g, Node& n) {
+      gated_infer(g, n, 0);
+      n.dtype = DType::f32;
+      n.shape = g.node(n.src[0]).shape;
+    };
+    d.forward = gated_forward;
+    d.backward = [](GradSink& k) {
+      Graph& g = k.g;
+      const std::vector<int> src = k.node.src;
+      std::vector<int> bsrc{k.grad_out};
+      bsrc.insert(bsrc.end(), src.begin(), src.end());
+      const int packed = g.op("gated_rms_norm_back", bsrc, k.node.ip, k.node.fp);
+      const Shape ys = g.node(src[0]).shape, ws = g.node(src[2]).shape;
+      const int64_t RC = ys.numel(), C = ws.d[0];
+      if (k.needs(0)) k.add(0, g.unpack(packed, 0, ys));
+      if (k.needs(1)) k.add(1, g.unpack(packed, RC, ys));
+      if (k.needs(2)) k.add(2, g.unpack(packed, 2 * RC, ws));
+      if (src.size() == 5) {
+        const Shape ds = g.node(src[4]).shape;
+        if (k.needs(3)) k.add(3, g.unpack(packed, 2 * RC + C, ys));
+        if (k.needs(4)) k.add(4, g.unpack(packed, 3 * RC + C, ds));
+      }
+    };
+    t.add(std::move(d));
+  }
+  {
+    OpDef d;
+    d.name = "gated_rms_norm_back";
+    d.contiguous_srcs = 0b1;  // the gradient
+    d.infer = [](Graph& g, Node& n) {
+      if (n.src.size() < 4) fail_shape(g, n, "takes (grad, y, z, w[, x, D])");
+      const int64_t C = gated_infer(g, n, 1);
+      const Shape ys = g.node(n.src[1]).shape;
+      if (g.node(n.src[0]).shape != ys) fail_shape(g, n, "grad must have y's shape");
+      int64_t total = 2 * ys.numel() + C;
+      if (n.src.size() == 6) total += ys.numel() + g.node(n.src[5]).shape.d[0];
+      n.dtype = DType::f32;
+      n.shape = Shape{total};
+    };
+    d.forward = gated_back_forward;
+    t.add(std::move(d));
+  }
+}
+
+}  // namespace recurra
