@@ -362,6 +362,28 @@ def _build_cases() -> list[Case]:
     add("rms_norm", "3d_odd", _unary_inputs(lambda r: _normal(r, 2, 3, 17)), ops.rms_norm)
     add("layer_norm", "3d_odd", _unary_inputs(lambda r: _normal(r, 2, 3, 17)), ops.layer_norm)
 
+    def gated_inputs(skip: bool) -> Any:
+        def make(rng: np.random.Generator) -> dict[str, np.ndarray]:
+            out = {
+                "y": _normal(rng, 2, 3, 16),
+                "z": _normal(rng, 2, 3, 16, scale=2.0),
+                "w": _f32(1.0 + 0.3 * rng.standard_normal(16)),
+            }
+            if skip:
+                out.update(x=_normal(rng, 2, 3, 16), d=_normal(rng, 4))
+            return out
+
+        return make
+
+    # On a device backend the op is built from elementwise ops: checked against the fused CPU op.
+    add(
+        "gated_rms_norm",
+        "groups_of_8_skip",
+        gated_inputs(True),
+        lambda y, z, w, x, d: ops.gated_rms_norm(y, z, w, 1e-5, 8, x=x, d=d),
+    )
+    add("gated_rms_norm", "no_skip", gated_inputs(False), ops.gated_rms_norm)
+
     def rows_inputs(idx_shape: tuple[int, ...]) -> Any:
         def make(rng: np.random.Generator) -> dict[str, np.ndarray]:
             idx = rng.integers(0, 10, idx_shape).astype(np.int32)
