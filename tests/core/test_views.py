@@ -51,3 +51,61 @@ def test_view_errors():
         t[0, 0, 0]
     with pytest.raises(ValueError, match="at most 4 axes"):
         rc.tensor(np.zeros((1, 1, 1, 1, 1)))
+
+
+@pytest.mark.parametrize(
+    "shape,perm",
+    [
+        ((1, 1), (1, 0)),
+        ((3, 17), (1, 0)),
+        ((33, 65), (1, 0)),
+        ((2, 31, 40), (0, 2, 1)),
+        ((2, 3, 5, 70), (1, 0, 3, 2)),
+        ((4, 5, 6), (2, 0, 1)),  # last axis strided, the one before not unit: the gather path
+    ],
+    ids=str,
+)
+def test_contiguous_of_permuted_views(shape, perm):
+    # Copies of transposed matrices go through tiles of 32 x 32: sizes across tile edges.
+    x = RNG.standard_normal(shape).astype(np.float32)
+    got = rc.tensor(x).permute(*perm).contiguous().numpy()
+    np.testing.assert_array_equal(got, x.transpose(perm))
+    # and the permute's gradient (a copy of the permuted gradient) lands where it belongs
+    p = rc.param(x)
+    g = RNG.standard_normal(x.transpose(perm).shape).astype(np.float32)
+    (p.permute(*perm) * rc.tensor(g)).sum().backward()
+    np.testing.assert_array_equal(p.grad.numpy(), g.transpose(np.argsort(perm)))
+
+
+@pytest.mark.parametrize(
+    "shape,index",
+    [
+        ((7,), np.s_[2:5]),
+        ((7,), np.s_[1::3]),
+        ((5, 9), np.s_[1:4, 2:7]),
+        ((5, 9), np.s_[::2, 8:]),
+        ((2, 6, 11), np.s_[:, 1:6:2, 3:10:3]),
+        ((2, 3, 4, 21), np.s_[1:, :, 1:3, 5:16]),
+        ((4, 5), np.s_[2:2, :]),  # empty
+    ],
+    ids=str,
+)
+def test_slice_gradient_scatters_into_zeros(shape, index):
+    x = RNG.standard_normal(shape).astype(np.float32)
+    p = rc.param(x)
+    s = p[index]
+    g = RNG.standard_normal(s.shape).astype(np.float32)
+    (s * rc.tensor(g)).sum().backward()
+    want = np.zeros(shape, np.float32)
+    want[index] = g
+    np.testing.assert_array_equal(p.grad.numpy(), want)
+
+
+def test_gradients_of_disjoint_slices_add_up():
+    # The Mamba-2 pattern: one projection cut into pieces along the last axis.
+    x = RNG.standard_normal((2, 3, 10)).astype(np.float32)
+    p = rc.param(x)
+    gs = [RNG.standard_normal((2, 3, w)).astype(np.float32) for w in (4, 5, 1)]
+    parts = [p[:, :, 0:4], p[:, :, 4:9], p[:, :, 9:]]
+    sum(((a * rc.tensor(g)).sum() for a, g in zip(parts, gs)), rc.tensor(np.float32(0))).backward()
+    np.testing.assert_allclose(p.grad.numpy(), np.concatenate(gs, axis=-1), rtol=0, atol=0)
