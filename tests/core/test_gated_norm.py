@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gradcheck import check_grads
+from gradcheck import assert_grads_thread_independent, check_grads
 
 import recurra as rc
 from recurra import ops
@@ -97,18 +97,7 @@ def test_strided_inputs_match_dense():
 
 def test_results_do_not_depend_on_threads():
     a = inputs((4, 37), 64, 8, True)
-    grads = []
-    for n in (1, 2, 3):
-        rc.set_num_threads(n)
-        try:
-            ps = [rc.param(v) for v in a]
-            (fused(*ps[:3], 1e-5, 16, *ps[3:]) ** 2).sum().backward()
-            grads.append([p.grad.numpy() for p in ps])
-        finally:
-            rc.set_num_threads(2)
-    for g in grads[1:]:
-        for u, v in zip(grads[0], g):
-            np.testing.assert_array_equal(u, v)
+    assert_grads_thread_independent(lambda *t: fused(*t[:3], 1e-5, 16, *t[3:]), a)
 
 
 def test_errors():

@@ -106,7 +106,8 @@ void check_row_stride(Graph& g, Node& n, int i) {
     n.src[i] = g.contiguous(n.src[i]);
 }
 
-// Shared checks of (first, y, z, w[, x, D]) from source `first` on; returns C.
+// Shared checks of (y, z, w[, x, D]) from source `first` on; sets the forward's dtype and
+// shape (y's) and returns C.
 int64_t gated_infer(Graph& g, Node& n, size_t first) {
   const size_t ns = n.src.size() - first;
   if (ns != 3 && ns != 5) fail_shape(g, n, "takes (y, z, w) or (y, z, w, x, D)");
@@ -126,6 +127,8 @@ int64_t gated_infer(Graph& g, Node& n, size_t first) {
     if (ds.ndim != 1 || ds.d[0] < 1 || C % ds.d[0] != 0) fail_shape(g, n, "D must be (H,) with H dividing C");
   }
   for (size_t i = first; i < n.src.size(); ++i) check_row_stride(g, n, static_cast<int>(i));
+  n.dtype = DType::f32;
+  n.shape = ys;  // the forward's result
   return C;
 }
 
@@ -206,18 +209,12 @@ void register_gated_norm_ops(OpTable& t) {
   {
     OpDef d;
     d.name = "gated_rms_norm";
-    d.infer = [](Graph& g, Node& n) {
-      gated_infer(g, n, 0);
-      n.dtype = DType::f32;
-      n.shape = g.node(n.src[0]).shape;
-    };
+    d.infer = [](Graph& g, Node& n) { gated_infer(g, n, 0); };
     d.forward = gated_forward;
     d.backward = [](GradSink& k) {
       Graph& g = k.g;
       const std::vector<int> src = k.node.src;
-      std::vector<int> bsrc{k.grad_out};
-      bsrc.insert(bsrc.end(), src.begin(), src.end());
-      const int packed = g.op("gated_rms_norm_back", bsrc, k.node.ip, k.node.fp);
+      const int packed = g.op("gated_rms_norm_back", grad_and_srcs(k), k.node.ip, k.node.fp);
       const Shape ys = g.node(src[0]).shape, ws = g.node(src[2]).shape;
       const int64_t RC = ys.numel(), C = ws.d[0];
       if (k.needs(0)) k.add(0, g.unpack(packed, 0, ys));
@@ -242,7 +239,6 @@ void register_gated_norm_ops(OpTable& t) {
       if (g.node(n.src[0]).shape != ys) fail_shape(g, n, "grad must have y's shape");
       int64_t total = 2 * ys.numel() + C;
       if (n.src.size() == 6) total += ys.numel() + g.node(n.src[5]).shape.d[0];
-      n.dtype = DType::f32;
       n.shape = Shape{total};
     };
     d.forward = gated_back_forward;

@@ -384,6 +384,19 @@ def _build_cases() -> list[Case]:
     )
     add("gated_rms_norm", "no_skip", gated_inputs(False), ops.gated_rms_norm)
 
+    def conv_inputs(bias: bool) -> Any:
+        def make(rng: np.random.Generator) -> dict[str, np.ndarray]:
+            out = {"x": _normal(rng, 2, 7, 20), "weight": _normal(rng, 20, 4, scale=0.5)}
+            if bias:
+                out["bias"] = _normal(rng, 20)
+            return out
+
+        return make
+
+    # On a device backend: pad + ssm_conv + add + silu, checked against the fused CPU op.
+    add("causal_conv_silu", "2x7x20_k4_bias", conv_inputs(True), ops.causal_conv_silu)
+    add("causal_conv_silu", "no_bias", conv_inputs(False), ops.causal_conv_silu)
+
     def rows_inputs(idx_shape: tuple[int, ...]) -> Any:
         def make(rng: np.random.Generator) -> dict[str, np.ndarray]:
             idx = rng.integers(0, 10, idx_shape).astype(np.int32)

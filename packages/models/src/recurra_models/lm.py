@@ -172,9 +172,10 @@ def causal_conv(x: Any, state: Any | None, weight: Any, bias: Any | None) -> tup
     k = weight.shape[-1]
     xt = x.permute(0, 2, 1)  # (B, C, T)
     if state is None:
+        # One fused op (on the CPU); the state view below is only built if someone reads it.
         sx = ops.pad(xt, ((0, 0), (0, 0), (k - 1, 0)))
-    else:
-        sx = ops.concat([state, xt], axis=2)
+        return ops.causal_conv_silu(x, weight, bias), (sx[:, :, t:] if k > 1 else sx[:, :, :0])
+    sx = ops.concat([state, xt], axis=2)
     y = ops.ssm_conv(sx, weight)  # (B, T, C)
     if bias is not None:
         y = y + bias

@@ -14,6 +14,7 @@ __all__ = [
     "mse_loss",
     "rms_norm",
     "gated_rms_norm",
+    "causal_conv_silu",
     "layer_norm",
     "get_rows",
 ]
@@ -159,6 +160,41 @@ def _gated_rms_norm_ops(srcs: Sequence[Any], eps: float, gs: int) -> Any:
     else:
         h = rms_norm(h, eps)
     return mul(h, weight)
+
+
+def causal_conv_silu(x: Any, weight: Any, bias: Any = None) -> Any:
+    """Mamba's depthwise causal convolution over time followed by SiLU, from zeros (no
+    carried state): ``y[s, t, ch] = silu(bias[ch] + sum_k x[s, t - K + 1 + k, ch] *
+    weight[ch, k])`` with x = 0 before t = 0.
+
+    ``x`` is (n_seqs, n_tok, channels) (a slice of a wider projection is read in place),
+    ``weight`` (channels, K), ``bias`` (channels,) or None. On the CPU this is one fused op
+    (no transposed or padded copies); elsewhere pad + ssm_conv + bias + silu, with the
+    same result. Returns a float32 tensor of x's shape. Raises ValueError for inconsistent
+    shapes, TypeError for non-float32 inputs.
+    """
+    _, srcs = coerce([x, weight] if bias is None else [x, weight, bias])
+    if _all_cpu(srcs):
+        return apply("causal_conv_silu", srcs)
+    return _causal_conv_silu_ops(srcs)
+
+
+def _causal_conv_silu_ops(srcs: Sequence[Any]) -> Any:
+    """causal_conv_silu built from pad, ssm_conv, add and silu (for device backends);
+    srcs as in causal_conv_silu, already coerced."""
+    from recurra.ops._elementwise import add, permute, silu
+    from recurra.ops._shape import pad
+    from recurra.ops._ssm import ssm_conv
+
+    x, weight = srcs[:2]
+    if x.ndim != 3 or weight.ndim != 2:
+        raise ValueError(
+            f"causal_conv_silu: x must be (n_seqs, n_tok, channels) and weight (channels, K), "
+            f"got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    k = int(weight.shape[-1])
+    y = ssm_conv(pad(permute(x, (0, 2, 1)), ((0, 0), (0, 0), (k - 1, 0))), weight)
+    return silu(add(y, srcs[2]) if len(srcs) == 3 else y)
 
 
 def layer_norm(x: Any, eps: float = 1e-5) -> Any:
