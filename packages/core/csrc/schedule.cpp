@@ -203,10 +203,27 @@ const MemoryPlan& Graph::plan() {
 
   auto base_of = [&](int id) { return nodes_[id].view_base >= 0 ? nodes_[id].view_base : id; };
 
+  // Nodes the backward appended (after the loss) that nothing reads are not run: gradients
+  // a rule left unused, or forms a rule superseded by a cheaper one. Outputs, in-place
+  // updates and whatever they read are kept; everything up to the loss is kept.
+  const OpTable& tab = OpTable::get();
+  std::vector<char> keep(n, 1);
+  int first_loss = n;
+  for (int j = 0; j < n && first_loss == n; ++j)
+    if (nodes_[j].flags & kLoss) first_loss = j;
+  std::vector<char> read(n, 0);
+  for (int j = n - 1; j > first_loss; --j) {
+    const Node& nd = nodes_[j];
+    const bool effect = !nd.is_leaf() && !nd.is_view() && tab.at(nd.op).writes_src;
+    keep[j] = nd.is_leaf() || (nd.flags & (kOutput | kLoss)) || effect || read[j];
+    if (keep[j])
+      for (int s : nd.src) read[s] = 1;
+  }
+
   // Splits, and the mirrors each one needs.
   for (int j = 0; j < n; ++j) {
     const Node& nd = nodes_[j];
-    if (nd.is_leaf() || nd.is_view()) continue;
+    if (nd.is_leaf() || nd.is_view() || !keep[j]) continue;
     int b = place_.where[j];
     if (place_.splits.empty() || place_.splits.back().backend != b) place_.splits.push_back({b, {}, {}});
     auto& sp = place_.splits.back();
@@ -228,6 +245,7 @@ const MemoryPlan& Graph::plan() {
   std::vector<int> last(n, -1);
   std::vector<int> mirror_last(place_.mirrors.size(), -1);
   for (int j = 0; j < n; ++j) {
+    if (!keep[j]) continue;
     for (int s : nodes_[j].src) {
       int base = base_of(s);
       last[base] = std::max(last[base], j);
@@ -252,7 +270,7 @@ const MemoryPlan& Graph::plan() {
   size_t split_i = 0;
   for (int j = 0; j < n; ++j) {
     const Node& nd = nodes_[j];
-    if (nd.is_leaf() || nd.is_view()) continue;
+    if (nd.is_leaf() || nd.is_view() || !keep[j]) continue;
     // Mirrors are written when their split starts: allocate them there, before the
     // split's own nodes, so nothing still live in the split can share their memory.
     while (split_i < place_.splits.size() && place_.splits[split_i].nodes.front() <= j) {

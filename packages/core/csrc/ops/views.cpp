@@ -121,6 +121,23 @@ void slice_grad_rows(KernelCtx& c) {
   });
 }
 
+// The gradient of a transposed matrix (x @ W.T: W.T's gradient is the product A @ B) is
+// wanted dense in W's layout: (A @ B)^T = B^T @ A^T computed as such, instead of the product
+// and a transposed copy of it (the product itself is then unread and not run, see
+// Graph::plan). Returns the new node, or -1 when `grad` is not a plain 2-D matmul or the
+// permutation not a transpose.
+int transposed_product(Graph& g, int grad, const std::vector<int64_t>& inv) {
+  const Node& m = g.node(grad);
+  if (inv.size() != 2 || inv[0] != 1 || m.is_leaf() || m.is_view() || m.shape.ndim != 2 ||
+      OpTable::get().at(m.op).name != "matmul")
+    return -1;
+  const int a = m.src[0], b = m.src[1];
+  if (g.node(a).shape.ndim != 2 || g.node(b).shape.ndim != 2) return -1;
+  const int bt = g.permute(b, {1, 0});
+  const int at = g.permute(a, {1, 0});
+  return g.op("matmul", {bt, at});
+}
+
 }  // namespace
 
 // sum_to: every output element is the sum of its preimage in double, always in the same
@@ -276,6 +293,10 @@ void register_view_ops(OpTable& t) {
     d.backward = [](GradSink& k) {
       std::vector<int64_t> inv(k.node.ip.size());
       for (size_t i = 0; i < inv.size(); ++i) inv[k.node.ip[i]] = static_cast<int64_t>(i);
+      if (const int t = transposed_product(k.g, k.grad_out, inv); t >= 0) {
+        k.add(0, t);
+        return;
+      }
       k.add(0, k.g.contiguous(k.g.permute(k.grad_out, inv)));
     };
     t.add(std::move(d));
