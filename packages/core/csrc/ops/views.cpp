@@ -140,6 +140,32 @@ int transposed_product(Graph& g, int grad, const std::vector<int64_t>& inv) {
 
 }  // namespace
 
+// dst (..., C) = zeros with parts[i] (..., e_i - b_i) written at columns [b_i, e_i) of every
+// row; the parts are sorted by begin and disjoint. Each output row is written once.
+void scatter_last_axis(const TensorView& dst, const std::vector<TensorView>& parts,
+                       const std::vector<int64_t>& begin, ThreadPool& tp) {
+  const int64_t len = row_len(dst.shape), rows = n_rows(dst.shape);
+  float* out = dst.f32();
+  tp.parallel_for(rows, row_grain(len), [&](int64_t r0, int64_t r1, int) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* dp = out + r * len;
+      int64_t at = 0;
+      for (size_t i = 0; i < parts.size(); ++i) {
+        const TensorView& p = parts[i];
+        const int64_t n = row_len(p.shape), ps = last_stride(p.strides, p.shape);
+        const float* sp = p.f32() + row_offset(p.shape, p.strides, r);
+        std::fill(dp + at, dp + begin[i], 0.0f);
+        if (ps == 1)
+          std::memcpy(dp + begin[i], sp, n * sizeof(float));
+        else
+          for (int64_t k = 0; k < n; ++k) dp[begin[i] + k] = sp[k * ps];
+        at = begin[i] + n;
+      }
+      std::fill(dp + at, dp + len, 0.0f);
+    }
+  });
+}
+
 // sum_to: every output element is the sum of its preimage in double, always in the same
 // order (never dependent on the thread count). The rows of `a` (its last axis) are the unit
 // of work, so the index arithmetic is per row, not per element:
