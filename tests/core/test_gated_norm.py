@@ -115,3 +115,36 @@ def test_errors():
         ops.gated_rms_norm(y, y, np.ones(5, np.float32)).numpy()
     with pytest.raises(TypeError):
         ops.gated_rms_norm(y, y.astype(np.int32), w).numpy()
+
+
+# rms_norm with a weight: the same fused op without the gate (sources (y, w)).
+
+
+@pytest.mark.parametrize("shape", [(1,), (3, 7), (2, 5, 33)], ids=str)
+def test_weighted_rms_norm_forward_and_grads(shape):
+    x = RNG.standard_normal(shape).astype(np.float32)
+    w = (1 + 0.3 * RNG.standard_normal(shape[-1])).astype(np.float32)
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + 1e-5) * w
+    got = ops.rms_norm(rc.tensor(x), 1e-5, rc.tensor(w)).numpy()
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    check_grads(lambda a, b: ops.rms_norm(a, 1e-5, b), [x.astype(np.float64), w.astype(np.float64)])
+
+
+def test_weighted_rms_norm_matches_the_decomposition_and_threads():
+    x = RNG.standard_normal((3, 40, 24)).astype(np.float32)
+    w = RNG.standard_normal(24).astype(np.float32)
+    g = RNG.standard_normal(x.shape).astype(np.float32)
+    grads = []
+    for fn in (
+        lambda a, b: ops.rms_norm(a, 1e-5, b),
+        lambda a, b: ops.rms_norm(a, 1e-5) * b,
+    ):
+        ps = [rc.param(x), rc.param(w)]
+        (fn(*ps) * rc.tensor(g)).sum().backward()
+        grads.append([p.grad.numpy() for p in ps])
+    for u, v in zip(*grads):
+        np.testing.assert_allclose(u, v, rtol=1e-4, atol=1e-5)
+    assert_grads_thread_independent(lambda a, b: ops.rms_norm(a, 1e-5, b), [x, w])
+    with pytest.raises(ValueError, match="w must be"):
+        ops.rms_norm(x, 1e-5, np.ones(5, np.float32)).numpy()

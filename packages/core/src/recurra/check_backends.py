@@ -360,6 +360,13 @@ def _build_cases() -> list[Case]:
     add("rms_norm", "4x33", norm_in, lambda x: ops.rms_norm(x, 1e-6))
     add("layer_norm", "4x33", norm_in, lambda x: ops.layer_norm(x, 1e-5))
     add("rms_norm", "3d_odd", _unary_inputs(lambda r: _normal(r, 2, 3, 17)), ops.rms_norm)
+    add(
+        "rms_norm",
+        "weighted",
+        lambda r: {"x": _normal(r, 3, 33), "w": _f32(1.0 + 0.3 * r.standard_normal(33))},
+        lambda x, w: ops.rms_norm(x, 1e-5, w),
+        note="a fused op on the CPU, rms_norm then mul on a device",
+    )
     add("layer_norm", "3d_odd", _unary_inputs(lambda r: _normal(r, 2, 3, 17)), ops.layer_norm)
 
     def gated_inputs(skip: bool) -> Any:

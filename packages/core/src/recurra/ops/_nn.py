@@ -93,12 +93,21 @@ def mse_loss(a: Any, b: Any) -> Any:
     return mean(apply("sqr", [apply("sub", [a, b])]))
 
 
-def rms_norm(x: Any, eps: float = 1e-6) -> Any:
-    """x / sqrt(mean(x**2) + eps) along the last axis (no weight: multiply by one after).
+def rms_norm(x: Any, eps: float = 1e-6, weight: Any = None) -> Any:
+    """x / sqrt(mean(x**2) + eps) along the last axis, times ``weight`` (C,) when given.
 
-    Returns a float32 tensor of x's shape. Raises ValueError for a negative eps.
+    With a weight on the CPU this is one fused op (the norm, the product and, backward, the
+    weight's gradient in one pass); elsewhere rms_norm then mul. Returns a float32 tensor of
+    x's shape. Raises ValueError for a negative eps or a weight that is not (C,).
     """
-    return apply("rms_norm", [x], fp=(float(eps),))
+    if weight is None:
+        return apply("rms_norm", [x], fp=(float(eps),))
+    _, srcs = coerce([x, weight])
+    if _all_cpu(srcs) and srcs[0].ndim:
+        return apply("gated_rms_norm", srcs, ip=(int(srcs[0].shape[-1]),), fp=(float(eps),))
+    from recurra.ops._elementwise import mul
+
+    return mul(apply("rms_norm", [srcs[0]], fp=(float(eps),)), srcs[1])
 
 
 def _all_cpu(srcs: Sequence[Any]) -> bool:
