@@ -173,8 +173,6 @@ RC_SIMD void conv_bwd_block(const float* dy, const float* sx, const float* c, in
 
 // ---- causal_conv_silu ---------------------------------------------------------------
 
-constexpr int64_t kCW = 64;  // channels per task of the backward
-
 // pre[i] = b[i] + sum_k c[k][i] * x_k[i] over the rows x_k = rows[k] (nullptr: before t = 0);
 // cT is c transposed, [W][n] with row stride ldc.
 RC_SIMD void conv_pre_row(float* __restrict pre, const float* const* rows, const float* __restrict cT,
@@ -192,56 +190,40 @@ RC_SIMD void silu_inplace_row(float* __restrict y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] = y[i] * sigmoid_lane(y[i]);
 }
 
-// One sequence, channels [0, n) of a kCW-wide block (x, dy, dx, cT, b point at its first
-// channel; row strides ldx, ldy, ldd, ldc): g[t] = dy[t] * silu'(pre[t]) into g (T x kCW),
-// acc_b += g, acc_c[k] += g[t] x[t - W + 1 + k], then dx[t] = sum_k c[k] g[t + W - 1 - k].
-RC_SIMD void conv_back_seq(const float* __restrict x, int64_t ldx, const float* __restrict dy, int64_t ldy,
-                           const float* __restrict cT, int64_t ldc, const float* __restrict b, int64_t W,
-                           int64_t T, int64_t n, float* __restrict g, float* __restrict acc_c,
-                           float* __restrict acc_b, float* __restrict dx, int64_t ldd) {
-  constexpr int64_t kAhead = 8;  // tokens: rows are pages apart, beyond the prefetchers' reach
-  for (int64_t t = 0; t < T; ++t) {
-    if (t + kAhead < T)
-      for (int64_t i = 0; i < n; i += 16) {
-        __builtin_prefetch(x + (t + kAhead) * ldx + i);
-        __builtin_prefetch(dy + (t + kAhead) * ldy + i);
-      }
-    float* __restrict gt = g + t * kCW;
-    for (int64_t i = 0; i < n; ++i) gt[i] = b ? b[i] : 0.0f;
-    for (int64_t k = 0; k < W; ++k) {
-      const int64_t tt = t - (W - 1) + k;
-      if (tt < 0) continue;
-      const float* __restrict xr = x + tt * ldx;
-      const float* __restrict ck = cT + k * ldc;
-      for (int64_t i = 0; i < n; ++i) gt[i] += ck[i] * xr[i];
-    }
-    const float* __restrict dyt = dy + t * ldy;
-    for (int64_t i = 0; i < n; ++i) {
-      const float z = gt[i], sg = sigmoid_lane(z);
-      gt[i] = dyt[i] * sg * (1.0f + z * (1.0f - sg));
-      acc_b[i] += gt[i];
-    }
-    for (int64_t k = 0; k < W; ++k) {
-      const int64_t tt = t - (W - 1) + k;
-      if (tt < 0) continue;
-      const float* __restrict xr = x + tt * ldx;
-      float* __restrict ak = acc_c + k * kCW;
-      for (int64_t i = 0; i < n; ++i) ak[i] += gt[i] * xr[i];
-    }
+// One token of the backward, n channels: g = dy * silu'(pre) in place of pre; when acc:
+// pb += g and pc[k] += g * rows[k] (pc: W rows of n; rows[k] nullptr before the start).
+RC_SIMD void conv_grad_row(float* __restrict g, const float* __restrict dy, const float* const* rows, int64_t W,
+                           bool acc, float* __restrict pb, float* __restrict pc, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float z = g[i], sg = sigmoid_lane(z);
+    g[i] = dy[i] * sg * (1.0f + z * (1.0f - sg));
   }
-  for (int64_t t = 0; t < T; ++t) {
-    if (t + kAhead < T)
-      for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(dx + (t + kAhead) * ldd + i, 1);
-    float* __restrict o = dx + t * ldd;
-    for (int64_t i = 0; i < n; ++i) o[i] = 0.0f;
-    for (int64_t k = 0; k < W; ++k) {
-      const int64_t tt = t + W - 1 - k;
-      if (tt >= T) continue;
-      const float* __restrict ck = cT + k * ldc;
-      const float* __restrict gr = g + tt * kCW;
-      for (int64_t i = 0; i < n; ++i) o[i] += ck[i] * gr[i];
-    }
+  if (!acc) return;
+  for (int64_t i = 0; i < n; ++i) pb[i] += g[i];
+  for (int64_t k = 0; k < W; ++k) {
+    const float* __restrict xr = rows[k];
+    if (!xr) continue;
+    float* __restrict pk = pc + k * n;
+    for (int64_t i = 0; i < n; ++i) pk[i] += g[i] * xr[i];
   }
+}
+
+// dx = sum_k cT[k] * grows[k] over the rows present (grows[k] nullptr past the end).
+RC_SIMD void conv_dx_row(float* __restrict dx, const float* const* grows, const float* __restrict cT, int64_t W,
+                         int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dx[i] = 0.0f;
+  for (int64_t k = 0; k < W; ++k) {
+    const float* __restrict gr = grows[k];
+    if (!gr) continue;
+    const float* __restrict ck = cT + k * n;
+    for (int64_t i = 0; i < n; ++i) dx[i] += ck[i] * gr[i];
+  }
+}
+
+// Asks for the n floats at p ahead of use. Token rows of a projection lie pages apart, which
+// the hardware prefetchers do not cross: without this every row starts with misses.
+inline void prefetch_row(const float* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);
 }
 
 // The rows a token reads: x rows t - W + 1 .. t (nullptr before the start).
@@ -278,6 +260,7 @@ void causal_conv_forward(KernelCtx& c) {
     std::vector<const float*> rows(d.W);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t s = r / d.T, t = r % d.T;
+      if (t + 2 < d.T) prefetch_row(x + s * d.ld_s + (t + 2) * d.ld_t, d.D);
       window_rows(x + s * d.ld_s, d.ld_t, t, d.W, 0, rows.data());
       float* yr = y + r * d.D;
       conv_pre_row(yr, rows.data(), cT.data(), d.D, b, d.W, d.D);
@@ -286,10 +269,12 @@ void causal_conv_forward(KernelCtx& c) {
   });
 }
 
-// A task owns kCW channels over all sequences (so d_c and d_bias need no cross-task sums):
-// per sequence it turns dy into g = dy * silu'(pre) for all tokens (recomputing pre), adds
-// into d_c and d_bias, then dx[t] = sum_k c[k] g[t + W - 1 - k].
+// A task owns a block of kTok tokens of one sequence, all channels (whole rows: streaming
+// access). It recomputes g = dy * silu'(pre) for its tokens and the W - 1 after them (which
+// dx needs), keeps partial sums of d_c and d_bias, and writes its rows of dx; the partial
+// sums are added in task order (fixed by the shapes, not the thread count).
 void causal_conv_back_forward(KernelCtx& c) {
+  constexpr int64_t kTok = 32;
   const ConvDims d = conv_dims(c.src[1], c.src[2]);
   const bool has_b = c.src.size() == 4;
   const std::vector<float> cT = transposed(c.src[2]);
@@ -299,19 +284,44 @@ void causal_conv_back_forward(KernelCtx& c) {
   float* dx = c.dst.f32();
   float* dc = dx + d.S * d.T * d.D;
   float* db = dc + d.D * d.W;
-  const int64_t n_tasks = (d.D + kCW - 1) / kCW;
-  c.pool.run(n_tasks, [&](int64_t task, int) {
-    const int64_t ch0 = task * kCW, n = std::min(kCW, d.D - ch0);
-    std::vector<float> g(d.T * kCW), acc_c(d.W * kCW, 0.0f), acc_b(kCW, 0.0f);
-    for (int64_t s = 0; s < d.S; ++s)
-      conv_back_seq(x + s * d.ld_s + ch0, d.ld_t, dy + s * d.T * d.D + ch0, d.D, cT.data() + ch0, d.D,
-                    b ? b + ch0 : nullptr, d.W, d.T, n, g.data(), acc_c.data(), acc_b.data(),
-                    dx + s * d.T * d.D + ch0, d.D);
-    for (int64_t i = 0; i < n; ++i) {
-      for (int64_t k = 0; k < d.W; ++k) dc[(ch0 + i) * d.W + k] = acc_c[k * kCW + i];
-      if (has_b) db[ch0 + i] = acc_b[i];
+  const int64_t nb = (d.T + kTok - 1) / kTok, n_tasks = d.S * nb, D = d.D, W = d.W;
+  std::vector<float> pc(n_tasks * W * D, 0.0f), pb(n_tasks * D, 0.0f);
+  std::vector<std::vector<float>> work(c.pool.size());
+  c.pool.run(n_tasks, [&](int64_t task, int tid) {
+    const int64_t s = task / nb, t0 = task % nb * kTok, t1 = std::min(d.T, t0 + kTok);
+    const int64_t te = std::min(d.T, t1 + W - 1);
+    std::vector<float>& g = work[tid];
+    g.resize((kTok + W) * D);
+    std::vector<const float*> rows(W);
+    const float* xs = x + s * d.ld_s;
+    for (int64_t t = t0; t < te; ++t) {
+      if (t + 2 < d.T) {
+        prefetch_row(xs + (t + 2) * d.ld_t, D);
+        prefetch_row(dy + (s * d.T + t + 2) * D, D);
+      }
+      float* gt = g.data() + (t - t0) * D;
+      window_rows(xs, d.ld_t, t, W, 0, rows.data());
+      conv_pre_row(gt, rows.data(), cT.data(), D, b, W, D);
+      conv_grad_row(gt, dy + (s * d.T + t) * D, rows.data(), W, t < t1, pb.data() + task * D,
+                    pc.data() + task * W * D, D);
+    }
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t k = 0; k < W; ++k) {
+        const int64_t tt = t + W - 1 - k;
+        rows[k] = tt < te ? g.data() + (tt - t0) * D : nullptr;
+      }
+      conv_dx_row(dx + (s * d.T + t) * D, rows.data(), cT.data(), W, D);
     }
   });
+  std::vector<double> ac(W * D, 0.0), ab(D, 0.0);
+  for (int64_t q = 0; q < n_tasks; ++q) {
+    for (int64_t i = 0; i < W * D; ++i) ac[i] += pc[q * W * D + i];
+    for (int64_t i = 0; i < D; ++i) ab[i] += pb[q * D + i];
+  }
+  for (int64_t ch = 0; ch < D; ++ch) {
+    for (int64_t k = 0; k < W; ++k) dc[ch * W + k] = static_cast<float>(ac[k * D + ch]);
+    if (has_b) db[ch] = static_cast<float>(ab[ch]);
+  }
 }
 
 // (x (S, T, D), c (D, W)[, bias (D,)]) from source `off` on; x's last axis must be dense.
