@@ -264,9 +264,8 @@ const MemoryPlan& Graph::plan() {
 
   auto base_of = [&](int id) { return nodes_[id].view_base >= 0 ? nodes_[id].view_base : id; };
 
-  // Nodes the backward appended (after the loss) that nothing reads are not run: gradients
-  // a rule left unused, or forms a rule superseded by a cheaper one. Outputs, in-place
-  // updates and whatever they read are kept; everything up to the loss is kept.
+  // Adds of slice gradients that run as one scatter (see Scatter); only when nothing is
+  // placed on a device backend (which has no scatter kernel).
   const OpTable& tab = OpTable::get();
   std::vector<int> readers(n, 0);
   for (int j = 0; j < n; ++j)
@@ -291,6 +290,9 @@ const MemoryPlan& Graph::plan() {
     const auto it = merged.find(j);
     return it == merged.end() ? nodes_[j].src : it->second.parts;
   };
+  // Nodes the backward appended (after the loss) that nothing reads are not run: gradients
+  // a rule left unused, or forms a rule or a scatter superseded. Outputs, in-place updates
+  // and whatever they read are kept; everything up to the loss is kept.
   std::vector<char> keep(n, 1);
   int first_loss = n;
   for (int j = 0; j < n && first_loss == n; ++j)

@@ -94,7 +94,7 @@ void slice_grad_rows(KernelCtx& c) {
   c.pool.parallel_for(rows, row_grain(len), [&](int64_t r0, int64_t r1, int) {
     for (int64_t r = r0; r < r1; ++r) {
       float* dp = out + r * len;
-      // The source row of output row r, or -1 when r is outside the slice.
+      // Whether output row r lies in the slice on the outer axes, and its source row.
       int64_t q = r, src_off = 0;
       bool inside = true;
       for (int i = nd - 2; i >= 0 && inside; --i) {
