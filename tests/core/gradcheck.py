@@ -96,3 +96,23 @@ def check_grads(
             "differences",
         )
     return analytic
+
+
+def assert_grads_thread_independent(
+    fn: Callable[..., Any], arrays: Sequence[np.ndarray], threads: Sequence[int] = (1, 2, 3)
+) -> None:
+    """Asserts that the gradients of sum(fn(*params) ** 2) are bitwise the same for every
+    thread count in ``threads`` (kernels must sum in a fixed order)."""
+    before = rc.get_num_threads()
+    grads = []
+    try:
+        for n in threads:
+            rc.set_num_threads(n)
+            ps = [rc.param(a) for a in arrays]
+            (fn(*ps) ** 2).sum().backward()
+            grads.append([p.grad.numpy() for p in ps])
+    finally:
+        rc.set_num_threads(before)
+    for g in grads[1:]:
+        for u, v in zip(grads[0], g):
+            np.testing.assert_array_equal(u, v)

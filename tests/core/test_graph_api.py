@@ -101,3 +101,27 @@ def test_large_host_blocks_are_kept_for_reuse_and_can_be_freed():
     gc.collect()
     rc.empty_cache()
     assert rc.memory_stats()["host_cache"]["bytes"] == 0
+
+
+def test_weight_gradient_of_x_at_w_transposed_is_one_product():
+    # x @ W.T (a linear layer): W's gradient is computed as G.T @ x in W's layout. The
+    # backward first builds x.T @ G for W.T; that product is then unread and not planned.
+    rng = np.random.default_rng(3)
+    xv = rng.standard_normal((6, 5)).astype(np.float32)
+    wv = rng.standard_normal((4, 5)).astype(np.float32)
+    rv = rng.standard_normal((6, 4)).astype(np.float32)
+    g = rc.Graph()
+    x = g.input((6, 5))
+    w = g.param((4, 5))
+    r = g.input((6, 4))
+    loss = ops.apply("sum_to", [ops.mul(ops.matmul(x, ops.transpose(w)), r)], ip=())
+    g.set_loss(loss)
+    n_forward = g.memory()["n_planned"]
+    g.build_backward(loss)
+    # matmul, mul, sum_to forward; backward: fill, broadcast copy, mul, the weight product
+    assert g.memory()["n_planned"] == n_forward + 4
+    for t, v in ((x, xv), (w, wv), (r, rv)):
+        g.set_data(t, v)
+    g.compute()
+    np.testing.assert_allclose(w.grad.numpy(), rv.T @ xv, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(loss.item(), np.sum((xv @ wv.T) * rv), rtol=1e-5)

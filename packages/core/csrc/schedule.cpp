@@ -13,12 +13,17 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <new>
+#include <unordered_map>
 
 #include "graph.h"
 #include "memory.h"
 
 namespace recurra {
+
+void scatter_last_axis(const TensorView& dst, const std::vector<TensorView>& parts,
+                       const std::vector<int64_t>& begin, ThreadPool& tp);  // ops/views.cpp
 
 void Graph::AlignedFree::operator()(void* p) const { host_free(p); }
 
@@ -76,6 +81,62 @@ class ArenaAllocator {
   std::map<size_t, size_t> free_;
   size_t top_ = 0;
 };
+
+// ---- merged slice gradients ----------------------------------------------------------
+//
+// A tensor cut into pieces along its last axis (a projection split into its parts) gets the
+// gradient add(slice_grad(g_1), slice_grad(g_2)), add(that, slice_grad(g_3)), ...: every
+// slice_grad writes a whole zero-padded tensor and every add reads two. When all of it runs
+// on the CPU, plan() has each such add run instead as one scatter of the pieces' gradients
+// g_i (each output element written once), and the slice_grads and inner adds, now unread,
+// are not run. The graph's nodes stay as they are; the substitution lives here, per graph.
+
+struct Scatter {
+  std::vector<int> parts;      // the nodes written into the output, by begin
+  std::vector<int64_t> begin;  // their first column on the last axis
+  std::vector<int64_t> end;
+};
+
+std::mutex g_scatter_mu;
+std::unordered_map<const Graph*, std::unordered_map<int, Scatter>> g_scatters;
+
+// The pieces a node contributes as a scatter: a slice_grad over the last axis only (whole
+// ranges elsewhere, step 1), or an add already merged. False otherwise.
+bool scatter_parts(const Graph& g, const std::unordered_map<int, Scatter>& merged, int id, Scatter* out) {
+  const auto it = merged.find(id);
+  if (it != merged.end()) {
+    *out = it->second;
+    return true;
+  }
+  const Node& nd = g.node(id);
+  if (nd.is_leaf() || nd.is_view() || OpTable::get().at(nd.op).name != "slice_grad") return false;
+  const int d = nd.shape.ndim;
+  if (d == 0 || static_cast<int>(nd.ip.size()) != 4 * d) return false;
+  for (int i = 0; i < d - 1; ++i)
+    if (nd.ip[d + 3 * i] != 0 || nd.ip[d + 3 * i + 1] != nd.shape.d[i] || nd.ip[d + 3 * i + 2] != 1) return false;
+  if (nd.ip[d + 3 * (d - 1) + 2] != 1) return false;
+  *out = Scatter{{nd.src[0]}, {nd.ip[d + 3 * (d - 1)]}, {nd.ip[d + 3 * (d - 1) + 1]}};
+  return true;
+}
+
+// Merges a and b (sorted by begin); false when their columns overlap.
+bool merge_scatters(const Scatter& a, const Scatter& b, Scatter* out) {
+  std::vector<size_t> order;
+  Scatter all = a;
+  all.parts.insert(all.parts.end(), b.parts.begin(), b.parts.end());
+  all.begin.insert(all.begin.end(), b.begin.begin(), b.begin.end());
+  all.end.insert(all.end.end(), b.end.begin(), b.end.end());
+  for (size_t i = 0; i < all.parts.size(); ++i) order.push_back(i);
+  std::sort(order.begin(), order.end(), [&](size_t x, size_t y) { return all.begin[x] < all.begin[y]; });
+  *out = Scatter{};
+  for (size_t i : order) {
+    if (!out->end.empty() && all.begin[i] < out->end.back()) return false;
+    out->parts.push_back(all.parts[i]);
+    out->begin.push_back(all.begin[i]);
+    out->end.push_back(all.end[i]);
+  }
+  return true;
+}
 
 recurra_tensor_desc shape_desc(const Node& n) {
   recurra_tensor_desc d{};
@@ -203,15 +264,57 @@ const MemoryPlan& Graph::plan() {
 
   auto base_of = [&](int id) { return nodes_[id].view_base >= 0 ? nodes_[id].view_base : id; };
 
+  // Adds of slice gradients that run as one scatter (see Scatter); only when nothing is
+  // placed on a device backend (which has no scatter kernel).
+  const OpTable& tab = OpTable::get();
+  std::vector<int> readers(n, 0);
+  for (int j = 0; j < n; ++j)
+    for (int s : nodes_[j].src) ++readers[s];
+  std::unordered_map<int, Scatter> merged;
+  if (backends_.empty()) {
+    const int add_op = tab.find("add");
+    for (int j = 0; j < n; ++j) {
+      const Node& nd = nodes_[j];
+      if (nd.op != add_op || nd.src.size() != 2) continue;
+      Scatter a, b, m;
+      bool ok = true;
+      for (int k = 0; k < 2 && ok; ++k) {
+        const Node& s = nodes_[nd.src[k]];
+        ok = s.shape == nd.shape && readers[nd.src[k]] == 1 && !(s.flags & (kOutput | kLoss)) &&
+             nd.src[0] != nd.src[1] && scatter_parts(*this, merged, nd.src[k], k == 0 ? &a : &b);
+      }
+      if (ok && merge_scatters(a, b, &m)) merged[j] = std::move(m);
+    }
+  }
+  auto srcs_of = [&](int j) -> const std::vector<int>& {
+    const auto it = merged.find(j);
+    return it == merged.end() ? nodes_[j].src : it->second.parts;
+  };
+  // Nodes the backward appended (after the loss) that nothing reads are not run: gradients
+  // a rule left unused, or forms a rule or a scatter superseded. Outputs, in-place updates
+  // and whatever they read are kept; everything up to the loss is kept.
+  std::vector<char> keep(n, 1);
+  int first_loss = n;
+  for (int j = 0; j < n && first_loss == n; ++j)
+    if (nodes_[j].flags & kLoss) first_loss = j;
+  std::vector<char> read(n, 0);
+  for (int j = n - 1; j > first_loss; --j) {
+    const Node& nd = nodes_[j];
+    const bool effect = !nd.is_leaf() && !nd.is_view() && tab.at(nd.op).writes_src;
+    keep[j] = nd.is_leaf() || (nd.flags & (kOutput | kLoss)) || effect || read[j];
+    if (keep[j])
+      for (int s : srcs_of(j)) read[s] = 1;
+  }
+
   // Splits, and the mirrors each one needs.
   for (int j = 0; j < n; ++j) {
     const Node& nd = nodes_[j];
-    if (nd.is_leaf() || nd.is_view()) continue;
+    if (nd.is_leaf() || nd.is_view() || !keep[j]) continue;
     int b = place_.where[j];
     if (place_.splits.empty() || place_.splits.back().backend != b) place_.splits.push_back({b, {}, {}});
     auto& sp = place_.splits.back();
     sp.nodes.push_back(j);
-    for (int s : nd.src) {
+    for (int s : srcs_of(j)) {
       int base = base_of(s);
       if (location(base) == b) continue;
       auto key = std::make_pair(base, b);
@@ -228,7 +331,8 @@ const MemoryPlan& Graph::plan() {
   std::vector<int> last(n, -1);
   std::vector<int> mirror_last(place_.mirrors.size(), -1);
   for (int j = 0; j < n; ++j) {
-    for (int s : nodes_[j].src) {
+    if (!keep[j]) continue;
+    for (int s : srcs_of(j)) {
       int base = base_of(s);
       last[base] = std::max(last[base], j);
       if (!nodes_[j].is_view() && !nodes_[j].is_leaf()) {
@@ -252,7 +356,7 @@ const MemoryPlan& Graph::plan() {
   size_t split_i = 0;
   for (int j = 0; j < n; ++j) {
     const Node& nd = nodes_[j];
-    if (nd.is_leaf() || nd.is_view()) continue;
+    if (nd.is_leaf() || nd.is_view() || !keep[j]) continue;
     // Mirrors are written when their split starts: allocate them there, before the
     // split's own nodes, so nothing still live in the split can share their memory.
     while (split_i < place_.splits.size() && place_.splits[split_i].nodes.front() <= j) {
@@ -298,6 +402,13 @@ const MemoryPlan& Graph::plan() {
   for (int j = 0; j < n; ++j)
     if (p.offsets[j] != SIZE_MAX && place_.where[j] == kCpuBackend)
       nodes_[j].data = static_cast<uint8_t*>(arena_.get()) + p.offsets[j];
+  {
+    std::lock_guard<std::mutex> lk(g_scatter_mu);
+    if (merged.empty())
+      g_scatters.erase(this);
+    else
+      g_scatters[this] = std::move(merged);
+  }
   plan_ = std::move(p);
   planned_ = true;
   ++generation_;
@@ -305,6 +416,10 @@ const MemoryPlan& Graph::plan() {
 }
 
 Graph::~Graph() {
+  {
+    std::lock_guard<std::mutex> lk(g_scatter_mu);
+    g_scatters.erase(this);
+  }
   if (arena_capacity_) memory_stats_adjust(Pool::transient, -static_cast<int64_t>(arena_capacity_));
 }
 
@@ -450,8 +565,21 @@ void Graph::compute() {
       run_device_split(sp);
       continue;
     }
+    const std::unordered_map<int, Scatter>* merged = nullptr;
+    {
+      std::lock_guard<std::mutex> lk(g_scatter_mu);
+      const auto it = g_scatters.find(this);
+      if (it != g_scatters.end()) merged = &it->second;  // stable until the next plan()
+    }
     for (int j : sp.nodes) {
       const Node& n = nodes_[j];
+      if (merged && merged->count(j)) {
+        const Scatter& sc = merged->at(j);
+        std::vector<TensorView> parts;
+        for (int q : sc.parts) parts.push_back(host_view(q, kCpuBackend));
+        scatter_last_axis(host_view(j, kCpuBackend), parts, sc.begin, tp);
+        continue;
+      }
       KernelCtx ctx{n, host_view(j, kCpuBackend), {}, tp};
       ctx.src.reserve(n.src.size());
       for (int s : n.src) ctx.src.push_back(host_view(s, kCpuBackend));

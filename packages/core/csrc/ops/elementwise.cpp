@@ -1,9 +1,11 @@
 // Elementwise ops: binary with numpy broadcasting (add sub mul div), unary maths and
 // activations, and act_grad (the backward of the unary ops that need more than a mul).
+#include <algorithm>
 #include <cmath>
 
 #include "../graph.h"
 #include "kernel_util.h"
+#include "lane_math.h"
 
 namespace recurra {
 
@@ -82,29 +84,63 @@ void add_binary(OpTable& t, const char* name, BinRow row, std::function<void(Gra
 // Activation codes shared by the unary forward and act_grad.
 enum Act : int64_t { kAbs, kSqrt, kLog, kClamp, kRelu, kSilu, kGelu, kSigmoid, kTanh, kSoftplus };
 
-inline float sigmoidf(float x) { return 1.0f / (1.0f + std::exp(-x)); }
-inline float softplusf(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
 constexpr float kInvSqrt2 = 0.70710678118654752f;
 constexpr float kInvSqrt2Pi = 0.39894228040143268f;
 
-template <class F>
-void unary_forward(KernelCtx& c, F f) {
+// o[i] = f(a[i]) over a dense row; p0, p1 are the op's float parameters (scale, clamp).
+using UnRow = void (*)(float*, const float*, int64_t, float, float);
+
+#define RC_UN_ROW(NAME, EXPR)                                                                  \
+  RC_SIMD void NAME##_row(float* __restrict o, const float* __restrict a, int64_t n,           \
+                          [[maybe_unused]] float p0, [[maybe_unused]] float p1) {              \
+    for (int64_t i = 0; i < n; ++i) {                                                          \
+      const float x = a[i];                                                                    \
+      o[i] = EXPR;                                                                             \
+    }                                                                                          \
+  }
+
+RC_UN_ROW(neg, -x)
+RC_UN_ROW(abs, std::fabs(x))
+RC_UN_ROW(sqr, x * x)
+RC_UN_ROW(sqrt, std::sqrt(x))
+RC_UN_ROW(exp, exp_lane(x))
+RC_UN_ROW(log, std::log(x))
+RC_UN_ROW(scale, x * p0)
+RC_UN_ROW(clamp, std::min(std::max(x, p0), p1))
+RC_UN_ROW(relu, x > 0.0f ? x : 0.0f)
+RC_UN_ROW(silu, x * sigmoid_lane(x))
+RC_UN_ROW(gelu, 0.5f * x * (1.0f + std::erf(x * kInvSqrt2)))
+RC_UN_ROW(sigmoid, sigmoid_lane(x))
+RC_UN_ROW(tanh, tanh_lane(x))
+RC_UN_ROW(softplus, softplus_lane(x))
+
+#undef RC_UN_ROW
+
+void unary_forward(KernelCtx& c, UnRow row) {
   const TensorView& s = c.src[0];
   float* o = c.dst.f32();
   const int64_t total = c.dst.numel();
   if (total == 0) return;
+  const auto& fp = c.node.fp;
+  const float p0 = fp.size() > 0 ? static_cast<float>(fp[0]) : 0.0f;
+  const float p1 = fp.size() > 1 ? static_cast<float>(fp[1]) : 0.0f;
   if (s.is_contiguous()) {
     const float* a = s.f32();
-    c.pool.parallel_for(total, kGrainElems, [&](int64_t b, int64_t e, int) {
-      for (int64_t i = b; i < e; ++i) o[i] = f(a[i]);
-    });
+    c.pool.parallel_for(total, kGrainElems, [&](int64_t b, int64_t e, int) { row(o + b, a + b, e - b, p0, p1); });
     return;
   }
   const int64_t len = row_len(s.shape), rows = n_rows(s.shape), ss = last_stride(s.strides, s.shape);
   c.pool.parallel_for(rows, row_grain(len), [&](int64_t r0, int64_t r1, int) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* a = s.f32() + row_offset(s.shape, s.strides, r);
-      for (int64_t i = 0; i < len; ++i) o[r * len + i] = f(a[i * ss]);
+      float* orow = o + r * len;
+      if (ss == 1) {
+        row(orow, a, len, p0, p1);
+        continue;
+      }
+      // Strided row: gather it into the output, then transform in place.
+      for (int64_t i = 0; i < len; ++i) orow[i] = a[i * ss];
+      row(orow, orow, len, p0, p1);
     }
   });
 }
@@ -116,8 +152,7 @@ void unary_infer(Graph& g, Node& n) {
   n.shape = g.node(n.src.at(0)).shape;
 }
 
-template <class F>
-void add_unary(OpTable& t, const char* name, F f, std::function<void(GradSink&)> bw, size_t n_fp = 0) {
+void add_unary(OpTable& t, const char* name, UnRow row, std::function<void(GradSink&)> bw, size_t n_fp = 0) {
   OpDef d;
   d.name = name;
   d.infer = [n_fp](Graph& g, Node& n) {
@@ -125,10 +160,7 @@ void add_unary(OpTable& t, const char* name, F f, std::function<void(GradSink&)>
     if (n_fp == 2 && n.fp.at(0) > n.fp.at(1)) fail_shape(g, n, "min must not exceed max");
     unary_infer(g, n);
   };
-  d.forward = [f](KernelCtx& c) {
-    const auto& fp = c.node.fp;
-    unary_forward(c, [&](float x) { return f(x, fp); });
-  };
+  d.forward = [row](KernelCtx& c) { unary_forward(c, row); };
   d.backward = std::move(bw);
   t.add(std::move(d));
 }
@@ -141,27 +173,37 @@ std::function<void(GradSink&)> act_backward(Act code) {
   };
 }
 
-float act_derivative(int64_t code, float x, float y, const std::vector<double>& fp) {
-  switch (code) {
-    case kAbs: return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f);
-    case kSqrt: return 0.5f / y;
-    case kLog: return 1.0f / x;
-    case kClamp: return (x >= static_cast<float>(fp[0]) && x <= static_cast<float>(fp[1])) ? 1.0f : 0.0f;
-    case kRelu: return x > 0.0f ? 1.0f : 0.0f;
-    case kSilu: {
-      float s = sigmoidf(x);
-      return s * (1.0f + x * (1.0f - s));
-    }
-    case kGelu: {
-      float cdf = 0.5f * (1.0f + std::erf(x * kInvSqrt2));
-      return cdf + x * kInvSqrt2Pi * std::exp(-0.5f * x * x);
-    }
-    case kSigmoid: return y * (1.0f - y);
-    case kTanh: return 1.0f - y * y;
-    case kSoftplus: return x > 20.0f ? 1.0f : sigmoidf(x);
+// o[i] = g[i] * f'(x[i]) over dense rows, y = f(x); one row function per activation, in
+// the order of Act.
+using GradRow = void (*)(float*, const float*, const float*, const float*, int64_t, float, float);
+
+#define RC_GRAD_ROW(NAME, EXPR)                                                                \
+  RC_SIMD void NAME##_grad_row(float* __restrict o, const float* __restrict gp,                \
+                               const float* __restrict xp, const float* __restrict yp,         \
+                               int64_t n, [[maybe_unused]] float p0, [[maybe_unused]] float p1) { \
+    for (int64_t i = 0; i < n; ++i) {                                                          \
+      [[maybe_unused]] const float x = xp[i], y = yp[i];                                       \
+      o[i] = gp[i] * (EXPR);                                                                   \
+    }                                                                                          \
   }
-  return 0.0f;
-}
+
+RC_GRAD_ROW(abs, x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f))
+RC_GRAD_ROW(sqrt, 0.5f / y)
+RC_GRAD_ROW(log, 1.0f / x)
+RC_GRAD_ROW(clamp, (x >= p0 && x <= p1) ? 1.0f : 0.0f)
+RC_GRAD_ROW(relu, x > 0.0f ? 1.0f : 0.0f)
+RC_GRAD_ROW(silu, sigmoid_lane(x) * (1.0f + x * (1.0f - sigmoid_lane(x))))
+RC_GRAD_ROW(gelu, 0.5f * (1.0f + std::erf(x * kInvSqrt2)) + x * kInvSqrt2Pi * exp_lane(-0.5f * x * x))
+RC_GRAD_ROW(sigmoid, y * (1.0f - y))
+RC_GRAD_ROW(tanh, 1.0f - y * y)
+RC_GRAD_ROW(softplus, sigmoid_lane(x))  // softplus is x above 20, where sigmoid(x) is 1.0f
+
+#undef RC_GRAD_ROW
+
+constexpr GradRow kGradRows[] = {abs_grad_row,  sqrt_grad_row,    log_grad_row,     clamp_grad_row,
+                                 relu_grad_row, silu_grad_row,    gelu_grad_row,    sigmoid_grad_row,
+                                 tanh_grad_row, softplus_grad_row};
+static_assert(sizeof(kGradRows) / sizeof(kGradRows[0]) == kSoftplus + 1, "one row per Act code");
 
 }  // namespace
 
@@ -194,29 +236,20 @@ void register_elementwise_ops(OpTable& t) {
     }
   });
 
-  using FP = const std::vector<double>&;
-  add_unary(t, "neg", [](float x, FP) { return -x; }, [](GradSink& k) { k.add(0, k.g.neg(k.grad_out)); });
-  add_unary(t, "abs", [](float x, FP) { return std::fabs(x); }, act_backward(kAbs));
-  add_unary(t, "sqr", [](float x, FP) { return x * x; },
-            [](GradSink& k) { k.add(0, k.g.mul(k.grad_out, k.g.scale(k.node.src[0], 2.0))); });
-  add_unary(t, "sqrt", [](float x, FP) { return std::sqrt(x); }, act_backward(kSqrt));
-  add_unary(t, "exp", [](float x, FP) { return std::exp(x); },
-            [](GradSink& k) { k.add(0, k.g.mul(k.grad_out, k.node.id)); });
-  add_unary(t, "log", [](float x, FP) { return std::log(x); }, act_backward(kLog));
-  add_unary(t, "scale", [](float x, FP fp) { return x * static_cast<float>(fp[0]); },
-            [](GradSink& k) { k.add(0, k.g.scale(k.grad_out, k.node.fp[0])); }, 1);
-  add_unary(t, "clamp",
-            [](float x, FP fp) {
-              return std::min(std::max(x, static_cast<float>(fp[0])), static_cast<float>(fp[1]));
-            },
-            act_backward(kClamp), 2);
-  add_unary(t, "relu", [](float x, FP) { return x > 0.0f ? x : 0.0f; }, act_backward(kRelu));
-  add_unary(t, "silu", [](float x, FP) { return x * sigmoidf(x); }, act_backward(kSilu));
-  add_unary(t, "gelu", [](float x, FP) { return 0.5f * x * (1.0f + std::erf(x * kInvSqrt2)); },
-            act_backward(kGelu));
-  add_unary(t, "sigmoid", [](float x, FP) { return sigmoidf(x); }, act_backward(kSigmoid));
-  add_unary(t, "tanh", [](float x, FP) { return std::tanh(x); }, act_backward(kTanh));
-  add_unary(t, "softplus", [](float x, FP) { return softplusf(x); }, act_backward(kSoftplus));
+  add_unary(t, "neg", neg_row, [](GradSink& k) { k.add(0, k.g.neg(k.grad_out)); });
+  add_unary(t, "abs", abs_row, act_backward(kAbs));
+  add_unary(t, "sqr", sqr_row, [](GradSink& k) { k.add(0, k.g.mul(k.grad_out, k.g.scale(k.node.src[0], 2.0))); });
+  add_unary(t, "sqrt", sqrt_row, act_backward(kSqrt));
+  add_unary(t, "exp", exp_row, [](GradSink& k) { k.add(0, k.g.mul(k.grad_out, k.node.id)); });
+  add_unary(t, "log", log_row, act_backward(kLog));
+  add_unary(t, "scale", scale_row, [](GradSink& k) { k.add(0, k.g.scale(k.grad_out, k.node.fp[0])); }, 1);
+  add_unary(t, "clamp", clamp_row, act_backward(kClamp), 2);
+  add_unary(t, "relu", relu_row, act_backward(kRelu));
+  add_unary(t, "silu", silu_row, act_backward(kSilu));
+  add_unary(t, "gelu", gelu_row, act_backward(kGelu));
+  add_unary(t, "sigmoid", sigmoid_row, act_backward(kSigmoid));
+  add_unary(t, "tanh", tanh_row, act_backward(kTanh));
+  add_unary(t, "softplus", softplus_row, act_backward(kSoftplus));
 
   {
     // act_grad(g, x, y): g * f'(x) (y = f(x), used where cheaper). Dense inputs.
@@ -238,10 +271,12 @@ void register_elementwise_ops(OpTable& t) {
       const float* x = c.src[1].f32();
       const float* y = c.src[2].f32();
       float* o = c.dst.f32();
-      const int64_t code = c.node.ip[0];
+      const GradRow row = kGradRows[c.node.ip[0]];
       const auto& fp = c.node.fp;
+      const float p0 = fp.size() == 2 ? static_cast<float>(fp[0]) : 0.0f;
+      const float p1 = fp.size() == 2 ? static_cast<float>(fp[1]) : 0.0f;
       c.pool.parallel_for(c.dst.numel(), kGrainElems, [&](int64_t b, int64_t e, int) {
-        for (int64_t i = b; i < e; ++i) o[i] = gp[i] * act_derivative(code, x[i], y[i], fp);
+        row(o + b, gp + b, x + b, y + b, e - b, p0, p1);
       });
     };
     t.add(std::move(d));

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "../graph.h"
 
@@ -33,6 +34,14 @@ inline int64_t row_offset(const Shape& shape, const int64_t* strides, int64_t r)
 inline int64_t n_rows(const Shape& s) { return s.ndim == 0 ? 1 : s.numel() / std::max<int64_t>(1, s.d[s.ndim - 1]); }
 inline int64_t row_len(const Shape& s) { return s.ndim == 0 ? 1 : s.d[s.ndim - 1]; }
 inline int64_t last_stride(const int64_t* st, const Shape& s) { return s.ndim == 0 ? 1 : st[s.ndim - 1]; }
+
+// The sources of a backward kernel that reads the output gradient and every forward source:
+// (grad_out, src...).
+inline std::vector<int> grad_and_srcs(const GradSink& k) {
+  std::vector<int> s{k.grad_out};
+  s.insert(s.end(), k.node.src.begin(), k.node.src.end());
+  return s;
+}
 
 // Rows to hand each task so one task has about kGrainElems elements.
 inline int64_t row_grain(int64_t len) { return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, len)); }

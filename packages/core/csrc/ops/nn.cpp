@@ -17,6 +17,7 @@
 
 #include "../graph.h"
 #include "kernel_util.h"
+#include "lane_math.h"
 
 namespace recurra {
 
@@ -29,47 +30,6 @@ namespace {
 
 constexpr int kLanes = 16;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// exp(x), written so that loops over it vectorize (libm's expf does not): range reduction
-// x = n ln2 + r with |r| <= ln2/2, a degree-7 Taylor polynomial (truncation < 1e-8
-// relative; measured error < 2 ulp) scaled by 2^n built in the exponent bits. Below -87 it
-// returns 0, above 88.3 +inf; NaN stays NaN.
-//
-// Written without float selects feeding arithmetic and without float->int conversions:
-// under -ftrapping-math GCC then turns the selects into branches and gives up on the loop.
-// n is read from the mantissa bits of x/ln2 + 1.5*2^23, and the out-of-range cases are
-// patched in afterwards with bit masks.
-inline float exp_lane(float x) {
-  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  constexpr uint32_t kRoundBits = 0x4B400000u;
-  const float t = x * 1.44269504088896341f + kRound;
-  const float n = t - kRound;
-  uint32_t tb;
-  std::memcpy(&tb, &t, sizeof tb);
-  const uint32_t k = tb - kRoundBits;  // n as a two's-complement integer
-  float r = x - n * 0.693145751953125f;  // ln2 split in two so that n * hi is exact
-  r = r - n * 1.42860682030941723e-6f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const uint32_t scale_bits = (k + 127u) << 23;
-  float scale;
-  std::memcpy(&scale, &scale_bits, sizeof scale);
-  const float y = p * scale;
-  uint32_t yb;
-  std::memcpy(&yb, &y, sizeof yb);
-  const uint32_t under = 0u - static_cast<uint32_t>(x < -87.0f);
-  const uint32_t over = 0u - static_cast<uint32_t>(x > 88.3f);
-  yb = (yb & ~(under | over)) | (over & 0x7F800000u);
-  float out;
-  std::memcpy(&out, &yb, sizeof out);
-  return out;
-}
 
 // Floats mapped to int32 keys of the same order (max over ints vectorizes; over floats it
 // needs -ffinite-math-only). The map is its own inverse.
@@ -102,7 +62,7 @@ RC_ROW_REDUCE(sumsq_centered_row, (const float* __restrict x, int64_t n, float m
               (x[k] - mu) * (x[k] - mu))
 RC_ROW_REDUCE(dot_centered_row, (const float* __restrict g, const float* __restrict x, int64_t n, float mu),
               g[k] * (x[k] - mu))
-RC_ROW_REDUCE(sum_exp_shift_row, (const float* __restrict x, int64_t n, float m), exp_lane(x[k] - m))
+RC_ROW_REDUCE(sum_exp_shift_row, (const float* __restrict x, int64_t n, float m), exp_ftz_lane(x[k] - m))
 
 #undef RC_ROW_REDUCE
 
@@ -118,7 +78,7 @@ RC_SIMD float max_row(const float* __restrict x, int64_t n) {
 
 // y = exp(x - m)
 RC_SIMD void exp_shift_row(float* __restrict y, const float* __restrict x, int64_t n, float m) {
-  for (int64_t i = 0; i < n; ++i) y[i] = exp_lane(x[i] - m);
+  for (int64_t i = 0; i < n; ++i) y[i] = exp_ftz_lane(x[i] - m);
 }
 // y *= s
 RC_SIMD void scale_inplace_row(float* __restrict y, int64_t n, float s) {
@@ -140,7 +100,7 @@ RC_SIMD void softmax_back_row(float* __restrict dx, const float* __restrict g, c
 // dx = g - exp(y) * s
 RC_SIMD void log_softmax_back_row(float* __restrict dx, const float* __restrict g,
                                   const float* __restrict y, int64_t n, float s) {
-  for (int64_t i = 0; i < n; ++i) dx[i] = g[i] - exp_lane(y[i]) * s;
+  for (int64_t i = 0; i < n; ++i) dx[i] = g[i] - exp_ftz_lane(y[i]) * s;
 }
 // dx = r * g - c * x
 RC_SIMD void rms_norm_back_row(float* __restrict dx, const float* __restrict g, const float* __restrict x,
@@ -491,7 +451,10 @@ OpDef make_op(const char* name, std::function<void(Graph&, Node&)> infer,
 
 }  // namespace
 
+void register_gated_norm_ops(OpTable& t);  // gated_norm.cpp
+
 void register_nn_ops(OpTable& t) {
+  register_gated_norm_ops(t);
   t.add(make_op("softmax", row_infer, softmax_forward, 0b1, [](GradSink& k) {
     k.add(0, k.g.op("softmax_back", {k.grad_out, k.node.id}));
   }));

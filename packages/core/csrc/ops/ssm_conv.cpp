@@ -6,11 +6,20 @@
 //   ssm_conv      -> y (S, T, D),  y[s, t, ch] = sum_k sx[s, ch, t + k] c[ch, k]
 //   ssm_conv_back (dy (S, T, D), sx, c) -> packed 1-D: d_sx (S, D, W - 1 + T), then d_c (D, W)
 //
-// The output is transposed relative to the input, so the kernels work on tiles of 16
+//   causal_conv_silu (x (S, T, D), c (D, W)[, bias (D,)]) -> y (S, T, D),
+//       y[s, t, ch] = silu(bias[ch] + sum_k x[s, t - W + 1 + k, ch] c[ch, k]), x = 0 before t = 0
+//   causal_conv_silu_back (dy, x, c[, bias]) -> packed 1-D: dx (S, T, D), dc (D, W), then
+//       d_bias (D,) when there is a bias
+// (the convolution of a training step, no initial state, in the tokens-major layout of the
+// projection that feeds it: x may be a view whose rows are further apart than D, and no
+// transposes or padded copies are needed; CPU only, the Python side picks it).
+//
+// ssm_conv's output is transposed relative to its input, so the kernels work on tiles of 16
 // channels: the input rows are transposed (16 x 16 blocks in registers) into a
 // [position][16 channels] tile, and every output row y[s, t, ch0 : ch0 + 16] is then a
 // sum of W vector FMAs. The backward transposes d_sx back the same way. d_c is summed by
 // the one task that owns its 16 channels, in a fixed order (no thread-count dependence).
+#include "lane_math.h"
 #include "ssm.h"
 
 namespace recurra {
@@ -162,6 +171,175 @@ RC_SIMD void conv_bwd_block(const float* dy, const float* sx, const float* c, in
     for (int64_t k = 0; k < W; ++k) dc[l * W + k] = acc[k * 16 + l];
 }
 
+// ---- causal_conv_silu ---------------------------------------------------------------
+
+// pre[i] = b[i] + sum_k c[k][i] * x_k[i] over the rows x_k = rows[k] (nullptr: before t = 0);
+// cT is c transposed, [W][n] with row stride ldc.
+RC_SIMD void conv_pre_row(float* __restrict pre, const float* const* rows, const float* __restrict cT,
+                          int64_t ldc, const float* __restrict b, int64_t W, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) pre[i] = b ? b[i] : 0.0f;
+  for (int64_t k = 0; k < W; ++k) {
+    const float* __restrict xr = rows[k];
+    if (!xr) continue;
+    const float* __restrict ck = cT + k * ldc;
+    for (int64_t i = 0; i < n; ++i) pre[i] += ck[i] * xr[i];
+  }
+}
+
+RC_SIMD void silu_inplace_row(float* __restrict y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = y[i] * sigmoid_lane(y[i]);
+}
+
+// One token of the backward, n channels: g = dy * silu'(pre) in place of pre; when acc:
+// pb += g and pc[k] += g * rows[k] (pc: W rows of n; rows[k] nullptr before the start).
+RC_SIMD void conv_grad_row(float* __restrict g, const float* __restrict dy, const float* const* rows, int64_t W,
+                           bool acc, float* __restrict pb, float* __restrict pc, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float z = g[i], sg = sigmoid_lane(z);
+    g[i] = dy[i] * sg * (1.0f + z * (1.0f - sg));
+  }
+  if (!acc) return;
+  for (int64_t i = 0; i < n; ++i) pb[i] += g[i];
+  for (int64_t k = 0; k < W; ++k) {
+    const float* __restrict xr = rows[k];
+    if (!xr) continue;
+    float* __restrict pk = pc + k * n;
+    for (int64_t i = 0; i < n; ++i) pk[i] += g[i] * xr[i];
+  }
+}
+
+// dx = sum_k cT[k] * grows[k] over the rows present (grows[k] nullptr past the end).
+RC_SIMD void conv_dx_row(float* __restrict dx, const float* const* grows, const float* __restrict cT, int64_t W,
+                         int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dx[i] = 0.0f;
+  for (int64_t k = 0; k < W; ++k) {
+    const float* __restrict gr = grows[k];
+    if (!gr) continue;
+    const float* __restrict ck = cT + k * n;
+    for (int64_t i = 0; i < n; ++i) dx[i] += ck[i] * gr[i];
+  }
+}
+
+// Asks for the n floats at p ahead of use. Token rows of a projection lie pages apart, which
+// the hardware prefetchers do not cross: without this every row starts with misses.
+inline void prefetch_row(const float* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);
+}
+
+// The rows a token reads: x rows t - W + 1 .. t (nullptr before the start).
+void window_rows(const float* xs, int64_t ld, int64_t t, int64_t W, int64_t off, const float** rows) {
+  for (int64_t k = 0; k < W; ++k) {
+    const int64_t tt = t - (W - 1) + k;
+    rows[k] = tt >= 0 ? xs + tt * ld + off : nullptr;
+  }
+}
+
+struct ConvDims {
+  int64_t S, T, D, W, ld_s, ld_t;  // ld_*: x's strides of the sequence and token axes
+};
+
+ConvDims conv_dims(const TensorView& x, const TensorView& c) {
+  return {x.shape[0], x.shape[1], x.shape[2], c.shape[1], x.strides[0], x.strides[1]};
+}
+
+std::vector<float> transposed(const TensorView& c) {  // (D, W) -> [W][D]
+  const int64_t D = c.shape[0], W = c.shape[1];
+  std::vector<float> cT(W * D);
+  for (int64_t ch = 0; ch < D; ++ch)
+    for (int64_t k = 0; k < W; ++k) cT[k * D + ch] = c.f32()[ch * c.strides[0] + k * c.strides[1]];
+  return cT;
+}
+
+void causal_conv_forward(KernelCtx& c) {
+  const ConvDims d = conv_dims(c.src[0], c.src[1]);
+  const std::vector<float> cT = transposed(c.src[1]);
+  const float* b = c.src.size() == 3 ? c.src[2].f32() : nullptr;
+  const float* x = c.src[0].f32();
+  float* y = c.dst.f32();
+  c.pool.parallel_for(d.S * d.T, row_grain(d.D * d.W), [&](int64_t r0, int64_t r1, int) {
+    std::vector<const float*> rows(d.W);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t s = r / d.T, t = r % d.T;
+      if (t + 2 < d.T) prefetch_row(x + s * d.ld_s + (t + 2) * d.ld_t, d.D);
+      window_rows(x + s * d.ld_s, d.ld_t, t, d.W, 0, rows.data());
+      float* yr = y + r * d.D;
+      conv_pre_row(yr, rows.data(), cT.data(), d.D, b, d.W, d.D);
+      silu_inplace_row(yr, d.D);
+    }
+  });
+}
+
+// A task owns a block of kTok tokens of one sequence, all channels (whole rows: streaming
+// access). It recomputes g = dy * silu'(pre) for its tokens and the W - 1 after them (which
+// dx needs), keeps partial sums of d_c and d_bias, and writes its rows of dx; the partial
+// sums are added in task order (fixed by the shapes, not the thread count).
+void causal_conv_back_forward(KernelCtx& c) {
+  constexpr int64_t kTok = 32;
+  const ConvDims d = conv_dims(c.src[1], c.src[2]);
+  const bool has_b = c.src.size() == 4;
+  const std::vector<float> cT = transposed(c.src[2]);
+  const float* dy = c.src[0].f32();
+  const float* x = c.src[1].f32();
+  const float* b = has_b ? c.src[3].f32() : nullptr;
+  float* dx = c.dst.f32();
+  float* dc = dx + d.S * d.T * d.D;
+  float* db = dc + d.D * d.W;
+  const int64_t nb = (d.T + kTok - 1) / kTok, n_tasks = d.S * nb, D = d.D, W = d.W;
+  std::vector<float> pc(n_tasks * W * D, 0.0f), pb(n_tasks * D, 0.0f);
+  std::vector<std::vector<float>> work(c.pool.size());
+  c.pool.run(n_tasks, [&](int64_t task, int tid) {
+    const int64_t s = task / nb, t0 = task % nb * kTok, t1 = std::min(d.T, t0 + kTok);
+    const int64_t te = std::min(d.T, t1 + W - 1);
+    std::vector<float>& g = work[tid];
+    g.resize((kTok + W) * D);
+    std::vector<const float*> rows(W);
+    const float* xs = x + s * d.ld_s;
+    for (int64_t t = t0; t < te; ++t) {
+      if (t + 2 < d.T) {
+        prefetch_row(xs + (t + 2) * d.ld_t, D);
+        prefetch_row(dy + (s * d.T + t + 2) * D, D);
+      }
+      float* gt = g.data() + (t - t0) * D;
+      window_rows(xs, d.ld_t, t, W, 0, rows.data());
+      conv_pre_row(gt, rows.data(), cT.data(), D, b, W, D);
+      conv_grad_row(gt, dy + (s * d.T + t) * D, rows.data(), W, t < t1, pb.data() + task * D,
+                    pc.data() + task * W * D, D);
+    }
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t k = 0; k < W; ++k) {
+        const int64_t tt = t + W - 1 - k;
+        rows[k] = tt < te ? g.data() + (tt - t0) * D : nullptr;
+      }
+      conv_dx_row(dx + (s * d.T + t) * D, rows.data(), cT.data(), W, D);
+    }
+  });
+  std::vector<double> ac(W * D, 0.0), ab(D, 0.0);
+  for (int64_t q = 0; q < n_tasks; ++q) {
+    for (int64_t i = 0; i < W * D; ++i) ac[i] += pc[q * W * D + i];
+    for (int64_t i = 0; i < D; ++i) ab[i] += pb[q * D + i];
+  }
+  for (int64_t ch = 0; ch < D; ++ch) {
+    for (int64_t k = 0; k < W; ++k) dc[ch * W + k] = static_cast<float>(ac[k * D + ch]);
+    if (has_b) db[ch] = static_cast<float>(ab[ch]);
+  }
+}
+
+// (x (S, T, D), c (D, W)[, bias (D,)]) from source `off` on; x's last axis must be dense.
+// Sets the forward's dtype and shape (x's).
+void causal_conv_check(Graph& g, Node& n, size_t off) {
+  const size_t ns = n.src.size() - off;
+  if (ns != 2 && ns != 3) fail_shape(g, n, "takes (x, c) or (x, c, bias)");
+  for (size_t i = 0; i < n.src.size(); ++i) require_f32(g, n, static_cast<int>(i));
+  const Shape xs = g.node(n.src[off]).shape, cs = g.node(n.src[off + 1]).shape;
+  if (xs.ndim != 3) fail_shape(g, n, "x must be (n_seqs, n_tok, d_inner)");
+  if (cs.ndim != 2 || cs[0] != xs[2] || cs[1] < 1) fail_shape(g, n, "c must be (d_inner, d_conv)");
+  if (ns == 3 && g.node(n.src[off + 2]).shape != Shape{xs[2]}) fail_shape(g, n, "bias must be (d_inner,)");
+  const Node& xn = g.node(n.src[off]);
+  if (xs[2] > 1 && xn.strides[2] != 1) n.src[off] = g.contiguous(n.src[off]);
+  n.dtype = DType::f32;
+  n.shape = xs;  // the forward's result
+}
+
 void conv_check(Graph& g, Node& n, int off, int64_t* S, int64_t* D, int64_t* W, int64_t* T) {
   require_f32(g, n, off);
   require_f32(g, n, off + 1);
@@ -246,6 +424,35 @@ void register_ssm_conv_ops(OpTable& t) {
                        dsx + ch0 * L, dc + ch0 * W, wk);
       });
     };
+    t.add(std::move(d));
+  }
+  {
+    OpDef d;
+    d.name = "causal_conv_silu";
+    d.contiguous_srcs = 0b110;  // c, bias; x may have spread-out rows
+    d.infer = [](Graph& g, Node& n) { causal_conv_check(g, n, 0); };
+    d.forward = causal_conv_forward;
+    d.backward = [](GradSink& k) {
+      const int back = k.g.op("causal_conv_silu_back", grad_and_srcs(k));
+      const Shape xs = k.g.node(k.node.src[0]).shape, cs = k.g.node(k.node.src[1]).shape;
+      if (k.needs(0)) k.add(0, k.g.unpack(back, 0, xs));
+      if (k.needs(1)) k.add(1, k.g.unpack(back, xs.numel(), cs));
+      if (k.node.src.size() == 3 && k.needs(2)) k.add(2, k.g.unpack(back, xs.numel() + cs.numel(), Shape{cs[0]}));
+    };
+    t.add(std::move(d));
+  }
+  {
+    OpDef d;
+    d.name = "causal_conv_silu_back";
+    d.contiguous_srcs = 0b1101;  // dy, c, bias
+    d.infer = [](Graph& g, Node& n) {
+      if (n.src.size() < 3) fail_shape(g, n, "takes (dy, x, c[, bias])");
+      causal_conv_check(g, n, 1);
+      const Shape xs = g.node(n.src[1]).shape, cs = g.node(n.src[2]).shape;
+      if (g.node(n.src[0]).shape != xs) fail_shape(g, n, "dy must have x's shape");
+      n.shape = Shape{xs.numel() + cs.numel() + (n.src.size() == 4 ? cs[0] : 0)};
+    };
+    d.forward = causal_conv_back_forward;
     t.add(std::move(d));
   }
 }

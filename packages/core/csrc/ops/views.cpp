@@ -19,10 +19,49 @@ void make_view_of(const Graph& g, Node& n, int src) {
   n.view_offset = s.is_view() ? s.view_offset : 0;
 }
 
+// dst (R x C, dense) = the matrix src(r, c) = s[r + c * sc] of each batch entry: a
+// transposed view, copied in tiles of kT x kT. Within a tile the writes run down a column
+// (reads contiguous), unless C is a multiple of 256 floats: then the rows of a column fall
+// into a few cache sets and evict each other, and the writes run along the rows instead.
+void copy_transposed(float* dst, const float* s, int64_t nb, const Shape& bshape, const int64_t* bstr,
+                     int64_t R, int64_t C, int64_t sc, ThreadPool& tp) {
+  constexpr int64_t kT = 32;
+  const int64_t rt = (R + kT - 1) / kT, ct = (C + kT - 1) / kT;
+  tp.parallel_for(nb * rt * ct, std::max<int64_t>(1, kGrainElems / (kT * kT)), [&](int64_t b, int64_t e, int) {
+    for (int64_t task = b; task < e; ++task) {
+      const int64_t bi = task / (rt * ct), r0 = (task / ct) % rt * kT, c0 = task % ct * kT;
+      int64_t off = 0;
+      for (int64_t i = bshape.ndim - 1, q = bi; i >= 0; --i) {
+        off += (q % bshape.d[i]) * bstr[i];
+        q /= bshape.d[i];
+      }
+      const float* sp = s + off;
+      float* dp = dst + bi * R * C;
+      const int64_t r1 = std::min(R, r0 + kT), c1 = std::min(C, c0 + kT);
+      if (C % 256 == 0) {
+        for (int64_t r = r0; r < r1; ++r)
+          for (int64_t c = c0; c < c1; ++c) dp[r * C + c] = sp[r + c * sc];
+      } else {
+        for (int64_t c = c0; c < c1; ++c)
+          for (int64_t r = r0; r < r1; ++r) dp[r * C + c] = sp[r + c * sc];
+      }
+    }
+  });
+}
+
 // dst (contiguous) = src (any strides); dims of equal shape.
 void copy_strided(const TensorView& dst, const TensorView& src, ThreadPool& tp) {
   const int64_t len = row_len(dst.shape), rows = n_rows(dst.shape);
   const int64_t ss = last_stride(src.strides, src.shape);
+  const int nd = src.shape.ndim;
+  if (nd >= 2 && ss != 1 && src.strides[nd - 2] == 1 && src.dtype == DType::f32 && len > 1) {
+    // The last two axes transposed (a permuted matrix, e.g. a weight gradient).
+    Shape bshape;
+    bshape.ndim = nd - 2;
+    for (int i = 0; i < nd - 2; ++i) bshape.d[i] = src.shape.d[i];
+    copy_transposed(dst.f32(), src.f32(), bshape.numel(), bshape, src.strides, src.shape.d[nd - 2], len, ss, tp);
+    return;
+  }
   auto* d = static_cast<uint32_t*>(dst.data);
   const auto* s = static_cast<const uint32_t*>(src.data);
   tp.parallel_for(rows, row_grain(len), [&](int64_t b, int64_t e, int) {
@@ -37,7 +76,95 @@ void copy_strided(const TensorView& dst, const TensorView& src, ThreadPool& tp) 
   });
 }
 
+// slice_grad, any slice: zeros with the gradient written into the slice, each output row
+// written once (zeros outside the slice, the gradient inside), rows in parallel.
+void slice_grad_rows(KernelCtx& c) {
+  const Shape& os = c.dst.shape;
+  const int nd = os.ndim;
+  const TensorView& s = c.src[0];
+  if (nd == 0) {
+    c.dst.f32()[0] = s.f32()[0];
+    return;
+  }
+  const int64_t* ip = c.node.ip.data() + nd;  // (start, stop, step) per axis
+  const int64_t len = row_len(os), rows = n_rows(os);
+  const int64_t b = ip[3 * (nd - 1)], st = ip[3 * (nd - 1) + 2], n = row_len(s.shape);
+  const int64_t ss = last_stride(s.strides, s.shape);
+  float* out = c.dst.f32();
+  c.pool.parallel_for(rows, row_grain(len), [&](int64_t r0, int64_t r1, int) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* dp = out + r * len;
+      // Whether output row r lies in the slice on the outer axes, and its source row.
+      int64_t q = r, src_off = 0;
+      bool inside = true;
+      for (int i = nd - 2; i >= 0 && inside; --i) {
+        const int64_t idx = q % os.d[i];
+        q /= os.d[i];
+        const int64_t bi = ip[3 * i], ei = ip[3 * i + 1], sti = ip[3 * i + 2];
+        inside = idx >= bi && idx < ei && (idx - bi) % sti == 0;
+        src_off += (idx - bi) / sti * s.strides[i];
+      }
+      if (!inside || n == 0) {
+        std::fill(dp, dp + len, 0.0f);
+        continue;
+      }
+      const float* sp = s.f32() + src_off;
+      if (st == 1 && ss == 1) {
+        std::fill(dp, dp + b, 0.0f);
+        std::memcpy(dp + b, sp, n * sizeof(float));
+        std::fill(dp + b + n, dp + len, 0.0f);
+      } else {
+        std::fill(dp, dp + len, 0.0f);
+        for (int64_t i = 0; i < n; ++i) dp[b + i * st] = sp[i * ss];
+      }
+    }
+  });
+}
+
+// The gradient of a transposed matrix (x @ W.T: W.T's gradient is the product A @ B) is
+// wanted dense in W's layout: (A @ B)^T = B^T @ A^T computed as such, instead of the product
+// and a transposed copy of it (the product itself is then unread and not run, see
+// Graph::plan). Returns the new node, or -1 when `grad` is not a plain 2-D matmul or the
+// permutation not a transpose.
+int transposed_product(Graph& g, int grad, const std::vector<int64_t>& inv) {
+  const Node& m = g.node(grad);
+  if (inv.size() != 2 || inv[0] != 1 || m.is_leaf() || m.is_view() || m.shape.ndim != 2 ||
+      OpTable::get().at(m.op).name != "matmul")
+    return -1;
+  const int a = m.src[0], b = m.src[1];
+  if (g.node(a).shape.ndim != 2 || g.node(b).shape.ndim != 2) return -1;
+  const int bt = g.permute(b, {1, 0});
+  const int at = g.permute(a, {1, 0});
+  return g.op("matmul", {bt, at});
+}
+
 }  // namespace
+
+// dst (..., C) = zeros with parts[i] (..., e_i - b_i) written at columns [b_i, e_i) of every
+// row; the parts are sorted by begin and disjoint. Each output row is written once.
+void scatter_last_axis(const TensorView& dst, const std::vector<TensorView>& parts,
+                       const std::vector<int64_t>& begin, ThreadPool& tp) {
+  const int64_t len = row_len(dst.shape), rows = n_rows(dst.shape);
+  float* out = dst.f32();
+  tp.parallel_for(rows, row_grain(len), [&](int64_t r0, int64_t r1, int) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* dp = out + r * len;
+      int64_t at = 0;
+      for (size_t i = 0; i < parts.size(); ++i) {
+        const TensorView& p = parts[i];
+        const int64_t n = row_len(p.shape), ps = last_stride(p.strides, p.shape);
+        const float* sp = p.f32() + row_offset(p.shape, p.strides, r);
+        std::fill(dp + at, dp + begin[i], 0.0f);
+        if (ps == 1)
+          std::memcpy(dp + begin[i], sp, n * sizeof(float));
+        else
+          for (int64_t k = 0; k < n; ++k) dp[begin[i] + k] = sp[k * ps];
+        at = begin[i] + n;
+      }
+      std::fill(dp + at, dp + len, 0.0f);
+    }
+  });
+}
 
 // sum_to: every output element is the sum of its preimage in double, always in the same
 // order (never dependent on the thread count). The rows of `a` (its last axis) are the unit
@@ -192,6 +319,10 @@ void register_view_ops(OpTable& t) {
     d.backward = [](GradSink& k) {
       std::vector<int64_t> inv(k.node.ip.size());
       for (size_t i = 0; i < inv.size(); ++i) inv[k.node.ip[i]] = static_cast<int64_t>(i);
+      if (const int t = transposed_product(k.g, k.grad_out, inv); t >= 0) {
+        k.add(0, t);
+        return;
+      }
       k.add(0, k.g.contiguous(k.g.permute(k.grad_out, inv)));
     };
     t.add(std::move(d));
@@ -260,25 +391,7 @@ void register_view_ops(OpTable& t) {
         });
         return;
       }
-      std::memset(c.dst.data, 0, total * 4);
-      TensorView w = c.dst;
-      int nd = c.dst.shape.ndim;
-      int64_t off = 0;
-      for (int i = 0; i < nd; ++i) {
-        int64_t b = c.node.ip[nd + 3 * i], st = c.node.ip[nd + 3 * i + 2];
-        off += b * c.dst.strides[i];
-        w.strides[i] = c.dst.strides[i] * st;
-        w.shape.d[i] = c.src[0].shape.d[i];
-      }
-      w.data = c.dst.f32() + off;
-      const TensorView& s = c.src[0];
-      int64_t len = row_len(s.shape), rows = n_rows(s.shape);
-      int64_t ws = last_stride(w.strides, w.shape), ss = last_stride(s.strides, s.shape);
-      for (int64_t r = 0; r < rows; ++r) {
-        float* dp = w.f32() + row_offset(w.shape, w.strides, r);
-        const float* sp = s.f32() + row_offset(s.shape, s.strides, r);
-        for (int64_t i = 0; i < len; ++i) dp[i * ws] = sp[i * ss];
-      }
+      slice_grad_rows(c);
     };
     t.add(std::move(d));
   }

@@ -360,7 +360,49 @@ def _build_cases() -> list[Case]:
     add("rms_norm", "4x33", norm_in, lambda x: ops.rms_norm(x, 1e-6))
     add("layer_norm", "4x33", norm_in, lambda x: ops.layer_norm(x, 1e-5))
     add("rms_norm", "3d_odd", _unary_inputs(lambda r: _normal(r, 2, 3, 17)), ops.rms_norm)
+    add(
+        "rms_norm",
+        "weighted",
+        lambda r: {"x": _normal(r, 3, 33), "w": _f32(1.0 + 0.3 * r.standard_normal(33))},
+        lambda x, w: ops.rms_norm(x, 1e-5, w),
+        note="a fused op on the CPU, rms_norm then mul on a device",
+    )
     add("layer_norm", "3d_odd", _unary_inputs(lambda r: _normal(r, 2, 3, 17)), ops.layer_norm)
+
+    def gated_inputs(skip: bool) -> Any:
+        def make(rng: np.random.Generator) -> dict[str, np.ndarray]:
+            out = {
+                "y": _normal(rng, 2, 3, 16),
+                "z": _normal(rng, 2, 3, 16, scale=2.0),
+                "w": _f32(1.0 + 0.3 * rng.standard_normal(16)),
+            }
+            if skip:
+                out.update(x=_normal(rng, 2, 3, 16), d=_normal(rng, 4))
+            return out
+
+        return make
+
+    # On a device backend the op is built from elementwise ops: checked against the fused CPU op.
+    add(
+        "gated_rms_norm",
+        "groups_of_8_skip",
+        gated_inputs(True),
+        lambda y, z, w, x, d: ops.gated_rms_norm(y, z, w, 1e-5, 8, x=x, d=d),
+    )
+    add("gated_rms_norm", "no_skip", gated_inputs(False), ops.gated_rms_norm)
+
+    def conv_inputs(bias: bool) -> Any:
+        def make(rng: np.random.Generator) -> dict[str, np.ndarray]:
+            out = {"x": _normal(rng, 2, 7, 20), "weight": _normal(rng, 20, 4, scale=0.5)}
+            if bias:
+                out["bias"] = _normal(rng, 20)
+            return out
+
+        return make
+
+    # On a device backend: pad + ssm_conv + add + silu, checked against the fused CPU op.
+    add("causal_conv_silu", "2x7x20_k4_bias", conv_inputs(True), ops.causal_conv_silu)
+    add("causal_conv_silu", "no_bias", conv_inputs(False), ops.causal_conv_silu)
 
     def rows_inputs(idx_shape: tuple[int, ...]) -> Any:
         def make(rng: np.random.Generator) -> dict[str, np.ndarray]:

@@ -170,16 +170,23 @@ def causal_conv(x: Any, state: Any | None, weight: Any, bias: Any | None) -> tup
     the new state (B, C, K-1))."""
     b, t, c = x.shape
     k = weight.shape[-1]
+    if state is None:  # one fused op (on the CPU)
+        return ops.causal_conv_silu(x, weight, bias), conv_state_after(x, k)
     xt = x.permute(0, 2, 1)  # (B, C, T)
-    if state is None:
-        sx = ops.pad(xt, ((0, 0), (0, 0), (k - 1, 0)))
-    else:
-        sx = ops.concat([state, xt], axis=2)
+    sx = ops.concat([state, xt], axis=2)
     y = ops.ssm_conv(sx, weight)  # (B, T, C)
     if bias is not None:
         y = y + bias
     new_state = sx[:, :, t:] if k > 1 else sx[:, :, :0]
     return ops.silu(y), new_state
+
+
+def conv_state_after(x: Any, k: int) -> Any:
+    """The conv state (B, C, K-1) after inputs x (B, T, C) that started from zeros: the last
+    K-1 inputs, zero-padded on the left (a lazy view: only computed if read)."""
+    t = x.shape[1]
+    sx = ops.pad(x.permute(0, 2, 1), ((0, 0), (0, 0), (k - 1, 0)))
+    return sx[:, :, t:] if k > 1 else sx[:, :, :0]
 
 
 def inv_softplus(x: np.ndarray) -> np.ndarray:

@@ -9,6 +9,8 @@ Per layer: ``x + mixer(rms_norm(x))`` with the mixer
     y          = multi_head_scan(x, dt + dt_bias, A = -exp(A_log) per head, B, C) + D * x
     out        = out_proj(group_rms_norm(y * silu(z)) * norm_weight)
 
+(the D skip and the gated norm are one op, ops.gated_rms_norm).
+
 then a final RMSNorm and the LM head (untied by default, like Hugging Face's config).
 """
 
@@ -27,6 +29,7 @@ from recurra_models.lm import (
     ConfigBase,
     _positive,
     causal_conv,
+    conv_state_after,
     init_dt_bias,
 )
 from recurra_models.mamba import MambaBlock, MambaFamilyLM, _Conv1d, _zeros
@@ -118,23 +121,18 @@ class Mamba2Config(ConfigBase):
 
 class GatedRMSNorm(nn.Module):
     """norm(y * silu(z)) * weight where the RMS norm runs over groups of ``group_size``
-    channels (Hugging Face's ``MambaRMSNormGated``)."""
+    channels (Hugging Face's ``MambaRMSNormGated``); with ``x`` and ``d``, y + x * d (the
+    Mamba-2 D skip, d one value per head) takes y's place. One fused op on the CPU
+    (ops.gated_rms_norm)."""
 
     def __init__(self, dim: int, group_size: int, eps: float) -> None:
         super().__init__()
         self.dim, self.group_size, self.eps = dim, group_size, eps
         self.weight = nn.Parameter(np.ones(dim, np.float32))
 
-    def forward(self, y: Any, z: Any) -> Any:
-        """y, z (B, T, dim) -> (B, T, dim)."""
-        b, t, d = y.shape
-        h = y * ops.silu(z)
-        g = d // self.group_size
-        if g > 1:
-            h = ops.rms_norm(h.reshape(b, t, g, self.group_size), self.eps).reshape(b, t, d)
-        else:
-            h = ops.rms_norm(h, self.eps)
-        return h * self.weight
+    def forward(self, y: Any, z: Any, x: Any = None, d: Any = None) -> Any:
+        """y, z, x (B, T, dim), d (n_heads,) -> (B, T, dim)."""
+        return ops.gated_rms_norm(y, z, self.weight, self.eps, self.group_size, x=x, d=d)
 
 
 class Mamba2Mixer(nn.Module):
@@ -167,16 +165,28 @@ class Mamba2Mixer(nn.Module):
             # The op applies softplus itself: hand it softplus^-1(clamp(softplus(dt))).
             sp = ops.clamp(ops.softplus(dt), max(lo, 1e-30), hi)
             dt = ops.log(ops.exp(sp) - 1.0)
-        conv_state = state[0] if state is not None else None
-        xbc, conv_state = causal_conv(xbc, conv_state, self.conv1d.w2d(), self.conv1d.bias)
-        x = xbc[:, :, :di].reshape(b, t, nh, p)
-        bm = xbc[:, :, di : di + g * n].reshape(b, t, g, n)
-        cm = xbc[:, :, di + g * n :].reshape(b, t, g, n)
+        if state is None and h.device.backend == "cpu":
+            # The conv is per channel: x, B and C each from their slice give dense results
+            # (no copy of x for the scan; their gradients merge with z's and dt's).
+            w, bias, cuts = self.conv1d.w2d(), self.conv1d.bias, (0, di, di + g * n, cd)
+            x, bm, cm = (
+                ops.causal_conv_silu(
+                    zxbcdt[:, :, di + a : di + e], w[a:e], None if bias is None else bias[a:e]
+                )
+                for a, e in zip(cuts, cuts[1:])
+            )
+            conv_state = conv_state_after(xbc, c.d_conv)
+        else:
+            conv_state = state[0] if state is not None else None
+            xbc, conv_state = causal_conv(xbc, conv_state, self.conv1d.w2d(), self.conv1d.bias)
+            x, bm, cm = xbc[:, :, :di], xbc[:, :, di : di + g * n], xbc[:, :, di + g * n :]
+        x = x.reshape(b, t, nh, p)
+        bm = bm.reshape(b, t, g, n)
+        cm = cm.reshape(b, t, g, n)
         a = (-ops.exp(self.A_log)).reshape(nh, 1)
         s0 = state[1] if state is not None else _zeros((b, nh, p, n), h.device)
         y, s1 = ops.ssm_scan(s0, x, dt, a, bm, cm, np.arange(b, dtype=np.int32))
-        y = y + x * self.D.reshape(nh, 1)
-        y = self.norm(y.reshape(b, t, di), z)
+        y = self.norm(y.reshape(b, t, di), z, x=x.reshape(b, t, di), d=self.D)
         return self.out_proj(y), [conv_state, s1]
 
 

@@ -401,7 +401,7 @@ class RMSNorm(Module):
 
     def forward(self, x: Any) -> Any:
         """Returns a tensor of x's shape."""
-        return ops.rms_norm(x, self.eps) * self.weight
+        return ops.rms_norm(x, self.eps, self.weight)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"

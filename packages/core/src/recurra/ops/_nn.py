@@ -13,6 +13,8 @@ __all__ = [
     "cross_entropy",
     "mse_loss",
     "rms_norm",
+    "gated_rms_norm",
+    "causal_conv_silu",
     "layer_norm",
     "get_rows",
 ]
@@ -91,12 +93,117 @@ def mse_loss(a: Any, b: Any) -> Any:
     return mean(apply("sqr", [apply("sub", [a, b])]))
 
 
-def rms_norm(x: Any, eps: float = 1e-6) -> Any:
-    """x / sqrt(mean(x**2) + eps) along the last axis (no weight: multiply by one after).
+def rms_norm(x: Any, eps: float = 1e-6, weight: Any = None) -> Any:
+    """x / sqrt(mean(x**2) + eps) along the last axis, times ``weight`` (C,) when given.
 
-    Returns a float32 tensor of x's shape. Raises ValueError for a negative eps.
+    With a weight on the CPU this is one fused op (the norm, the product and, backward, the
+    weight's gradient in one pass); elsewhere rms_norm then mul. Returns a float32 tensor of
+    x's shape. Raises ValueError for a negative eps or a weight that is not (C,).
     """
-    return apply("rms_norm", [x], fp=(float(eps),))
+    if weight is None:
+        return apply("rms_norm", [x], fp=(float(eps),))
+    _, srcs = coerce([x, weight])
+    if _all_cpu(srcs) and srcs[0].ndim:
+        return apply("gated_rms_norm", srcs, ip=(int(srcs[0].shape[-1]),), fp=(float(eps),))
+    from recurra.ops._elementwise import mul
+
+    return mul(apply("rms_norm", [srcs[0]], fp=(float(eps),)), srcs[1])
+
+
+def _all_cpu(srcs: Sequence[Any]) -> bool:
+    """Whether every source lives on the CPU (numpy arrays and host tensors do)."""
+    return all(getattr(getattr(t, "device", None), "backend", "cpu") == "cpu" for t in srcs)
+
+
+def gated_rms_norm(
+    y: Any,
+    z: Any,
+    weight: Any,
+    eps: float = 1e-5,
+    group_size: int | None = None,
+    x: Any = None,
+    d: Any = None,
+) -> Any:
+    """Mamba-2's gated output norm: ``h = (y + x * d) * silu(z)``, then
+    ``h / sqrt(mean(h**2) + eps) * weight`` with the mean over groups of ``group_size``
+    channels of the last axis (default: all of it).
+
+    ``y``, ``z`` (and ``x``) have one shape (..., C); ``weight`` is (C,); ``d`` is (H,) with
+    H dividing C, one value per block of C / H channels (the D skip of Mamba-2; give both
+    ``x`` and ``d`` or neither). On the CPU this is one fused op (one pass forward and one
+    backward); elsewhere it is built from elementwise ops and rms_norm, with the same result.
+    Returns a float32 tensor of y's shape. Raises ValueError for mismatched shapes, a group
+    size that does not divide C, or only one of x and d; TypeError for non-float32 inputs.
+    """
+    if (x is None) != (d is None):
+        raise ValueError("gated_rms_norm: give both x and d (the D skip) or neither")
+    _, srcs = coerce([y, z, weight] if x is None else [y, z, weight, x, d])
+    y, z, weight = srcs[:3]
+    c = int(y.shape[-1]) if y.ndim else 0
+    gs = c if group_size is None else int(group_size)
+    if _all_cpu(srcs):
+        return apply("gated_rms_norm", srcs, ip=(gs,), fp=(float(eps),))
+    return _gated_rms_norm_ops(srcs, eps, gs)
+
+
+def _gated_rms_norm_ops(srcs: Sequence[Any], eps: float, gs: int) -> Any:
+    """gated_rms_norm built from elementwise ops and rms_norm (for device backends, which
+    have no fused kernel); srcs as in gated_rms_norm, already coerced."""
+    from recurra.ops._elementwise import add, mul, silu
+
+    y, z, weight = srcs[:3]
+    c = int(y.shape[-1])
+    u = y
+    if len(srcs) == 5:
+        xs, ds = srcs[3], srcs[4]
+        if ds.ndim != 1 or ds.shape[0] < 1 or c % ds.shape[0]:
+            raise ValueError(f"gated_rms_norm: d must be (H,) with H dividing {c}")
+        heads = (*y.shape[:-1], ds.shape[0], c // ds.shape[0])
+        skip = mul(_reshape(xs, heads), _reshape(ds, (ds.shape[0], 1)))
+        u = add(y, _reshape(skip, y.shape))
+    h = mul(u, silu(z))
+    if gs < 1 or c % gs:
+        raise ValueError(f"gated_rms_norm: group_size {gs} must divide the channels ({c})")
+    if gs != c:
+        h = _reshape(rms_norm(_reshape(h, (*y.shape[:-1], c // gs, gs)), eps), y.shape)
+    else:
+        h = rms_norm(h, eps)
+    return mul(h, weight)
+
+
+def causal_conv_silu(x: Any, weight: Any, bias: Any = None) -> Any:
+    """Mamba's depthwise causal convolution over time followed by SiLU, from zeros (no
+    carried state): ``y[s, t, ch] = silu(bias[ch] + sum_k x[s, t - K + 1 + k, ch] *
+    weight[ch, k])`` with x = 0 before t = 0.
+
+    ``x`` is (n_seqs, n_tok, channels) (a slice of a wider projection is read in place),
+    ``weight`` (channels, K), ``bias`` (channels,) or None. On the CPU this is one fused op
+    (no transposed or padded copies); elsewhere pad + ssm_conv + bias + silu, with the
+    same result. Returns a float32 tensor of x's shape. Raises ValueError for inconsistent
+    shapes, TypeError for non-float32 inputs.
+    """
+    _, srcs = coerce([x, weight] if bias is None else [x, weight, bias])
+    if _all_cpu(srcs):
+        return apply("causal_conv_silu", srcs)
+    return _causal_conv_silu_ops(srcs)
+
+
+def _causal_conv_silu_ops(srcs: Sequence[Any]) -> Any:
+    """causal_conv_silu built from pad, ssm_conv, add and silu (for device backends);
+    srcs as in causal_conv_silu, already coerced."""
+    from recurra.ops._elementwise import add, permute, silu
+    from recurra.ops._shape import pad
+    from recurra.ops._ssm import ssm_conv
+
+    x, weight = srcs[:2]
+    if x.ndim != 3 or weight.ndim != 2:
+        raise ValueError(
+            f"causal_conv_silu: x must be (n_seqs, n_tok, channels) and weight (channels, K), "
+            f"got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    k = int(weight.shape[-1])
+    y = ssm_conv(pad(permute(x, (0, 2, 1)), ((0, 0), (0, 0), (k - 1, 0))), weight)
+    return silu(add(y, srcs[2]) if len(srcs) == 3 else y)
 
 
 def layer_norm(x: Any, eps: float = 1e-5) -> Any:

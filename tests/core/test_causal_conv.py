@@ -1,0 +1,96 @@
+"""causal_conv_silu (Mamba's causal depthwise conv + bias + SiLU of a training step): the
+fused CPU op and the decomposition device backends get, forward against float64 numpy,
+gradients against finite differences, strided inputs, thread independence, errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gradcheck import assert_grads_thread_independent, check_grads
+
+import recurra as rc
+from recurra import ops
+from recurra.ops._apply import coerce
+from recurra.ops._nn import _causal_conv_silu_ops
+
+RNG = np.random.default_rng(5)
+
+
+def ref(x, w, b=None):
+    x, w = x.astype(np.float64), w.astype(np.float64)
+    s, t, d = x.shape
+    k = w.shape[1]
+    xp = np.concatenate([np.zeros((s, k - 1, d)), x], axis=1)
+    pre = sum(xp[:, j : j + t, :] * w[:, j] for j in range(k))
+    if b is not None:
+        pre = pre + b.astype(np.float64)
+    return pre / (1 + np.exp(-pre))
+
+
+def fused(*a):
+    return ops.causal_conv_silu(*a)
+
+
+def decomposed(*a):
+    return _causal_conv_silu_ops(coerce(list(a))[1])
+
+
+SIZES = [(1, 1, 1, 1), (2, 3, 5, 4), (2, 9, 17, 4), (3, 20, 70, 3), (1, 40, 130, 2)]
+
+
+@pytest.mark.parametrize("impl", [fused, decomposed], ids=["fused", "decomposed"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("s,t,d,k", SIZES, ids=str)
+def test_forward(impl, bias, s, t, d, k):
+    x = RNG.standard_normal((s, t, d)).astype(np.float32)
+    w = RNG.standard_normal((d, k)).astype(np.float32)
+    b = RNG.standard_normal(d).astype(np.float32) if bias else None
+    args = [rc.tensor(x), rc.tensor(w)] + ([rc.tensor(b)] if bias else [])
+    np.testing.assert_allclose(impl(*args).numpy(), ref(x, w, b), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("impl", [fused, decomposed], ids=["fused", "decomposed"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+def test_grads(impl, bias):
+    s, t, d, k = 2, 6, 5, 4
+    arrays = [RNG.standard_normal((s, t, d)), RNG.standard_normal((d, k)) * 0.5]
+    if bias:
+        arrays.append(RNG.standard_normal(d))
+    check_grads(impl, arrays)
+
+
+def test_wide_channels_gradient_matches_decomposition():
+    # More channels than one backward task holds (64), a slice of a wider projection as x.
+    proj = RNG.standard_normal((2, 33, 150)).astype(np.float32)
+    w = RNG.standard_normal((130, 4)).astype(np.float32)
+    b = RNG.standard_normal(130).astype(np.float32)
+    g = RNG.standard_normal((2, 33, 130)).astype(np.float32)
+    grads = []
+    for impl in (fused, decomposed):
+        ps = [rc.param(proj), rc.param(w), rc.param(b)]
+        out = impl(ps[0][:, :, 7:137], ps[1], ps[2])
+        np.testing.assert_allclose(out.numpy(), ref(proj[:, :, 7:137], w, b), rtol=2e-5, atol=2e-6)
+        (out * rc.tensor(g)).sum().backward()
+        grads.append([p.grad.numpy() for p in ps])
+    for u, v in zip(*grads):
+        np.testing.assert_allclose(u, v, rtol=1e-4, atol=1e-4)
+    assert np.all(grads[0][0][:, :, :7] == 0) and np.all(grads[0][0][:, :, 137:] == 0)
+
+
+def test_results_do_not_depend_on_threads():
+    x = RNG.standard_normal((2, 30, 140)).astype(np.float32)
+    w = RNG.standard_normal((140, 4)).astype(np.float32)
+    b = RNG.standard_normal(140).astype(np.float32)
+    assert_grads_thread_independent(fused, [x, w, b])
+
+
+def test_errors():
+    x = np.zeros((2, 3, 4), np.float32)
+    with pytest.raises(ValueError, match="causal_conv_silu"):
+        fused(x, np.zeros((5, 4), np.float32)).numpy()
+    with pytest.raises(ValueError, match="causal_conv_silu"):
+        fused(x[0], np.zeros((4, 4), np.float32)).numpy()
+    with pytest.raises(ValueError, match="bias"):
+        fused(x, np.zeros((4, 4), np.float32), np.zeros(3, np.float32)).numpy()
+    with pytest.raises(TypeError):
+        fused(x.astype(np.int32), np.zeros((4, 4), np.float32)).numpy()
