@@ -84,10 +84,13 @@ class Graph:
     def __init__(self, backends: list[str] | None = None, strict: bool = False) -> None:
         self._g = _core.Graph()
         self._computed = False
+        #: the devices its nodes are placed on first (empty: the CPU alone)
+        self.backends: tuple[str, ...] = ()
         if backends:
             from recurra._devices import parse_device
 
-            self._g.set_backends([str(parse_device(b)) for b in backends], strict)
+            self.backends = tuple(str(parse_device(b)) for b in backends)
+            self._g.set_backends(list(self.backends), strict)
 
     # -- leaves ------------------------------------------------------------------------
     def _leaf(self, shape: Any, dtype: str, flags: int, name: str) -> GraphTensor:

@@ -111,8 +111,15 @@ def rms_norm(x: Any, eps: float = 1e-6, weight: Any = None) -> Any:
 
 
 def _all_cpu(srcs: Sequence[Any]) -> bool:
-    """Whether every source lives on the CPU (numpy arrays and host tensors do)."""
-    return all(getattr(getattr(t, "device", None), "backend", "cpu") == "cpu" for t in srcs)
+    """Whether every source lives on the CPU (numpy arrays and host tensors do; a tensor of
+    an explicit graph does when the graph prefers no device backend)."""
+    for t in srcs:
+        graph = getattr(t, "graph", None)
+        if graph is not None and any(not b.startswith("cpu") for b in graph.backends):
+            return False
+        if getattr(getattr(t, "device", None), "backend", "cpu") != "cpu":
+            return False
+    return True
 
 
 def gated_rms_norm(
