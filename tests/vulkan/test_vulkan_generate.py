@@ -1,11 +1,14 @@
-"""Generation of a model on the Vulkan device: the traced one-token step graph runs there
-(every node on the device, one submission a token) and decodes exactly what the lazy path
-decodes on the same device and what the model decodes on the CPU."""
+"""Generation of a model on the Vulkan device: every step's graph runs there (strict
+placement) and decodes what the model decodes on the CPU. The traced step graph is a CPU
+feature: on a device it would move the carried state between host and device every token
+(measured slower on the H200 than recording each step on the device), so it is not built."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+
+import recurra as rc
 
 rm = pytest.importorskip("recurra_models")
 from recurra_models.generation import StepGraph  # noqa: E402
@@ -24,16 +27,13 @@ def _model(arch: str, seed: int):
 
 
 @pytest.mark.parametrize("arch", ["mamba", "mamba2", "rwkv7"])
-def test_step_graph_runs_on_vulkan_and_decodes_like_the_cpu(vulkan: str, arch: str) -> None:
-    cpu_model = _model(arch, seed=3)
-    want = rm.generate(cpu_model, [1, 2, 3], max_tokens=10, temperature=0.0)
+def test_generation_on_vulkan_decodes_like_the_cpu(vulkan: str, arch: str) -> None:
+    want = rm.generate(_model(arch, seed=3), [1, 2, 3], max_tokens=10, temperature=0.0)
     model = _model(arch, seed=3).to(vulkan)
-    g = StepGraph.build(model)
-    assert g is not None
-    state = [np.asarray(t) for layer in model.init_state(1) for t in layer]
-    logits, _ = g(np.array([[5]], np.int32), state)
-    assert list(g.graph.placement()) == [str(model.device)]  # every node on the device
-    ref = cpu_model(np.array([[5]], np.int32)).numpy()
-    np.testing.assert_allclose(logits, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
-    assert rm.generate(model, [1, 2, 3], max_tokens=10, temperature=0.0) == want
-    assert rm.generate(model, [1, 2, 3], max_tokens=10, temperature=0.0, use_graph=False) == want
+    assert StepGraph.build(model) is None  # the lazy path, recorded on the device
+    rc.set_strict_placement(True)  # every node of every step on Vulkan
+    try:
+        got = rm.generate(model, [1, 2, 3], max_tokens=10, temperature=0.0)
+    finally:
+        rc.set_strict_placement(False)
+    assert got == want

@@ -85,11 +85,9 @@ class StepGraph:
     Each call binds the current parameter buffers (so training between calls is seen),
     feeds the token and the carried state (numpy arrays), computes, and returns the logits
     and the new state as numpy arrays: the Python cost per token is a few binds and copies,
-    not the re-recording of every op. On a device (a model moved with ``.to("vulkan")``)
-    the graph's nodes run there, one submission a token. Works for models whose
-    ``forward_with_state`` only uses ``recurra.ops`` on its inputs and parameters;
-    :func:`StepGraph.build` returns None when the model cannot be traced (the caller then
-    uses the lazy path).
+    not the re-recording of every op. Works for CPU models whose ``forward_with_state``
+    only uses ``recurra.ops`` on its inputs and parameters; :func:`StepGraph.build` returns
+    None when the model cannot be traced (the caller then uses the lazy path).
     """
 
     def __init__(
@@ -107,13 +105,12 @@ class StepGraph:
 
     @classmethod
     def build(cls, model: Any, batch: int = 1) -> StepGraph | None:
-        """Traces ``model.forward_with_state`` for (batch, 1) tokens on the model's device;
-        None when the model uses something the explicit graph cannot take."""
+        """Traces ``model.forward_with_state`` for (batch, 1) tokens; None when the model is
+        not on the CPU or uses something the explicit graph cannot take."""
+        if getattr(model.device, "backend", "cpu") != "cpu":
+            return None
         shapes = [[tuple(t.shape) for t in layer] for layer in model.init_state(batch)]
-        on_cpu = getattr(model.device, "backend", "cpu") == "cpu"
-        # on a device: the nodes go there (tokens and state are uploaded, logits and state
-        # read back, once per step: one submission a token)
-        g = rc.Graph() if on_cpu else rc.Graph(backends=[str(model.device)])
+        g = rc.Graph()
         leaves: dict[int, tuple[Any, Any]] = {}
         swapped: list[tuple[Any, str, Any]] = []
         try:
