@@ -29,15 +29,21 @@ namespace {
 
 constexpr int64_t kRowsPerPart = 16;
 
-// h = (y + x * d) * silu(z) (x == nullptr: no skip; z == nullptr: no gate). Each case is
-// its own loop: a select between sigmoid and 1 inside one loop would not vectorize.
+// h = (y + x * d) * silu(z) (x == nullptr: no skip; z == nullptr: no gate); sg = sigmoid(z)
+// too when sg != nullptr (the backward keeps it). Each case is its own loop: a select
+// between sigmoid and 1 inside one loop would not vectorize.
 RC_SIMD void gate_row(float* __restrict h, const float* __restrict y, const float* __restrict x,
-                      const float* __restrict d, const float* __restrict z, int64_t n) {
+                      const float* __restrict d, const float* __restrict z, float* __restrict sg, int64_t n) {
   if (x)
     for (int64_t i = 0; i < n; ++i) h[i] = y[i] + x[i] * d[i];
   else
     for (int64_t i = 0; i < n; ++i) h[i] = y[i];
-  if (z)
+  if (z && sg)
+    for (int64_t i = 0; i < n; ++i) {
+      sg[i] = sigmoid_lane(z[i]);
+      h[i] *= z[i] * sg[i];
+    }
+  else if (z)
     for (int64_t i = 0; i < n; ++i) h[i] *= z[i] * sigmoid_lane(z[i]);
 }
 
@@ -61,7 +67,7 @@ RC_SIMD void scale_weight_row(float* __restrict h, const float* __restrict w, fl
 
 // With n = h * r and dh = r * (g w - n c1): dy = dh * silu(z), dz = dh * u * silu'(z),
 // dx = dy * d, pw += g * n, pd += dy * x. kX: the D skip (x, d, dx, pd); kZ: the gate
-// (z, dz; without it dy = dh).
+// (z, dz, which holds sigmoid(z) on entry; without the gate dy = dh).
 template <bool kX, bool kZ>
 inline __attribute__((always_inline)) void gate_back(float* __restrict dy, float* __restrict dz,
                                                      float* __restrict dx, float* __restrict pw,
@@ -71,7 +77,7 @@ inline __attribute__((always_inline)) void gate_back(float* __restrict dy, float
                                                      const float* __restrict w, float r, float c1, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float u = kX ? y[i] + x[i] * d[i] : y[i];
-    const float sg = kZ ? sigmoid_lane(z[i]) : 1.0f;
+    const float sg = kZ ? dz[i] : 1.0f;
     const float s = kZ ? z[i] * sg : 1.0f;
     const float nv = u * s * r;
     const float dh = r * (g[i] * w[i] - nv * c1);
@@ -179,7 +185,7 @@ void gated_forward(KernelCtx& c) {
       float* o = out + r * C;
       const float *yr = y.at(r), *zr = z.at(r), *xr = x.at(r);
       for (int64_t k = 0; k < C; k += gs) {
-        gate_row(o + k, yr + k, xr ? xr + k : nullptr, d.data() + k, zr ? zr + k : nullptr, gs);
+        gate_row(o + k, yr + k, xr ? xr + k : nullptr, d.data() + k, zr ? zr + k : nullptr, nullptr, gs);
         const float ss = dot3_row(o + k, o + k, ones.data(), gs);
         const float rr = 1.0f / std::sqrt(ss / static_cast<float>(gs) + eps);
         scale_weight_row(o + k, w + k, rr, gs);
@@ -215,11 +221,12 @@ void gated_back_forward(KernelCtx& c) {
         const float* xk = xr ? xr + k : nullptr;
         // h into dy's row first: its sum of squares and <g w, h> give r and c1.
         const float* zk = zr ? zr + k : nullptr;
-        gate_row(dyr + k, yr + k, xk, d.data() + k, zk, gs);
+        float* dzk = dz ? dz + r * C + k : nullptr;
+        gate_row(dyr + k, yr + k, xk, d.data() + k, zk, dzk, gs);  // sigmoid(z) into dz's row
         const float ss = dot3_row(dyr + k, dyr + k, ones.data(), gs);
         const float rr = 1.0f / std::sqrt(ss / static_cast<float>(gs) + eps);
         const float c1 = rr * dot3_row(gr + k, w + k, dyr + k, gs) / static_cast<float>(gs);
-        gate_back_row(dyr + k, dz ? dz + r * C + k : nullptr, skip ? dx + r * C + k : nullptr, pwp + k,
+        gate_back_row(dyr + k, dzk, skip ? dx + r * C + k : nullptr, pwp + k,
                       pdp ? pdp + k : nullptr, gr + k, yr + k, xk, d.data() + k, zk, w + k, rr, c1, gs);
       }
     }

@@ -177,6 +177,14 @@ RC_SIMD void conv_bwd_block(const float* dy, const float* sx, const float* c, in
 // cT is c transposed, [W][n] with row stride ldc.
 RC_SIMD void conv_pre_row(float* __restrict pre, const float* const* rows, const float* __restrict cT,
                           int64_t ldc, const float* __restrict b, int64_t W, int64_t n) {
+  if (W == 4 && b && rows[0]) {  // Mamba's width, past the start: one pass instead of four
+    const float *__restrict x0 = rows[0], *__restrict x1 = rows[1], *__restrict x2 = rows[2],
+                *__restrict x3 = rows[3];
+    const float *__restrict c0 = cT, *__restrict c1 = cT + ldc, *__restrict c2 = cT + 2 * ldc,
+                *__restrict c3 = cT + 3 * ldc;
+    for (int64_t i = 0; i < n; ++i) pre[i] = b[i] + c0[i] * x0[i] + c1[i] * x1[i] + c2[i] * x2[i] + c3[i] * x3[i];
+    return;
+  }
   for (int64_t i = 0; i < n; ++i) pre[i] = b ? b[i] : 0.0f;
   for (int64_t k = 0; k < W; ++k) {
     const float* __restrict xr = rows[k];
@@ -211,6 +219,13 @@ RC_SIMD void conv_grad_row(float* __restrict g, const float* __restrict dy, cons
 // dx = sum_k cT[k] * grows[k] over the rows present (grows[k] nullptr past the end).
 RC_SIMD void conv_dx_row(float* __restrict dx, const float* const* grows, const float* __restrict cT, int64_t W,
                          int64_t n) {
+  if (W == 4 && grows[0]) {  // all four rows present (grows[0] is the furthest ahead)
+    const float *__restrict g0 = grows[0], *__restrict g1 = grows[1], *__restrict g2 = grows[2],
+                *__restrict g3 = grows[3];
+    const float *__restrict c0 = cT, *__restrict c1 = cT + n, *__restrict c2 = cT + 2 * n, *__restrict c3 = cT + 3 * n;
+    for (int64_t i = 0; i < n; ++i) dx[i] = c0[i] * g0[i] + c1[i] * g1[i] + c2[i] * g2[i] + c3[i] * g3[i];
+    return;
+  }
   for (int64_t i = 0; i < n; ++i) dx[i] = 0.0f;
   for (int64_t k = 0; k < W; ++k) {
     const float* __restrict gr = grows[k];
