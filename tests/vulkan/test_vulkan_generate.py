@@ -5,7 +5,6 @@ feature: on a device it would move the carried state between host and device eve
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 import recurra as rc
