@@ -162,6 +162,38 @@ py::dict backend_info() {
   return out;
 }
 
+// Runs one node warmup + iters times and returns the timestamp records of the last iters runs:
+// one per node, or one per dispatch when per_dispatch.
+std::vector<ProfileRecord> profile_runs(const std::string& op, const std::vector<py::array>& srcs,
+                                        const std::vector<int64_t>& ip, const std::vector<double>& fp,
+                                        const std::vector<ssize_t>& out_shape, const std::string& out_dtype,
+                                        int iters, int warmup, int device, bool per_dispatch) {
+  NodeRun r(device);
+  r.setup(op, srcs, ip, fp, out_shape, out_dtype, 0);
+  std::vector<ProfileRecord> recs;
+  bool was = false;
+  auto restore = [&](Device& d) {
+    d.set_profile_sink(nullptr);
+    if (per_dispatch) d.set_profile_dispatches(was);
+  };
+  py::gil_scoped_release nogil;
+  for (int i = 0; i < warmup; ++i) r.compute();
+  with_device(device, [&](Device& d) {
+    if (d.info().timestamp_bits == 0) fail_invalid("this device's queue has no timestamps");
+    was = d.profiling_dispatches();
+    if (per_dispatch) d.set_profile_dispatches(true);
+    d.set_profile_sink(&recs);
+  });
+  try {
+    for (int i = 0; i < iters; ++i) r.compute();
+  } catch (...) {
+    with_device(device, restore);
+    throw;
+  }
+  with_device(device, restore);
+  return recs;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_vk, m) {
@@ -194,26 +226,9 @@ PYBIND11_MODULE(_vk, m) {
       [](const std::string& op, const std::vector<py::array>& srcs, const std::vector<int64_t>& ip,
          const std::vector<double>& fp, const std::vector<ssize_t>& out_shape, const std::string& out_dtype,
          int iters, int warmup, int device) {
-        NodeRun r(device);
-        r.setup(op, srcs, ip, fp, out_shape, out_dtype, 0);
-        std::vector<ProfileRecord> recs;
-        {
-          py::gil_scoped_release nogil;
-          for (int i = 0; i < warmup; ++i) r.compute();
-          with_device(device, [&](Device& d) {
-            if (d.info().timestamp_bits == 0) fail_invalid("this device's queue has no timestamps");
-            d.set_profile_sink(&recs);
-          });
-          try {
-            for (int i = 0; i < iters; ++i) r.compute();
-          } catch (...) {
-            with_device(device, [](Device& d) { d.set_profile_sink(nullptr); });
-            throw;
-          }
-          with_device(device, [](Device& d) { d.set_profile_sink(nullptr); });
-        }
         std::vector<double> secs;
-        for (const auto& p : recs) secs.push_back(p.seconds);
+        for (const auto& p : profile_runs(op, srcs, ip, fp, out_shape, out_dtype, iters, warmup, device, false))
+          secs.push_back(p.seconds);
         return secs;
       },
       py::arg("op"), py::arg("srcs"), py::arg("ip") = std::vector<int64_t>{}, py::arg("fp") = std::vector<double>{},
@@ -226,33 +241,9 @@ PYBIND11_MODULE(_vk, m) {
       [](const std::string& op, const std::vector<py::array>& srcs, const std::vector<int64_t>& ip,
          const std::vector<double>& fp, const std::vector<ssize_t>& out_shape, const std::string& out_dtype,
          int iters, int warmup, int device) {
-        NodeRun r(device);
-        r.setup(op, srcs, ip, fp, out_shape, out_dtype, 0);
-        std::vector<ProfileRecord> recs;
-        bool was = false;
-        auto restore = [&](Device& d) {
-          d.set_profile_sink(nullptr);
-          d.set_profile_dispatches(was);
-        };
-        {
-          py::gil_scoped_release nogil;
-          for (int i = 0; i < warmup; ++i) r.compute();
-          with_device(device, [&](Device& d) {
-            if (d.info().timestamp_bits == 0) fail_invalid("this device's queue has no timestamps");
-            was = d.profiling_dispatches();
-            d.set_profile_dispatches(true);
-            d.set_profile_sink(&recs);
-          });
-          try {
-            for (int i = 0; i < iters; ++i) r.compute();
-          } catch (...) {
-            with_device(device, restore);
-            throw;
-          }
-          with_device(device, restore);
-        }
         py::list out;
-        for (const auto& p : recs) out.append(py::make_tuple(p.op, p.seconds));
+        for (const auto& p : profile_runs(op, srcs, ip, fp, out_shape, out_dtype, iters, warmup, device, true))
+          out.append(py::make_tuple(p.op, p.seconds));
         return out;
       },
       py::arg("op"), py::arg("srcs"), py::arg("ip") = std::vector<int64_t>{}, py::arg("fp") = std::vector<double>{},
