@@ -118,3 +118,15 @@ def apply_multi(
         outs.append(apply("reshape", [piece], ip=tuple(int(d) for d in s)))
         off += n
     return tuple(outs)
+
+
+def all_on_cpu(srcs: Sequence[Any]) -> bool:
+    """Whether every source lives on the CPU (numpy arrays and host tensors do; a tensor of
+    an explicit graph does when the graph prefers no device backend)."""
+    for t in srcs:
+        graph = getattr(t, "graph", None)
+        if graph is not None and any(not b.startswith("cpu") for b in graph.backends):
+            return False
+        if getattr(getattr(t, "device", None), "backend", "cpu") != "cpu":
+            return False
+    return True

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from recurra.ops._apply import apply, coerce
+from recurra.ops._apply import all_on_cpu, apply, coerce
 
 __all__ = [
     "softmax",
@@ -103,23 +103,11 @@ def rms_norm(x: Any, eps: float = 1e-6, weight: Any = None) -> Any:
     if weight is None:
         return apply("rms_norm", [x], fp=(float(eps),))
     _, srcs = coerce([x, weight])
-    if _all_cpu(srcs) and srcs[0].ndim:
+    if all_on_cpu(srcs) and srcs[0].ndim:
         return apply("gated_rms_norm", srcs, ip=(int(srcs[0].shape[-1]),), fp=(float(eps),))
     from recurra.ops._elementwise import mul
 
     return mul(apply("rms_norm", [srcs[0]], fp=(float(eps),)), srcs[1])
-
-
-def _all_cpu(srcs: Sequence[Any]) -> bool:
-    """Whether every source lives on the CPU (numpy arrays and host tensors do; a tensor of
-    an explicit graph does when the graph prefers no device backend)."""
-    for t in srcs:
-        graph = getattr(t, "graph", None)
-        if graph is not None and any(not b.startswith("cpu") for b in graph.backends):
-            return False
-        if getattr(getattr(t, "device", None), "backend", "cpu") != "cpu":
-            return False
-    return True
 
 
 def gated_rms_norm(
@@ -148,7 +136,7 @@ def gated_rms_norm(
     y, z, weight = srcs[:3]
     c = int(y.shape[-1]) if y.ndim else 0
     gs = c if group_size is None else int(group_size)
-    if _all_cpu(srcs):
+    if all_on_cpu(srcs):
         return apply("gated_rms_norm", srcs, ip=(gs,), fp=(float(eps),))
     return _gated_rms_norm_ops(srcs, eps, gs)
 
@@ -190,7 +178,7 @@ def causal_conv_silu(x: Any, weight: Any, bias: Any = None) -> Any:
     shapes, TypeError for non-float32 inputs.
     """
     _, srcs = coerce([x, weight] if bias is None else [x, weight, bias])
-    if _all_cpu(srcs):
+    if all_on_cpu(srcs):
         return apply("causal_conv_silu", srcs)
     return _causal_conv_silu_ops(srcs)
 

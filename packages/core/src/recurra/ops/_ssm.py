@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from recurra._tensor import is_grad_enabled
-from recurra.ops._apply import apply, apply_multi
+from recurra.ops._apply import all_on_cpu, apply, apply_multi
 
 __all__ = ["ssm_conv", "ssm_scan"]
 
@@ -81,14 +81,14 @@ def _checkpoint_floats(xs: tuple[int, ...], ss: tuple[int, ...], srcs: list[Any]
         return 0
     if not is_grad_enabled() or not any(getattr(t, "requires_grad", False) for t in srcs):
         return 0
-    devices = {getattr(getattr(t, "device", None), "backend", "cpu") for t in srcs}
+    on_cpu = all_on_cpu(srcs)
     n_seqs, n_tok, n_head, head_dim = xs
     if head_dim == 1:
-        if devices != {"cpu"}:
+        if not on_cpu:
             return 0
         seg = max(32, (n_tok + 63) // 64)
         return n_seqs * (-(-n_tok // seg)) * n_head * ss[3]
-    if devices == {"cpu"}:
+    if on_cpu:
         return 0
     a_shape = _shape_of(srcs[3])
     if len(a_shape) != 2 or a_shape[1] != 1:
