@@ -80,7 +80,7 @@ Recorder::Scratch Recorder::scratch(size_t nbytes) {
 }
 
 void Recorder::begin_node(const char* op) {
-  op_ = op;
+  if (per_dispatch_) op_ = op;  // the label of this node's dispatches
   if (!profiling_ || per_dispatch_) return;
   barrier();  // profiled nodes run one at a time so each one's time is its own
   vkCmdWriteTimestamp(cb_, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, sub_.queries, 2 * n_profiled_);
