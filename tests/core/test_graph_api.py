@@ -125,3 +125,37 @@ def test_weight_gradient_of_x_at_w_transposed_is_one_product():
     g.compute()
     np.testing.assert_allclose(w.grad.numpy(), rv.T @ xv, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(loss.item(), np.sum((xv @ wv.T) * rv), rtol=1e-5)
+
+
+def test_assign_writes_a_leaf_in_place_across_computes() -> None:
+    # A carried state: s <- 0.5 s + x, written back into the leaf by `assign` after the
+    # node that reads it; two computes advance it twice (float64 reference).
+    rng = np.random.default_rng(0)
+    s0 = rng.standard_normal((3, 5)).astype(np.float32)
+    x = rng.standard_normal((3, 5)).astype(np.float32)
+    g = rc.Graph()
+    s = g.input((3, 5), name="s")
+    xt = g.input((3, 5), name="x")
+    y = ops.sum(s * xt)  # reads the old state
+    new = s * 0.5 + xt
+    g.set_output(y)
+    g.set_output(g.apply("assign", [s, new], (), ()))
+    state = s0.copy()
+    g._g.bind(s.id, state)  # caller-owned memory: assign writes it
+    g.set_data(xt, x)
+    want = s0.astype(np.float64)
+    for _ in range(2):
+        g.compute()
+        np.testing.assert_allclose(g.get_data(y), (want * x).sum(), rtol=1e-5)
+        want = want * 0.5 + x
+        np.testing.assert_allclose(state, want, rtol=1e-6)
+
+
+def test_assign_refuses_computed_targets_and_mismatches() -> None:
+    g = rc.Graph()
+    a = g.input((2, 2))
+    b = g.input((2, 3))
+    with pytest.raises(ValueError, match="assign"):
+        g.apply("assign", [a, b], (), ())
+    with pytest.raises(ValueError, match="leaf"):
+        g.apply("assign", [a * 2.0, a], (), ())

@@ -179,6 +179,11 @@ PYBIND11_MODULE(_core, m) {
         return out;
       })
       .def("copy_to_device_buffer", [](PyGraph& s, int id) { return s.g.copy_to_device_buffer(id); })
+      .def("copy_to_device_buffers",
+           [](PyGraph& s, const std::vector<int>& ids) {
+             py::gil_scoped_release nogil;
+             return s.g.copy_to_device_buffers(ids);
+           })
       .def("info", &PyGraph::info)
       .def("__len__", [](PyGraph& s) { return s.g.size(); });
 

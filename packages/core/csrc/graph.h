@@ -218,6 +218,8 @@ class Graph {
   void read(int id, void* out);
   // A new persistent buffer on the node's backend holding a dense copy of its value.
   std::shared_ptr<DeviceBuffer> copy_to_device_buffer(int id);
+  // The same for several nodes: one compute call and one wait per backend.
+  std::vector<std::shared_ptr<DeviceBuffer>> copy_to_device_buffers(const std::vector<int>& ids);
   // Runs every non-leaf node on the CPU, in order. Raises if a leaf is unbound.
   void compute();
 

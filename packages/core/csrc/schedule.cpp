@@ -632,27 +632,43 @@ void Graph::read(int id, void* out) {
   }
 }
 
-std::shared_ptr<DeviceBuffer> Graph::copy_to_device_buffer(int id) {
-  const Node& n = node(id);
+std::shared_ptr<DeviceBuffer> Graph::copy_to_device_buffer(int id) { return copy_to_device_buffers({id}).at(0); }
+
+std::vector<std::shared_ptr<DeviceBuffer>> Graph::copy_to_device_buffers(const std::vector<int>& ids) {
   plan();
-  const int loc = location(id);
-  if (loc == kCpuBackend) throw ValueError("copy_to_device_buffer: node " + std::to_string(id) + " is on the CPU");
-  auto out = std::make_shared<DeviceBuffer>(loc, std::max<size_t>(n.nbytes(), 4), Pool::persistent);
-  if (n.numel() == 0) return out;
-  // A dense copy made by the backend itself: one "contiguous" node.
-  const BackendEntry& e = backend_entry(loc);
-  recurra_node_desc d{};
-  d.op = "contiguous";
-  d.dst = shape_desc(n);
-  int64_t st[kMaxDims];
-  contiguous_strides(n.shape, st);
-  for (int i = 0; i < n.shape.ndim; ++i) d.dst.strides[i] = st[i];
-  d.dst.buffer = out->handle();
-  d.dst.offset = 0;
-  d.n_src = 1;
-  d.src[0] = desc_on(id, loc);
-  check_status(loc, e.table->compute(e.table->ctx, e.device, &d, 1), "copy");
-  check_status(loc, e.table->synchronize(e.table->ctx, e.device), "synchronize");
+  std::vector<std::shared_ptr<DeviceBuffer>> out(ids.size());
+  // Per backend: one dense "contiguous" node per result, all in one compute call and one
+  // wait (a training step's gradients cost one round trip, not one per parameter).
+  std::map<int, std::vector<size_t>> by_backend;
+  for (size_t k = 0; k < ids.size(); ++k) {
+    const Node& n = node(ids[k]);
+    const int loc = location(ids[k]);
+    if (loc == kCpuBackend)
+      throw ValueError("copy_to_device_buffer: node " + std::to_string(ids[k]) + " is on the CPU");
+    out[k] = std::make_shared<DeviceBuffer>(loc, std::max<size_t>(n.nbytes(), 4), Pool::persistent);
+    if (n.numel() > 0) by_backend[loc].push_back(k);
+  }
+  for (const auto& [loc, ks] : by_backend) {
+    const BackendEntry& e = backend_entry(loc);
+    std::vector<recurra_node_desc> descs(ks.size());
+    for (size_t q = 0; q < ks.size(); ++q) {
+      const Node& n = nodes_[ids[ks[q]]];
+      recurra_node_desc& d = descs[q];
+      d = recurra_node_desc{};
+      d.op = "contiguous";
+      d.dst = shape_desc(n);
+      int64_t st[kMaxDims];
+      contiguous_strides(n.shape, st);
+      for (int i = 0; i < n.shape.ndim; ++i) d.dst.strides[i] = st[i];
+      d.dst.buffer = out[ks[q]]->handle();
+      d.dst.offset = 0;
+      d.n_src = 1;
+      d.src[0] = desc_on(n.id, loc);
+    }
+    check_status(loc, e.table->compute(e.table->ctx, e.device, descs.data(), static_cast<int32_t>(descs.size())),
+                 "copy");
+    check_status(loc, e.table->synchronize(e.table->ctx, e.device), "synchronize");
+  }
   return out;
 }
 

@@ -99,7 +99,8 @@ def train(
     model: str | None = typer.Option(
         None,
         "--model",
-        help="mamba, mamba2, rwkv6 or rwkv7 (with --resume: read from the checkpoint)",
+        help="mamba, mamba2, rwkv6, rwkv7, or a preset of a published size: mamba-130m, "
+        "mamba2-130m, rwkv7-0.1b (with --resume: read from the checkpoint)",
     ),
     data: Path = typer.Option(..., "--data", help="a text file to train on (its UTF-8 bytes)"),
     device: str = typer.Option("cpu", "--device", help="cpu or vulkan[:N]"),
@@ -131,10 +132,11 @@ def train(
 
     if resume and out is None:
         fail("--resume needs --out DIR (the folder to resume from)")
+    known = [*rm.architectures(), *rm.presets()]
     if not resume and model is None:
-        fail(f"--model is required: one of {', '.join(rm.architectures())}")
-    if model is not None and model not in rm.architectures():
-        fail(f"unknown --model {model!r}: one of {', '.join(rm.architectures())}")
+        fail(f"--model is required: one of {', '.join(known)}")
+    if model is not None and model not in known:
+        fail(f"unknown --model {model!r}: one of {', '.join(known)}")
     if out is not None and out.exists() and not out.is_dir():
         fail(f"--out {str(out)!r} exists and is not a folder")
     dev = parse_device(device)
@@ -158,7 +160,9 @@ def train(
         except (FileNotFoundError, ValueError) as e:
             fail(f"--resume: {e}")
         arch = str(ckpt["config"]["arch"])
-        if model is not None and model != arch:
+        from recurra_models.presets import resolve
+
+        if model is not None and resolve(model, {})[0] != arch:
             fail(f"--model {model} does not match the checkpoint in {str(folder)!r} ({arch})")
         if overrides:
             fail("--config cannot change the model of a run being resumed")

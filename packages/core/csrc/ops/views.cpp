@@ -427,6 +427,27 @@ void register_view_ops(OpTable& t) {
     t.add(std::move(d));
   }
   {
+    // assign(dst, src): writes src's values into dst in place (dst: a dense leaf, e.g. a
+    // recurrent state carried from one run of a graph to the next). The node's own value is
+    // a dummy (1,). Runs after every earlier reader of dst (nodes run in order).
+    OpDef d;
+    d.name = "assign";
+    d.infer = [](Graph& g, Node& n) {
+      if (n.src.size() != 2 || !n.ip.empty() || !n.fp.empty())
+        fail_shape(g, n, "takes (dst, src) and no parameters");
+      const Node& dst = g.node(n.src[0]);
+      const Node& src = g.node(n.src[1]);
+      if (!dst.is_leaf()) fail_shape(g, n, "writes into a leaf only (dst is a computed tensor)");
+      if (dst.dtype != src.dtype || dst.shape != src.shape)
+        fail_shape(g, n, "dst and src differ in shape or dtype");
+      n.dtype = DType::f32;
+      n.shape = Shape{1};
+    };
+    d.forward = [](KernelCtx& c) { copy_strided(c.src[0], c.src[1], c.pool); };
+    d.writes_src = [](const Node&, size_t i) { return i == 0; };
+    t.add(std::move(d));
+  }
+  {
     // fp: (value, dtype code)
     OpDef d;
     d.name = "fill";

@@ -255,16 +255,28 @@ def _wrap_value(value: np.ndarray, requires_grad: bool, device: Device) -> Tenso
     return Tensor._new(None, (), (), (), tuple(value.shape), dtype, value, requires_grad, device)
 
 
-def _result(g: Any, nid: int, like: Tensor | None, device: Device) -> Any:
-    """The value of node ``nid`` after compute, kept on ``device``."""
-    if device.backend == "cpu":
-        return g.read(nid)
-    if g.backend_of(nid) == str(device):
-        return g.copy_to_device_buffer(nid)
-    host = g.read(nid)  # computed elsewhere (CPU fallback): move it to the tensor's device
-    buf = _core.DeviceBuffer(str(device), max(host.size, 1) * 4)
-    buf.upload(host)
-    return buf
+def _results(g: Any, items: list[tuple[int, Device]]) -> list[Any]:
+    """The values of nodes ``(nid, device)`` after compute, each kept on its device.
+
+    Results computed on their tensor's device are copied out of the graph's arena together
+    (one submission and one wait per device, not one per tensor)."""
+    out: list[Any] = [None] * len(items)
+    on_device: list[int] = []
+    for k, (nid, device) in enumerate(items):
+        if device.backend == "cpu":
+            out[k] = g.read(nid)
+        elif g.backend_of(nid) == str(device):
+            on_device.append(k)
+        else:  # computed elsewhere (CPU fallback): move it to the tensor's device
+            host = g.read(nid)
+            buf = _core.DeviceBuffer(str(device), max(host.size, 1) * 4)
+            buf.upload(host)
+            out[k] = buf
+    if on_device:
+        bufs = g.copy_to_device_buffers([items[k][0] for k in on_device])
+        for k, buf in zip(on_device, bufs):
+            out[k] = buf
+    return out
 
 
 def tensor(data: Any, device: str | Device | None = None, dtype: Any = None) -> Tensor:
@@ -417,14 +429,17 @@ class LazyFrontend:
             else:
                 g.bind(nid, t._value)
         g.compute()
-        for nid, t in zip(plan.out_ids, outputs):
-            t._value = _result(g, nid, t, t.device)
+        params = [t for t in leaves if t.requires_grad] if want_grad else []
+        graded = [(gid, p) for gid, p in zip(plan.grad_ids, params) if gid >= 0]
+        values = _results(
+            g,
+            [(nid, t.device) for nid, t in zip(plan.out_ids, outputs)]
+            + [(gid, p.device) for gid, p in graded],
+        )
+        for t, v in zip(outputs, values):
+            t._value = v
         if want_grad:
-            params = [t for t in leaves if t.requires_grad]
-            for gid, p in zip(plan.grad_ids, params):
-                if gid < 0:
-                    continue
-                gval = _result(g, gid, p, p.device)
+            for (_, p), gval in zip(graded, values[len(outputs) :]):
                 if p.grad is None:
                     p.grad = Tensor._new(
                         None, (), (), (), p.shape, "float32", gval, False, p.device

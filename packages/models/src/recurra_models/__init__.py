@@ -44,6 +44,7 @@ _LAZY = {
     "RWKV7LM": "recurra_models.rwkv7",
     "RWKV7Config": "recurra_models.rwkv7",
     "load_pretrained": "recurra_models.loading",
+    "presets": "recurra_models.presets",
     "load_safetensors": "recurra_models.loading",
     "ByteTokenizer": "recurra_models.tokenizer",
     "generate": "recurra_models.generation",
@@ -78,6 +79,7 @@ __all__ = [
     "load_checkpoint",
     "load_pretrained",
     "load_safetensors",
+    "presets",
     "nn",
     "sample_token",
     "save_checkpoint",
@@ -139,14 +141,19 @@ def get_architecture(arch: str) -> type:
 
 
 def from_config(arch: str, config: dict[str, Any], seed: int = 0) -> Any:
-    """A freshly initialised model of architecture ``arch`` from a config dict.
+    """A freshly initialised model of architecture (or preset) ``arch`` from a config dict.
 
     Raises ValueError for an unknown architecture or config field."""
-    return get_architecture(arch).from_config(dict(config), seed=seed)  # type: ignore[attr-defined]
+    from recurra_models.presets import resolve
+
+    arch, config = resolve(arch, config)
+    return get_architecture(arch).from_config(config, seed=seed)  # type: ignore[attr-defined]
 
 
 def create(arch: str, *, seed: int = 0, **config: Any) -> Any:
-    """A freshly initialised model: ``create("mamba", d_model=64, n_layer=2)``.
+    """A freshly initialised model: ``create("mamba", d_model=64, n_layer=2)``, or a preset
+    of a published checkpoint's shape: ``create("mamba2-130m")`` (see :func:`presets`;
+    keyword arguments override its fields).
 
     Returns the architecture's model class instance. Raises ValueError for an unknown
     architecture or config field."""

@@ -79,15 +79,26 @@ def _prompt(prompt_ids: Any, vocab: int) -> np.ndarray:
     return arr.astype(np.int32)
 
 
+_VIEW_OPS = {"reshape", "permute", "slice", "broadcast_to", "transpose"}
+
+
 class StepGraph:
     """The model's one-token step traced once into an explicit :class:`recurra.Graph`.
 
-    Each call binds the current parameter buffers (so training between calls is seen),
-    feeds the token and the carried state (numpy arrays), computes, and returns the logits
-    and the new state as numpy arrays: the Python cost per token is a few binds and copies,
-    not the re-recording of every op. Works for CPU models whose ``forward_with_state``
-    only uses ``recurra.ops`` on its inputs and parameters; :func:`StepGraph.build` returns
-    None when the model cannot be traced (the caller then uses the lazy path).
+    On the CPU each call binds the current parameter buffers (so training between calls is
+    seen), feeds the token and the carried state (numpy arrays), computes, and returns the
+    logits and the new state as numpy arrays: the Python cost per token is a few binds and
+    copies, not the re-recording of every op.
+
+    On a device the graph is *resident*: parameters and the carried state are bound to device
+    buffers, and the step ends with ``assign`` nodes that write the new state into the
+    buffers it read, in place. A token then costs one upload of the token id, one submission
+    and one download of the logits; the state never leaves the device (see :meth:`start` and
+    :meth:`step`).
+
+    Works for models whose ``forward_with_state`` only uses ``recurra.ops`` on its inputs and
+    parameters; :func:`StepGraph.build` returns None when the model cannot be traced (the
+    caller then uses the lazy path).
     """
 
     def __init__(
@@ -99,18 +110,23 @@ class StepGraph:
         logits: Any,
         st_out: list[Any],
         layout: list[int],
+        resident: bool = False,
     ) -> None:
         self.graph, self.params, self.tok = graph, params, tok
         self.st_in, self.logits, self.st_out, self.layout = st_in, logits, st_out, layout
+        self.resident = resident
+        self._state: list[Any] = []  # resident: the device buffers the state lives in
 
     @classmethod
     def build(cls, model: Any, batch: int = 1) -> StepGraph | None:
-        """Traces ``model.forward_with_state`` for (batch, 1) tokens; None when the model is
-        not on the CPU or uses something the explicit graph cannot take."""
-        if getattr(model.device, "backend", "cpu") != "cpu":
-            return None
+        """Traces ``model.forward_with_state`` for (batch, 1) tokens; None when the model
+        uses something the explicit graph cannot take. A model on a device gives a resident
+        graph (every node placed on that device under the current strict-placement
+        setting)."""
+        device = str(model.device)
+        resident = getattr(model.device, "backend", "cpu") != "cpu"
         shapes = [[tuple(t.shape) for t in layer] for layer in model.init_state(batch)]
-        g = rc.Graph()
+        g = rc.Graph(backends=[device], strict=rc.strict_placement()) if resident else rc.Graph()
         leaves: dict[int, tuple[Any, Any]] = {}
         swapped: list[tuple[Any, str, Any]] = []
         try:
@@ -132,8 +148,15 @@ class StepGraph:
             if [[tuple(t.shape) for t in layer] for layer in st_out] != shapes:
                 return None
             g.set_output(logits)
-            for t in flat_out:
-                g.set_output(t)
+            flat_in = [t for layer in st_in for t in layer]
+            if resident:
+                for dst, src in zip(flat_in, flat_out):
+                    if src.op in _VIEW_OPS:  # may look into dst itself: copy it first
+                        src = rc.ops.contiguous(src)
+                    g.set_output(g.apply("assign", [dst, src], (), ()))
+            else:
+                for t in flat_out:
+                    g.set_output(t)
         except Exception:  # noqa: BLE001 - any tracing failure means: use the lazy path
             return None
         finally:
@@ -143,24 +166,58 @@ class StepGraph:
             g,
             list(leaves.values()),
             tok,
-            [t for layer in st_in for t in layer],
+            flat_in,
             logits,
             flat_out,
             [len(layer) for layer in shapes],
+            resident,
         )
+
+    def _bind_params(self) -> None:
+        g = self.graph
+        for p, leaf in self.params:
+            if self.resident:
+                g._g.bind_device(leaf.id, p._value)
+            else:
+                g._g.bind(leaf.id, p._realized())
 
     def __call__(
         self, tokens: np.ndarray, state: list[np.ndarray]
     ) -> tuple[np.ndarray, list[np.ndarray]]:
-        """Logits (batch, 1, V) and the new flat state list for tokens (batch, 1)."""
+        """Logits (batch, 1, V) and the new flat state list for tokens (batch, 1) (a graph
+        on the CPU)."""
+        if self.resident:
+            raise RuntimeError("a resident StepGraph carries its state: use start() and step()")
         g = self.graph
-        for p, leaf in self.params:
-            g._g.bind(leaf.id, p._realized())
+        self._bind_params()
         g.set_data(self.tok, tokens)
         for leaf, v in zip(self.st_in, state):
             g.set_data(leaf, v)
         g.compute()
         return g.get_data(self.logits), [g.get_data(t) for t in self.st_out]
+
+    def start(self, state: State) -> None:
+        """Resident graphs: takes over ``state`` (computed device tensors, e.g. after the
+        prompt) and binds the parameters' buffers; later steps update the state's buffers in
+        place."""
+        self._bind_params()
+        flat = [t for layer in state for t in layer]
+        realize(flat)
+        self._state = []
+        for leaf, t in zip(self.st_in, flat):
+            buf = (t if t.is_on_device else t.to(self.graph.backends[0]))._value
+            self._state.append(buf)
+            self.graph._g.bind_device(leaf.id, buf)
+
+    def step(self, tokens: np.ndarray) -> np.ndarray:
+        """Resident graphs: the logits (batch, 1, V) of tokens (batch, 1); the state moves
+        one token on, on the device."""
+        if not self._state:
+            raise RuntimeError("StepGraph.step: call start(state) first")
+        g = self.graph
+        g.set_data(self.tok, tokens)
+        g.compute()
+        return g.get_data(self.logits)
 
 
 def _step(model: Any, tokens: np.ndarray, state: State | None) -> tuple[np.ndarray, State]:
@@ -208,17 +265,24 @@ def stream(
         with rc.no_grad():
             logits, state = _step(model, prompt[None, :], None)
             graph = StepGraph.build(model) if use_graph and max_tokens > 1 else None
-            flat = [np.asarray(t) for layer in state for t in layer] if graph else []
+            flat: list[np.ndarray] = []
+            if graph is not None and graph.resident:
+                graph.start(state)
+            elif graph is not None:
+                flat = [np.asarray(t) for layer in state for t in layer]
             for i in range(int(max_tokens)):
                 tok = sample_token(logits, temperature, top_k, top_p, rng)
                 yield tok
                 if tok in stops or i == max_tokens - 1:
                     break
-                if graph is not None:
-                    out, flat = graph(np.array([[tok]], np.int32), flat)
+                tokens = np.array([[tok]], np.int32)
+                if graph is not None and graph.resident:
+                    logits = graph.step(tokens).reshape(-1)
+                elif graph is not None:
+                    out, flat = graph(tokens, flat)
                     logits = out.reshape(-1)
                 else:
-                    logits, state = _step(model, np.array([[tok]], np.int32), state)
+                    logits, state = _step(model, tokens, state)
     finally:
         model.train(was_training)
 

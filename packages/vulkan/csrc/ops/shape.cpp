@@ -91,6 +91,22 @@ void contiguous_record(NodeCall& c) {
             c.dst.range);
 }
 
+// ---- assign (in place into source 0) ---------------------------------------------------
+
+std::string assign_check(const recurra_node_desc& n) {
+  std::string why = require_srcs(n, 2);
+  if (!why.empty()) return why;
+  if (n.src[0].dtype != n.src[1].dtype || !same_shape(n.src[0], n.src[1])) return "assign keeps shape and dtype";
+  if (!is_dense(n.src[0])) return "assign writes a dense tensor";
+  return "";
+}
+
+void assign_record(NodeCall& c) {
+  const recurra_tensor_desc& d = *c.src[0].d;
+  copy_view(c.rec, d.ndim, d.shape, addr(c.src[1]), c.src[1].d->strides, c.src[1].range, addr(c.src[0]),
+            d.strides, c.src[0].range);
+}
+
 // ---- fill -----------------------------------------------------------------------------
 
 std::string fill_check(const recurra_node_desc& n) {
@@ -247,6 +263,7 @@ void cumsum_record(NodeCall& c) {
 void register_shape_ops() {
   add_op("contiguous", {contiguous_check, contiguous_record});
   add_op("fill", {fill_check, fill_record});
+  add_op("assign", {assign_check, assign_record});
   add_op("slice_grad", {slice_grad_check, slice_grad_record});
   add_op("concat", {concat_check, concat_record});
   add_op("pad", {pad_check, pad_record});
