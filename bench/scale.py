@@ -109,7 +109,7 @@ def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
             opt.zero_grad()
             losses.append(loss.item())
 
-        rc.reset_peak_memory()
+        getattr(rc, "reset_peak_memory", rc._core.reset_peak_memory)()
         runs, first = _timed(step, spec["reps"], spec["budget"])
         st = rc.memory_stats()
         out.update(

@@ -133,6 +133,7 @@ PYBIND11_MODULE(_core, m) {
   m.attr("FLAG_INPUT") = static_cast<uint32_t>(kInput);
   m.attr("FLAG_OUTPUT") = static_cast<uint32_t>(kOutput);
   m.attr("FLAG_LOSS") = static_cast<uint32_t>(kLoss);
+  m.attr("FLAG_CONST") = static_cast<uint32_t>(kConst);
 
   py::class_<PyGraph>(m, "Graph")
       .def(py::init<>())

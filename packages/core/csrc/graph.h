@@ -26,6 +26,8 @@ enum NodeFlags : uint32_t {
   kInput = 1u << 1,   // fed from outside (placement hint only, never pins to a backend)
   kOutput = 1u << 2,  // read after compute: its memory is never reused within the graph
   kLoss = 1u << 3,    // the scalar that build_backward differentiates
+  kConst = 1u << 4,   // a leaf whose data does not change while bound: a device copy of it
+                      // (a mirror) is filled once, not at every compute
 };
 
 // A strided window on memory that a kernel reads or writes.
@@ -142,6 +144,7 @@ struct Placement {
   struct Mirror {          // a copy of node `base` on another backend
     int base, backend;
     size_t offset;  // in that backend's arena
+    bool filled = false;  // a kConst base's mirror, filled since the plan or the last bind
   };
   std::vector<Mirror> mirrors;
   std::map<std::pair<int, int>, int> mirror_of;  // (base, backend) -> index in mirrors

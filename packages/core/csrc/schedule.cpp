@@ -320,7 +320,7 @@ const MemoryPlan& Graph::plan() {
       auto key = std::make_pair(base, b);
       if (!place_.mirror_of.count(key)) {
         place_.mirror_of[key] = static_cast<int>(place_.mirrors.size());
-        place_.mirrors.push_back({base, b, SIZE_MAX});
+        place_.mirrors.push_back({base, b, SIZE_MAX, false});
         sp.mirrors.push_back(place_.mirror_of[key]);
       }
     }
@@ -350,8 +350,9 @@ const MemoryPlan& Graph::plan() {
   std::vector<std::vector<int>> dies_at(n), mirrors_die_at(n);
   for (int j = 0; j < n; ++j)
     if (last[j] >= 0 && last[j] != kForever && !nodes_[j].is_view()) dies_at[last[j]].push_back(j);
-  for (size_t m = 0; m < place_.mirrors.size(); ++m)
-    if (mirror_last[m] >= 0) mirrors_die_at[mirror_last[m]].push_back(static_cast<int>(m));
+  for (size_t m = 0; m < place_.mirrors.size(); ++m)  // a constant's mirror lives on
+    if (mirror_last[m] >= 0 && !(nodes_[place_.mirrors[m].base].flags & kConst))
+      mirrors_die_at[mirror_last[m]].push_back(static_cast<int>(m));
 
   size_t split_i = 0;
   for (int j = 0; j < n; ++j) {
@@ -426,6 +427,8 @@ Graph::~Graph() {
 void Graph::bind(int id, void* data) {
   Node& n = node(id);
   if (!n.is_leaf()) throw ValueError("bind: node " + std::to_string(id) + " is not a leaf");
+  for (auto& mr : place_.mirrors)
+    if (mr.base == id) mr.filled = false;
   if (n.dbuf) {
     n.dbuf.reset();
     planned_ = false;  // the leaf moved to the host
@@ -436,6 +439,8 @@ void Graph::bind(int id, void* data) {
 void Graph::bind_device(int id, std::shared_ptr<DeviceBuffer> buf) {
   Node& n = node(id);
   if (!n.is_leaf()) throw ValueError("bind: node " + std::to_string(id) + " is not a leaf");
+  for (auto& mr : place_.mirrors)
+    if (mr.base == id) mr.filled = false;
   if (!buf || buf->nbytes() < n.nbytes())
     throw ValueError("bind: the device buffer is smaller than leaf " + std::to_string(id) + " (" +
                      std::to_string(n.nbytes()) + " bytes)");
@@ -560,7 +565,12 @@ void Graph::compute() {
   const OpTable& tab = OpTable::get();
   ThreadPool& tp = pool();
   for (const auto& sp : place_.splits) {
-    for (int m : sp.mirrors) fill_mirror(place_.mirrors[m]);
+    for (int m : sp.mirrors) {
+      Placement::Mirror& mr = place_.mirrors[m];
+      if (mr.filled) continue;
+      fill_mirror(mr);
+      mr.filled = (nodes_[mr.base].flags & kConst) != 0;
+    }
     if (sp.backend != kCpuBackend) {
       run_device_split(sp);
       continue;

@@ -9,6 +9,7 @@ FLAG_PARAM: int
 FLAG_INPUT: int
 FLAG_OUTPUT: int
 FLAG_LOSS: int
+FLAG_CONST: int
 
 class Graph:
     def __init__(self) -> None: ...

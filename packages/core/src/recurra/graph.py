@@ -117,7 +117,9 @@ class Graph:
     def constant(self, value: Any) -> GraphTensor:
         """A leaf holding a copy of ``value``."""
         arr = to_supported(np.array(value))
-        t = self._leaf(arr.shape, "float32" if arr.dtype == np.float32 else "int32", 0, "")
+        dtype = "float32" if arr.dtype == np.float32 else "int32"
+        # its data is private to the graph: a device copy of it is made once, not per compute
+        t = self._leaf(arr.shape, dtype, _core.FLAG_CONST, "")
         self._g.bind(t.id, arr)
         return t
 
