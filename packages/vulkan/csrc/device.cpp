@@ -14,6 +14,43 @@ namespace {
 
 constexpr VkDeviceSize kStagingBytes = 64ull << 20;
 constexpr size_t kMaxInFlight = 4;
+// Node lists of at least kMinReplayNodes nodes are recorded once and replayed while the same
+// list (ops, buffers, offsets, shapes, parameters) comes back: a training step or a traced
+// generation step then costs one vkQueueSubmit instead of recording every dispatch again.
+constexpr int32_t kMinReplayNodes = 16;
+constexpr size_t kMaxReplays = 4;
+
+// Everything a recording depends on: the whole node list, field by field.
+std::vector<uint8_t> replay_key(const recurra_node_desc* nodes, int32_t n) {
+  std::vector<uint8_t> k;
+  k.reserve(static_cast<size_t>(n) * 256);
+  auto put = [&k](const void* p, size_t bytes) {
+    const auto* b = static_cast<const uint8_t*>(p);
+    k.insert(k.end(), b, b + bytes);
+  };
+  auto put_desc = [&put](const recurra_tensor_desc& d) {
+    put(&d.dtype, sizeof d.dtype);
+    put(&d.ndim, sizeof d.ndim);
+    const int nd = std::max(0, std::min<int>(d.ndim, RECURRA_MAX_DIMS));
+    put(d.shape, sizeof(int64_t) * nd);
+    put(d.strides, sizeof(int64_t) * nd);
+    put(&d.buffer.handle, sizeof d.buffer.handle);
+    put(&d.buffer.generation, sizeof d.buffer.generation);
+    put(&d.offset, sizeof d.offset);
+  };
+  for (int32_t i = 0; i < n; ++i) {
+    const recurra_node_desc& nd = nodes[i];
+    put(nd.op, std::strlen(nd.op) + 1);
+    put_desc(nd.dst);
+    put(&nd.n_src, sizeof nd.n_src);
+    for (int s = 0; s < nd.n_src; ++s) put_desc(nd.src[s]);
+    put(&nd.n_ip, sizeof nd.n_ip);
+    if (nd.n_ip > 0) put(nd.ip, sizeof(int64_t) * nd.n_ip);
+    put(&nd.n_fp, sizeof nd.n_fp);
+    if (nd.n_fp > 0) put(nd.fp, sizeof(double) * nd.n_fp);
+  }
+  return k;
+}
 constexpr int64_t kMaxIndex = (int64_t(1) << 31) - 1;  // shaders index with 32-bit ints
 
 std::string version_str(uint32_t v) {
@@ -246,6 +283,7 @@ Device::Device(const PhysicalDevice& pd) : info_(pd) {
     throw;
   }
   profile_env_ = env_flag("RECURRA_VULKAN_PROFILE");
+  if (const char* rp = std::getenv("RECURRA_VK_REPLAY")) replay_enabled_ = std::strcmp(rp, "0") != 0;
   const char* pe = std::getenv("RECURRA_VULKAN_PROFILE");
   profile_dispatch_ = pe && std::strcmp(pe, "dispatch") == 0;
 }
@@ -332,9 +370,13 @@ void Device::check_lost() const {
 // ---- submissions ------------------------------------------------------------------------
 
 Submission& Device::acquire() {
-  for (auto& s : subs_)
+  size_t ordinary = 0;
+  for (auto& s : subs_) {
+    if (s->kept) continue;
     if (!s->pending) return *s;
-  if (subs_.size() < kMaxInFlight) {
+    ++ordinary;
+  }
+  if (ordinary < kMaxInFlight) {
     auto s = std::make_unique<Submission>();
     VkCommandBufferAllocateInfo ai{VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO};
     ai.commandPool = pool_;
@@ -348,9 +390,61 @@ Submission& Device::acquire() {
   }
   Submission* oldest = nullptr;
   for (auto& s : subs_)
-    if (!oldest || s->serial < oldest->serial) oldest = s.get();
+    if (!s->kept && (!oldest || s->serial < oldest->serial)) oldest = s.get();
   wait(*oldest);
   return *oldest;
+}
+
+Submission& Device::acquire_kept() {
+  Submission* lru = nullptr;
+  size_t kept = 0;
+  for (auto& s : subs_)
+    if (s->kept) {
+      ++kept;
+      if (!lru || s->last_use < lru->last_use) lru = s.get();
+    }
+  if (kept < kMaxReplays || !lru) {
+    auto s = std::make_unique<Submission>();
+    VkCommandBufferAllocateInfo ai{VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO};
+    ai.commandPool = pool_;
+    ai.level = VK_COMMAND_BUFFER_LEVEL_PRIMARY;
+    ai.commandBufferCount = 1;
+    vk_check(vkAllocateCommandBuffers(dev_, &ai, &s->cb), "vkAllocateCommandBuffers");
+    VkFenceCreateInfo fi{VK_STRUCTURE_TYPE_FENCE_CREATE_INFO};
+    vk_check(vkCreateFence(dev_, &fi, nullptr, &s->fence), "vkCreateFence");
+    s->kept = true;
+    subs_.push_back(std::move(s));
+    lru = subs_.back().get();
+  } else {  // evict: its recording and the scratch memory it reads go
+    wait(*lru);
+    for (const Allocation& a : lru->scratch)
+      if (memory_->free_internal(a)) blocks_to_release_ = true;
+    lru->scratch.clear();
+    lru->key.clear();
+    vkResetCommandBuffer(lru->cb, 0);
+  }
+  lru->last_use = ++replay_clock_;
+  return *lru;
+}
+
+bool Device::replay(const std::vector<uint8_t>& key) {
+  for (auto& s : subs_) {
+    if (!s->kept || s->key != key) continue;
+    wait(*s);  // a recording is resubmitted only once its last run has finished
+    VkSubmitInfo si{VK_STRUCTURE_TYPE_SUBMIT_INFO};
+    si.commandBufferCount = 1;
+    si.pCommandBuffers = &s->cb;
+    VkResult r = vkQueueSubmit(queue_, 1, &si, s->fence);
+    if (r != VK_SUCCESS) {
+      if (r == VK_ERROR_DEVICE_LOST) lost_ = true;
+      fail_vk(r, "vkQueueSubmit");
+    }
+    s->pending = true;
+    s->serial = next_serial_++;
+    s->last_use = ++replay_clock_;
+    return true;
+  }
+  return false;
 }
 
 void Device::submit(Submission& s) {
@@ -376,9 +470,11 @@ void Device::wait(Submission& s) {
   }
   s.pending = false;
   vkResetFences(dev_, 1, &s.fence);
-  for (const Allocation& a : s.scratch)
-    if (memory_->free_internal(a)) blocks_to_release_ = true;
-  s.scratch.clear();
+  if (!s.kept) {  // a kept recording reads its scratch again when replayed
+    for (const Allocation& a : s.scratch)
+      if (memory_->free_internal(a)) blocks_to_release_ = true;
+    s.scratch.clear();
+  }
   if (!s.profile_ops.empty()) {
     const uint32_t n = static_cast<uint32_t>(s.profile_ops.size());
     std::vector<uint64_t> ts(2 * n);
@@ -539,6 +635,12 @@ void Device::compute(const recurra_node_desc* nodes, int32_t n) {
   check_lost();
   if (n < 0 || (n > 0 && !nodes)) fail_invalid("compute: bad node list");
   if (n == 0) return;
+  const bool keep = replay_enabled_ && n >= kMinReplayNodes && !profiling();
+  std::vector<uint8_t> key;
+  if (keep) {
+    key = replay_key(nodes, n);
+    if (replay(key)) return;  // validated and recorded when it was first seen
+  }
   // Validate everything before recording anything: a failure leaves no half-built work.
   std::vector<const OpImpl*> impls(n);
   for (int32_t i = 0; i < n; ++i) {
@@ -568,9 +670,9 @@ void Device::compute(const recurra_node_desc* nodes, int32_t n) {
     for (int k = 0; k < nodes[i].n_src; ++k) tensors[i].push_back(resolve(nodes[i].src[k], i, "source"));
   }
 
-  Submission& s = acquire();
+  Submission& s = keep ? acquire_kept() : acquire();
   VkCommandBufferBeginInfo bi{VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO};
-  bi.flags = VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT;
+  bi.flags = keep ? 0 : VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT;
   vk_check(vkBeginCommandBuffer(s.cb, &bi), "vkBeginCommandBuffer");
   try {
     const bool prof = profiling();
@@ -608,6 +710,7 @@ void Device::compute(const recurra_node_desc* nodes, int32_t n) {
     vkCmdPipelineBarrier(s.cb, VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
                          VK_PIPELINE_STAGE_HOST_BIT | VK_PIPELINE_STAGE_TRANSFER_BIT, 0, 1, &mb, 0, nullptr, 0, nullptr);
     submit(s);
+    if (keep) s.key = std::move(key);
   } catch (...) {
     if (!s.pending) {
       vkEndCommandBuffer(s.cb);

@@ -72,8 +72,13 @@ struct Submission {
   uint32_t query_capacity = 0;
   bool pending = false;
   uint64_t serial = 0;
-  std::vector<Allocation> scratch;      // freed on completion
+  std::vector<Allocation> scratch;      // freed on completion (a kept one's: on eviction)
   std::vector<std::string> profile_ops;  // node i: timestamps 2i, 2i+1
+  // A kept submission holds the recording of one node list for replay (see
+  // Device::compute); `key` identifies the list, empty while it holds none.
+  bool kept = false;
+  std::vector<uint8_t> key;
+  uint64_t last_use = 0;
 };
 
 class Device {
@@ -122,6 +127,8 @@ class Device {
   void destroy_host_buffer(HostBuffer& b);
 
   Submission& acquire();
+  Submission& acquire_kept();  // a kept submission to record into (evicts the least used)
+  bool replay(const std::vector<uint8_t>& key);  // resubmits a kept recording of `key`
   void submit(Submission& s);
   void wait(Submission& s);  // waits for one pending submission and retires it
   void wait_all();           // all of them; reports shader-detected errors
@@ -141,6 +148,8 @@ class Device {
   bool blocks_to_release_ = false;
   bool profile_env_ = false;
   bool profile_dispatch_ = false;
+  bool replay_enabled_ = true;  // RECURRA_VK_REPLAY=0 records every compute afresh
+  uint64_t replay_clock_ = 0;
   std::vector<ProfileRecord>* sink_ = nullptr;
 };
 
