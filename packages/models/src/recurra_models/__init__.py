@@ -54,6 +54,7 @@ _LAZY = {
     "load_checkpoint": "recurra_models.training",
     "CheckpointError": "recurra_models.training",
     "batch_at": "recurra_models.training",
+    "latest_checkpoint": "recurra_models.training",
 }
 
 __all__ = [
@@ -75,6 +76,7 @@ __all__ = [
     "from_config",
     "generate",
     "get_architecture",
+    "latest_checkpoint",
     "load_checkpoint",
     "load_pretrained",
     "load_safetensors",
