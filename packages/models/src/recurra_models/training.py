@@ -276,9 +276,7 @@ def _check_weights(path: Path, tensors: dict[str, np.ndarray], model: Any) -> No
         if arr.dtype.kind != "f":
             raise _fail(path, f"tensor {k!r} is {arr.dtype}, the model's weights are float32")
         if tuple(arr.shape) != shape:
-            raise _fail(
-                path, f"tensor {k!r} has shape {tuple(arr.shape)}, the model's {shape}"
-            )
+            raise _fail(path, f"tensor {k!r} has shape {tuple(arr.shape)}, the model's {shape}")
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> Path:
