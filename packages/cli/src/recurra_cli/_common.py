@@ -10,8 +10,9 @@ from rich.markup import escape
 
 #: 0 success; 1 the work ran but failed its check (a FAIL/WEAK verdict, a backend MISMATCH,
 #: a benchmark that crashed); 2 bad usage (bad arguments or paths); 3 a requested backend or
-#: component is unavailable (not installed, no device).
+#: component is unavailable (not installed, no device); 130 interrupted (Ctrl-C).
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
+EXIT_INTERRUPTED = 130
 
 console = Console(stderr=False)
 err = Console(stderr=True, soft_wrap=True)  # messages hold paths: never hard-wrapped
