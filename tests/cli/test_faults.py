@@ -245,3 +245,53 @@ def test_bench_never_runs_a_bench_folder_found_from_the_cwd(tmp_path, monkeypatc
     res = runner.invoke(app, ["bench", "ops", "--bench-dir", str(bench), "--json"])
     assert res.exit_code == 0, res.output
     assert marker.exists()  # given explicitly, it runs
+
+
+# -- 11: the demo's verdict comes from a lockstep comparison ----------------------------------
+
+
+def test_demo_lockstep_catches_one_wrong_gradient_element(monkeypatch) -> None:
+    import numpy as np
+
+    from recurra_cli import demo_mamba as dm
+
+    cfg = dm.DemoConfig.small(epochs=3)
+    clean = dm.compare(dm.train(cfg, "cpu", shadow="cpu"), dm.train(cfg, "cpu"))
+    assert clean["status"] == "AGREE", clean
+    assert clean["lockstep"]["steps"] == 3 * cfg.n_samples
+    assert set(clean["lockstep"]["max_rel_gap"]) == {
+        "loss",
+        "grad.conv",
+        "grad.dt",
+        "grad.A",
+        "grad.B",
+        "grad.C",
+    }
+    assert clean["lockstep"]["worst_gap"] < 1e-6  # the same backend: rounding-free
+
+    created: list[object] = []
+    real_init, real_step = dm.MambaBlockGraph.__init__, dm.MambaBlockGraph.step
+
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        created.append(self)
+
+    def faulty_step(self, params, batch):
+        loss, grads = real_step(self, params, batch)
+        if self is created[1]:  # the lockstep twin: one element of one gradient is off by 1%
+            g = grads["B"].copy()
+            g.flat[3] += 0.01 * float(np.abs(g).max())
+            grads["B"] = g
+        return loss, grads
+
+    monkeypatch.setattr(dm.MambaBlockGraph, "__init__", init)
+    monkeypatch.setattr(dm.MambaBlockGraph, "step", faulty_step)
+    lead = dm.train(cfg, "cpu", shadow="cpu")
+    monkeypatch.setattr(dm.MambaBlockGraph, "step", real_step)
+    bad = dm.compare(lead, dm.train(cfg, "cpu"))
+    assert bad["status"].startswith("MISMATCH") and "grad.B" in bad["status"], bad
+    assert bad["lockstep"]["worst"] == "grad.B"
+    assert bad["lockstep"]["worst_gap"] > 10 * dm.LOCKSTEP_TOL
+    assert bad["lockstep"]["max_rel_gap"]["loss"] < 1e-6  # the loss itself agreed
+    # the free-running curves are still reported, as information
+    assert bad["max_rel_gap"] == clean["max_rel_gap"] == 0.0
