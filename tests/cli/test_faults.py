@@ -291,7 +291,7 @@ def test_demo_lockstep_catches_one_wrong_gradient_element(monkeypatch) -> None:
     bad = dm.compare(lead, dm.train(cfg, "cpu"))
     assert bad["status"].startswith("MISMATCH") and "grad.B" in bad["status"], bad
     assert bad["lockstep"]["worst"] == "grad.B"
-    assert bad["lockstep"]["worst_gap"] > 10 * dm.LOCKSTEP_TOL
+    assert bad["lockstep"]["worst_gap"] > 5 * dm.LOCKSTEP_TOL  # about 1e-2
     assert bad["lockstep"]["max_rel_gap"]["loss"] < 1e-6  # the loss itself agreed
     # the free-running curves are still reported, as information
     assert bad["max_rel_gap"] == clean["max_rel_gap"] == 0.0
