@@ -73,6 +73,7 @@ def run_dir(tmp_path_factory) -> tuple[Path, Path]:
 # -- 8: paths that cannot be written are found before training --------------------------------
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="no /proc here")
 def test_out_under_proc_is_refused_before_training(tmp_path, no_training) -> None:
     res = runner.invoke(app, _train(_data(tmp_path), "/proc/recurra-run"))
     assert_one_line_error(res, 2, "--out '/proc/recurra-run'", "not a writable folder")

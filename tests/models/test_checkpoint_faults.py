@@ -101,13 +101,28 @@ def test_a_refused_resume_changes_nothing(saved: Path) -> None:
     assert _files(saved) == files
 
 
+def test_a_refused_resume_leaves_the_scheduler_as_it_was(tmp_path: Path) -> None:
+    from recurra_optim import StepLR
+
+    model = _model()
+    opt = AdamW(list(model.parameters()), lr=3e-3)
+    _trainer(model, opt, tmp_path, 3, scheduler=StepLR(opt, step_size=1, gamma=0.5)).fit()
+    model = _model(seed=7)
+    opt = AdamW(list(model.parameters())[:-1], lr=3e-3)
+    sched = StepLR(opt, step_size=1, gamma=0.5)
+    before = dict(sched.state_dict())
+    with pytest.raises(CheckpointError, match="optimizer.safetensors"):
+        _trainer(model, opt, tmp_path, 6, scheduler=sched).resume()
+    assert sched.state_dict() == before
+
+
 @pytest.mark.parametrize(
     "change, needle",
     [
         ("int", "int32, the model's weights are float32"),
         ("shape", "has shape"),
-        ("extra", "unexpected"),
-        ("missing", "missing"),
+        ("extra", "tensors do not match the model: unexpected ['extra.weight']"),
+        ("missing", "tensors do not match the model: missing ["),
     ],
 )
 def test_weights_that_do_not_match_are_refused_before_anything_changes(

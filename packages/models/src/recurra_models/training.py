@@ -269,8 +269,9 @@ def _check_weights(path: Path, tensors: dict[str, np.ndarray], model: Any) -> No
     missing = sorted(set(own) - set(tensors))
     unexpected = sorted(set(tensors) - set(own))
     if missing or unexpected:
-        parts = [f"missing {missing[:6]}" if missing else "", f"unexpected {unexpected[:6]}"]
-        raise _fail(path, "tensors do not match the model: " + "; ".join(p for p in parts if p))
+        parts = [f"missing {missing[:6]}"] if missing else []
+        parts += [f"unexpected {unexpected[:6]}"] if unexpected else []
+        raise _fail(path, "tensors do not match the model: " + "; ".join(parts))
     for k, shape in own.items():
         arr = tensors[k]
         if arr.dtype.kind != "f":
@@ -292,10 +293,13 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path:
     if not latest.is_file():
         raise FileNotFoundError(f"{latest}: no checkpoint to resume from in {base}")
     try:
-        info = read_json(latest, "latest.json")
-        return confined_path(base, info["path"], f"{latest} 'path'")
+        name = read_json(latest, "latest.json")["path"]
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{latest}: malformed ({e})") from None
+    try:
+        return confined_path(base, name, f"{latest} 'path'")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def _norm(v: Any) -> Any:
