@@ -296,3 +296,19 @@ def test_demo_lockstep_catches_one_wrong_gradient_element(monkeypatch) -> None:
     assert bad["lockstep"]["max_rel_gap"]["loss"] < 1e-6  # the loss itself agreed
     # the free-running curves are still reported, as information
     assert bad["max_rel_gap"] == clean["max_rel_gap"] == 0.0
+
+
+# -- 8: usage errors are one line too ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["train", "--model", "mamba", "--data", "x.txt", "--steps", "0"], "'--steps'"),
+        (["train", "--bogus"], "--bogus"),
+        (["generate", "--prompt", "a"], "Missing option '--checkpoint'"),
+        (["nosuch"], "nosuch"),
+    ],
+)
+def test_usage_errors_are_one_line(args, needle) -> None:
+    assert_one_line_error(runner.invoke(app, args), 2, needle)

@@ -28,6 +28,7 @@ from recurra_cli._common import (
     console,
     err,
     help_text,
+    one_line_usage_errors,
 )
 from recurra_cli._common import fail as _fail
 
@@ -38,6 +39,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+one_line_usage_errors()
 demo_app = typer.Typer(help="End-to-end demos.", no_args_is_help=True)
 app.add_typer(demo_app, name="demo")
 
