@@ -1,5 +1,6 @@
 """The demo on Vulkan: the same block, weights and batches on the CPU and on the Vulkan
-backend (lavapipe in CI) must AGREE, with every recurrent node placed on the GPU."""
+backend (lavapipe in CI) must AGREE, with every recurrent node placed on the GPU, both in
+lockstep (the verdict) and along the free-running curves."""
 
 from __future__ import annotations
 
@@ -27,3 +28,9 @@ def test_demo_agrees_between_cpu_and_vulkan(vulkan: str) -> None:
     assert all(r["verdict"] == "OK" for r in runs.values()), runs
     assert report["comparison"]["status"] == "AGREE", report["comparison"]
     assert report["comparison"]["max_rel_gap"] < 1e-3
+    # the verdict comes from the lockstep comparison: Vulkan computed the loss and every
+    # gradient at the CPU run's parameters, every step, within rounding of the CPU's
+    lock = report["comparison"]["lockstep"]
+    assert lock["against"] == "vulkan" and lock["steps"] == 40 * 24, lock
+    assert set(lock["max_rel_gap"]) == {"loss", *(f"grad.{k}" for k in "conv dt A B C".split())}
+    assert lock["worst_gap"] <= lock["tol"] / 10, lock  # rounding, far below the tolerance

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -10,8 +10,9 @@ from rich.markup import escape
 
 #: 0 success; 1 the work ran but failed its check (a FAIL/WEAK verdict, a backend MISMATCH,
 #: a benchmark that crashed); 2 bad usage (bad arguments or paths); 3 a requested backend or
-#: component is unavailable (not installed, no device).
+#: component is unavailable (not installed, no device); 130 interrupted (Ctrl-C).
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
+EXIT_INTERRUPTED = 130
 
 console = Console(stderr=False)
 err = Console(stderr=True, soft_wrap=True)  # messages hold paths: never hard-wrapped
@@ -32,3 +33,25 @@ def fail(msg: str, code: int = EXIT_USAGE) -> NoReturn:
     default)."""
     err.print(f"[bold red]error:[/] {escape(msg)}")
     raise typer.Exit(code)
+
+
+def one_line_usage_errors() -> None:
+    """Makes Typer print a usage error (a bad or missing option) as one ``error:`` line, like
+    every other error of the command, instead of a usage text and a boxed panel.
+
+    Typer formats these through ``typer.rich_utils.rich_format_error`` when rich is installed
+    (a dependency of recurra-cli); without that hook Typer's own format stays."""
+    try:
+        from typer import rich_utils
+    except ImportError:
+        return
+    if not hasattr(rich_utils, "rich_format_error"):
+        return
+
+    def one_line(e: Any) -> None:
+        ctx = getattr(e, "ctx", None)
+        path = getattr(ctx, "command_path", None)
+        hint = f" (see `{path} --help`)" if path else ""
+        err.print(f"[bold red]error:[/] {escape(e.format_message())}{escape(hint)}")
+
+    rich_utils.rich_format_error = one_line

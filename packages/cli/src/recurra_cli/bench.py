@@ -1,7 +1,10 @@
 """``recurra bench``: runs the benchmark suites of the repository's ``bench/`` folder.
 
-The suites are scripts of the source tree, not of the installed package: ``bench/core.py``
-(ops), ``bench/optim.py``, ``bench/recurrent.py`` and ``bench/models.py``. Each prints a
+The suites are scripts of the source tree, not of the installed package (they are not
+shipped with it), so the folder is always given explicitly with ``--bench-dir``: nothing is
+run from a ``bench/`` found by walking up from the current directory, which could be anyone's
+code. ``bench/core.py`` (ops), ``bench/optim.py``, ``bench/recurrent.py`` and
+``bench/models.py``. Each prints a
 table of our times against the peers measured in the same process and ends with one line
 ``JSON {...}`` (see bench/common.py); arguments after ``--`` go to every suite
 (``--threads``, ``--reps``, ``--only``...).
@@ -31,30 +34,23 @@ SUITES: dict[str, str] = {
 _MARKER = "common.py"  # every bench/ folder has it; a stray "bench" directory does not
 
 
-def find_bench_dir(explicit: Path | None = None, start: Path | None = None) -> Path:
-    """The bench folder: ``explicit`` (the folder itself or a repository holding
-    ``bench/``), else the first ``bench/`` found from ``start`` (default: the current
-    directory) upwards.
+def find_bench_dir(explicit: Path | None) -> Path:
+    """The bench folder ``explicit`` names (the folder itself or a repository holding
+    ``bench/``), as an absolute path.
 
-    Returns the folder's absolute path. Raises FileNotFoundError saying where it looked.
-    """
-    if explicit is not None:
-        for cand in (explicit, explicit / "bench"):
-            if (cand / _MARKER).is_file():
-                return cand.resolve()
+    Raises FileNotFoundError when none is given (the benchmarks are not installed with the
+    package) or the folder is not a bench folder."""
+    if explicit is None:
         raise FileNotFoundError(
-            f"--bench-dir {str(explicit)!r} is not a bench folder (no {_MARKER} in it or in "
-            f"its bench/ subfolder)"
+            "the benchmarks are not installed with recurra-cli: pass --bench-dir PATH, the "
+            "bench/ folder of a recurra checkout (or the checkout itself)"
         )
-    here = (start or Path.cwd()).resolve()
-    for d in (here, *here.parents):
-        if d.name == "bench" and (d / _MARKER).is_file():
-            return d
-        if (d / "bench" / _MARKER).is_file():
-            return d / "bench"
+    for cand in (explicit, explicit / "bench"):
+        if (cand / _MARKER).is_file():
+            return cand.resolve()
     raise FileNotFoundError(
-        f"no bench/ folder (with {_MARKER}) in {here} or any folder above it: run from the "
-        "recurra repository or pass --bench-dir"
+        f"--bench-dir {str(explicit)!r} is not a bench folder (no {_MARKER} in it or in "
+        f"its bench/ subfolder)"
     )
 
 
@@ -91,17 +87,22 @@ def bench(
         "all", help="ops, optim, recurrent, models, or all", show_default=True
     ),
     bench_dir: Path | None = typer.Option(
-        None, "--bench-dir", help="the bench/ folder (default: found from here upwards)"
+        None,
+        "--bench-dir",
+        help="the bench/ folder of a recurra checkout, or the checkout (required: the "
+        "benchmarks are not installed with the package)",
     ),
     as_json: bool = typer.Option(
         False, "--json", help="print one JSON object with every suite's figures"
     ),
 ) -> None:
-    """Run the benchmark suites of the repository's bench/ folder (arguments after -- go
-    to the suites, e.g. `recurra bench ops -- --only matmul --reps 3`).
+    """Run the benchmark suites of a recurra checkout's bench/ folder, given with
+    --bench-dir (arguments after -- go to the suites, e.g.
+    `recurra bench ops --bench-dir . -- --only matmul --reps 3`).
 
-    Exit 0 when every suite ran, 1 when one failed, 2 for bad usage (unknown suite, no
-    bench/ folder, or arguments a suite rejects).
+    The benchmarks are scripts of the source tree, not installed with the package, so the
+    folder is never guessed. Exit 0 when every suite ran, 1 when one failed, 2 for bad usage
+    (unknown suite, no --bench-dir, not a bench folder, or arguments a suite rejects).
     """
     name = suite.lower()
     if name not in (*SUITES, "all"):

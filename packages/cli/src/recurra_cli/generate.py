@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import typer
 from rich.markup import escape
 
@@ -19,7 +20,9 @@ def generate(
     checkpoint: Path = typer.Option(
         ..., "--checkpoint", help="the --out folder of `recurra train`, or one checkpoint in it"
     ),
-    prompt: str = typer.Option(..., "--prompt", help="the text to continue"),
+    prompt: str = typer.Option(
+        ..., "--prompt", help="the text to continue (its bytes, UTF-8 or not)"
+    ),
     max_tokens: int = typer.Option(200, "--max-tokens", min=0, help="bytes to generate"),
     temperature: float = typer.Option(
         0.8, "--temperature", min=0.0, help="0 = greedy (always the most likely byte)"
@@ -28,7 +31,7 @@ def generate(
     top_p: float | None = typer.Option(
         None, "--top-p", min=0.0, max=1.0, help="sample in the smallest set of mass >= p"
     ),
-    seed: int | None = typer.Option(None, "--seed", help="a fixed seed repeats the output"),
+    seed: int | None = typer.Option(None, "--seed", help="a fixed seed (>= 0) repeats the output"),
     device: str = typer.Option("cpu", "--device", help="cpu or vulkan[:N]"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
@@ -43,6 +46,8 @@ def generate(
     rm = require_models("generate", ("load_checkpoint", "stream", "ByteTokenizer"))
     if top_p is not None and top_p <= 0:
         fail("--top-p must be in (0, 1]")
+    if seed is not None and seed < 0:
+        fail(f"--seed must be >= 0, got {seed}")
     folder = checkpoint_folder(checkpoint, "--checkpoint")
     dev = parse_device(device)
     try:
@@ -57,9 +62,16 @@ def generate(
             f"the model in {str(checkpoint)!r} has a vocabulary of {vocab}, not bytes "
             f"({tok.vocab_size}): `recurra generate` reads byte-level models"
         )
-    ids = tok.encode(prompt)
+    # The prompt's bytes as given: a byte that is not UTF-8 reached Python as a surrogate
+    # escape (PEP 383), which gives the byte back; a byte model reads it like any other.
+    try:
+        raw = prompt.encode("utf-8", errors="surrogateescape")
+    except UnicodeEncodeError as e:
+        fail(f"--prompt holds a character that has no bytes ({e.reason} at {e.start})")
+    ids = np.frombuffer(raw, dtype=np.uint8).astype(np.int32)
     if ids.size == 0:
         fail("--prompt is empty: give at least one character")
+    prompt = raw.decode("utf-8", errors="replace")  # as printed: bad bytes become U+FFFD
     try:
         net.to(dev)
     except ValueError as e:

@@ -9,7 +9,9 @@ AdamW optimizer, checkpoints are ``recurra_models.save_checkpoint`` folders (so 
 from __future__ import annotations
 
 import json
+import math
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -29,6 +31,7 @@ from rich.progress import (
 
 from recurra_cli._common import (
     EXIT_CHECK_FAILED,
+    EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
@@ -107,7 +110,7 @@ def train(
     steps: int = typer.Option(200, "--steps", min=1, help="optimizer steps in total"),
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="sequences per step"),
     seq_len: int = typer.Option(64, "--seq-len", min=2, help="tokens per sequence"),
-    lr: float = typer.Option(3e-3, "--lr", min=0.0, help="AdamW learning rate"),
+    lr: float = typer.Option(3e-3, "--lr", help="AdamW learning rate (finite, >= 0)"),
     seed: int = typer.Option(0, "--seed", help="initialisation and batch seed"),
     config: list[str] = typer.Option(
         [], "--config", metavar="KEY=VALUE", help="model size, e.g. d_model=32 (repeatable)"
@@ -117,15 +120,21 @@ def train(
     ),
     checkpoint_every: int = typer.Option(100, "--checkpoint-every", min=1),
     resume: bool = typer.Option(False, "--resume", help="continue from the checkpoint in --out"),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="start a new run in an --out folder that holds an earlier one"
+    ),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of bars"),
 ) -> None:
     """Train a byte-level Mamba / Mamba-2 / RWKV-6 / RWKV-7 language model on a text file.
 
     The loss is next-byte cross-entropy (a model that learned nothing scores ln 256 = 5.55).
     Batches depend only on (seed, step), so a run resumed with --resume reproduces the loss
-    curve of an uninterrupted one. Exit 2 for a missing or unusable data file or bad
-    arguments, 3 when recurra-models or the device is unavailable, 1 when training fails
-    (the loss diverges, the model fails on the device).
+    curve of an uninterrupted one. An --out folder holding an earlier run is refused unless
+    --resume or --overwrite is given. Ctrl-C stops after the current step, writes a
+    checkpoint and exits 130. Exit 2 for a missing or unusable data file, an --out folder
+    that cannot be written or bad arguments, 3 when recurra-models or the device is
+    unavailable, 1 when training fails (the loss diverges, the model fails on the device,
+    memory runs out).
     """
     rm = require_models("train", ("Trainer", "create", "ByteTokenizer", "load_checkpoint"))
     import recurra_optim
@@ -137,8 +146,19 @@ def train(
         fail(f"--model is required: one of {', '.join(known)}")
     if model is not None and model not in known:
         fail(f"unknown --model {model!r}: one of {', '.join(known)}")
+    if not math.isfinite(lr) or lr < 0:
+        fail(f"--lr must be a finite number >= 0, got {lr}")
+    if resume and overwrite:
+        fail("--resume and --overwrite exclude each other: continue the run, or replace it")
     if out is not None and out.exists() and not out.is_dir():
         fail(f"--out {str(out)!r} exists and is not a folder")
+    if out is not None and not resume and not overwrite:
+        earlier = [n for n in ("latest.json", "trainer.json") if (out / n).is_file()]
+        if earlier:
+            fail(
+                f"--out {str(out)!r} holds an earlier run ({earlier[0]}): pass --resume to "
+                "continue it or --overwrite to replace it, or choose another --out"
+            )
     dev = parse_device(device)
     overrides = _parse_config(config)
     try:
@@ -199,6 +219,8 @@ def train(
             f"the checkpoint in {str(out)!r} is at step {resumed_from} of --steps {steps}: "
             "raise --steps to train further"
         )
+    if out is not None:
+        check_writable(out, "--out")  # now, not at the first checkpoint after training
 
     n_params = sum(int(p.size) for p in net.parameters())
     if not as_json:
@@ -234,8 +256,22 @@ def train(
 
         try:
             trainer.fit(callback=on_event)
+        except KeyboardInterrupt:
+            fail(
+                f"interrupted at once after step {resumed_from + len(records)} (a second "
+                "Ctrl-C): the last checkpoint written is kept",
+                EXIT_INTERRUPTED,
+            )
         except FloatingPointError as e:
             fail(f"training diverged: {e} (try a smaller --lr)", EXIT_CHECK_FAILED)
+        except MemoryError:
+            fail(
+                f"out of memory at step {resumed_from + len(records) + 1} with --batch-size "
+                f"{batch_size} x --seq-len {seq_len}: use smaller ones",
+                EXIT_CHECK_FAILED,
+            )
+        except OSError as e:
+            fail(f"cannot write the checkpoint: {e}", EXIT_CHECK_FAILED)
         except (ValueError, RuntimeError, TypeError) as e:
             # not a usage error (arguments were checked above): the model or the device
             # failed; say where, without a traceback
@@ -280,7 +316,18 @@ def train(
             )
         else:
             console.print("  [yellow]no --out: nothing was saved[/]")
-    raise typer.Exit(EXIT_OK)
+    raise typer.Exit(EXIT_INTERRUPTED if stop.requested else EXIT_OK)
+
+
+def check_writable(folder: Path, option: str) -> None:
+    """Creates ``folder`` if needed and checks a file can be written in it; exits 2 naming
+    the folder otherwise (a read-only folder, a path under /proc...)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".recurra-write-check-"):
+            pass
+    except OSError as e:
+        fail(f"{option} {str(folder)!r} is not a writable folder: {e.strerror or e}")
 
 
 def checkpoint_folder(path: Path, option: str) -> Path:
@@ -290,15 +337,13 @@ def checkpoint_folder(path: Path, option: str) -> Path:
         fail(f"{option} {str(path)!r} does not exist")
     if not path.is_dir():
         fail(f"{option} {str(path)!r} is not a folder")
-    if (path / "trainer.json").is_file():
-        return path
-    latest = path / "latest.json"
-    if latest.is_file():
+    if (path / "trainer.json").is_file() or (path / "latest.json").is_file():
+        from recurra_models.training import latest_checkpoint
+
         try:
-            name = json.loads(latest.read_text())["path"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            fail(f"{option}: {latest} is unreadable ({e})")
-        return path / str(name)
+            return latest_checkpoint(path)
+        except (OSError, ValueError) as e:
+            fail(f"{option}: {e}")
     fail(
         f"{option} {str(path)!r} holds no checkpoint (no trainer.json, no latest.json): "
         "give a folder written by `recurra train --out`"

@@ -55,6 +55,7 @@ _LAZY = {
     "load_checkpoint": "recurra_models.training",
     "CheckpointError": "recurra_models.training",
     "batch_at": "recurra_models.training",
+    "latest_checkpoint": "recurra_models.training",
 }
 
 __all__ = [
@@ -76,6 +77,7 @@ __all__ = [
     "from_config",
     "generate",
     "get_architecture",
+    "latest_checkpoint",
     "load_checkpoint",
     "load_pretrained",
     "load_safetensors",

@@ -22,7 +22,14 @@ import numpy as np
 
 from recurra import write_atomic
 
-__all__ = ["load_pretrained", "load_safetensors", "read_json", "save_safetensors", "write_atomic"]
+__all__ = [
+    "confined_path",
+    "load_pretrained",
+    "load_safetensors",
+    "read_json",
+    "save_safetensors",
+    "write_atomic",
+]
 
 _MAX_HEADER = 100 * 1024 * 1024
 _DTYPES: dict[str, Any] = {
@@ -51,6 +58,24 @@ _SIZES = {
 }
 
 # -- safetensors ---------------------------------------------------------------------------
+
+
+def confined_path(folder: str | os.PathLike[str], name: Any, source: str) -> Path:
+    """``folder / name`` for a file name read from a file (``source``, named in errors),
+    refusing names that could leave the folder: absolute paths, ``..`` components, empty
+    or non-string names. The check is on the name itself, so symlinks inside the folder (as
+    in a Hugging Face cache snapshot) keep working.
+
+    Raises ValueError naming ``source`` and the offending name."""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"{source}: expected a file name, got {name!r}")
+    parts = name.replace("\\", "/").split("/")
+    if os.path.isabs(name) or name.startswith(("/", "\\")) or ".." in parts or ":" in parts[0]:
+        raise ValueError(
+            f"{source}: the path {name!r} leaves its folder {os.fspath(folder)!r} (absolute or "
+            f"with '..'); only names inside the folder are allowed"
+        )
+    return Path(os.fspath(folder)) / name
 
 
 def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any], int]:
@@ -254,8 +279,9 @@ def _hf_tensors(folder: Path) -> tuple[dict[str, np.ndarray], str]:
         if not isinstance(wm, dict):
             raise ValueError(f"{index}: no 'weight_map' object")
         out: dict[str, np.ndarray] = {}
-        for shard in sorted(set(wm.values())):
-            sp = folder / str(shard)
+        shards = {str(confined_path(folder, v, str(index))): v for v in wm.values()}
+        for shard in sorted(shards):
+            sp = Path(shard)
             if not sp.is_file():
                 raise FileNotFoundError(f"{sp}: shard listed in {index} not found")
             out.update(load_safetensors(sp)[0])

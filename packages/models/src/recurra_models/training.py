@@ -15,7 +15,9 @@ rename):
   (an interrupted save) is detected on load.
 
 :class:`Trainer` keeps ``ckpt-<step>`` folders under ``out_dir`` and a ``latest.json``
-pointer, written atomically after the folder is complete.
+pointer, written atomically after the folder is complete. ``latest.json`` also lists the
+folders the trainer wrote (``"checkpoints"``, oldest first): pruning to ``keep`` deletes only
+those, never another folder (a ``ckpt-best`` copied there by the user).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -33,9 +36,22 @@ from typing import Any
 import numpy as np
 
 import recurra as rc
-from recurra_models.loading import load_safetensors, read_json, save_safetensors, write_atomic
+from recurra_models.loading import (
+    confined_path,
+    load_safetensors,
+    read_json,
+    save_safetensors,
+    write_atomic,
+)
 
-__all__ = ["CheckpointError", "Trainer", "batch_at", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "Trainer",
+    "batch_at",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+]
 
 FORMAT = "recurra-models-checkpoint"
 FORMAT_VERSION = 1
@@ -160,7 +176,10 @@ def read_checkpoint_meta(directory: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(files, dict) or not isinstance(meta.get("step"), int):
         raise _fail(tj, "malformed: 'files' or 'step' missing")
     for name, digest in files.items():
-        fp = d / name
+        try:
+            fp = confined_path(d, name, f"{tj} 'files'")
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
         if not fp.is_file():
             raise FileNotFoundError(f"{fp}: checkpoint file not found (listed in {tj})")
         if _file_hash(fp) != digest:
@@ -217,10 +236,10 @@ def load_checkpoint(
         tensors, _ = load_safetensors(mf)
     except ValueError as e:
         raise CheckpointError(str(e)) from None
-    try:
-        model.load_state_dict(tensors, strict=True)
-    except ValueError as e:
-        raise _fail(mf, str(e)) from None
+    # Everything is checked before anything changes: the weights against the model (names,
+    # shapes, dtypes), then the optimizer state, which Optimizer.load restores all or nothing;
+    # only then are the weights copied in.
+    _check_weights(mf, tensors, model)
     if optimizer is not None:
         of = d / "optimizer.safetensors"
         if "optimizer.safetensors" not in meta["files"]:
@@ -230,6 +249,10 @@ def load_checkpoint(
         except ValueError as e:
             msg = str(e)
             raise CheckpointError(msg if str(of) in msg else f"{of}: {msg}") from None
+    try:
+        model.load_state_dict(tensors, strict=True)
+    except ValueError as e:
+        raise _fail(mf, str(e)) from None
     return {
         "model": model,
         "optimizer": optimizer,
@@ -239,9 +262,65 @@ def load_checkpoint(
     }
 
 
+def _check_weights(path: Path, tensors: dict[str, np.ndarray], model: Any) -> None:
+    """Raises CheckpointError naming ``path`` unless ``tensors`` has exactly the model's
+    state_dict names, each floating point and of the parameter's shape."""
+    own = {k: tuple(np.shape(v)) for k, v in model.state_dict().items()}
+    missing = sorted(set(own) - set(tensors))
+    unexpected = sorted(set(tensors) - set(own))
+    if missing or unexpected:
+        parts = [f"missing {missing[:6]}"] if missing else []
+        parts += [f"unexpected {unexpected[:6]}"] if unexpected else []
+        raise _fail(path, "tensors do not match the model: " + "; ".join(parts))
+    for k, shape in own.items():
+        arr = tensors[k]
+        if arr.dtype.kind != "f":
+            raise _fail(path, f"tensor {k!r} is {arr.dtype}, the model's weights are float32")
+        if tuple(arr.shape) != shape:
+            raise _fail(path, f"tensor {k!r} has shape {tuple(arr.shape)}, the model's {shape}")
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> Path:
+    """The checkpoint folder ``directory`` names: itself when it holds ``trainer.json``,
+    else the folder its ``latest.json`` points to (which must lie inside it).
+
+    Raises FileNotFoundError when there is neither, CheckpointError naming latest.json when
+    it is malformed or its path leaves the folder."""
+    base = Path(os.fspath(directory))
+    if (base / "trainer.json").exists():
+        return base
+    latest = base / "latest.json"
+    if not latest.is_file():
+        raise FileNotFoundError(f"{latest}: no checkpoint to resume from in {base}")
+    try:
+        name = read_json(latest, "latest.json")["path"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{latest}: malformed ({e})") from None
+    try:
+        return confined_path(base, name, f"{latest} 'path'")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+
+
 def _norm(v: Any) -> Any:
     """JSON round trip, so tuples/lists and inf compare as saved."""
     return json.loads(json.dumps(v, allow_nan=True))
+
+
+def _written_checkpoints(out_dir: Path) -> list[str]:
+    """The checkpoint folders a trainer wrote into ``out_dir``, oldest first, from the
+    manifest in its ``latest.json`` (empty when there is none or it is unreadable: folders
+    nobody listed are never pruned)."""
+    try:
+        names = json.loads((out_dir / "latest.json").read_text())["checkpoints"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    if not isinstance(names, list):
+        return []
+    return [n for n in names if isinstance(n, str) and _CKPT_NAME.fullmatch(n)]
+
+
+_CKPT_NAME = re.compile(r"ckpt-\d{8,}")
 
 
 # -- the loop ------------------------------------------------------------------------------
@@ -378,12 +457,14 @@ class Trainer:
         d = save_checkpoint(
             self.out_dir / f"ckpt-{self.step:08d}", self.model, self.optimizer, self.step, extra
         )
+        written = [n for n in _written_checkpoints(self.out_dir) if n != d.name] + [d.name]
+        kept, drop = written[-self.keep :], written[: -self.keep]
         write_atomic(
-            self.out_dir / "latest.json", json.dumps({"step": self.step, "path": d.name}).encode()
+            self.out_dir / "latest.json",
+            json.dumps({"step": self.step, "path": d.name, "checkpoints": kept}).encode(),
         )
-        olds = sorted(p for p in self.out_dir.glob("ckpt-*") if p.is_dir() and p != d)
-        for p in olds[: max(0, len(olds) - (self.keep - 1))]:
-            shutil.rmtree(p, ignore_errors=True)
+        for name in drop:
+            shutil.rmtree(self.out_dir / name, ignore_errors=True)
         return d
 
     def resume(self, directory: str | os.PathLike[str] | None = None) -> int:
@@ -397,16 +478,7 @@ class Trainer:
         base = Path(os.fspath(directory)) if directory is not None else self.out_dir
         if base is None:
             raise ValueError("Trainer.resume: give a directory or set out_dir")
-        d = base
-        latest = base / "latest.json"
-        if not (base / "trainer.json").exists():
-            if not latest.is_file():
-                raise FileNotFoundError(f"{latest}: no checkpoint to resume from in {base}")
-            try:
-                info = read_json(latest, "latest.json")
-                d = base / str(info["path"])
-            except (ValueError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{latest}: malformed ({e})") from None
+        d = latest_checkpoint(base)
         meta = read_checkpoint_meta(d)
         extra = meta.get("extra") or {}
         tj = d / "trainer.json"
@@ -419,9 +491,22 @@ class Trainer:
         ):
             if extra.get(k) != mine:
                 raise _fail(tj, f"{k} differs: checkpoint {extra.get(k)!r}, trainer {mine!r}")
-        out = load_checkpoint(d, self.model, self.optimizer)
+        # The scheduler state is tried first and put back when the checkpoint then fails to
+        # load, so that a failed resume changes nothing.
+        old_sched = None
         if self.scheduler is not None and extra.get("scheduler") is not None:
-            self.scheduler.load_state_dict(extra["scheduler"])
+            old_sched = self.scheduler.state_dict()
+            try:
+                self.scheduler.load_state_dict(extra["scheduler"])
+            except (ValueError, KeyError, TypeError) as e:
+                self.scheduler.load_state_dict(old_sched)
+                raise _fail(tj, f"the scheduler state does not match ({e})") from None
+        try:
+            out = load_checkpoint(d, self.model, self.optimizer)
+        except BaseException:
+            if old_sched is not None:
+                self.scheduler.load_state_dict(old_sched)
+            raise
         self.step = out["step"]
         self.history = list(extra.get("history") or [])
         return self.step

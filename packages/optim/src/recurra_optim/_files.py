@@ -2,12 +2,15 @@
 
 Layout: one tensor per state entry, named ``state.<param index>.<entry>`` (the step count as
 int64 of shape (1,)); the header's ``__metadata__`` holds ``format`` ("recurra-optim"),
-``format_version``, and ``optimizer``: JSON with the optimizer type, its parameter groups,
-the shapes of its parameters, the accumulation and clipping settings and the counters.
+``format_version``, ``optimizer``: JSON with the optimizer type, its parameter groups,
+the shapes of its parameters, the accumulation and clipping settings and the counters, and
+``checksum``: ``sha256:<hex>`` over the metadata and every tensor (name, dtype, shape,
+bytes), verified on load (files written before the checksum existed have none and load).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -43,6 +46,16 @@ def _decode(value: Any) -> Any:
     return value
 
 
+def _checksum(tensors: dict[str, np.ndarray], info: str) -> str:
+    """``sha256:<hex>`` of the optimizer metadata and of every tensor in name order."""
+    h = hashlib.sha256(info.encode())
+    for name in sorted(tensors):
+        arr = np.ascontiguousarray(tensors[name])
+        h.update(f"\0{name}\0{arr.dtype.str}\0{list(arr.shape)}\0".encode())
+        h.update(arr.tobytes())
+    return "sha256:" + h.hexdigest()
+
+
 def save(opt: Optimizer, path: str | os.PathLike[str]) -> None:
     """Writes opt.state_dict() to ``path`` (see the module docstring) atomically.
 
@@ -66,12 +79,14 @@ def save(opt: Optimizer, path: str | os.PathLike[str]) -> None:
         "param_groups": [{k: _encode(v) for k, v in g.items()} for g in sd["param_groups"]],
         "param_shapes": shapes,
     }
+    info = json.dumps(meta)
     blob = st_save(
         tensors,
         metadata={
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
-            "optimizer": json.dumps(meta),
+            "optimizer": info,
+            "checksum": _checksum(tensors, info),
         },
     )
     write_atomic(path, blob, "save the optimizer state")
@@ -114,6 +129,11 @@ def read_state_dict(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[
         tensors = st_load(blob)
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
         raise ValueError(f"corrupt safetensors data ({type(e).__name__}: {e})") from None
+    if "checksum" in meta and meta["checksum"] != _checksum(tensors, str(meta.get("optimizer"))):
+        raise ValueError(
+            "corrupted: the checksum in the file does not match its data (the file was "
+            "damaged after it was written)"
+        )
     try:
         info = json.loads(meta["optimizer"])
         groups = [{k: _decode(v) for k, v in g.items()} for g in info["param_groups"]]
