@@ -117,6 +117,11 @@ def train(
     checkpoint_every: int = typer.Option(100, "--checkpoint-every", min=1),
     resume: bool = typer.Option(False, "--resume", help="continue from the checkpoint in --out"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of bars"),
+    gradient_checkpointing: bool = typer.Option(
+        False,
+        "--gradient-checkpointing",
+        help="recompute each block's forward in the backward instead of keeping it (less memory)",
+    ),
 ) -> None:
     """Train a byte-level Mamba / Mamba-2 / RWKV-6 / RWKV-7 language model on a text file.
 
@@ -185,6 +190,7 @@ def train(
             out_dir=out,
             checkpoint_every=checkpoint_every,
             seed=seed,
+            gradient_checkpointing=gradient_checkpointing,
         )
         if resume:
             resumed_from = trainer.resume(out)
