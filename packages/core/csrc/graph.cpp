@@ -260,6 +260,12 @@ void Graph::build_backward(int loss, int seed) {
       int c = sink.contributions[j];
       int s = orig_src[j];
       if (c < 0 || !needs[s]) continue;
+      // A parameter's gradient stays readable after compute (an output): as a view (a piece
+      // of a packed multi-input gradient) it would pin all of that larger result for the
+      // rest of the step. A copy lets the planner reuse it once the other pieces are read.
+      if (grads[s] < 0 && (nodes_[s].flags & kParam) && nodes_[c].is_view() &&
+          nodes_[nodes_[c].view_base].nbytes() > nodes_[c].nbytes())
+        c = contiguous(c);
       grads[s] = grads[s] < 0 ? c : add(grads[s], c);
     }
   }
