@@ -422,9 +422,7 @@ class LazyFrontend:
         for t in order:
             if expand(t):
                 seg = segs.setdefault(t._seg, len(segs)) if want_grad else 0
-                key_parts.append(
-                    (t._op, t._ip, t._fp, tuple(index[id(s)] for s in t._src), seg)
-                )
+                key_parts.append((t._op, t._ip, t._fp, tuple(index[id(s)] for s in t._src), seg))
             else:
                 is_param = want_grad and t.requires_grad
                 key_parts.append(("leaf", t.dtype, t.shape, is_param))
