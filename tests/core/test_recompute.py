@@ -210,3 +210,29 @@ def test_peak_memory_is_reported_and_resettable():
     rc.reset_peak_memory()
     s2 = rc.memory_stats()["transient"]
     assert s2["peak_bytes"] == s2["bytes"] < s1["peak_bytes"]
+
+
+def test_loss_inside_a_segment():
+    x, ws = _data(2)
+    ps = [rc.param(w) for w in ws]
+    with rc.recompute():
+        loss = _net(rc.tensor(x), ps, recompute=False)
+    loss.backward()
+    _, ref = _numpy_grads(x, ws)
+    for p, r in zip(ps, ref):
+        np.testing.assert_allclose(p.grad.numpy(), r, rtol=1e-4, atol=1e-6)
+
+
+def test_segment_without_parameters_is_not_copied():
+    x, ws = _data(2)
+    sizes = []
+    for recompute in (False, True):
+        g = rc.Graph()
+        xt = g.constant(x)
+        w = g.param((D, 2 * D))
+        with g.recompute() if recompute else contextlib.nullcontext():
+            h = _block(xt, g.constant(ws[0]))  # no parameter flows into it
+        loss = ops.mean(ops.sqr(_block(h, w)))
+        g.build_backward(loss)
+        sizes.append(g.n_nodes)
+    assert sizes[0] == sizes[1]
