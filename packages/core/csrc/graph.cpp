@@ -185,14 +185,8 @@ void Graph::set_segment(int seg) {
 // same op, shape and parameters, sources (and view bases) inside the segment replaced by
 // their copies; no flags, no data. clone_of[original] = its copy.
 void Graph::clone_segment(int seg, int end, std::vector<int>& clone_of) {
-  const OpTable& tab = OpTable::get();
   for (int i = 0; i <= end; ++i) {
     if (nodes_[i].segment != seg || nodes_[i].is_leaf()) continue;
-    const OpDef& def = tab.at(nodes_[i].op);
-    if (def.writes_src)
-      throw ValueError("backward: op '" + def.name +
-                       "' updates memory in place and cannot run twice; build it outside the "
-                       "recompute block");
     Node c = nodes_[i];
     c.flags = 0;
     c.grad = -1;
@@ -233,9 +227,22 @@ void Graph::build_backward(int loss, int seed) {
   }
   std::vector<int> grads(loss + 1, -1);
   if (!needs[loss]) return;  // nothing to differentiate: no parameter reaches the loss
+  // A segment runs again in the backward: an op updating memory in place cannot be in one
+  // that a parameter flows into. Checked before anything is appended.
+  const OpTable& tab = OpTable::get();
+  std::map<int, int> in_place;  // segment -> a node of it that updates memory in place
+  for (int i = 0; i <= loss; ++i)
+    if (nodes_[i].segment != 0 && !nodes_[i].is_leaf() && tab.at(nodes_[i].op).writes_src)
+      in_place.emplace(nodes_[i].segment, i);
+  for (int i = 0; i <= loss && !in_place.empty(); ++i) {
+    const auto it = in_place.find(nodes_[i].segment);
+    if (needs[i] && it != in_place.end())
+      throw ValueError("backward: op '" + tab.at(nodes_[it->second].op).name +
+                       "' updates memory in place and cannot run twice; build it outside the "
+                       "recompute block");
+  }
   grads[loss] = seed >= 0 ? seed : fill(L.shape, 1.0);
 
-  const OpTable& tab = OpTable::get();
   std::vector<int> clone_of(loss + 1, -1);  // node of a segment -> its recomputed copy
   for (int i = loss; i >= 0; --i) {
     if (grads[i] < 0 || !needs[i]) continue;
