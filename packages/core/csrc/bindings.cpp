@@ -105,6 +105,7 @@ class PyGraph {
     d["grad"] = n.grad;
     d["is_view"] = n.is_view();
     d["name"] = n.name;
+    d["segment"] = n.segment;
     return d;
   }
 };
@@ -142,6 +143,9 @@ PYBIND11_MODULE(_core, m) {
       .def("op", &PyGraph::op, py::arg("name"), py::arg("src"), py::arg("ip") = std::vector<int64_t>{},
            py::arg("fp") = std::vector<double>{})
       .def("set_flags", [](PyGraph& s, int id, uint32_t flags) { s.g.node(id).flags |= flags; })
+      .def("set_segment", [](PyGraph& s, int seg) { s.g.set_segment(seg); }, py::arg("segment"),
+           "The recomputation segment of the op nodes built from now on (0: none).")
+      .def("segment", [](PyGraph& s) { return s.g.segment(); })
       .def("build_backward", [](PyGraph& s, int loss, int seed) {
              s.g.build_backward(loss, seed);
              s.keep.resize(s.g.size());

@@ -120,6 +120,7 @@ const Node& Graph::node(int id) const {
 
 int Graph::push(Node n) {
   n.id = size();
+  n.segment = n.is_leaf() ? 0 : cur_segment_;
   nodes_.push_back(std::move(n));
   planned_ = false;
   return nodes_.back().id;
@@ -175,6 +176,29 @@ int Graph::reduce_to(int a, Shape target) {
 
 // ---- autodiff -----------------------------------------------------------------------
 
+void Graph::set_segment(int seg) {
+  if (seg < 0) throw ValueError("set_segment: the segment must be >= 0, got " + std::to_string(seg));
+  cur_segment_ = seg;
+}
+
+// Appends a copy of every op node of segment `seg` among nodes [0, end], in order: the
+// same op, shape and parameters, sources (and view bases) inside the segment replaced by
+// their copies; no flags, no data. clone_of[original] = its copy.
+void Graph::clone_segment(int seg, int end, std::vector<int>& clone_of) {
+  for (int i = 0; i <= end; ++i) {
+    if (nodes_[i].segment != seg || nodes_[i].is_leaf()) continue;
+    Node c = nodes_[i];
+    c.flags = 0;
+    c.grad = -1;
+    c.data = nullptr;
+    c.dbuf.reset();
+    for (int& s : c.src)
+      if (clone_of[s] >= 0) s = clone_of[s];
+    if (c.view_base >= 0 && clone_of[c.view_base] >= 0) c.view_base = clone_of[c.view_base];
+    clone_of[i] = push(std::move(c));
+  }
+}
+
 void Graph::build_backward(int loss, int seed) {
   const Node& L = node(loss);
   if (L.dtype != DType::f32) throw TypeError("backward: the loss must be float32");
@@ -185,6 +209,13 @@ void Graph::build_backward(int loss, int seed) {
     throw ValueError("backward: the gradient has shape " + node(seed).shape.str() +
                      " but the tensor has shape " + L.shape.str());
   nodes_[loss].flags |= kLoss | kOutput;
+  // The gradient nodes (and the copies of segments) belong to no segment.
+  struct SegmentReset {
+    Graph& g;
+    int saved;
+    ~SegmentReset() { g.cur_segment_ = saved; }
+  } reset{*this, cur_segment_};
+  cur_segment_ = 0;
 
   // needs[i]: some parameter flows into node i.
   std::vector<char> needs(loss + 1, 0);
@@ -196,21 +227,52 @@ void Graph::build_backward(int loss, int seed) {
   }
   std::vector<int> grads(loss + 1, -1);
   if (!needs[loss]) return;  // nothing to differentiate: no parameter reaches the loss
+  // A segment runs again in the backward: an op updating memory in place cannot be in one
+  // that a parameter flows into. Checked before anything is appended.
+  const OpTable& tab = OpTable::get();
+  std::map<int, int> in_place;  // segment -> a node of it that updates memory in place
+  for (int i = 0; i <= loss; ++i)
+    if (nodes_[i].segment != 0 && !nodes_[i].is_leaf() && tab.at(nodes_[i].op).writes_src)
+      in_place.emplace(nodes_[i].segment, i);
+  for (int i = 0; i <= loss && !in_place.empty(); ++i) {
+    const auto it = in_place.find(nodes_[i].segment);
+    if (needs[i] && it != in_place.end())
+      throw ValueError("backward: op '" + tab.at(nodes_[it->second].op).name +
+                       "' updates memory in place and cannot run twice; build it outside the "
+                       "recompute block");
+  }
   grads[loss] = seed >= 0 ? seed : fill(L.shape, 1.0);
 
-  const OpTable& tab = OpTable::get();
+  std::vector<int> clone_of(loss + 1, -1);  // node of a segment -> its recomputed copy
   for (int i = loss; i >= 0; --i) {
     if (grads[i] < 0 || !needs[i]) continue;
-    Node n = nodes_[i];  // copy: the rule appends nodes
-    if (n.is_leaf()) continue;
+    if (nodes_[i].is_leaf()) continue;
+    int at = i;  // the node whose rule runs: i, or its copy when i is in a segment
+    if (nodes_[i].segment != 0) {
+      if (clone_of[i] < 0) {
+        clone_segment(nodes_[i].segment, loss, clone_of);
+        needs.resize(nodes_.size(), 0);
+        for (int k = 0; k <= loss; ++k)
+          if (clone_of[k] >= 0) needs[clone_of[k]] = needs[k];
+      }
+      at = clone_of[i];
+    }
+    Node n = nodes_[at];  // copy: the rule appends nodes
+    const std::vector<int> orig_src = nodes_[i].src;
     const OpDef& def = tab.at(n.op);
     if (!def.backward) throw ValueError("backward: op '" + def.name + "' is not differentiable");
     GradSink sink{*this, n, grads[i], std::vector<int>(n.src.size(), -1), &needs};
     def.backward(sink);
     for (size_t j = 0; j < n.src.size(); ++j) {
       int c = sink.contributions[j];
-      int s = n.src[j];
+      int s = orig_src[j];
       if (c < 0 || !needs[s]) continue;
+      // A parameter's gradient stays readable after compute (an output): as a view (a piece
+      // of a packed multi-input gradient) it would pin all of that larger result for the
+      // rest of the step. A copy lets the planner reuse it once the other pieces are read.
+      if (grads[s] < 0 && (nodes_[s].flags & kParam) && nodes_[c].is_view() &&
+          nodes_[nodes_[c].view_base].nbytes() > nodes_[c].nbytes())
+        c = contiguous(c);
       grads[s] = grads[s] < 0 ? c : add(grads[s], c);
     }
   }

@@ -61,6 +61,11 @@ struct Node {
 
   int grad = -1;  // after build_backward: the node holding d(loss)/d(this), or -1
 
+  // Recomputation segment (0: none). build_backward differentiates the op nodes of a
+  // segment on copies of them appended just before their gradient nodes, so the
+  // originals are read by the forward only and their memory is reused once it is done.
+  int segment = 0;
+
   // Runtime state, filled by plan()/bind(): where the data lives. A leaf is bound either to
   // host memory (`data`) or to a buffer of a plugin backend (`dbuf`).
   void* data = nullptr;
@@ -197,9 +202,18 @@ class Graph {
     return op("fill", {}, s.vec(), {value, static_cast<double>(static_cast<int>(dt))});
   }
 
+  // The recomputation segment given to the op nodes built from now on (0: none; see
+  // Node::segment). Leaves never belong to one.
+  void set_segment(int seg);
+  int segment() const { return cur_segment_; }
+
   // --- autodiff -----------------------------------------------------------------
   // Appends the backward graph of scalar node `loss` (seed 1, or `seed` when >= 0, a node
-  // of the loss's shape); sets Node::grad of every node a parameter depends on.
+  // of the loss's shape); sets Node::grad of every node a parameter depends on. The op
+  // nodes of a recomputation segment are copied (their sources inside the segment
+  // replaced by the copies) when the sweep first reaches one of them, and their backward
+  // rules read the copies: the forward of the segment runs again there instead of being
+  // kept. Raises ValueError for a segment holding an op that updates memory in place.
   void build_backward(int loss, int seed = -1);
 
   // --- running ------------------------------------------------------------------
@@ -236,6 +250,7 @@ class Graph {
 
  private:
   int push(Node n);
+  void clone_segment(int seg, int end, std::vector<int>& clone_of);
   void check_ready() const;
   int location(int id) const;  // backend holding node id's data (views: their base's)
   void assign_backends();
@@ -257,6 +272,7 @@ class Graph {
   std::unique_ptr<void, AlignedFree> arena_;
   size_t arena_capacity_ = 0;
   uint64_t generation_ = 1;
+  int cur_segment_ = 0;
 };
 
 // ---- helpers for ops ------------------------------------------------------------

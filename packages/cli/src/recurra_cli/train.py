@@ -124,6 +124,11 @@ def train(
         False, "--overwrite", help="start a new run in an --out folder that holds an earlier one"
     ),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of bars"),
+    gradient_checkpointing: bool = typer.Option(
+        False,
+        "--gradient-checkpointing",
+        help="recompute each block's forward in the backward instead of keeping it (less memory)",
+    ),
 ) -> None:
     """Train a byte-level Mamba / Mamba-2 / RWKV-6 / RWKV-7 language model on a text file.
 
@@ -209,6 +214,7 @@ def train(
             out_dir=out,
             checkpoint_every=checkpoint_every,
             seed=seed,
+            gradient_checkpointing=gradient_checkpointing,
         )
         if resume:
             resumed_from = trainer.resume(out)

@@ -22,6 +22,7 @@ from recurra._tensor import (
     no_grad,
     param,
     plan_cache_info,
+    recompute,
     set_strict_placement,
     strict_placement,
     tensor,
@@ -50,6 +51,8 @@ __all__ = [
     "param",
     "parse_device",
     "plan_cache_info",
+    "recompute",
+    "reset_peak_memory",
     "set_num_threads",
     "set_strict_placement",
     "strict_placement",
@@ -78,11 +81,18 @@ def get_num_threads() -> int:
 
 
 def memory_stats() -> dict[str, dict[str, int]]:
-    """Bytes in use, peak bytes and allocation counts of the persistent pool (tensors the
+    """Bytes in use, peak bytes (the high-water mark since the start or since
+    :func:`reset_peak_memory`) and allocation counts of the persistent pool (tensors the
     user keeps: weights, optimizer state) and the transient pool (planned graph arenas),
     and under ``"host_cache"`` the bytes of freed large host blocks kept for reuse (see
     :func:`empty_cache`)."""
     return _core.memory_stats()
+
+
+def reset_peak_memory() -> None:
+    """Sets the peak bytes of both pools (``memory_stats()[pool]["peak_bytes"]``) to the
+    bytes in use now, to measure the high-water mark of what runs next."""
+    _core.reset_peak_memory()
 
 
 def empty_cache() -> None:

@@ -10,6 +10,7 @@ native graph and its memory plan: a training loop plans once.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -39,6 +40,33 @@ def no_grad() -> Iterator[None]:
         yield
     finally:
         _state.grad_enabled = prev
+
+
+_segment_ids = itertools.count(1)  # next() is atomic under the GIL
+
+
+@contextlib.contextmanager
+def recompute() -> Iterator[None]:
+    """Context manager: the forward of what runs inside is recomputed during the backward
+    instead of kept (activation checkpointing; torch.utils.checkpoint's trade).
+
+    Tensors that ops create inside form one *recomputation segment*. When ``backward()``
+    differentiates them it first runs their ops again (right before their gradients) and
+    the gradient rules read those copies, so the memory planner reuses the memory of the
+    originals once the forward no longer reads them. Only tensors that flow in or out of
+    the block stay alive through the step. Gradients are the same as without (the same ops
+    run on the same data); a step costs about one more forward of the block.
+
+    A ``recompute()`` entered inside another joins the outer segment (the whole outer block
+    is recomputed as one). Ops that update memory in place (the optimizers' steps) cannot
+    run twice: differentiating a segment that holds one raises ValueError.
+    """
+    prev = getattr(_state, "segment", 0)
+    _state.segment = prev or next(_segment_ids)
+    try:
+        yield
+    finally:
+        _state.segment = prev
 
 
 def strict_placement() -> bool:
@@ -81,6 +109,7 @@ class Tensor(TensorOps):
         "grad",
         "_is_param",
         "device",
+        "_seg",
         "__weakref__",
     )
 
@@ -112,6 +141,7 @@ class Tensor(TensorOps):
         t.grad = None
         t._is_param = False
         t.device = device
+        t._seg = 0  # recomputation segment (see recompute()); 0: none
         return t
 
     @property
@@ -353,7 +383,9 @@ class LazyFrontend:
             name, [(s.dtype, list(s.shape)) for s in srcs], list(ip), list(fp)
         )
         rg = is_grad_enabled() and any(s.requires_grad for s in srcs)
-        return Tensor._new(name, tuple(srcs), ip, fp, tuple(shape), dtype, None, rg, dev)
+        t = Tensor._new(name, tuple(srcs), ip, fp, tuple(shape), dtype, None, rg, dev)
+        t._seg = getattr(_state, "segment", 0)
+        return t
 
     # -- running -----------------------------------------------------------------------
     def run(
@@ -396,9 +428,13 @@ class LazyFrontend:
 
         key_parts: list[Any] = []
         leaves: list[Tensor] = []
+        # Recomputation segments matter to the backward only; numbered in order of
+        # appearance so that each step's fresh ids give the same key.
+        segs: dict[int, int] = {0: 0}
         for t in order:
             if expand(t):
-                key_parts.append((t._op, t._ip, t._fp, tuple(index[id(s)] for s in t._src)))
+                seg = segs.setdefault(t._seg, len(segs)) if want_grad else 0
+                key_parts.append((t._op, t._ip, t._fp, tuple(index[id(s)] for s in t._src), seg))
             else:
                 is_param = want_grad and t.requires_grad
                 key_parts.append(("leaf", t.dtype, t.shape, is_param))
@@ -468,8 +504,13 @@ class LazyFrontend:
             g.set_backends(devices, strict=strict_placement())
         ids: list[int] = []
         want_grad = loss is not None
+        seg = 0
+        segs: dict[int, int] = {0: 0}  # numbered as in the plan key
         for t in order:
             if expand(t):
+                if want_grad and t._seg != seg:
+                    seg = t._seg
+                    g.set_segment(segs.setdefault(seg, len(segs)))
                 nid = g.op(t._op, [ids[index[id(s)]] for s in t._src], list(t._ip), list(t._fp))
             else:
                 flags = _core.FLAG_INPUT
@@ -478,6 +519,7 @@ class LazyFrontend:
                 nid = g.leaf(t.dtype, list(t.shape), flags)
                 plan.leaf_ids.append(nid)
             ids.append(nid)
+        g.set_segment(0)
         for t in outputs:
             g.set_flags(ids[index[id(t)]], _core.FLAG_OUTPUT)
         plan.out_ids = [ids[index[id(t)]] for t in outputs]

@@ -14,6 +14,8 @@ The same graph can be computed again after new set_data calls; its memory plan i
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -84,6 +86,7 @@ class Graph:
     def __init__(self, backends: list[str] | None = None, strict: bool = False) -> None:
         self._g = _core.Graph()
         self._computed = False
+        self._segments = 0  # recomputation segments made so far
         #: the devices its nodes are placed on first (empty: the CPU alone)
         self.backends: tuple[str, ...] = ()
         if backends:
@@ -141,6 +144,20 @@ class Graph:
         """Marks ``t`` as the loss (also an output)."""
         self._check(t)
         self._g.set_flags(t.id, _core.FLAG_LOSS | _core.FLAG_OUTPUT)
+
+    @contextlib.contextmanager
+    def recompute(self) -> Iterator[None]:
+        """Context manager: the op nodes built inside form a recomputation segment; their
+        forward runs again right before their gradient nodes instead of being kept (see
+        :func:`recurra.recompute`). Entered inside another, it joins the outer one."""
+        prev = self._g.segment()
+        if not prev:
+            self._segments += 1
+            self._g.set_segment(self._segments)
+        try:
+            yield
+        finally:
+            self._g.set_segment(prev)
 
     def build_backward(self, loss: GraphTensor, gradient: GraphTensor | None = None) -> None:
         """Appends the gradient graph of ``loss`` (a scalar, or pass ``gradient``)."""

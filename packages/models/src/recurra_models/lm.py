@@ -141,6 +141,25 @@ class CausalLM(nn.Module):
     def vocab_size(self) -> int:
         return int(self.config.vocab_size)
 
+    def residual_blocks(self) -> list[nn.Module]:
+        """The residual blocks, in order."""
+        raise NotImplementedError
+
+    def gradient_checkpointing(self, flag: bool = True) -> Any:
+        """Activation checkpointing: with ``flag``, the forward of each block runs inside its
+        own ``recurra.recompute()`` segment, so the backward recomputes a block's
+        intermediates right before its gradients instead of keeping those of every block
+        through the step (less memory, about one more forward per step). Gradients are the
+        same. Returns self."""
+        for blk in self.residual_blocks():
+            blk.recompute_(flag)
+        return self
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        """Whether :meth:`gradient_checkpointing` is on."""
+        return any(blk.__dict__.get("_recompute", False) for blk in self.residual_blocks())
+
     def forward(self, tokens: Any) -> Any:
         """Logits (batch, time, vocab) of int32 tokens (batch, time), from the zero state."""
         return self.forward_with_state(tokens, None)[0]

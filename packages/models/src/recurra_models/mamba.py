@@ -191,6 +191,9 @@ class MambaFamilyLM(CausalLM):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.backbone.embeddings.weight
 
+    def residual_blocks(self) -> list[nn.Module]:
+        return list(self.backbone.layers)
+
     def init_state_shapes(self, batch: int) -> list[list[tuple[int, ...]]]:
         raise NotImplementedError
 

@@ -260,7 +260,17 @@ class Module:
         raise NotImplementedError(f"{type(self).__name__} does not define forward()")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.__dict__.get("_recompute"):
+            with rc.recompute():
+                return self.forward(*args, **kwargs)
         return self.forward(*args, **kwargs)
+
+    def recompute_(self, flag: bool = True) -> Module:
+        """Makes this module's forward run inside ``recurra.recompute()`` (its own
+        recomputation segment): the backward runs it again instead of keeping its
+        intermediates. Returns self."""
+        object.__setattr__(self, "_recompute", bool(flag))
+        return self
 
     def extra_repr(self) -> str:
         return ""

@@ -251,6 +251,9 @@ class RWKVFamilyLM(CausalLM):
         self.ln_out = nn.LayerNorm(cfg.n_embd)
         self.head = init.head(cfg.n_embd, cfg.vocab_size)
 
+    def residual_blocks(self) -> list[nn.Module]:
+        return list(self.blocks)
+
     def state_shapes(self, batch: int) -> list[list[tuple[int, ...]]]:
         """Shapes of :meth:`init_state`'s tensors: per layer [(B, C), (B, H, S, S), (B, C)]."""
         c = self.config
