@@ -178,3 +178,22 @@ def test_register_arrays_stay_in_registers(name: str, tmp_path: Path) -> None:
     fvars, loops = spirv_counts(module_spirv(name, tmp_path))
     assert fvars == 0, f"{name}: {fvars} Function-storage arrays (spilled to local memory)"
     assert loops == 1, f"{name}: {loops} loops left; only the K loop should remain"
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", ["weight_t", "dense", "general"])
+def test_skinny_products_take_gemv(m: int, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 1-4 rows (a token's step) run on gemv.comp under the default variant: x @ W.T of a
+    # weight W (N, K) (k-contiguous), a dense (K, N) operand, and sliced general strides;
+    # odd K and N, a broadcast batch axis, K shorter and longer than a column's 32 lanes.
+    monkeypatch.delenv(ENV, raising=False)
+    for k, n in ((1, 5), (17, 130), (130, 17), (768, 300)):
+        a = randn(3, m, k, seed=m)
+        if layout == "weight_t":
+            b = randn(n, k, seed=2).T
+        elif layout == "dense":
+            b = randn(k, n, seed=3)
+        else:
+            b = randn(2 * k, 3 * n, seed=4)[::2, ::3]
+        run("matmul", a, b)
+        run("matmul", a[0], b)

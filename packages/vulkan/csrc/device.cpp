@@ -275,6 +275,9 @@ Device::Device(const PhysicalDevice& pd) : info_(pd) {
     if (info_.memory_bytes) block = std::min<VkDeviceSize>(block, std::max<VkDeviceSize>(16ull << 20, info_.memory_bytes / 16));
     block = std::min<VkDeviceSize>(block, info_.max_allocation);
     memory_ = std::make_unique<DeviceMemory>(dev_, info_.handle, host_visible, block, info_.max_allocation);
+    memory_->drain = [this] {
+      for (auto& s : subs_) wait(*s);
+    };
     pipelines_ = std::make_unique<Pipelines>(dev_);
     errors_ = make_host_buffer(64, true);
     std::memset(errors_.mapped, 0, 64);

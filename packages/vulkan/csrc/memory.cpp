@@ -17,6 +17,13 @@ DeviceMemory::DeviceMemory(VkDevice dev, VkPhysicalDevice pd, bool host_visible_
     : dev_(dev), host_visible_preferred_(host_visible_preferred), block_size_(block_size),
       max_allocation_(max_allocation) {
   vkGetPhysicalDeviceMemoryProperties(pd, &mem_props_);
+  // Empty dedicated blocks kept for reuse: an eighth of the largest device-local heap (at
+  // least 1 GiB). They go first when an allocation finds the device full.
+  VkDeviceSize heap = 0;
+  for (uint32_t i = 0; i < mem_props_.memoryHeapCount; ++i)
+    if (mem_props_.memoryHeaps[i].flags & VK_MEMORY_HEAP_DEVICE_LOCAL_BIT)
+      heap = std::max(heap, mem_props_.memoryHeaps[i].size);
+  keep_dedicated_ = std::max<VkDeviceSize>(VkDeviceSize{1} << 30, heap / 8);
 }
 
 DeviceMemory::~DeviceMemory() {
@@ -83,6 +90,10 @@ uint32_t DeviceMemory::new_block(VkDeviceSize size, int pool, bool dedicated) {
   ai.allocationSize = req.size;
   ai.memoryTypeIndex = static_cast<uint32_t>(best);
   VkResult r = vkAllocateMemory(dev_, &ai, nullptr, &b.memory);
+  if (r == VK_ERROR_OUT_OF_DEVICE_MEMORY || r == VK_ERROR_OUT_OF_HOST_MEMORY) {
+    if (drain) drain();  // the GPU is done with every freed buffer
+    if (release_empty_blocks(true)) r = vkAllocateMemory(dev_, &ai, nullptr, &b.memory);  // again
+  }
   if (r != VK_SUCCESS) {
     vkDestroyBuffer(dev_, b.buffer, nullptr);
     if (r == VK_ERROR_OUT_OF_DEVICE_MEMORY || r == VK_ERROR_OUT_OF_HOST_MEMORY)
@@ -219,25 +230,28 @@ Allocation DeviceMemory::alloc_internal(size_t nbytes) { return take(nbytes, kIn
 
 bool DeviceMemory::free_internal(const Allocation& a) { return give_back(a); }
 
-void DeviceMemory::release_empty_blocks() {
-  // Keep one empty shared block per pool and the most recent empty dedicated blocks up to
-  // kKeepDedicated bytes: the next graph (usually the same step again) reuses them.
-  constexpr VkDeviceSize kKeepDedicated = VkDeviceSize{1} << 30;
+bool DeviceMemory::release_empty_blocks(bool all) {
+  // Keep one empty shared block per pool and empty dedicated blocks up to keep_dedicated_
+  // bytes: the next graph (usually the same step again, with the same large scratch buffers
+  // and gradients) reuses them instead of allocating (and the driver clearing) them again.
   bool kept[3] = {false, false, false};
   VkDeviceSize kept_dedicated = 0;
+  bool released = false;
   for (size_t k = blocks_.size(); k-- > 0;) {
     Block& b = blocks_[k];
     if (!b.memory || b.used != 0) continue;
-    if (!b.dedicated && !kept[b.pool]) {
+    if (!all && !b.dedicated && !kept[b.pool]) {
       kept[b.pool] = true;
       continue;
     }
-    if (b.dedicated && b.pool == kInternal && kept_dedicated + b.size <= kKeepDedicated) {
+    if (!all && b.dedicated && kept_dedicated + b.size <= keep_dedicated_) {
       kept_dedicated += b.size;
       continue;
     }
     destroy_block(b);
+    released = true;
   }
+  return released;
 }
 
 }  // namespace recurra_vk

@@ -10,6 +10,7 @@
 // error (RECURRA_ERR_INVALID) instead of a read of memory that now belongs to someone else.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <vector>
 
@@ -47,7 +48,12 @@ class DeviceMemory {
   bool free_internal(const Allocation& a);
   // Gives empty blocks back to the driver (keeps one per pool). Call only when no
   // submitted work can touch them.
-  void release_empty_blocks();
+  // Frees empty blocks beyond those kept for reuse (all of them with `all`); true when it
+  // freed any.
+  bool release_empty_blocks(bool all = false);
+  // Set by the device: waits for every pending submission (before empty blocks are freed to
+  // make room for an allocation that found the device full).
+  std::function<void()> drain;
 
   VkDeviceAddress address(const Allocation& a) const { return blocks_[a.block].address + a.offset; }
   VkBuffer vk_buffer(const Allocation& a) const { return blocks_[a.block].buffer; }
@@ -85,6 +91,7 @@ class DeviceMemory {
   VkPhysicalDeviceMemoryProperties mem_props_{};
   bool host_visible_preferred_;
   VkDeviceSize block_size_, max_allocation_;
+  VkDeviceSize keep_dedicated_ = 0;  // bytes of empty dedicated blocks kept for reuse
   std::vector<Block> blocks_;  // destroyed blocks stay as empty entries (ids are stable)
   std::vector<Slot> slots_;
   std::vector<uint32_t> free_slots_;

@@ -147,6 +147,15 @@ void product_record(NodeCall& c) {
                          : (pc.b_cs == 1 && aligned(pc.b, {pc.b_rs, sb[0], sb[1]}, pc.N));
   const int vec_c = pc.N % 4 == 0 && pc.c % 16 == 0;
 
+  // One to four rows (a token's step): gemv.comp splits each column's K over many threads.
+  // RECURRA_VK_MATMUL=legacy|r.. keeps the tiled kernels for them too.
+  const char* forced = std::getenv("RECURRA_VK_MATMUL");
+  const int cols = b_kc ? 8 : 64;
+  if (pc.M <= 4 && (pc.N + cols - 1) / cols <= 65535 && (!forced || !*forced || std::strcmp(forced, "auto") == 0)) {
+    c.rec.dispatch("gemv", {b_kc}, pc, static_cast<uint32_t>((pc.N + cols - 1) / cols), static_cast<uint32_t>(batch), 1,
+                   {c.src[0].range, c.src[1].range}, {c.dst.range});
+    return;
+  }
   const Kernel k = choose_kernel(pc.M, pc.N, batch);
   c.rec.dispatch(k.module, {a_kc, b_kc, vec_a, vec_b, vec_c}, pc, static_cast<uint32_t>((pc.N + k.bn - 1) / k.bn),
                  static_cast<uint32_t>((pc.M + k.bm - 1) / k.bm), static_cast<uint32_t>(batch),
