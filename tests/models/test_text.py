@@ -158,6 +158,16 @@ def test_tokenize_files_caches_a_memmap_and_appends_eos(tmp_path: Path, monkeypa
     assert arr.tolist() == want
     assert seen[-1][0] == seen[-1][1] == txt.stat().st_size + jl.stat().st_size
     assert len(list(cache.glob("tokens-*.uint16.bin"))) == 1
+    # the Trainer keeps the mapped file (no int32 copy); its batches are int32
+    from recurra_models.training import data_hash
+    from recurra_optim import SGD
+
+    net = rm.create("mamba", vocab_size=tok.vocab_size, d_model=8, n_layer=1)
+    trainer = rm.Trainer(net, SGD(net.parameters(), lr=0.1), arr, batch_size=2, seq_len=8)
+    assert np.shares_memory(trainer.data, arr) and trainer.data.dtype == np.uint16
+    x, y = rm.batch_at(arr, 2, 8, 0, 0)
+    assert x.dtype == y.dtype == np.int32
+    assert trainer._data_hash == data_hash(np.asarray(arr, np.int32))
     # the second run reads the cache instead of tokenizing
     monkeypatch.setattr(type(tok), "encode_concat", lambda *a: 1 / 0)
     again = rm.tokenize_files([txt, jl], tok, cache)

@@ -168,7 +168,7 @@ def train(
         except (FileNotFoundError, ValueError) as e:
             fail(f"--resume: {e}")
         arch = str(ckpt["config"]["arch"])
-        if model is not None and model != arch:
+        if model is not None and not pretrained and model != arch:
             fail(f"--model {model} does not match the checkpoint in {str(folder)!r} ({arch})")
         if overrides:
             fail("--config cannot change the model of a run being resumed")
