@@ -155,9 +155,10 @@ def train(
         fail(f"--out {str(out)!r} exists and is not a folder")
     dev = parse_device(device)
     overrides = _parse_config(config)
-    for f in [*data, *eval_data]:
-        if not f.is_file():
-            fail(f"--data: {f}: data file not found")
+    for opt, files in (("--data", data), ("--eval-data", eval_data)):
+        for f in files:
+            if not f.is_file():
+                fail(f"{opt}: {f}: data file not found")
 
     resumed_from = 0
     if resume:
