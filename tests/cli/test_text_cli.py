@@ -14,35 +14,16 @@ from typer.testing import CliRunner
 from recurra_cli.main import app
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
-from text_fixtures import CORPUS, SAMPLE, make_bpe, make_world  # noqa: E402
+from text_fixtures import CORPUS, SAMPLE, hf_mamba_folder, make_bpe, make_world  # noqa: E402
 
 runner = CliRunner()
 
 
 def _mamba2_folder(tmp_path: Path) -> Path:
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
     pytest.importorskip("tokenizers")
-    torch.manual_seed(0)
-    cfg = transformers.Mamba2Config(
-        vocab_size=400,
-        hidden_size=32,
-        num_hidden_layers=2,
-        state_size=8,
-        expand=2,
-        conv_kernel=4,
-        head_dim=16,
-        num_heads=4,
-        n_groups=1,
-        chunk_size=8,
-        eos_token_id=0,
-        pad_token_id=1,
-        bos_token_id=0,
-    )
-    folder = tmp_path / "mamba2-hf"
-    transformers.Mamba2ForCausalLM(cfg).save_pretrained(folder)
-    make_bpe(folder)
-    return folder
+    return hf_mamba_folder("mamba2", tmp_path / "mamba2-hf")[1]
 
 
 def _data(tmp_path: Path) -> tuple[Path, Path]:

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from text_fixtures import CORPUS, SAMPLE, make_bpe, make_world
+from text_fixtures import CORPUS, SAMPLE, hf_mamba_folder, make_bpe, make_world
 
 import recurra_models as rm
 
@@ -185,48 +185,9 @@ def test_tokenize_files_caches_a_memmap_and_appends_eos(tmp_path: Path, monkeypa
 
 
 def _hf_mamba(kind: str, tmp_path: Path, vocab: int) -> tuple[Any, Path]:
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    if kind == "mamba":
-        cfg = transformers.MambaConfig(
-            vocab_size=vocab,
-            hidden_size=32,
-            num_hidden_layers=2,
-            state_size=8,
-            expand=2,
-            conv_kernel=4,
-            time_step_rank=4,
-            eos_token_id=0,
-            pad_token_id=1,
-            bos_token_id=0,
-        )
-        ref = transformers.MambaForCausalLM(cfg).eval()
-    else:
-        cfg = transformers.Mamba2Config(
-            vocab_size=vocab,
-            hidden_size=32,
-            num_hidden_layers=2,
-            state_size=8,
-            expand=2,
-            conv_kernel=4,
-            head_dim=16,
-            num_heads=4,
-            n_groups=1,
-            chunk_size=8,
-            eos_token_id=0,
-            pad_token_id=1,
-            bos_token_id=0,
-        )
-        ref = transformers.Mamba2ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if name.endswith(("norm.weight", "norm_f.weight", ".D")):
-                p.add_(0.1 * torch.randn_like(p))
-    folder = tmp_path / f"hf-{kind}"
-    ref.save_pretrained(folder)
-    make_bpe(folder)
-    return ref, folder
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    return hf_mamba_folder(kind, tmp_path / f"hf-{kind}", vocab)
 
 
 def _hf_logits(folder: Path, kind: str, tokens: np.ndarray) -> np.ndarray:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog.",
@@ -68,3 +69,27 @@ def make_world(path: Path, extra: list[str] | bytes | None = None) -> Path:
         lines.append(f"{257 + j} {t!r} {n}")
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
+
+
+def hf_mamba_folder(kind: str, folder: Path, vocab: int = 400) -> tuple[Any, Path]:
+    """A tiny random transformers Mamba ("mamba") or Mamba-2 ("mamba2") model saved with
+    save_pretrained into ``folder``, with make_bpe's tokenizer; returns (model, folder)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2)
+    common.update(conv_kernel=4, eos_token_id=0, pad_token_id=1, bos_token_id=0)
+    if kind == "mamba":
+        cfg = transformers.MambaConfig(time_step_rank=4, **common)
+        ref = transformers.MambaForCausalLM(cfg).eval()
+    else:
+        sizes = dict(head_dim=16, num_heads=4, n_groups=1, chunk_size=8)
+        ref = transformers.Mamba2ForCausalLM(transformers.Mamba2Config(**sizes, **common)).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith(("norm.weight", "norm_f.weight", ".D")):
+                p.add_(0.1 * torch.randn_like(p))
+    ref.save_pretrained(folder)
+    make_bpe(folder)
+    return ref, folder
