@@ -45,7 +45,7 @@ TEST_DEPS = ["pytest>=7", "hypothesis>=6"]
 BUILD_DEPS = ["meson-python>=0.15", "meson>=1.1", "pybind11>=2.12", "ninja"]
 RUFF = "ruff==0.17.6"
 PEERS = ["torch==2.13.0", "ggml-python==0.0.45"]
-MODEL_PEERS = ["torch==2.13.0", "transformers>=5,<6"]
+MODEL_PEERS = ["torch==2.13.0", "transformers>=5,<6", "tokenizers>=0.20"]
 
 # What `build` runs in the fresh venv after installing a package's wheel alone. Packages not
 # listed get a plain import of their module.

@@ -294,8 +294,11 @@ def report(preset: str, spec: dict[str, Any], res: dict[str, dict[str, Any]]) ->
         ms = _med(r, "train_ms")
         line = f"  {name:15s}"
         if ms is not None:
-            line += (f" train {ms:9.1f} ms/step ({tokens / ms * 1e3:8.0f} tok/s, "
-                     f"{len(r['train_ms'])} runs) loss0 {r['loss0']:.6f}  peak {_gib(r.get(mem_key))}")
+            line += (
+                f" train {ms:9.1f} ms/step ({tokens / ms * 1e3:8.0f} tok/s, "
+                f"{len(r['train_ms'])} runs) loss0 {r['loss0']:.6f}"
+                f"  peak {_gib(r.get(mem_key))}"
+            )
             if r.get("lib_peak") is not None:
                 line += f" (own count {_gib(r['lib_peak'])})"
         if r.get("gen_ms") is not None:

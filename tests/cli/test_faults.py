@@ -306,7 +306,7 @@ def test_demo_lockstep_catches_one_wrong_gradient_element(monkeypatch) -> None:
     [
         (["train", "--model", "mamba", "--data", "x.txt", "--steps", "0"], "'--steps'"),
         (["train", "--bogus"], "--bogus"),
-        (["generate", "--prompt", "a"], "Missing option '--checkpoint'"),
+        (["generate", "--prompt", "a"], "one of --model PATH or --checkpoint DIR"),
         (["nosuch"], "nosuch"),
     ],
 )

@@ -20,6 +20,7 @@ from recurra_cli import bench as bench_cmd
 from recurra_cli import check as check_cmd
 from recurra_cli import demo_mamba
 from recurra_cli import generate as generate_cmd
+from recurra_cli import text as text_cmd
 from recurra_cli import train as train_cmd
 from recurra_cli._common import (
     EXIT_CHECK_FAILED,
@@ -283,6 +284,8 @@ app.command(
 
 app.command("train", help=help_text(train_cmd.train.__doc__))(train_cmd.train)
 app.command("generate", help=help_text(generate_cmd.generate.__doc__))(generate_cmd.generate)
+app.command("eval", help=help_text(text_cmd.evaluate.__doc__))(text_cmd.evaluate)
+app.command("export", help=help_text(text_cmd.export.__doc__))(text_cmd.export)
 
 
 def _load_plugins() -> None:

@@ -29,6 +29,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from recurra_cli import text as text_io
 from recurra_cli._common import (
     EXIT_CHECK_FAILED,
     EXIT_INTERRUPTED,
@@ -102,10 +103,20 @@ def train(
     model: str | None = typer.Option(
         None,
         "--model",
-        help="mamba, mamba2, rwkv6, rwkv7, or a preset of a published size: mamba-130m, "
-        "mamba2-130m, rwkv7-0.1b (with --resume: read from the checkpoint)",
+        help="mamba, mamba2, rwkv6, rwkv7 or a preset of a published size (mamba-130m, "
+        "mamba2-130m, rwkv7-0.1b) for a fresh model, or a path: a transformers folder or an "
+        "RWKV checkpoint to fine-tune (with --resume: read from the checkpoint)",
     ),
-    data: Path = typer.Option(..., "--data", help="a text file to train on (its UTF-8 bytes)"),
+    data: list[Path] = typer.Option(
+        ..., "--data", help="text to train on: .txt or .jsonl files (repeatable)"
+    ),
+    eval_data: list[Path] = typer.Option(
+        [], "--eval-data", help="held-out text: validation loss and perplexity (repeatable)"
+    ),
+    text_field: str = typer.Option("text", "--text-field", help="the text field of .jsonl"),
+    tokenizer: str | None = typer.Option(
+        None, "--tokenizer", help="bytes or a tokenizer path (default: the model's own, or bytes)"
+    ),
     device: str = typer.Option("cpu", "--device", help="cpu or vulkan[:N]"),
     steps: int = typer.Option(200, "--steps", min=1, help="optimizer steps in total"),
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="sequences per step"),
@@ -130,9 +141,12 @@ def train(
         help="recompute each block's forward in the backward instead of keeping it (less memory)",
     ),
 ) -> None:
-    """Train a byte-level Mamba / Mamba-2 / RWKV-6 / RWKV-7 language model on a text file.
+    """Train a Mamba / Mamba-2 / RWKV-6 / RWKV-7 language model on text, or fine-tune one.
 
-    The loss is next-byte cross-entropy (a model that learned nothing scores ln 256 = 5.55).
+    --model PATH loads a pretrained model with its tokenizer; a preset trains a fresh one on
+    bytes (or --tokenizer). The data is tokenized once into a token file cached in
+    --out/tokens. The loss is next-token cross-entropy (a byte model that learned nothing
+    scores ln 256 = 5.55).
     Batches depend only on (seed, step), so a run resumed with --resume reproduces the loss
     curve of an uninterrupted one. An --out folder holding an earlier run is refused unless
     --resume or --overwrite is given. Ctrl-C stops after the current step, writes a
@@ -148,9 +162,10 @@ def train(
         fail("--resume needs --out DIR (the folder to resume from)")
     known = [*rm.architectures(), *rm.presets()]
     if not resume and model is None:
-        fail(f"--model is required: one of {', '.join(known)}")
-    if model is not None and model not in known:
-        fail(f"unknown --model {model!r}: one of {', '.join(known)}")
+        fail(f"--model is required: one of {', '.join(known)}, or a path")
+    pretrained = model is not None and model not in known and Path(model).exists()
+    if model is not None and model not in known and not pretrained:
+        fail(f"unknown --model {model!r}: one of {', '.join(known)}, or a path")
     if not math.isfinite(lr) or lr < 0:
         fail(f"--lr must be a finite number >= 0, got {lr}")
     if resume and overwrite:
@@ -166,15 +181,10 @@ def train(
             )
     dev = parse_device(device)
     overrides = _parse_config(config)
-    try:
-        tokens = rm.ByteTokenizer().encode_file(data)
-    except (FileNotFoundError, IsADirectoryError, PermissionError, ValueError) as e:
-        fail(f"--data: {e}")
-    if tokens.size < seq_len + 1:
-        fail(
-            f"--data {str(data)!r} has {tokens.size} bytes: at least --seq-len + 1 = "
-            f"{seq_len + 1} are needed"
-        )
+    for opt, files in (("--data", data), ("--eval-data", eval_data)):
+        for f in files:
+            if not f.is_file():
+                fail(f"{opt}: {f}: data file not found")
 
     resumed_from = 0
     if resume:
@@ -187,17 +197,45 @@ def train(
         arch = str(ckpt["config"]["arch"])
         from recurra_models.presets import resolve
 
-        if model is not None and resolve(model, {})[0] != arch:
+        if model is not None and not pretrained and resolve(model, {})[0] != arch:
             fail(f"--model {model} does not match the checkpoint in {str(folder)!r} ({arch})")
         if overrides:
             fail("--config cannot change the model of a run being resumed")
         net, model = ckpt["model"], arch
+        tok = text_io.pick_tokenizer(rm, tokenizer, text_io.find_tokenizer_in(rm, out))
+    elif pretrained:
+        assert model is not None
+        if overrides:
+            fail("--config cannot change the size of a pretrained --model")
+        net, tok0, model = text_io.load_model(rm, model)
+        tok = text_io.pick_tokenizer(rm, tokenizer, tok0)
     else:
         assert model is not None
+        tok = text_io.pick_tokenizer(rm, tokenizer, None)
+        if tok.vocab_size != 256 and "vocab_size" not in overrides:
+            overrides["vocab_size"] = int(tok.vocab_size)
         try:
             net = rm.create(model, seed=seed, **overrides)
         except (TypeError, ValueError) as e:
             fail(f"cannot create a {model} model with --config {' '.join(config)}: {e}")
+    text_io.check_vocab(tok, net)
+    if out is not None:
+        check_writable(out, "--out")  # now: its token cache, and not after the training
+    cache = out / "tokens" if out is not None else None
+    tokens = text_io.load_tokens(rm, data, tok, cache, text_field, "--data", as_json)
+    if tokens.size < seq_len + 1:
+        fail(
+            f"--data has {tokens.size} tokens: at least --seq-len + 1 = {seq_len + 1} are needed"
+        )
+    held_out = None
+    if eval_data:
+        held_out = text_io.load_tokens(
+            rm, eval_data, tok, cache, text_field, "--eval-data", as_json
+        )
+        if held_out.size < seq_len + 1:
+            fail(f"--eval-data has {held_out.size} tokens: at least {seq_len + 1} are needed")
+    if out is not None:
+        text_io.save_run_tokenizer(tok, out)
     try:
         net.to(dev)
     except ValueError as e:
@@ -211,6 +249,8 @@ def train(
             batch_size=batch_size,
             seq_len=seq_len,
             steps=steps,
+            eval_data=held_out,
+            eval_every=checkpoint_every,
             out_dir=out,
             checkpoint_every=checkpoint_every,
             seed=seed,
@@ -225,14 +265,12 @@ def train(
             f"the checkpoint in {str(out)!r} is at step {resumed_from} of --steps {steps}: "
             "raise --steps to train further"
         )
-    if out is not None:
-        check_writable(out, "--out")  # now, not at the first checkpoint after training
-
     n_params = sum(int(p.size) for p in net.parameters())
     if not as_json:
         console.print(
             f"[bold]Training {model}[/] ({n_params:,} parameters) on {dev}: {tokens.size:,} "
-            f"bytes of {escape(str(data))}, batch {batch_size} x {seq_len} tokens, steps "
+            f"tokens of {escape(', '.join(map(str, data)))}, batch {batch_size} x {seq_len} "
+            "tokens, steps "
             f"{resumed_from + 1}..{steps}" + (f", checkpoints in {escape(str(out))}" if out else "")
         )
     records: list[dict[str, Any]] = []
@@ -243,7 +281,7 @@ def train(
             TextColumn("  step"),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("loss {task.fields[loss]}{task.fields[val]}"),
             TimeElapsedColumn(),
             TextColumn("ETA"),
             TimeRemainingColumn(),
@@ -252,12 +290,17 @@ def train(
         ) as progress,
         stop,
     ):
-        task = progress.add_task("train", total=steps, completed=resumed_from, loss="-")
+        task = progress.add_task("train", total=steps, completed=resumed_from, loss="-", val="")
+        evals: list[dict[str, Any]] = []
 
         def on_event(ev: dict[str, Any]) -> bool:
             if ev.get("kind") == "step":
                 records.append(ev)
                 progress.update(task, completed=ev["step"], loss=f"{ev['loss']:.4f}")
+            elif ev.get("kind") == "eval":
+                v = float(ev["eval_loss"])
+                evals.append({"step": ev["step"], "loss": v, "perplexity": math.exp(min(v, 700))})
+                progress.update(task, val=f"  val {v:.4f} ppl {evals[-1]['perplexity']:.2f}")
             return not stop.requested
 
         try:
@@ -291,8 +334,10 @@ def train(
         "config": _config_dict(net),
         "device": dev,
         "parameters": n_params,
-        "data": str(data),
-        "data_bytes": int(tokens.size),
+        "data": [str(d) for d in data],
+        "data_tokens": int(tokens.size),
+        "tokenizer": type(tok).__name__,
+        "eval": evals,
         "steps": steps,
         "resumed_from": resumed_from,
         "last_step": resumed_from + done,

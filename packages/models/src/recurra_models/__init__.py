@@ -4,6 +4,8 @@
     model = rm.create("mamba", d_model=64, n_layer=2, vocab_size=256)
     logits = model(tokens)                       # int32 (batch, time) -> (batch, time, vocab)
     model = rm.load_pretrained("folder")         # HF Mamba / Mamba2 folder, or RWKV file
+    tok = model.tokenizer                        # the folder's tokenizer (or None)
+    rm.save_pretrained(model, "out")             # back to a transformers / RWKV folder
     ids = rm.generate(model, prompt, max_tokens=32, temperature=0.0)
 
 Architectures are found through the ``recurra.models`` entry point group; each entry is a
@@ -47,6 +49,14 @@ _LAZY = {
     "presets": "recurra_models.presets",
     "load_safetensors": "recurra_models.loading",
     "ByteTokenizer": "recurra_models.tokenizer",
+    "HFTokenizer": "recurra_models.tokenizers",
+    "WorldTokenizer": "recurra_models.tokenizers",
+    "TextStreamer": "recurra_models.tokenizers",
+    "load_tokenizer": "recurra_models.tokenizers",
+    "train_byte_bpe": "recurra_models.tokenizers",
+    "tokenize_files": "recurra_models.textdata",
+    "save_pretrained": "recurra_models.export",
+    "evaluate_tokens": "recurra_models.evaluation",
     "generate": "recurra_models.generation",
     "stream": "recurra_models.generation",
     "sample_token": "recurra_models.generation",
@@ -61,6 +71,7 @@ _LAZY = {
 __all__ = [
     "ByteTokenizer",
     "CheckpointError",
+    "HFTokenizer",
     "Mamba2Config",
     "Mamba2LM",
     "MambaConfig",
@@ -69,11 +80,14 @@ __all__ = [
     "RWKV6LM",
     "RWKV7Config",
     "RWKV7LM",
+    "TextStreamer",
     "Trainer",
+    "WorldTokenizer",
     "__version__",
     "architectures",
     "batch_at",
     "create",
+    "evaluate_tokens",
     "from_config",
     "generate",
     "get_architecture",
@@ -81,11 +95,15 @@ __all__ = [
     "load_checkpoint",
     "load_pretrained",
     "load_safetensors",
+    "load_tokenizer",
     "presets",
     "nn",
     "sample_token",
     "save_checkpoint",
+    "save_pretrained",
     "stream",
+    "tokenize_files",
+    "train_byte_bpe",
 ]
 
 

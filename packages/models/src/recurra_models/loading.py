@@ -385,6 +385,8 @@ def load_pretrained(path: str | os.PathLike[str], device: Any = None) -> Any:
     official RWKV-6/7 checkpoint file (``.pth``, read through torch; or ``.safetensors`` with
     the official key names), or a folder holding exactly one such file and no config.json.
     Weights of any float dtype (bf16 included) load as float32. ``device`` moves the model.
+    ``model.tokenizer`` is the tokenizer stored with it (``tokenizer.json`` with the folder's
+    special tokens, or an RWKV World ``rwkv_vocab*.txt`` next to the file), or None.
 
     Raises FileNotFoundError naming the missing file; ValueError naming the file and the
     problem (invalid JSON, unknown architecture, a missing, unexpected or misshapen tensor,
@@ -393,6 +395,14 @@ def load_pretrained(path: str | os.PathLike[str], device: Any = None) -> Any:
     p = Path(os.fspath(path))
     if not p.exists():
         raise FileNotFoundError(f"{p}: no such file or folder")
+    model = _load_any(p, device)
+    from recurra_models.tokenizers import find_tokenizer
+
+    model.tokenizer = find_tokenizer(p)
+    return model
+
+
+def _load_any(p: Path, device: Any) -> Any:
     if p.is_dir():
         if (p / "config.json").is_file():
             return _load_hf(p, device)

@@ -16,12 +16,25 @@ class ByteTokenizer:
     """Text <-> token ids, one id per UTF-8 byte (``vocab_size = 256``)."""
 
     vocab_size = 256
+    eos_id: int | None = None
+    pad_id: int | None = None
+    fingerprint = "bytes"
 
-    def encode(self, text: str) -> np.ndarray:
+    def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
         """The UTF-8 bytes of ``text`` as an int32 array. Raises TypeError for non-str."""
         if not isinstance(text, str):
             raise TypeError(f"ByteTokenizer.encode takes a str, got {type(text).__name__}")
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def encode_batch(
+        self, texts: Iterable[str], add_special_tokens: bool = False
+    ) -> list[np.ndarray]:
+        """``encode`` of each text."""
+        return [self.encode(t) for t in texts]
+
+    def encode_concat(self, texts: Iterable[str]) -> np.ndarray:
+        """The bytes of all texts, concatenated (int32)."""
+        return self.encode("".join(texts))
 
     def decode(self, ids: Iterable[int] | np.ndarray | Any) -> str:
         """The text of the byte ids (invalid UTF-8 becomes U+FFFD).

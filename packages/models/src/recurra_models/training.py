@@ -73,6 +73,8 @@ def _check_data(data: Any, seq_len: int, what: str) -> np.ndarray:
         raise ValueError(
             f"{what} has {arr.size} tokens; at least seq_len + 1 = {seq_len + 1} are needed"
         )
+    if arr.dtype in (np.uint16, np.int32) and arr.flags.c_contiguous:
+        return arr  # a memory-mapped token file stays mapped (batches are cast on use)
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 
@@ -86,13 +88,17 @@ def batch_at(
     rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(step)])
     starts = rng.integers(0, n, size=batch_size)
     idx = starts[:, None] + np.arange(seq_len + 1)[None, :]
-    chunk = data[idx]
+    chunk = data[idx].astype(np.int32, copy=False)
     return np.ascontiguousarray(chunk[:, :-1]), np.ascontiguousarray(chunk[:, 1:])
 
 
 def data_hash(data: np.ndarray) -> str:
-    """SHA-256 (hex) of the int32 token array."""
-    return hashlib.sha256(np.ascontiguousarray(data, dtype=np.int32).tobytes()).hexdigest()
+    """SHA-256 (hex) of the int32 token array (read in pieces: no copy of a whole mapped
+    token file)."""
+    h = hashlib.sha256()
+    for i in range(0, int(data.shape[0]), 1 << 24):
+        h.update(np.ascontiguousarray(data[i : i + (1 << 24)], dtype=np.int32).tobytes())
+    return h.hexdigest()
 
 
 def _file_hash(path: Path) -> str:
