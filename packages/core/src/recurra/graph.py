@@ -201,7 +201,9 @@ class Graph:
         return out
 
     def memory(self) -> dict[str, int]:
-        """The memory plan: arena bytes (peak), bytes without reuse, planned nodes."""
+        """The memory plan: arena bytes (peak), bytes without reuse, planned nodes, and the
+        bytes of each arena segment per backend (a device's arena is split into buffers no
+        larger than its largest allocation)."""
         return dict(self._g.plan())
 
     @property
