@@ -218,15 +218,15 @@ void Graph::check_fits(int b, int j, bool mirror) {
   const uint64_t bytes = align_up(std::max<size_t>(nd.nbytes(), 1));
   const bool too_many = lim.max_tensor_elements && static_cast<uint64_t>(nd.numel()) > lim.max_tensor_elements;
   if (!too_many && (!lim.max_buffer_bytes || bytes <= lim.max_buffer_bytes)) return;
-  const std::string what = nd.is_leaf() ? "leaf" : "op '" + OpTable::get().at(nd.op).name + "'";
+  const std::string what = nd.is_leaf() ? "leaf" : "the result of op '" + OpTable::get().at(nd.op).name + "'";
   const std::string limit =
       too_many ? "a tensor there has at most " + std::to_string(lim.max_tensor_elements) + " elements"
                : "one buffer there holds at most " + bytes_str(lim.max_buffer_bytes) +
                      (std::getenv("RECURRA_VK_MAX_BUFFER_MB") ? ", as RECURRA_VK_MAX_BUFFER_MB sets" : "");
-  throw OutOfMemory("recurra: " + backend_name(b) + " cannot hold " + (mirror ? "a copy of " : "") + "the result of " +
-                    what + " (node " + std::to_string(j) + (nd.name.empty() ? "" : ", '" + nd.name + "'") +
-                    "): shape " + nd.shape.str() + " " + dtype_name(nd.dtype) + ", " + std::to_string(nd.numel()) +
-                    " elements, " + bytes_str(nd.nbytes()) + " of the transient arena; " + limit + "; " +
+  throw OutOfMemory("recurra: " + backend_name(b) + " cannot hold " + (mirror ? "a copy of " : "") + what +
+                    " (node " + std::to_string(j) + (nd.name.empty() ? "" : ", '" + nd.name + "'") + "): shape " +
+                    nd.shape.str() + " " + dtype_name(nd.dtype) + ", " + std::to_string(nd.numel()) + " elements, " +
+                    bytes_str(nd.nbytes()) + " of the transient arena; " + limit + "; " +
                     (lim.free_bytes ? bytes_str(lim.free_bytes) : std::string("an unknown amount")) + " free of " +
                     bytes_str(lim.memory_bytes) + "; refused when planning, before anything ran; " +
                     RECURRA_OOM_HINT);
