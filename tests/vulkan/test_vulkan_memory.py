@@ -178,12 +178,21 @@ def test_tensor_larger_than_one_buffer_is_refused_when_planned(vulkan: str, monk
     msg = str(e.value)
     assert "op 'exp'" in msg and "(300000,)" in msg and "1200000 bytes" in msg
     assert "(1048576 bytes)" in msg and "RECURRA_VK_MAX_BUFFER_MB" in msg
-    assert "before anything ran" in msg and "gradient checkpointing" in msg
+    assert "before anything ran" in msg and "free of" in msg and "gradient checkpointing" in msg
     assert rc.transfer_stats()["host_to_device"]["count"] == 0  # nothing was uploaded
     monkeypatch.delenv("RECURRA_VK_MAX_BUFFER_MB")
     g.set_data(x, np.ones(300_000))
     g.compute()  # with the device's own limit it runs
     assert g.get_data(y)[0] == pytest.approx(np.e)
+
+
+def test_copy_of_a_host_tensor_larger_than_one_buffer_is_refused(vulkan: str, monkeypatch) -> None:
+    monkeypatch.setenv("RECURRA_VK_MAX_BUFFER_MB", "1")
+    g = rc.Graph(backends=[vulkan])
+    x = g.input((300_000,), name="x")  # on the host: the device reads a copy (a mirror)
+    g.set_output(ops.sum(x))
+    with pytest.raises(MemoryError, match=r"cannot hold a copy of leaf \(node 0, 'x'\)"):
+        g.memory()
 
 
 def test_tensor_past_2_31_elements_is_refused_not_moved_to_the_cpu(vulkan: str) -> None:
