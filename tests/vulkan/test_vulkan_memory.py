@@ -27,7 +27,7 @@ GiB = 1 << 30
 def vk_info() -> dict:
     import recurra_vulkan
 
-    return recurra_vulkan._vk.backend_info()["devices"][0]
+    return recurra_vulkan.backend_info()["devices"][0]
 
 
 def check_segments(plan: dict, limit: int) -> list[int]:
