@@ -97,7 +97,14 @@ uint32_t DeviceMemory::new_block(VkDeviceSize size, int pool, bool dedicated, Vk
   bi.usage = VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | VK_BUFFER_USAGE_TRANSFER_SRC_BIT |
              VK_BUFFER_USAGE_TRANSFER_DST_BIT | VK_BUFFER_USAGE_SHADER_DEVICE_ADDRESS_BIT;
   bi.sharingMode = VK_SHARING_MODE_EXCLUSIVE;
-  vk_check(vkCreateBuffer(dev_, &bi, nullptr, &b.buffer), "vkCreateBuffer");
+  // The driver running out is an out-of-memory like any other: same message.
+  auto refused = [&](VkResult r, const char* what) {
+    if (r == VK_ERROR_OUT_OF_DEVICE_MEMORY || r == VK_ERROR_OUT_OF_HOST_MEMORY)
+      out_of_memory(pool, asked, std::string(what) + " refused a block of " + bytes_str(size) + " (" +
+                                     vk_result_name(r) + ")");
+    fail_vk(r, what);
+  };
+  if (VkResult r = vkCreateBuffer(dev_, &bi, nullptr, &b.buffer); r != VK_SUCCESS) refused(r, "vkCreateBuffer");
   VkMemoryRequirements req;
   vkGetBufferMemoryRequirements(dev_, b.buffer, &req);
 
@@ -130,10 +137,7 @@ uint32_t DeviceMemory::new_block(VkDeviceSize size, int pool, bool dedicated, Vk
   VkResult r = vkAllocateMemory(dev_, &ai, nullptr, &b.memory);
   if (r != VK_SUCCESS) {
     vkDestroyBuffer(dev_, b.buffer, nullptr);
-    if (r == VK_ERROR_OUT_OF_DEVICE_MEMORY || r == VK_ERROR_OUT_OF_HOST_MEMORY)
-      out_of_memory(pool, asked, std::string("the driver refused a block of ") + bytes_str(size) + " (" +
-                                     vk_result_name(r) + ")");
-    fail_vk(r, "vkAllocateMemory");
+    refused(r, "vkAllocateMemory");
   }
   reserved_ += size;
   const VkMemoryPropertyFlags f = mem_props_.memoryTypes[best].propertyFlags;
