@@ -18,6 +18,7 @@
 #endif
 
 #include "recurra/backend.h"
+#include "recurra/format.h"
 
 namespace recurra {
 
@@ -73,12 +74,7 @@ constexpr bool kKeepIdle = true;
 
 std::string bytes_str(uint64_t n) {
   char buf[64];
-  const bool gib = n >= (1ull << 30);
-  if (n < (1ull << 20))
-    std::snprintf(buf, sizeof buf, "%llu bytes", static_cast<unsigned long long>(n));
-  else
-    std::snprintf(buf, sizeof buf, "%.2f %s (%llu bytes)", static_cast<double>(n) / double(gib ? 1ull << 30 : 1ull << 20),
-                  gib ? "GiB" : "MiB", static_cast<unsigned long long>(n));
+  recurra_format_bytes(buf, sizeof buf, n);
   return buf;
 }
 
