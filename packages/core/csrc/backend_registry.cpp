@@ -70,6 +70,19 @@ void close_backend(int id, bool shutdown) {
   }
 }
 
+DeviceLimits device_limits(int id) {
+  const BackendEntry& e = backend_entry(id);
+  DeviceLimits lim;
+  recurra_device_info info{};
+  if (!e.closed && e.table->device_info && e.table->device_info(e.table->ctx, e.device, &info) == RECURRA_OK) {
+    lim.max_buffer_bytes = info.max_buffer_bytes;
+    lim.max_tensor_elements = info.max_tensor_elements;
+    lim.free_bytes = info.free_bytes;
+    lim.memory_bytes = info.memory_bytes;
+  }
+  return lim;
+}
+
 void check_status(int id, int status, const std::string& what) {
   if (status == RECURRA_OK) return;
   const BackendEntry& e = backend_entry(id);
@@ -79,7 +92,7 @@ void check_status(int id, int status, const std::string& what) {
     if (m && *m) msg += ": " + std::string(m);
   }
   switch (status) {
-    case RECURRA_ERR_OOM: throw std::bad_alloc();
+    case RECURRA_ERR_OOM: throw OutOfMemory(msg);  // the plugin's message ends with RECURRA_OOM_HINT
     case RECURRA_ERR_INVALID: throw ValueError(msg);
     case RECURRA_ERR_UNSUPPORTED: throw ValueError(msg + " (not supported by this backend)");
     case RECURRA_ERR_DEVICE_LOST:

@@ -34,6 +34,15 @@ std::string backend_name(int id);
 int find_backend(const std::string& name);  // "cpu", "vulkan", "vulkan:1"; -1 when unknown
 // Marks a backend released; with shutdown=true also calls the plugin's shutdown hook.
 void close_backend(int id, bool shutdown);
+// What a device backend can hold (its recurra_device_info): the largest buffer (0: no
+// limit), memory free now (0: unknown) and the device's memory.
+struct DeviceLimits {
+  uint64_t max_buffer_bytes = 0;
+  uint64_t max_tensor_elements = 0;  // 0: no limit
+  uint64_t free_bytes = 0;
+  uint64_t memory_bytes = 0;
+};
+DeviceLimits device_limits(int id);
 // Raises the exception matching a failed status of backend `id` during `what`.
 void check_status(int id, int status, const std::string& what);
 

@@ -125,8 +125,10 @@ PYBIND11_MODULE(_core, m) {
       PyErr_SetString(PyExc_TypeError, e.what());
     } catch (const StateError& e) {
       PyErr_SetString(PyExc_RuntimeError, e.what());
+    } catch (const OutOfMemory& e) {
+      PyErr_SetString(PyExc_MemoryError, e.what());
     } catch (const std::bad_alloc&) {
-      PyErr_SetString(PyExc_MemoryError, "recurra: out of memory");
+      PyErr_SetString(PyExc_MemoryError, "recurra: out of host memory; " RECURRA_OOM_HINT);
     }
   });
 
@@ -157,6 +159,9 @@ PYBIND11_MODULE(_core, m) {
         d["arena_bytes"] = p.arena_bytes;
         d["unplanned_bytes"] = p.unplanned_bytes;
         d["n_planned"] = p.n_planned;
+        py::dict segs;  // backend -> bytes of each arena segment
+        for (const auto& [b, bytes] : s.g.placement().segment_bytes) segs[py::str(backend_name(b))] = bytes;
+        d["segments"] = segs;
         return d;
       })
       .def("bind", &PyGraph::bind)

@@ -24,6 +24,9 @@ inline size_t dtype_size(DType) { return 4; }
 struct ValueError : std::runtime_error { using std::runtime_error::runtime_error; };
 struct TypeError : std::runtime_error { using std::runtime_error::runtime_error; };
 struct StateError : std::runtime_error { using std::runtime_error::runtime_error; };  // -> RuntimeError
+// -> MemoryError; the message names the pool, the bytes asked, the limit, what is free and
+// what to try (RECURRA_OOM_HINT).
+struct OutOfMemory : std::runtime_error { using std::runtime_error::runtime_error; };
 
 struct Shape {
   int ndim = 0;

@@ -140,7 +140,11 @@ struct MemoryPlan {
   size_t arena_bytes = 0;      // the peak: bytes of the arenas all intermediates share
   size_t unplanned_bytes = 0;  // what the same intermediates would take without reuse
   size_t n_planned = 0;        // nodes given memory in an arena
-  std::vector<size_t> offsets;  // per node: byte offset in its backend's arena, or SIZE_MAX
+  // Per node: the segment of its backend's arena and the byte offset in it (SIZE_MAX: none).
+  // A device backend's arena is split into segments no larger than its largest buffer; the
+  // host's arena is one segment.
+  std::vector<size_t> offsets;
+  std::vector<int> segments;
 };
 
 // Where each node runs, and the copies between backends (see schedule.cpp).
@@ -148,7 +152,8 @@ struct Placement {
   std::vector<int> where;  // per node: backend id that computes it / holds its data
   struct Mirror {          // a copy of node `base` on another backend
     int base, backend;
-    size_t offset;  // in that backend's arena
+    size_t offset;    // in that backend's arena
+    int segment = 0;  // which segment of it
     bool filled = false;  // a kConst base's mirror, filled since the plan or the last bind
   };
   std::vector<Mirror> mirrors;
@@ -159,7 +164,9 @@ struct Placement {
     std::vector<int> mirrors;  // mirrors to fill before the split runs
   };
   std::vector<Split> splits;
-  std::map<int, size_t> arena_bytes;  // per backend id
+  std::map<int, size_t> arena_bytes;                // per backend id: all its segments
+  std::map<int, std::vector<size_t>> segment_bytes;  // per backend id: each segment
+  std::map<int, DeviceLimits> limits;                // per device backend considered
 };
 
 class Graph {
@@ -257,6 +264,10 @@ class Graph {
   int place_in_place_op(int j) const;
   bool backend_supports(int backend, int j) const;
   recurra_tensor_desc desc_on(int id, int backend) const;  // node id as seen from backend
+  const DeviceLimits& limits_of(int backend);
+  // Raises MemoryError when node j (or its mirror, `mirror`) cannot be one buffer of backend b.
+  void check_fits(int b, int j, bool mirror);
+  DeviceBuffer& arena_segment(int backend, int segment) const;
   TensorView host_view(int id, int consumer_backend) const;
   void fill_mirror(const Placement::Mirror& m);
   void run_device_split(const Placement::Split& sp);
@@ -267,7 +278,7 @@ class Graph {
   bool planned_ = false;
   std::vector<int> backends_;
   bool strict_ = false;
-  std::map<int, std::shared_ptr<DeviceBuffer>> dev_arena_;
+  std::map<int, std::vector<std::shared_ptr<DeviceBuffer>>> dev_arena_;  // per backend: its segments
   struct AlignedFree { void operator()(void* p) const; };
   std::unique_ptr<void, AlignedFree> arena_;
   size_t arena_capacity_ = 0;

@@ -1,16 +1,24 @@
 #include "memory.h"
 
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <map>
+#include <utility>
 #include <new>
 #include <unordered_map>
 
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
+#if defined(__unix__) || defined(__APPLE__)
+#include <unistd.h>
+#endif
+
+#include "recurra/backend.h"
+#include "recurra/format.h"
 
 namespace recurra {
 
@@ -64,8 +72,50 @@ constexpr bool kKeepIdle = true;
 
 }  // namespace
 
-void* host_alloc(size_t bytes) {
+std::string bytes_str(uint64_t n) {
+  char buf[64];
+  recurra_format_bytes(buf, sizeof buf, n);
+  return buf;
+}
+
+namespace {
+
+// The host's memory: {available, total} in bytes (Linux: MemAvailable and MemTotal of
+// /proc/meminfo; elsewhere the physical pages, available unknown = 0).
+std::pair<uint64_t, uint64_t> host_memory() {
+  uint64_t avail = 0, total = 0;
+#if defined(__linux__)
+  if (FILE* f = std::fopen("/proc/meminfo", "r")) {
+    char key[64];
+    unsigned long long kb = 0;
+    while (std::fscanf(f, "%63s %llu kB\n", key, &kb) == 2) {
+      if (std::strcmp(key, "MemAvailable:") == 0) avail = kb << 10;
+      if (std::strcmp(key, "MemTotal:") == 0) total = kb << 10;
+    }
+    std::fclose(f);
+  }
+#endif
+#if defined(_SC_PHYS_PAGES) && defined(_SC_PAGESIZE)
+  if (!total) total = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+#endif
+  return {avail, total};
+}
+
+[[noreturn]] void host_out_of_memory(const char* pool, size_t bytes) {
+  const auto [avail, total] = host_memory();
+  throw OutOfMemory("recurra: out of host memory: the " + std::string(pool) + " pool asked for " + bytes_str(bytes) +
+                    "; the host has " + (avail ? bytes_str(avail) : std::string("an unknown amount")) +
+                    " available of " + bytes_str(total) + ", recurra holds " +
+                    bytes_str(static_cast<uint64_t>(memory_stats(Pool::persistent).bytes)) + " persistent + " +
+                    bytes_str(static_cast<uint64_t>(memory_stats(Pool::transient).bytes)) + " transient; " +
+                    RECURRA_OOM_HINT);
+}
+
+}  // namespace
+
+void* host_alloc(size_t bytes, const char* pool) {
   constexpr size_t kHuge = size_t{4} << 20, kHugeAlign = size_t{2} << 20;
+  if (bytes > (SIZE_MAX >> 1)) host_out_of_memory(pool, bytes);
   size_t cap = (bytes + 63) / 64 * 64;
   if (cap == 0) cap = 64;
   LargeBlocks& lb = large_blocks();
@@ -84,7 +134,7 @@ void* host_alloc(size_t bytes) {
   void* p = nullptr;
   if (posix_memalign(&p, huge ? kHugeAlign : 64, cap) != 0 || !p) {
     host_cache_clear();  // memory may be short because of what is kept: try once more
-    if (posix_memalign(&p, huge ? kHugeAlign : 64, cap) != 0 || !p) throw std::bad_alloc();
+    if (posix_memalign(&p, huge ? kHugeAlign : 64, cap) != 0 || !p) host_out_of_memory(pool, bytes);
   }
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   if (huge) madvise(p, cap, MADV_HUGEPAGE);  // only a hint: a kernel without THP refuses it
@@ -136,7 +186,7 @@ void host_cache_clear() {
 }
 
 HostBuffer::HostBuffer(size_t bytes, Pool pool) : nbytes_(bytes), pool_(pool) {
-  data_ = host_alloc(bytes);
+  data_ = host_alloc(bytes, pool == Pool::persistent ? "persistent" : "transient");
   memory_stats_adjust(pool_, static_cast<int64_t>(bytes));
 }
 

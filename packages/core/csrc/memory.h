@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "common.h"
 
@@ -29,12 +30,15 @@ void memory_stats_adjust(Pool pool, int64_t delta_bytes);
 // otherwise miss the TLB on almost every row. Freed blocks of 1 MiB and more are kept (up
 // to 1 GiB in all) and handed out again for a request of up to 1/8 less: a training step
 // allocates the same large buffers every time, and fresh pages cost a page fault and the
-// kernel's zeroing each (about a tenth of a Mamba scan's backward). Throws std::bad_alloc.
-void* host_alloc(size_t bytes);
+// kernel's zeroing each (about a tenth of a Mamba scan's backward). Throws OutOfMemory
+// naming `pool` (what the memory is for), the bytes asked and the host's free memory.
+void* host_alloc(size_t bytes, const char* pool = "internal (kernel scratch)");
 void host_free(void* p);
 size_t host_cache_bytes();  // bytes of freed blocks kept for reuse
 void host_cache_clear();    // gives them back to the system
 PoolStats memory_stats(Pool pool);
+// "1.50 GiB (1610612736 bytes)", "3.00 MiB (3145728 bytes)", "512 bytes"
+std::string bytes_str(uint64_t n);
 void memory_stats_reset_peak();
 
 // A 64-byte-aligned block of host memory counted in one pool. Owned through shared_ptr by

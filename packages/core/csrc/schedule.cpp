@@ -76,10 +76,65 @@ class ArenaAllocator {
     }
   }
   size_t top() const { return top_; }
+  // The smallest free block that holds `bytes` (aligned), SIZE_MAX when none does.
+  size_t best_free(size_t bytes) const {
+    size_t best = SIZE_MAX;
+    for (const auto& [off, sz] : free_)
+      if (sz >= bytes && sz < best) best = sz;
+    return best;
+  }
+  // The top after alloc(bytes) had to grow the arena.
+  size_t grown_top(size_t bytes) const {
+    if (!free_.empty()) {
+      auto last = std::prev(free_.end());
+      if (last->first + last->second == top_) return last->first + bytes;
+    }
+    return top_ + bytes;
+  }
 
  private:
   std::map<size_t, size_t> free_;
   size_t top_ = 0;
+};
+
+// The arena of one backend as segments of at most `limit` bytes each (a device's largest
+// buffer; the host has one unbounded segment). A block goes to the best-fitting free block
+// of any segment, else to the first segment that can grow enough, else to a new segment;
+// with one segment this is ArenaAllocator's best fit. Callers never ask for more than
+// `limit` (Graph::check_fits refuses such tensors first).
+class SegmentedArena {
+ public:
+  struct Slot {
+    int segment;
+    size_t offset;
+  };
+  explicit SegmentedArena(size_t limit = SIZE_MAX) : limit_(limit) {}
+  Slot alloc(size_t bytes) {
+    bytes = align_up(std::max<size_t>(bytes, 1));
+    int best = -1;
+    size_t best_size = SIZE_MAX;
+    for (size_t i = 0; i < segs_.size(); ++i) {
+      const size_t f = segs_[i].best_free(bytes);
+      if (f < best_size) best = static_cast<int>(i), best_size = f;
+    }
+    for (size_t i = 0; best < 0 && i < segs_.size(); ++i)
+      if (segs_[i].grown_top(bytes) <= limit_) best = static_cast<int>(i);
+    if (best < 0) {
+      segs_.emplace_back();
+      best = static_cast<int>(segs_.size()) - 1;
+    }
+    return {best, segs_[best].alloc(bytes)};
+  }
+  void release(int segment, size_t offset, size_t bytes) { segs_[segment].release(offset, bytes); }
+  std::vector<size_t> segment_bytes() const {
+    std::vector<size_t> out;
+    for (const auto& a : segs_) out.push_back(a.top());
+    return out;
+  }
+
+ private:
+  size_t limit_;
+  std::vector<ArenaAllocator> segs_;
 };
 
 // ---- merged slice gradients ----------------------------------------------------------
@@ -150,6 +205,36 @@ recurra_tensor_desc shape_desc(const Node& n) {
 }
 
 }  // namespace
+
+const DeviceLimits& Graph::limits_of(int b) {
+  auto it = place_.limits.find(b);
+  if (it == place_.limits.end()) it = place_.limits.emplace(b, device_limits(b)).first;
+  return it->second;
+}
+
+void Graph::check_fits(int b, int j, bool mirror) {
+  const DeviceLimits& lim = limits_of(b);
+  const Node& nd = nodes_[j];
+  const uint64_t bytes = align_up(std::max<size_t>(nd.nbytes(), 1));
+  const bool too_many = lim.max_tensor_elements && static_cast<uint64_t>(nd.numel()) > lim.max_tensor_elements;
+  if (!too_many && (!lim.max_buffer_bytes || bytes <= lim.max_buffer_bytes)) return;
+  const std::string what = nd.is_leaf() ? "leaf" : "the result of op '" + OpTable::get().at(nd.op).name + "'";
+  const std::string limit =
+      too_many ? "a tensor there has at most " + std::to_string(lim.max_tensor_elements) + " elements"
+               : "one buffer there holds at most " + bytes_str(lim.max_buffer_bytes) +
+                     (std::getenv("RECURRA_VK_MAX_BUFFER_MB") ? ", as RECURRA_VK_MAX_BUFFER_MB sets" : "");
+  throw OutOfMemory("recurra: " + backend_name(b) + " cannot hold " + (mirror ? "a copy of " : "") + what +
+                    " (node " + std::to_string(j) + (nd.name.empty() ? "" : ", '" + nd.name + "'") + "): shape " +
+                    nd.shape.str() + " " + dtype_name(nd.dtype) + ", " + std::to_string(nd.numel()) + " elements, " +
+                    bytes_str(nd.nbytes()) + " of the transient arena; " + limit + "; " +
+                    (lim.free_bytes ? bytes_str(lim.free_bytes) : std::string("an unknown amount")) + " free of " +
+                    bytes_str(lim.memory_bytes) + "; refused when planning, before anything ran; " +
+                    RECURRA_OOM_HINT);
+}
+
+DeviceBuffer& Graph::arena_segment(int backend, int segment) const {
+  return *dev_arena_.at(backend).at(static_cast<size_t>(segment));
+}
 
 int Graph::location(int id) const {
   const Node& n = nodes_[id];
@@ -237,7 +322,9 @@ void Graph::assign_backends() {
     }
     int chosen = -1;
     for (int b : backends_) {
-      if (!backend_entry(b).closed && backend_supports(b, j)) {
+      if (backend_entry(b).closed) continue;
+      check_fits(b, j, false);  // a node too large for the device is refused, not moved
+      if (backend_supports(b, j)) {
         chosen = b;
         break;
       }
@@ -320,7 +407,7 @@ const MemoryPlan& Graph::plan() {
       auto key = std::make_pair(base, b);
       if (!place_.mirror_of.count(key)) {
         place_.mirror_of[key] = static_cast<int>(place_.mirrors.size());
-        place_.mirrors.push_back({base, b, SIZE_MAX, false});
+        place_.mirrors.push_back({base, b, SIZE_MAX, 0, false});
         sp.mirrors.push_back(place_.mirror_of[key]);
       }
     }
@@ -344,9 +431,20 @@ const MemoryPlan& Graph::plan() {
   for (int j = 0; j < n; ++j)
     if (nodes_[j].flags & (kOutput | kLoss)) last[base_of(j)] = kForever;
 
+  // A mirror on a device must fit one of its buffers too.
+  for (const auto& mr : place_.mirrors)
+    if (mr.backend != kCpuBackend) check_fits(mr.backend, mr.base, true);
+
   MemoryPlan p;
   p.offsets.assign(n, SIZE_MAX);
-  std::map<int, ArenaAllocator> alloc;  // per backend
+  p.segments.assign(n, 0);
+  std::map<int, SegmentedArena> alloc;  // per backend
+  auto arena = [&](int b) -> SegmentedArena& {
+    auto it = alloc.find(b);
+    if (it != alloc.end()) return it->second;
+    const uint64_t lim = b == kCpuBackend ? 0 : limits_of(b).max_buffer_bytes;
+    return alloc.emplace(b, SegmentedArena(lim ? lim / kAlign * kAlign : SIZE_MAX)).first->second;
+  };
   std::vector<std::vector<int>> dies_at(n), mirrors_die_at(n);
   for (int j = 0; j < n; ++j)
     if (last[j] >= 0 && last[j] != kForever && !nodes_[j].is_view()) dies_at[last[j]].push_back(j);
@@ -363,42 +461,49 @@ const MemoryPlan& Graph::plan() {
     while (split_i < place_.splits.size() && place_.splits[split_i].nodes.front() <= j) {
       for (int m : place_.splits[split_i].mirrors) {
         auto& mr = place_.mirrors[m];
-        mr.offset = alloc[mr.backend].alloc(nodes_[mr.base].nbytes());
+        const auto slot = arena(mr.backend).alloc(nodes_[mr.base].nbytes());
+        mr.segment = slot.segment;
+        mr.offset = slot.offset;
       }
       ++split_i;
     }
-    int b = place_.where[j];
-    p.offsets[j] = alloc[b].alloc(nd.nbytes());
+    const auto slot = arena(place_.where[j]).alloc(nd.nbytes());
+    p.segments[j] = slot.segment;
+    p.offsets[j] = slot.offset;
     p.unplanned_bytes += align_up(std::max<size_t>(nd.nbytes(), 1));
     p.n_planned++;
     if (last[j] < 0) dies_at[j].push_back(j);  // dead on arrival
     for (int d : dies_at[j])
-      if (p.offsets[d] != SIZE_MAX) alloc[place_.where[d]].release(p.offsets[d], nodes_[d].nbytes());
+      if (p.offsets[d] != SIZE_MAX) arena(place_.where[d]).release(p.segments[d], p.offsets[d], nodes_[d].nbytes());
     for (int m : mirrors_die_at[j]) {
       const auto& mr = place_.mirrors[m];
-      alloc[mr.backend].release(mr.offset, nodes_[mr.base].nbytes());
+      arena(mr.backend).release(mr.segment, mr.offset, nodes_[mr.base].nbytes());
     }
   }
   for (auto& [b, a] : alloc) {
-    place_.arena_bytes[b] = a.top();
-    p.arena_bytes += a.top();
+    auto& segs = place_.segment_bytes[b] = a.segment_bytes();
+    for (size_t bytes : segs) place_.arena_bytes[b] += bytes;
+    p.arena_bytes += place_.arena_bytes[b];
   }
 
-  // Memory: the host arena, and one buffer per device backend.
+  // Memory: the host arena (one segment), and one buffer per segment of each device backend.
   size_t host_bytes = place_.arena_bytes.count(kCpuBackend) ? place_.arena_bytes[kCpuBackend] : 0;
   if (host_bytes > arena_capacity_) {
     arena_.reset();
-    arena_.reset(host_alloc(host_bytes));
+    arena_.reset(host_alloc(host_bytes, "transient arena"));
     memory_stats_adjust(Pool::transient, static_cast<int64_t>(host_bytes) - static_cast<int64_t>(arena_capacity_));
     arena_capacity_ = host_bytes;
   }
-  for (auto& [b, bytes] : place_.arena_bytes) {
+  for (const auto& [b, segs] : place_.segment_bytes) {
     if (b == kCpuBackend) continue;
-    auto& buf = dev_arena_[b];
-    if (!buf || buf->nbytes() < bytes || !buf->valid()) {
-      buf.reset();
-      buf = std::make_shared<DeviceBuffer>(b, std::max<size_t>(bytes, 64), Pool::transient);
-    }
+    auto& bufs = dev_arena_[b];
+    bufs.resize(std::max(bufs.size(), segs.size()));
+    // Buffers too small go first, so that their memory is free for the new ones.
+    for (size_t i = 0; i < bufs.size(); ++i)
+      if (bufs[i] && (i >= segs.size() || bufs[i]->nbytes() < segs[i] || !bufs[i]->valid())) bufs[i].reset();
+    bufs.resize(segs.size());
+    for (size_t i = 0; i < segs.size(); ++i)
+      if (!bufs[i]) bufs[i] = std::make_shared<DeviceBuffer>(b, std::max<size_t>(segs[i], 64), Pool::transient);
   }
   for (int j = 0; j < n; ++j)
     if (p.offsets[j] != SIZE_MAX && place_.where[j] == kCpuBackend)
@@ -492,12 +597,12 @@ recurra_tensor_desc Graph::desc_on(int id, int backend) const {
     if (b.is_leaf()) {
       d.buffer = b.dbuf->handle();
     } else {
-      d.buffer = dev_arena_.at(backend)->handle();
+      d.buffer = arena_segment(backend, plan_.segments[base]).handle();
       off = plan_.offsets[base];
     }
   } else {
     const auto& m = place_.mirrors[place_.mirror_of.at({base, backend})];
-    d.buffer = dev_arena_.at(backend)->handle();
+    d.buffer = arena_segment(backend, m.segment).handle();
     off = m.offset;
   }
   d.offset = off + static_cast<size_t>(n.view_offset) * dtype_size(n.dtype);
@@ -514,19 +619,20 @@ void Graph::fill_mirror(const Placement::Mirror& m) {
     if (b.is_leaf())
       b.dbuf->download(0, dst, bytes);
     else
-      dev_arena_.at(src)->download(plan_.offsets[m.base], dst, bytes);
+      arena_segment(src, plan_.segments[m.base]).download(plan_.offsets[m.base], dst, bytes);
   };
   if (m.backend == kCpuBackend) {
     download_src(static_cast<uint8_t*>(arena_.get()) + m.offset);
     return;
   }
+  DeviceBuffer& dst = arena_segment(m.backend, m.segment);
   if (src == kCpuBackend) {
-    dev_arena_.at(m.backend)->upload(m.offset, b.data, bytes);
+    dst.upload(m.offset, b.data, bytes);
     return;
   }
   std::vector<uint8_t> tmp(bytes);  // device to device through the host
   download_src(tmp.data());
-  dev_arena_.at(m.backend)->upload(m.offset, tmp.data(), bytes);
+  dst.upload(m.offset, tmp.data(), bytes);
 }
 
 void Graph::run_device_split(const Placement::Split& sp) {
@@ -616,7 +722,7 @@ void Graph::read(int id, void* out) {
     if (b.is_leaf())
       b.dbuf->download(0, staging.data(), b.nbytes());
     else
-      dev_arena_.at(loc)->download(plan_.offsets[base], staging.data(), b.nbytes());
+      arena_segment(loc, plan_.segments[base]).download(plan_.offsets[base], staging.data(), b.nbytes());
     mem = staging.data();
   }
   if (n.numel() == 0) return;

@@ -57,9 +57,10 @@ int guarded(F&& f) {
     return RECURRA_OK;
   } catch (const Error& e) {
     b.last_error = e.what();
+    if (e.status == RECURRA_ERR_OOM) b.last_error += "; " RECURRA_OOM_HINT;
     return e.status;
   } catch (const std::bad_alloc&) {
-    b.last_error = "out of host memory";
+    b.last_error = "out of host memory (in the Vulkan backend); " RECURRA_OOM_HINT;
     return RECURRA_ERR_OOM;
   } catch (const std::exception& e) {
     b.last_error = e.what();
@@ -91,6 +92,10 @@ int t_device_info(void*, int device, recurra_device_info* out) {
     std::snprintf(out->kind, sizeof out->kind, "%s", d.kind.c_str());
     out->memory_bytes = d.memory_bytes;
     out->index = static_cast<uint32_t>(device);
+    out->max_buffer_bytes = d.max_buffer_bytes();
+    out->max_tensor_elements = kMaxIndex;
+    const uint64_t reserved = b.devices[device] ? b.devices[device]->memory().bytes_reserved() : 0;
+    out->free_bytes = free_device_bytes(d.handle, d.heap, d.memory_budget, reserved);
   });
 }
 

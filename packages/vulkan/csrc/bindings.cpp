@@ -147,6 +147,8 @@ py::dict backend_info() {
     e["name"] = d.name;
     e["kind"] = d.kind;
     e["memory_bytes"] = d.memory_bytes;
+    e["max_buffer_bytes"] = d.max_buffer_bytes();
+    e["memory_budget"] = d.memory_budget;
     e["driver"] = d.driver;
     e["api_version"] = version_str(d.api_version);
     e["vk_index"] = d.vk_index;

@@ -51,7 +51,6 @@ std::vector<uint8_t> replay_key(const recurra_node_desc* nodes, int32_t n) {
   }
   return k;
 }
-constexpr int64_t kMaxIndex = (int64_t(1) << 31) - 1;  // shaders index with 32-bit ints
 
 std::string version_str(uint32_t v) {
   return std::to_string(VK_API_VERSION_MAJOR(v)) + "." + std::to_string(VK_API_VERSION_MINOR(v)) + "." +
@@ -206,8 +205,16 @@ Instance::Instance() {
     VkPhysicalDeviceMemoryProperties mp;
     vkGetPhysicalDeviceMemoryProperties(h, &mp);
     for (uint32_t i = 0; i < mp.memoryHeapCount; ++i)
-      if (mp.memoryHeaps[i].flags & VK_MEMORY_HEAP_DEVICE_LOCAL_BIT)
-        d.memory_bytes = std::max<uint64_t>(d.memory_bytes, mp.memoryHeaps[i].size);
+      if ((mp.memoryHeaps[i].flags & VK_MEMORY_HEAP_DEVICE_LOCAL_BIT) && mp.memoryHeaps[i].size > d.memory_bytes) {
+        d.memory_bytes = mp.memoryHeaps[i].size;
+        d.heap = i;
+      }
+    uint32_t n_dext = 0;
+    vkEnumerateDeviceExtensionProperties(h, nullptr, &n_dext, nullptr);
+    std::vector<VkExtensionProperties> dext(n_dext);
+    vkEnumerateDeviceExtensionProperties(h, nullptr, &n_dext, dext.data());
+    for (const auto& e : dext)
+      if (std::strcmp(e.extensionName, VK_EXT_MEMORY_BUDGET_EXTENSION_NAME) == 0) d.memory_budget = true;
     usable.push_back(d);
   }
   std::stable_sort(usable.begin(), usable.end(),
@@ -243,6 +250,17 @@ Instance::Instance() {
     reason_ = skipped.substr(2);
 }
 
+uint64_t PhysicalDevice::max_buffer_bytes() const {
+  uint64_t n = max_allocation;
+  if (memory_bytes) n = std::min<uint64_t>(n, memory_bytes);
+  const char* v = std::getenv("RECURRA_VK_MAX_BUFFER_MB");
+  if (v && *v) {
+    const unsigned long long mb = std::strtoull(v, nullptr, 10);
+    if (mb) n = std::min<uint64_t>(n, static_cast<uint64_t>(mb) << 20);
+  }
+  return n;
+}
+
 Instance::~Instance() {
   if (instance_) vkDestroyInstance(instance_, nullptr);
 }
@@ -274,7 +292,8 @@ Device::Device(const PhysicalDevice& pd) : info_(pd) {
     VkDeviceSize block = host_visible ? (64ull << 20) : (256ull << 20);
     if (info_.memory_bytes) block = std::min<VkDeviceSize>(block, std::max<VkDeviceSize>(16ull << 20, info_.memory_bytes / 16));
     block = std::min<VkDeviceSize>(block, info_.max_allocation);
-    memory_ = std::make_unique<DeviceMemory>(dev_, info_.handle, host_visible, block, info_.max_allocation);
+    memory_ = std::make_unique<DeviceMemory>(dev_, info_.handle, host_visible, block, info_.max_allocation,
+                                             info_.heap, info_.memory_budget);
     memory_->drain = [this] {
       for (auto& s : subs_) wait(*s);
     };

@@ -25,16 +25,25 @@
 
 namespace recurra_vk {
 
+constexpr int64_t kMaxIndex = (int64_t(1) << 31) - 1;  // shaders index with 32-bit ints
+
 struct PhysicalDevice {
   VkPhysicalDevice handle = VK_NULL_HANDLE;
   std::string name, kind, driver;  // kind: "gpu", "integrated", "virtual", "cpu"
   uint32_t api_version = 0;
   uint64_t memory_bytes = 0;       // the largest device-local heap
+  uint32_t heap = 0;               // its index
+  bool memory_budget = false;      // VK_EXT_memory_budget: the driver reports what is free
   uint32_t queue_family = 0;
   uint32_t timestamp_bits = 0;
   float timestamp_period_ns = 1.0f;
   uint32_t vk_index = 0;  // position among usable devices (what RECURRA_VULKAN_DEVICE counts)
   VkDeviceSize max_allocation = 0;
+
+  // The largest buffer the core may ask for (recurra_device_info::max_buffer_bytes): the
+  // device's largest allocation, at most its heap, at most RECURRA_VK_MAX_BUFFER_MB (which
+  // forces small arena segments, for tests).
+  uint64_t max_buffer_bytes() const;
 };
 
 // The process-wide instance and the usable devices, sorted best first (discrete GPUs, then

@@ -1,6 +1,10 @@
 #include "memory.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+
+#include "recurra/format.h"
 
 namespace recurra_vk {
 
@@ -8,22 +12,59 @@ namespace {
 
 constexpr VkDeviceSize kAlign = 256;  // sub-allocation alignment: vec4 loads, cache lines
 
-std::string mib(VkDeviceSize n) { return std::to_string((n + (1 << 20) - 1) >> 20) + " MiB"; }
+const char* const kPoolName[3] = {"persistent", "transient arena", "internal (op scratch)"};
 
 }  // namespace
 
+std::string bytes_str(uint64_t n) {
+  char buf[64];
+  recurra_format_bytes(buf, sizeof buf, n);
+  return buf;
+}
+
+uint64_t memory_limit_env() {
+  const char* v = std::getenv("RECURRA_VK_MEMORY_LIMIT_MB");
+  if (!v || !*v) return 0;
+  const unsigned long long mb = std::strtoull(v, nullptr, 10);
+  return mb ? static_cast<uint64_t>(mb) << 20 : 0;
+}
+
+uint64_t free_device_bytes(VkPhysicalDevice pd, uint32_t heap, bool has_budget, uint64_t reserved) {
+  VkPhysicalDeviceMemoryBudgetPropertiesEXT budget{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_BUDGET_PROPERTIES_EXT};
+  VkPhysicalDeviceMemoryProperties2 mp{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_PROPERTIES_2};
+  if (has_budget) mp.pNext = &budget;
+  vkGetPhysicalDeviceMemoryProperties2(pd, &mp);
+  if (heap >= mp.memoryProperties.memoryHeapCount) return 0;
+  uint64_t free = 0;
+  if (has_budget)
+    free = budget.heapBudget[heap] > budget.heapUsage[heap] ? budget.heapBudget[heap] - budget.heapUsage[heap] : 0;
+  else
+    free = mp.memoryProperties.memoryHeaps[heap].size > reserved ? mp.memoryProperties.memoryHeaps[heap].size - reserved : 0;
+  if (const uint64_t limit = memory_limit_env()) free = std::min<uint64_t>(free, limit > reserved ? limit - reserved : 0);
+  return free;
+}
+
 DeviceMemory::DeviceMemory(VkDevice dev, VkPhysicalDevice pd, bool host_visible_preferred,
-                           VkDeviceSize block_size, VkDeviceSize max_allocation)
-    : dev_(dev), host_visible_preferred_(host_visible_preferred), block_size_(block_size),
-      max_allocation_(max_allocation) {
+                           VkDeviceSize block_size, VkDeviceSize max_allocation, uint32_t heap, bool has_budget)
+    : dev_(dev), pd_(pd), heap_(heap), has_budget_(has_budget), host_visible_preferred_(host_visible_preferred),
+      block_size_(block_size), max_allocation_(max_allocation) {
   vkGetPhysicalDeviceMemoryProperties(pd, &mem_props_);
-  // Empty dedicated blocks kept for reuse: an eighth of the largest device-local heap (at
+  // Empty dedicated blocks kept for reuse: a sixteenth of the largest device-local heap (at
   // least 1 GiB). They go first when an allocation finds the device full.
-  VkDeviceSize heap = 0;
+  VkDeviceSize largest = 0;
   for (uint32_t i = 0; i < mem_props_.memoryHeapCount; ++i)
     if (mem_props_.memoryHeaps[i].flags & VK_MEMORY_HEAP_DEVICE_LOCAL_BIT)
-      heap = std::max(heap, mem_props_.memoryHeaps[i].size);
-  keep_dedicated_ = std::max<VkDeviceSize>(VkDeviceSize{1} << 30, heap / 8);
+      largest = std::max(largest, mem_props_.memoryHeaps[i].size);
+  keep_dedicated_ = std::max<VkDeviceSize>(VkDeviceSize{1} << 30, largest / 16);
+}
+
+void DeviceMemory::out_of_memory(int pool, VkDeviceSize asked, const std::string& why) const {
+  const uint64_t heap = heap_ < mem_props_.memoryHeapCount ? mem_props_.memoryHeaps[heap_].size : 0;
+  fail(RECURRA_ERR_OOM, "out of device memory: the " + std::string(kPoolName[pool]) + " pool asked for " +
+                            bytes_str(asked) + ": " + why + "; this device's largest allocation is " +
+                            bytes_str(max_allocation_) + ", " + bytes_str(free_bytes()) + " free of " +
+                            bytes_str(heap) + (has_budget_ ? " (VK_EXT_memory_budget)" : "") + ", recurra holds " +
+                            bytes_str(reserved_) + " (" + bytes_str(in_use_) + " in use)");
 }
 
 DeviceMemory::~DeviceMemory() {
@@ -46,10 +87,11 @@ size_t DeviceMemory::block_count() const {
   return n;
 }
 
-uint32_t DeviceMemory::new_block(VkDeviceSize size, int pool, bool dedicated) {
-  if (size > max_allocation_)
-    fail(RECURRA_ERR_OOM, "a buffer of " + mib(size) + " exceeds this device's largest allocation (" +
-                              mib(max_allocation_) + ")");
+uint32_t DeviceMemory::new_block(VkDeviceSize size, int pool, bool dedicated, VkDeviceSize asked) {
+  if (size > max_allocation_) out_of_memory(pool, asked, "one buffer cannot be that large");
+  const uint64_t limit = memory_limit_env();
+  if (limit && reserved_ + size > limit)
+    out_of_memory(pool, asked, "RECURRA_VK_MEMORY_LIMIT_MB caps what recurra reserves at " + bytes_str(limit));
   Block b;
   b.size = size;
   b.pool = pool;
@@ -59,7 +101,14 @@ uint32_t DeviceMemory::new_block(VkDeviceSize size, int pool, bool dedicated) {
   bi.usage = VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | VK_BUFFER_USAGE_TRANSFER_SRC_BIT |
              VK_BUFFER_USAGE_TRANSFER_DST_BIT | VK_BUFFER_USAGE_SHADER_DEVICE_ADDRESS_BIT;
   bi.sharingMode = VK_SHARING_MODE_EXCLUSIVE;
-  vk_check(vkCreateBuffer(dev_, &bi, nullptr, &b.buffer), "vkCreateBuffer");
+  // The driver running out is an out-of-memory like any other: same message.
+  auto refused = [&](VkResult r, const char* what) {
+    if (r == VK_ERROR_OUT_OF_DEVICE_MEMORY || r == VK_ERROR_OUT_OF_HOST_MEMORY)
+      out_of_memory(pool, asked, std::string(what) + " refused a block of " + bytes_str(size) + " (" +
+                                     vk_result_name(r) + ")");
+    fail_vk(r, what);
+  };
+  if (VkResult r = vkCreateBuffer(dev_, &bi, nullptr, &b.buffer); r != VK_SUCCESS) refused(r, "vkCreateBuffer");
   VkMemoryRequirements req;
   vkGetBufferMemoryRequirements(dev_, b.buffer, &req);
 
@@ -96,10 +145,7 @@ uint32_t DeviceMemory::new_block(VkDeviceSize size, int pool, bool dedicated) {
   }
   if (r != VK_SUCCESS) {
     vkDestroyBuffer(dev_, b.buffer, nullptr);
-    if (r == VK_ERROR_OUT_OF_DEVICE_MEMORY || r == VK_ERROR_OUT_OF_HOST_MEMORY)
-      fail(RECURRA_ERR_OOM, "out of device memory allocating " + mib(size) + " (" + mib(in_use_) +
-                                " in use, " + mib(reserved_) + " reserved by recurra)");
-    fail_vk(r, "vkAllocateMemory");
+    refused(r, "vkAllocateMemory");
   }
   reserved_ += size;
   const VkMemoryPropertyFlags f = mem_props_.memoryTypes[best].propertyFlags;
@@ -140,7 +186,7 @@ Allocation DeviceMemory::take(VkDeviceSize nbytes, int pool) {
           b.size <= size + size / 4 && (id == UINT32_MAX || b.size < blocks_[id].size))
         id = i;
     }
-    if (id == UINT32_MAX) id = new_block(size, pool, true);
+    if (id == UINT32_MAX) id = new_block(size, pool, true, nbytes);
     Block& b = blocks_[id];
     b.free.clear();
     b.used = size;
@@ -157,7 +203,7 @@ Allocation DeviceMemory::take(VkDeviceSize nbytes, int pool) {
       if (sz >= size && sz < best_size) best_block = i, best_off = off, best_size = sz;
   }
   if (best_block == UINT32_MAX) {
-    best_block = new_block(block_size_, pool, false);
+    best_block = new_block(block_size_, pool, false, nbytes);
     best_off = 0;
     best_size = block_size_;
   }

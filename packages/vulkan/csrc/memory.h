@@ -18,6 +18,16 @@
 
 namespace recurra_vk {
 
+// Device memory free for new allocations on heap `heap` of `pd`: the driver's budget minus
+// its usage with VK_EXT_memory_budget (`has_budget`), else the heap's size minus
+// `reserved` (what recurra holds). RECURRA_VK_MEMORY_LIMIT_MB (a test or GPU-sharing cap on
+// what recurra reserves) lowers it further.
+uint64_t free_device_bytes(VkPhysicalDevice pd, uint32_t heap, bool has_budget, uint64_t reserved);
+// RECURRA_VK_MEMORY_LIMIT_MB in bytes, or 0 when unset.
+uint64_t memory_limit_env();
+// "1.50 GiB (1610612736 bytes)", "3.00 MiB (3145728 bytes)", "512 bytes"
+std::string bytes_str(uint64_t n);
+
 // A range of one block.
 struct Allocation {
   uint32_t block = 0;
@@ -30,13 +40,15 @@ class DeviceMemory {
  public:
   // host_visible_preferred: put blocks in host-visible device memory when there is such
   // (CPU and integrated devices), so copies are plain memcpy.
+  // heap: the device-local heap whose size and budget the error messages report.
   DeviceMemory(VkDevice dev, VkPhysicalDevice pd, bool host_visible_preferred, VkDeviceSize block_size,
-               VkDeviceSize max_allocation);
+               VkDeviceSize max_allocation, uint32_t heap, bool has_budget);
   ~DeviceMemory();
   DeviceMemory(const DeviceMemory&) = delete;
   DeviceMemory& operator=(const DeviceMemory&) = delete;
 
-  // A new buffer of nbytes (> 0). Throws Error(OOM) when the device is full.
+  // A new buffer of nbytes (> 0). Throws Error(OOM) when the device is full, with a message
+  // naming the pool, the bytes asked, the largest allocation and what is free.
   recurra_buffer alloc(size_t nbytes, bool persistent);
   // The allocation behind a live handle; throws Error(INVALID) naming `what` when stale.
   const Allocation& lookup(const recurra_buffer& b, const char* what) const;
@@ -63,6 +75,7 @@ class DeviceMemory {
   }
   uint64_t bytes_in_use() const { return in_use_; }
   uint64_t bytes_reserved() const { return reserved_; }
+  uint64_t free_bytes() const { return free_device_bytes(pd_, heap_, has_budget_, reserved_); }
   size_t block_count() const;
 
  private:
@@ -84,10 +97,15 @@ class DeviceMemory {
 
   Allocation take(VkDeviceSize size, int pool);
   bool give_back(const Allocation& a);
-  uint32_t new_block(VkDeviceSize size, int pool, bool dedicated);
+  // asked: the bytes the caller asked for (what an out-of-memory message reports).
+  uint32_t new_block(VkDeviceSize size, int pool, bool dedicated, VkDeviceSize asked);
+  [[noreturn]] void out_of_memory(int pool, VkDeviceSize asked, const std::string& why) const;
   void destroy_block(Block& b);
 
   VkDevice dev_;
+  VkPhysicalDevice pd_;
+  uint32_t heap_;
+  bool has_budget_;
   VkPhysicalDeviceMemoryProperties mem_props_{};
   bool host_visible_preferred_;
   VkDeviceSize block_size_, max_allocation_;

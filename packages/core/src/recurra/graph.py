@@ -219,8 +219,10 @@ class Graph:
             out[b] = out.get(b, 0) + n
         return out
 
-    def memory(self) -> dict[str, int]:
-        """The memory plan: arena bytes (peak), bytes without reuse, planned nodes."""
+    def memory(self) -> dict[str, Any]:
+        """The memory plan: arena bytes (peak), bytes without reuse, planned nodes, and the
+        bytes of each arena segment per backend (a device's arena is split into buffers no
+        larger than its largest allocation)."""
         return dict(self._g.plan())
 
     @property

@@ -30,11 +30,13 @@ else:
 def backend_info() -> dict[str, Any]:
     """Returns the backend for ``recurra.backends``.
 
-    A dict with ``devices`` (one dict per device: index, name, kind, memory_bytes, driver,
-    api_version, vk_index), ``reason`` ("" when there is a device, else why not), perhaps
-    ``skipped`` (devices passed over, and why) and, when there is at least one device,
-    ``table``: a PyCapsule named ``"recurra.backend_table"`` holding
-    the C backend table of ``recurra/backend.h``. Never raises.
+    A dict with ``devices`` (one dict per device: index, name, kind, memory_bytes,
+    max_buffer_bytes (the largest buffer; RECURRA_VK_MAX_BUFFER_MB lowers it), memory_budget
+    (whether the driver reports free memory), driver, api_version, vk_index), ``reason`` (""
+    when there is a device, else why not), perhaps ``skipped`` (devices passed over, and why)
+    and, when there is at least one device, ``table``: a PyCapsule named
+    ``"recurra.backend_table"`` holding the C backend table of ``recurra/backend.h``. Never
+    raises.
     """
     if _vk is None:
         return {"devices": [], "reason": _IMPORT_ERROR}

@@ -20,8 +20,11 @@
 extern "C" {
 #endif
 
-/* 2: RECURRA_MAX_SRC 8 -> 12 (ssm_scan_back with the forward's checkpoints takes 9) */
-#define RECURRA_BACKEND_ABI_VERSION 2
+/* 2: RECURRA_MAX_SRC 8 -> 12 (ssm_scan_back with the forward's checkpoints takes 9)
+ * 3: recurra_device_info gains max_buffer_bytes, max_tensor_elements and free_bytes (the
+ *    planner splits a device's arena into buffers no larger than max_buffer_bytes and
+ *    refuses a tensor that one buffer cannot hold) */
+#define RECURRA_BACKEND_ABI_VERSION 3
 #define RECURRA_MAX_DIMS 4
 #define RECURRA_MAX_SRC 12
 
@@ -30,7 +33,8 @@ typedef enum recurra_dtype { RECURRA_F32 = 0, RECURRA_I32 = 1 } recurra_dtype;
 typedef enum recurra_status {
   RECURRA_OK = 0,
   RECURRA_ERR_INVALID = -1,     /* bad arguments: becomes ValueError */
-  RECURRA_ERR_OOM = -2,         /* out of device memory: becomes MemoryError */
+  RECURRA_ERR_OOM = -2,         /* out of device memory: becomes MemoryError (the message
+                                   says which pool, the bytes asked, the limit, what is free) */
   RECURRA_ERR_DEVICE_LOST = -3, /* the device went away: becomes RuntimeError */
   RECURRA_ERR_UNSUPPORTED = -4  /* the op or layout is not supported here */
 } recurra_status;
@@ -70,7 +74,22 @@ typedef struct recurra_device_info {
   char kind[32]; /* "gpu", "cpu", "integrated" */
   uint64_t memory_bytes;
   uint32_t index;
+  /* The largest single buffer (alloc) the device takes: no tensor may be larger, and the
+   * core splits a graph's arena on this device into buffers of at most this many bytes.
+   * 0: no limit. */
+  uint64_t max_buffer_bytes;
+  /* The most elements one tensor on the device may have (e.g. 2^31 - 1 where kernels index
+   * with 32-bit integers). 0: no limit. */
+  uint64_t max_tensor_elements;
+  /* Device memory free for new buffers now (the driver's budget where it has one); 0:
+   * unknown. */
+  uint64_t free_bytes;
 } recurra_device_info;
+
+/* What to try after running out of memory: both sides append it to their MemoryError. */
+#define RECURRA_OOM_HINT                                                                     \
+  "try a smaller batch or sequence, or gradient checkpointing: "                             \
+  "model.gradient_checkpointing(True) / recurra train --gradient-checkpointing"
 
 typedef struct recurra_backend_table {
   uint32_t abi_version; /* RECURRA_BACKEND_ABI_VERSION */

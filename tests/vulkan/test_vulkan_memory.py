@@ -1,0 +1,226 @@
+"""Device memory past one allocation, and memory errors that say what happened.
+
+A graph's intermediates on a device live in an arena split into *segments*: buffers no
+larger than the device's largest allocation (``maxMemoryAllocationSize``, 2 GiB on
+lavapipe), no tensor across a segment boundary. ``RECURRA_VK_MAX_BUFFER_MB`` lowers that
+limit so that small graphs use many segments. A tensor that cannot be one buffer is refused
+when the graph is planned; every MemoryError names the pool, the bytes asked, the device's
+limit and what is free, and what to try.
+
+References are independent of recurra: numpy in float64 (by chunks where the tensors are
+large), or the same graph on the CPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import recurra as rc
+from recurra import ops
+
+pytestmark = pytest.mark.vulkan
+
+GiB = 1 << 30
+
+
+def vk_info() -> dict:
+    import recurra_vulkan
+
+    return recurra_vulkan.backend_info()["devices"][0]
+
+
+def check_segments(plan: dict, limit: int) -> list[int]:
+    segs = plan["segments"]["vulkan:0"]
+    assert all(0 < s <= limit for s in segs), (segs, limit)
+    assert sum(segs) == plan["arena_bytes"] - sum(
+        sum(v) for k, v in plan["segments"].items() if k != "vulkan:0"
+    )
+    return segs
+
+
+# ---- (a) the issue's example: 120M elements, intermediates past 2 GiB --------------------
+
+
+def test_exp_tanh_graph_of_120m_elements_trains(vulkan: str) -> None:
+    n, period = 120_000_000, 1000
+    pattern = np.linspace(-1.0, 1.0, period)  # x repeats it: the reference needs one period
+    x = rc.param(np.tile(pattern.astype(np.float32), n // period), device=vulkan)
+    y = ops.exp(x)
+    z = ops.tanh(y) * y
+    loss = ops.sum(z * z)
+    loss.backward()
+
+    p = pattern.astype(np.float32).astype(np.float64)
+    yr = np.exp(p)
+    zr = np.tanh(yr) * yr
+    want_loss = (n // period) * np.sum(zr * zr)
+    # d(z^2)/dx = 2 z (tanh(y) + y (1 - tanh(y)^2)) y
+    want_grad = 2 * zr * (np.tanh(yr) + yr * (1 - np.tanh(yr) ** 2)) * yr
+    np.testing.assert_allclose(loss.item(), want_loss, rtol=1e-4)
+    g = x.grad.numpy().reshape(-1, period)
+    assert np.abs(g - want_grad.astype(np.float32)).max() <= 1e-5 * np.abs(want_grad).max()
+
+
+# ---- (b) ~3 GiB of intermediates, a device-side parameter gradient, mirrors ---------------
+
+
+def test_graph_of_3_gib_intermediates_matches_numpy(vulkan: str) -> None:
+    rows, cols = 1024, 125_000  # 128M elements: 512 MB a tensor
+    rng = np.random.default_rng(5)
+    xs = rng.uniform(-1, 1, (rows, cols)).astype(np.float32)
+    ws = rng.uniform(0.5, 1.5, cols).astype(np.float32)
+
+    g = rc.Graph(backends=[vulkan], strict=True)
+    x = g.param((rows, cols), name="x")  # host data: its copy on the device is a mirror
+    w = g.param((cols,), name="w")
+    e = ops.exp(x * w)
+    loss = ops.mean(e * x)
+    g.build_backward(loss)
+    g.set_data(x, xs)
+    g.set_data(w, ws)
+    plan = g.memory()
+    assert plan["arena_bytes"] > 2.5 * GiB
+    check_segments(plan, vk_info()["max_buffer_bytes"])
+    g.compute()
+
+    n = rows * cols
+    want_loss, gx_err, gx_max = 0.0, 0.0, 0.0
+    gw = np.zeros(cols)
+    gx = x.grad.numpy()
+    w64 = ws.astype(np.float64)
+    for lo in range(0, rows, 128):  # float64 by chunks of rows
+        x64 = xs[lo : lo + 128].astype(np.float64)
+        a64 = x64 * w64
+        e64 = np.exp(a64)
+        want_loss += np.sum(e64 * x64) / n
+        gw += np.sum(e64 * x64 * x64, axis=0) / n  # d/dw_j of e x
+        want_gx = e64 * (a64 + 1) / n  # d/dx of exp(x w) x
+        gx_err = max(gx_err, float(np.abs(gx[lo : lo + 128] - want_gx).max()))
+        gx_max = max(gx_max, float(np.abs(want_gx).max()))
+    np.testing.assert_allclose(loss.item(), want_loss, rtol=1e-4)
+    assert gx_err <= 1e-5 * gx_max
+    np.testing.assert_allclose(w.grad.numpy(), gw, rtol=1e-3, atol=1e-4 * np.abs(gw).max())
+
+
+# ---- (c) forced small segments: the same gradients as the CPU ------------------------------
+
+
+def mlp_grads(backends: list[str]) -> tuple[dict, list[np.ndarray], float]:
+    rng = np.random.default_rng(11)
+    bsz, d, h = 256, 96, 512  # w2 is 1 MiB
+    g = rc.Graph(backends=backends, strict=bool(backends))
+    x = g.input((bsz, d), name="x")
+    ws = [g.param((d, h), name="w1"), g.param((h,), name="b1"), g.param((h, h), name="w2")]
+    ws += [g.param((h, 3), name="w3")]
+    hid = ops.tanh(x @ ws[0] + ws[1])
+    hid = ops.relu(hid @ ws[2]) * hid
+    loss = ops.mean(ops.sqr(hid @ ws[3]))
+    g.build_backward(loss)
+    g.set_data(x, rng.standard_normal((bsz, d)))
+    for w in ws:
+        g.set_data(w, rng.standard_normal(w.shape) / np.sqrt(w.shape[0]))
+    plan = g.memory()
+    g.compute()
+    return plan, [w.grad.numpy() for w in ws], loss.item()
+
+
+def test_forced_small_segments_give_the_cpu_gradients(vulkan: str, monkeypatch) -> None:
+    monkeypatch.setenv("RECURRA_VK_MAX_BUFFER_MB", "1")
+    plan, grads, loss = mlp_grads([vulkan])
+    segs = check_segments(plan, 1 << 20)
+    assert len(segs) >= 4  # the arena is several MiB
+    _, want, want_loss = mlp_grads([])
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    for got, ref in zip(grads, want):
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+
+
+def test_forced_small_segments_mamba2_lm_gradients(vulkan: str, monkeypatch) -> None:
+    rm = pytest.importorskip("recurra_models")
+    from recurra._tensor import LAZY  # the last plan's graph: how many segments it used
+
+    tokens = np.random.default_rng(3).integers(0, 256, (2, 65)).astype(np.int32)
+
+    def grads(device: str) -> tuple[float, dict[str, np.ndarray]]:
+        model = rm.create("mamba2", vocab_size=256, d_model=64, n_layer=2, seed=1).to(device)
+        loss = model.loss(
+            rc.tensor(tokens[:, :-1], device=device), rc.tensor(tokens[:, 1:], device=device)
+        )
+        loss.backward()
+        return loss.item(), {k: p.grad.numpy() for k, p in model.named_parameters()}
+
+    want_loss, want = grads("cpu")
+    monkeypatch.setenv("RECURRA_VK_MAX_BUFFER_MB", "1")
+    LAZY.clear()
+    loss, got = grads(vulkan)
+    plan = next(reversed(LAZY._plans.values())).graph.plan()
+    assert len(check_segments(plan, 1 << 20)) >= 2
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-4)
+    for k, ref in want.items():
+        np.testing.assert_allclose(
+            got[k], ref, rtol=2e-3, atol=2e-4 * np.abs(ref).max() + 1e-7, err_msg=k
+        )
+
+
+# ---- (d) refusals and the messages of MemoryError ------------------------------------------
+
+
+def test_tensor_larger_than_one_buffer_is_refused_when_planned(vulkan: str, monkeypatch) -> None:
+    monkeypatch.setenv("RECURRA_VK_MAX_BUFFER_MB", "1")
+    g = rc.Graph(backends=[vulkan])
+    x = g.input((300_000,), name="x")
+    y = ops.exp(x)  # 1.2 MB: more than one 1 MiB buffer
+    g.set_output(ops.sum(y))
+    rc.reset_transfer_stats()
+    with pytest.raises(MemoryError) as e:
+        g.memory()
+    msg = str(e.value)
+    assert "op 'exp'" in msg and "(300000,)" in msg and "1200000 bytes" in msg
+    assert "(1048576 bytes)" in msg and "RECURRA_VK_MAX_BUFFER_MB" in msg
+    assert "before anything ran" in msg and "free of" in msg and "gradient checkpointing" in msg
+    assert rc.transfer_stats()["host_to_device"]["count"] == 0  # nothing was uploaded
+    monkeypatch.delenv("RECURRA_VK_MAX_BUFFER_MB")
+    g.set_data(x, np.ones(300_000))
+    g.compute()  # with the device's own limit it runs
+    assert g.get_data(y)[0] == pytest.approx(np.e)
+
+
+def test_copy_of_a_host_tensor_larger_than_one_buffer_is_refused(vulkan: str, monkeypatch) -> None:
+    monkeypatch.setenv("RECURRA_VK_MAX_BUFFER_MB", "1")
+    g = rc.Graph(backends=[vulkan])
+    x = g.input((300_000,), name="x")  # on the host: the device reads a copy (a mirror)
+    g.set_output(ops.sum(x))
+    with pytest.raises(MemoryError, match=r"cannot hold a copy of leaf \(node 0, 'x'\)"):
+        g.memory()
+
+
+def test_tensor_past_2_31_elements_is_refused_not_moved_to_the_cpu(vulkan: str) -> None:
+    g = rc.Graph(backends=[vulkan])
+    x = g.input((1,), name="x")
+    big = ops.exp(ops.broadcast_to(x, (1 << 16, 1 << 15 | 1)))  # 2^31 + 2^16 elements
+    g.set_output(ops.sum(big))
+    with pytest.raises(
+        MemoryError, match=r"op 'exp'.*\(65536, 32769\).*at most 2147483647 elements"
+    ):
+        g.memory()
+
+
+def test_device_out_of_memory_names_pool_bytes_limit_and_free(vulkan: str, monkeypatch) -> None:
+    monkeypatch.setenv("RECURRA_VK_MEMORY_LIMIT_MB", "1")  # recurra may reserve 1 MiB in all
+    with pytest.raises(MemoryError) as e:
+        rc.tensor(np.zeros(10_000_123, np.float32), device=vulkan)
+    msg = str(e.value)
+    assert "persistent pool asked for" in msg and "(40000492 bytes)" in msg, msg
+    assert (
+        "largest allocation is" in msg and "free of" in msg and "RECURRA_VK_MEMORY_LIMIT_MB" in msg
+    )
+    assert "gradient checkpointing" in msg
+
+    monkeypatch.delenv("RECURRA_VK_MEMORY_LIMIT_MB")
+    x = rc.param(np.ones(10_000_123, np.float32), device=vulkan)
+    monkeypatch.setenv("RECURRA_VK_MEMORY_LIMIT_MB", "1")
+    with pytest.raises(MemoryError) as e:
+        ops.sum(ops.exp(x) * x).item()
+    msg = str(e.value)
+    assert "transient arena pool asked for" in msg and "gradient checkpointing" in msg, msg
