@@ -558,7 +558,8 @@ void Graph::compute() {
   plan();
   check_ready();
   const OpTable& tab = OpTable::get();
-  ThreadPool& tp = pool();
+  const PoolLease lease;  // set_num_threads waits for this computation to end
+  ThreadPool& tp = lease.pool();
   for (const auto& sp : place_.splits) {
     for (int m : sp.mirrors) fill_mirror(place_.mirrors[m]);
     if (sp.backend != kCpuBackend) {
