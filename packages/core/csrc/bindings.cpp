@@ -124,8 +124,9 @@ PYBIND11_MODULE(_core, m) {
       PyErr_SetString(PyExc_TypeError, e.what());
     } catch (const StateError& e) {
       PyErr_SetString(PyExc_RuntimeError, e.what());
-    } catch (const std::bad_alloc&) {
-      PyErr_SetString(PyExc_MemoryError, "recurra: out of memory");
+    } catch (const std::bad_alloc& e) {
+      const std::string what = e.what();  // recurra's own say what did not fit
+      PyErr_SetString(PyExc_MemoryError, ("recurra: " + (what == "std::bad_alloc" ? "out of memory" : what)).c_str());
     }
   });
 

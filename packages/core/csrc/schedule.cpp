@@ -15,6 +15,7 @@
 #include <cstring>
 #include <mutex>
 #include <new>
+#include <string>
 #include <unordered_map>
 
 #include "graph.h"
@@ -28,6 +29,13 @@ void scatter_last_axis(const TensorView& dst, const std::vector<TensorView>& par
 void Graph::AlignedFree::operator()(void* p) const { host_free(p); }
 
 namespace {
+
+// A bad_alloc that says what did not fit (bindings.cpp raises MemoryError with it).
+struct OutOfMemory : std::bad_alloc {
+  explicit OutOfMemory(std::string m) : msg(std::move(m)) {}
+  const char* what() const noexcept override { return msg.c_str(); }
+  std::string msg;
+};
 
 constexpr size_t kAlign = 64;
 size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
@@ -387,7 +395,22 @@ const MemoryPlan& Graph::plan() {
   size_t host_bytes = place_.arena_bytes.count(kCpuBackend) ? place_.arena_bytes[kCpuBackend] : 0;
   if (host_bytes > arena_capacity_) {
     arena_.reset();
-    arena_.reset(host_alloc(host_bytes));
+    try {
+      arena_.reset(host_alloc(host_bytes));
+    } catch (const std::bad_alloc&) {
+      memory_stats_adjust(Pool::transient, -static_cast<int64_t>(arena_capacity_));  // freed above
+      arena_capacity_ = 0;
+      int big = -1;  // the largest planned node: usually the culprit
+      for (int j = 0; j < n; ++j)
+        if (p.offsets[j] != SIZE_MAX && place_.where[j] == kCpuBackend &&
+            (big < 0 || nodes_[j].nbytes() > nodes_[big].nbytes()))
+          big = j;
+      std::string msg = "out of memory: the graph's intermediates need " + std::to_string(host_bytes) + " bytes";
+      if (big >= 0)
+        msg += " (the largest, " + OpTable::get().at(nodes_[big].op).name + " of shape " + nodes_[big].shape.str() +
+               ", " + std::to_string(nodes_[big].nbytes()) + " bytes)";
+      throw OutOfMemory(msg);
+    }
     memory_stats_adjust(Pool::transient, static_cast<int64_t>(host_bytes) - static_cast<int64_t>(arena_capacity_));
     arena_capacity_ = host_bytes;
   }
