@@ -9,6 +9,7 @@ hanging the suite.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import subprocess
 import sys
@@ -44,10 +45,16 @@ def run_threads(fns, timeout: float = TIMEOUT_S) -> None:
         return body
 
     threads = [threading.Thread(target=wrap(f), daemon=True) for f in fns]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
+    # A deadlock that keeps the GIL (the joins below could not time out) ends the process
+    # with every thread's stack instead of hanging the suite.
+    faulthandler.dump_traceback_later(timeout + 60, exit=True)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     stuck = sum(t.is_alive() for t in threads)
     assert not stuck, f"{stuck} of {len(threads)} threads still computing after {timeout} s"
     if errors:
