@@ -43,6 +43,26 @@ def build(args: argparse.Namespace):
     return out["params"], step
 
 
+def free_cores(n: int) -> float:
+    """How many cores n GIL-free threads (hashing 64 MiB each) get at once now: CPU time
+    over wall time. Near n on an idle machine; the idle target needs it near 2."""
+    import hashlib
+    import resource
+    import threading
+
+    data = b"x" * (64 << 20)
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=hashlib.sha256, args=(data,)) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    return (r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime) / wall
+
+
 def tokens_per_s(step, n_threads: int, steps: int, tokens: int) -> float:
     import recurra as rc
 
@@ -86,6 +106,7 @@ def main() -> int:
         f"(CPUs available: {len(os.sched_getaffinity(0))}, load average "
         f"{os.getloadavg()[0]:.1f})"
     )
+    print(f"cores {default} GIL-free threads get at once now: {free_cores(default):.2f}")
     if default == 1:
         print("only one CPU: nothing to compare")
         return 0
