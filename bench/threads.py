@@ -124,7 +124,8 @@ def main() -> int:
                 spinner.wait()
     rc.set_num_threads(default)
     target = {"idle": 1.6, "busy": 0.9}
-    print(f"{'condition':<32}{'1 thread tok/s':>16}{f'{default} threads tok/s':>18}{'ratio':>8}  target")
+    head = f"{default} threads tok/s"
+    print(f"{'condition':<32}{'1 thread tok/s':>16}{head:>18}{'ratio':>8}  target")
     for cond, r in results.items():
         ratio = r[default] / r[1]
         label = "idle" if cond == "idle" else "beside 1 busy process"

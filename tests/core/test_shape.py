@@ -264,7 +264,9 @@ def test_sizes_past_int64_raise(device):
     )
     assert p.returncode == 0, p.stderr[-2000:]
     lines = dict(line.split(" ", 1) for line in p.stdout.splitlines())
-    assert lines["broadcast_to"].startswith("ValueError broadcast_to: shape (2147483648, 2147483648)")
+    assert lines["broadcast_to"].startswith(
+        "ValueError broadcast_to: shape (2147483648, 2147483648)"
+    )
     assert lines["reshape"].startswith("ValueError reshape: shape (4611686018427387904, 4)")
     assert lines["leaf"].startswith("ValueError leaf: shape (1099511627776, 1099511627776)")
     assert lines["huge"].startswith("MemoryError recurra: out of memory")

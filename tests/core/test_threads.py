@@ -261,10 +261,7 @@ def test_random_graphs_from_several_threads(steps, n_threads, seed):
 
 def run_limited(code: str, env: dict[str, str] | None = None, timeout: float = 120):
     """Runs `code` in a fresh interpreter under a 6 GiB address-space limit."""
-    prelude = (
-        "import resource\n"
-        "resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))\n"
-    )
+    prelude = "import resource\nresource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))\n"
     full_env = dict(os.environ, **(env or {}))
     return subprocess.run(
         [sys.executable, "-c", prelude + code],
@@ -307,9 +304,7 @@ def test_set_num_threads_beyond_what_starts_warns():
 
 
 def test_num_threads_env_beyond_what_starts_warns():
-    out = run_limited(
-        "import recurra as rc\n" + CHECK_COMPUTE, env={"RECURRA_NUM_THREADS": "2000"}
-    )
+    out = run_limited("import recurra as rc\n" + CHECK_COMPUTE, env={"RECURRA_NUM_THREADS": "2000"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert "could start only" in out.stderr
     n = int(out.stdout.split()[-1])

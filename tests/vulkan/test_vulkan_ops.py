@@ -179,7 +179,8 @@ def test_act_grad(code, n):
     check("act_grad", [randn(n), x, y], ip=(code,), fp=fp)
 
 
-NAN_ROW = np.array([np.nan, -3.0, -1.0, 0.5, 2.0, 5.0], np.float32)  # check() compares finite values
+# Finite values beside the NaN: check() compares them by their squared error.
+NAN_ROW = np.array([np.nan, -3.0, -1.0, 0.5, 2.0, 5.0], np.float32)
 
 
 @pytest.mark.parametrize("name", sorted(UNARY))
