@@ -141,3 +141,29 @@ def test_broadcast_gradients_sum_back_exactly(big, small):
     axes = tuple(i for i, d in enumerate(small) if d == 1 and want.shape[i] != 1)
     want = want.sum(axis=axes, keepdims=True) if axes else want
     np.testing.assert_allclose(p.grad.numpy(), want.reshape(small), rtol=1e-6)
+
+
+# Each activation on [nan, -inf, -1, 0.5, 2, inf] and clamp to [-0.5, 1]: NaN in, NaN out
+# (numpy's semantics), forward and gradient. A NaN gradient (relu, clamp, abs at a NaN input)
+# is not hidden as 0 either.
+NAN_ROW = np.array([np.nan, -np.inf, -1.0, 0.5, 2.0, np.inf], np.float32)
+
+
+@pytest.mark.parametrize("name", sorted(set(UNARY) | {"clamp"}))
+def test_nan_propagates(name):
+    x = np.tile(NAN_ROW, 3)  # longer than a vector lane: the SIMD path too
+    if name == "clamp":
+        ref, fn = (lambda v: np.clip(v, -0.5, 1.0)), (lambda t: ops.clamp(t, -0.5, 1.0))
+    else:
+        ref, fn = UNARY[name][0], getattr(ops, name)
+    with np.errstate(all="ignore"):
+        want = ref(x.astype(np.float64))
+    p = rc.param(x)
+    y = fn(p)
+    got = y.numpy()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=f"{name}: {got} vs {want}")
+    if name == "neg":  # d(-x)/dx is -1 everywhere
+        return
+    ops.sum(y).backward()
+    g = p.grad.numpy()
+    assert np.isnan(g[::6]).all(), f"{name}: gradient at NaN input is {g[::6]}"

@@ -221,3 +221,53 @@ def test_cumsum_errors():
         ops.apply("cumsum", [randn(2, 3)], ip=(-3, 0))
     with pytest.raises(ValueError, match="cumsum"):
         ops.apply("cumsum", [randn(2, 3)], ip=(0,))
+
+
+# ---- sizes past int64 -------------------------------------------------------------------
+# Element or byte counts that overflow int64 are refused where the shape is made, with the
+# op and the shape in the message (they used to wrap around and crash); a countable size
+# that cannot be allocated is a MemoryError naming the largest node. In a subprocess:
+# a regression is a crash, which must not take the test run with it.
+OVERFLOW = """
+import sys
+import numpy as np
+import recurra as rc
+from recurra import ops
+dev = sys.argv[1]
+cases = {
+    "broadcast_to": lambda: ops.exp(
+        rc.tensor(np.ones((1, 1), np.float32), device=dev).broadcast_to((2**31, 2**31))
+    ).numpy(),
+    "reshape": lambda: rc.tensor(np.zeros(0, np.float32), device=dev)
+    .reshape(2**62, 4).sum(axis=1).numpy(),
+    "leaf": lambda: rc.Graph().input((2**40, 2**40)),
+    "huge": lambda: ops.exp(  # 2**62 bytes: countable, but no machine has them
+        rc.tensor(np.ones((1, 1), np.float32), device=dev).broadcast_to((2**30, 2**30))
+    ).numpy(),
+}
+for op, fn in cases.items():
+    try:
+        fn()
+        print(op, "no error")
+    except (ValueError, MemoryError) as e:
+        print(op, type(e).__name__, e)
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("vulkan", marks=pytest.mark.vulkan)])
+def test_sizes_past_int64_raise(device):
+    import subprocess
+    import sys
+
+    p = subprocess.run(
+        [sys.executable, "-c", OVERFLOW, device], capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = dict(line.split(" ", 1) for line in p.stdout.splitlines())
+    assert lines["broadcast_to"].startswith(
+        "ValueError broadcast_to: shape (2147483648, 2147483648)"
+    )
+    assert lines["reshape"].startswith("ValueError reshape: shape (4611686018427387904, 4)")
+    assert lines["leaf"].startswith("ValueError leaf: shape (1099511627776, 1099511627776)")
+    assert lines["huge"].startswith("MemoryError recurra:")
+    assert "exp of shape (1073741824, 1073741824)" in lines["huge"]

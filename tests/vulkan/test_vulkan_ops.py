@@ -179,6 +179,29 @@ def test_act_grad(code, n):
     check("act_grad", [randn(n), x, y], ip=(code,), fp=fp)
 
 
+# Finite values beside the NaN: check() compares them by their squared error.
+NAN_ROW = np.array([np.nan, -3.0, -1.0, 0.5, 2.0, 5.0], np.float32)
+
+
+@pytest.mark.parametrize("name", sorted(UNARY))
+@pytest.mark.parametrize("n", [6, 1000])  # 1000: the vec4 path
+def test_unary_nan_propagates(name, n):
+    fp, _ = UNARY[name]
+    x = np.resize(NAN_ROW, n)
+    got = check(name, [x], fp=fp)
+    assert np.isnan(got[np.isnan(x)]).all(), f"{name} hides a NaN: {got[:6]}"
+
+
+@pytest.mark.parametrize("code", sorted(ACT))
+def test_act_grad_nan_propagates(code):
+    fp, _ = UNARY[ACT[code]]
+    x = np.resize(NAN_ROW, 1000)
+    with np.errstate(all="ignore"):
+        y = cpu(ACT[code], [x], fp=fp)
+    got = check("act_grad", [randn(1000), x, y], ip=(code,), fp=fp)
+    assert np.isnan(got[np.isnan(x)]).all(), f"{ACT[code]}'s gradient hides a NaN: {got[:6]}"
+
+
 # ---- data movement ----------------------------------------------------------------------
 
 

@@ -261,7 +261,11 @@ PYBIND11_MODULE(_core, m) {
     return d;
   });
   m.def("reset_transfer_stats", &transfer_stats_reset);
-  m.def("set_num_threads", &set_num_threads, py::arg("n"));
+  m.def("set_num_threads", [](int n) {
+    py::gil_scoped_release nogil;  // it waits for computations in other threads
+    return set_num_threads(n);
+  }, py::arg("n"));
+  m.def("default_num_threads", &default_num_threads);
   m.def("get_num_threads", &get_num_threads);
   m.def("op_names", [] {
     std::vector<std::string> names;

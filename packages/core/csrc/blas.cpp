@@ -3,8 +3,7 @@
 #include <dlfcn.h>
 
 #include <climits>
-
-#include "threadpool.h"
+#include <string>
 
 namespace recurra {
 
@@ -44,7 +43,8 @@ bool load_blas(const std::string& path) {
   }
   if (!g_sgemm) return false;
   g_name = path;
-  blas_set_num_threads(get_num_threads());
+  // One BLAS thread: matmul splits its products over recurra's pool (ops/matmul.cpp).
+  blas_set_num_threads(1);
   return true;
 }
 

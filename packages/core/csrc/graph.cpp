@@ -3,14 +3,33 @@
 #include <algorithm>
 #include <climits>
 #include <cstdlib>
+#include <iomanip>
 #include <map>
 #include <new>
+#include <sstream>
 
 #include "memory.h"
 
 namespace recurra {
 
 // ---- small helpers ------------------------------------------------------------------
+
+// A shape whose element count, or byte count, an int64 cannot hold is refused where it is
+// made: kernels and allocators compute with numel() * 4, which would wrap around.
+static void check_size(const std::string& what, const Shape& s, DType dtype) {
+  int64_t n = 1;
+  bool over = false;
+  for (int i = 0; i < s.ndim; ++i) over = over || __builtin_mul_overflow(n, s.d[i], &n);
+  int64_t bytes = 0;
+  over = over || __builtin_mul_overflow(n, static_cast<int64_t>(dtype_size(dtype)), &bytes);
+  if (!over) return;
+  long double count = 1;
+  for (int i = 0; i < s.ndim; ++i) count *= static_cast<long double>(s.d[i]);
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(0) << what << ": shape " << s.str() << " has " << count << " elements (" << count * dtype_size(dtype)
+     << " bytes), more than a 64-bit size can hold";
+  throw ValueError(os.str());
+}
 
 bool TensorView::is_contiguous() const {
   int64_t expect = 1;
@@ -128,6 +147,7 @@ int Graph::push(Node n) {
 
 int Graph::leaf(DType dtype, Shape shape, uint32_t flags, const std::string& name) {
   if (shape.ndim > kMaxDims) throw ValueError("at most 4 axes are supported");
+  check_size(name.empty() ? std::string("leaf") : "leaf '" + name + "'", shape, dtype);
   if ((flags & kParam) && dtype != DType::f32) throw TypeError("parameters must be float32");
   Node n;
   n.dtype = dtype;
@@ -162,6 +182,7 @@ int Graph::op(const std::string& name, std::vector<int> src, std::vector<int64_t
   n.fp = std::move(fp);
   def.infer(*this, n);
   if (n.shape.ndim > kMaxDims) throw ValueError(name + ": result would have more than 4 axes");
+  check_size(name, n.shape, n.dtype);
   if (!def.is_view) {
     contiguous_strides(n.shape, n.strides);
     n.view_base = -1;

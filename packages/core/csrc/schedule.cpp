@@ -15,6 +15,7 @@
 #include <cstring>
 #include <mutex>
 #include <new>
+#include <string>
 #include <unordered_map>
 
 #include "graph.h"
@@ -490,7 +491,22 @@ const MemoryPlan& Graph::plan() {
   size_t host_bytes = place_.arena_bytes.count(kCpuBackend) ? place_.arena_bytes[kCpuBackend] : 0;
   if (host_bytes > arena_capacity_) {
     arena_.reset();
-    arena_.reset(host_alloc(host_bytes, "transient arena"));
+    try {
+      arena_.reset(host_alloc(host_bytes, "transient arena"));
+    } catch (const OutOfMemory& e) {
+      memory_stats_adjust(Pool::transient, -static_cast<int64_t>(arena_capacity_));  // freed above
+      arena_capacity_ = 0;
+      int big = -1;  // the largest planned node: usually the culprit
+      for (int j = 0; j < n; ++j)
+        if (p.offsets[j] != SIZE_MAX && place_.where[j] == kCpuBackend &&
+            (big < 0 || nodes_[j].nbytes() > nodes_[big].nbytes()))
+          big = j;
+      std::string msg = e.what();
+      if (big >= 0)
+        msg += " (the largest intermediate: " + OpTable::get().at(nodes_[big].op).name + " of shape " +
+               nodes_[big].shape.str() + ", " + std::to_string(nodes_[big].nbytes()) + " bytes)";
+      throw OutOfMemory(msg);
+    }
     memory_stats_adjust(Pool::transient, static_cast<int64_t>(host_bytes) - static_cast<int64_t>(arena_capacity_));
     arena_capacity_ = host_bytes;
   }
@@ -669,7 +685,8 @@ void Graph::compute() {
   plan();
   check_ready();
   const OpTable& tab = OpTable::get();
-  ThreadPool& tp = pool();
+  const PoolLease lease;  // set_num_threads waits for this computation to end
+  ThreadPool& tp = lease.pool();
   for (const auto& sp : place_.splits) {
     for (int m : sp.mirrors) {
       Placement::Mirror& mr = place_.mirrors[m];

@@ -15,11 +15,12 @@ layout(push_constant) uniform PC {
 } pc;
 
 float deriv(float x, float y) {
-  if (CODE == 0) return x > 0.0 ? 1.0 : (x < 0.0 ? -1.0 : 0.0);
+  // At a NaN input the derivative is NaN (x itself), as on the CPU.
+  if (CODE == 0) return x > 0.0 ? 1.0 : (x < 0.0 ? -1.0 : (x == 0.0 ? 0.0 : x));
   if (CODE == 1) return 0.5 / y;
   if (CODE == 2) return 1.0 / x;
-  if (CODE == 3) return (x >= pc.p0 && x <= pc.p1) ? 1.0 : 0.0;
-  if (CODE == 4) return x > 0.0 ? 1.0 : 0.0;
+  if (CODE == 3) return (x >= pc.p0 && x <= pc.p1) ? 1.0 : (isnan(x) ? x : 0.0);
+  if (CODE == 4) return x > 0.0 ? 1.0 : (x <= 0.0 ? 0.0 : x);
   if (CODE == 5) {
     const float s = sigmoid_f(x);
     return s * (1.0 + x * (1.0 - s));

@@ -29,8 +29,8 @@ float f(float x) {
   if (OP == 4) return exp(x);
   if (OP == 5) return log(x);
   if (OP == 6) return x * pc.p0;
-  if (OP == 7) return min(max(x, pc.p0), pc.p1);
-  if (OP == 8) return x > 0.0 ? x : 0.0;
+  if (OP == 7) return isnan(x) ? x : min(max(x, pc.p0), pc.p1);  // GLSL's min/max may drop a NaN
+  if (OP == 8) return x < 0.0 ? 0.0 : x;  // NaN stays NaN
   if (OP == 9) return x * sigmoid_f(x);
   if (OP == 10) return 0.5 * x * (1.0 + erf_f(x * INV_SQRT2));
   if (OP == 11) return sigmoid_f(x);

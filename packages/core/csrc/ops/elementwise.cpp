@@ -106,8 +106,8 @@ RC_UN_ROW(sqrt, std::sqrt(x))
 RC_UN_ROW(exp, exp_lane(x))
 RC_UN_ROW(log, std::log(x))
 RC_UN_ROW(scale, x * p0)
-RC_UN_ROW(clamp, std::min(std::max(x, p0), p1))
-RC_UN_ROW(relu, x > 0.0f ? x : 0.0f)
+RC_UN_ROW(clamp, x != x ? x : std::min(std::max(x, p0), p1))
+RC_UN_ROW(relu, x < 0.0f ? 0.0f : x)  // NaN stays NaN, as numpy's maximum(x, 0)
 RC_UN_ROW(silu, x * sigmoid_lane(x))
 RC_UN_ROW(gelu, 0.5f * x * (1.0f + std::erf(x * kInvSqrt2)))
 RC_UN_ROW(sigmoid, sigmoid_lane(x))
@@ -187,11 +187,12 @@ using GradRow = void (*)(float*, const float*, const float*, const float*, int64
     }                                                                                          \
   }
 
-RC_GRAD_ROW(abs, x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f))
+// At a NaN input the derivative is NaN (x itself): a NaN is never hidden by a gradient of 0.
+RC_GRAD_ROW(abs, x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : (x == 0.0f ? 0.0f : x)))
 RC_GRAD_ROW(sqrt, 0.5f / y)
 RC_GRAD_ROW(log, 1.0f / x)
-RC_GRAD_ROW(clamp, (x >= p0 && x <= p1) ? 1.0f : 0.0f)
-RC_GRAD_ROW(relu, x > 0.0f ? 1.0f : 0.0f)
+RC_GRAD_ROW(clamp, (x >= p0 && x <= p1) ? 1.0f : (x != x ? x : 0.0f))
+RC_GRAD_ROW(relu, x > 0.0f ? 1.0f : (x <= 0.0f ? 0.0f : x))
 RC_GRAD_ROW(silu, sigmoid_lane(x) * (1.0f + x * (1.0f - sigmoid_lane(x))))
 RC_GRAD_ROW(gelu, 0.5f * (1.0f + std::erf(x * kInvSqrt2)) + x * kInvSqrt2Pi * exp_lane(-0.5f * x * x))
 RC_GRAD_ROW(sigmoid, y * (1.0f - y))

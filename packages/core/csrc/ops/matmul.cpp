@@ -11,6 +11,7 @@
 // is copied to a dense scratch first. Without BLAS, or with RECURRA_NO_BLAS=1 in the
 // environment (read at every call; tests use it to exercise the fallback), a blocked kernel
 // of our own runs instead; it packs its operands, so any strides are fine there.
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -199,6 +200,8 @@ bool blas_gemm(const Gemm& g, int64_t m, int64_t n, int64_t k, std::vector<float
   return blas_sgemm(ta, tb, m, n, k, 1.0f, ap, lda, bp, ldb, 0.0f, g.c, std::max<int64_t>(1, g.ldc));
 }
 
+bool pooled_blas_gemm(std::vector<Gemm> jobs, int64_t m, int64_t n, int64_t k, ThreadPool& tp);
+
 // ---- the batched engine -----------------------------------------------------------------
 
 // Can axes (dims, strides) be walked as one axis of uniform stride? Sets that stride.
@@ -278,14 +281,60 @@ void batched_gemm(KernelCtx& c, const TensorView& av, const int64_t* a_mat_strid
       jobs.push_back(g);
     }
   }
-  if (!blas_disabled()) {
-    std::vector<float> sa_buf, sb_buf;
-    size_t done = 0;
-    while (done < jobs.size() && blas_gemm(jobs[done], mm, n, k, sa_buf, sb_buf)) ++done;
-    if (done == jobs.size()) return;
-    jobs.erase(jobs.begin(), jobs.begin() + static_cast<std::ptrdiff_t>(done));
-  }
+  if (!blas_disabled() && pooled_blas_gemm(jobs, mm, n, k, c.pool)) return;
   fallback_gemm(jobs, mm, n, k, c.pool);
+}
+
+// The products through BLAS, split over the pool: each product is cut into blocks of rows
+// (or of columns, when it has fewer rows than columns), one task each, and BLAS runs
+// single-threaded in every task (blas_set_num_threads keeps it at one thread). BLAS's own
+// threads would compete with the pool's (and spin after each call); this way one pool with
+// dynamic tasks shares the CPUs. False when BLAS cannot take the sizes.
+bool pooled_blas_gemm(std::vector<Gemm> jobs, int64_t m, int64_t n, int64_t k, ThreadPool& tp) {
+  if (jobs.empty() || m == 0 || n == 0) return true;
+  // Operands BLAS cannot read as they are: one dense copy each, before the split.
+  std::vector<std::vector<float>> copies;
+  for (Gemm& g : jobs) {
+    for (Mat* mat : {&g.a, &g.b}) {
+      bool trans;
+      int64_t ld;
+      if (blas_form(*mat, trans, ld)) continue;
+      copies.emplace_back(static_cast<size_t>(mat->rows * mat->cols));
+      copy_dense(copies.back().data(), *mat);
+      *mat = Mat{copies.back().data(), mat->rows, mat->cols, mat->cols, 1};
+    }
+  }
+  // Blocks of at least kMinBlock rows (columns) and ~2 MFLOP; at most 4 per thread.
+  constexpr int64_t kMinBlock = 32, kBlockFlops = int64_t{1} << 21;
+  const bool by_rows = m >= n;
+  const int64_t len = by_rows ? m : n;
+  int64_t blocks = std::min<int64_t>({(len + kMinBlock - 1) / kMinBlock,
+                                      std::max<int64_t>(1, 2 * m * n * std::max<int64_t>(1, k) / kBlockFlops),
+                                      static_cast<int64_t>(tp.size()) * 4});
+  blocks = std::max<int64_t>(1, blocks);
+  const int64_t step = (len + blocks - 1) / blocks;
+  blocks = (len + step - 1) / step;
+  auto block = [&](int64_t t) {
+    Gemm g = jobs[static_cast<size_t>(t / blocks)];
+    const int64_t b0 = (t % blocks) * step, nb = std::min(step, len - b0);
+    if (by_rows) {
+      g.a.p += b0 * g.a.rs;
+      g.a.rows = nb;
+      g.c += b0 * g.ldc;
+    } else {
+      g.b.p += b0 * g.b.cs;
+      g.b.cols = nb;
+      g.c += b0;
+    }
+    std::vector<float> sa, sb;
+    return blas_gemm(g, by_rows ? nb : m, by_rows ? n : nb, k, sa, sb);
+  };
+  // A block BLAS refuses (no BLAS, or a size past int): the fallback then writes all of C.
+  std::atomic<bool> ok{true};
+  tp.run(static_cast<int64_t>(jobs.size()) * blocks, [&](int64_t t, int) {
+    if (ok.load(std::memory_order_relaxed) && !block(t)) ok.store(false);
+  });
+  return ok.load();
 }
 
 // ---- infer and the ops ------------------------------------------------------------------

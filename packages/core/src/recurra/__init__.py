@@ -69,10 +69,17 @@ def get_include() -> str:
 
 
 def set_num_threads(n: int) -> None:
-    """Sets the number of CPU threads recurra uses (default: all cores).
+    """Sets the number of CPU threads recurra uses (default: the CPUs this process may run
+    on, ``os.sched_getaffinity``).
 
-    Raises ValueError if n < 1."""
-    _core.set_num_threads(int(n))
+    Safe while other threads compute: it waits for their running computations, and the ones
+    they start next use the new count. If the system cannot start that many threads, recurra
+    keeps the threads that did start and warns (RuntimeWarning). Raises ValueError if n < 1."""
+    warning = _core.set_num_threads(int(n))
+    if warning:
+        import warnings
+
+        warnings.warn(warning, RuntimeWarning, stacklevel=2)
 
 
 def get_num_threads() -> int:
