@@ -5,7 +5,6 @@
 #pragma once
 
 #include <cstdint>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -65,12 +64,12 @@ struct Shape {
     return true;
   }
   bool operator!=(const Shape& o) const { return !(*this == o); }
+  // "(2, 3)", "(5,)": built without iostreams, which some hosts' C++ runtimes (an older
+  // libstdc++ loaded by the Python process) cannot run from code compiled by a newer g++.
   std::string str() const {
-    std::ostringstream os;
-    os << "(";
-    for (int i = 0; i < ndim; ++i) os << d[i] << (ndim == 1 || i + 1 < ndim ? (i + 1 < ndim ? ", " : ",") : "");
-    os << ")";
-    return os.str();
+    std::string s = "(";
+    for (int i = 0; i < ndim; ++i) s += std::to_string(d[i]) + (i + 1 < ndim ? ", " : ndim == 1 ? "," : "");
+    return s + ")";
   }
 };
 
@@ -86,9 +85,8 @@ inline void contiguous_strides(const Shape& s, int64_t* st) {
 // Normalise a possibly negative axis; throws ValueError naming the op.
 inline int norm_axis(const char* op, int64_t axis, int ndim) {
   if (axis < -ndim || axis >= ndim || ndim == 0) {
-    std::ostringstream os;
-    os << op << ": axis " << axis << " is out of range for a tensor of " << ndim << " axes";
-    throw ValueError(os.str());
+    throw ValueError(std::string(op) + ": axis " + std::to_string(axis) + " is out of range for a tensor of " +
+                     std::to_string(ndim) + " axes");
   }
   return static_cast<int>(axis < 0 ? axis + ndim : axis);
 }

@@ -3,10 +3,9 @@
 #include <algorithm>
 #include <climits>
 #include <cstdlib>
-#include <iomanip>
+#include <cstdio>
 #include <map>
 #include <new>
-#include <sstream>
 
 #include "memory.h"
 
@@ -25,10 +24,9 @@ static void check_size(const std::string& what, const Shape& s, DType dtype) {
   if (!over) return;
   long double count = 1;
   for (int i = 0; i < s.ndim; ++i) count *= static_cast<long double>(s.d[i]);
-  std::ostringstream os;
-  os << std::fixed << std::setprecision(0) << what << ": shape " << s.str() << " has " << count << " elements (" << count * dtype_size(dtype)
-     << " bytes), more than a 64-bit size can hold";
-  throw ValueError(os.str());
+  char counts[96];
+  std::snprintf(counts, sizeof counts, "%.0Lf elements (%.0Lf bytes)", count, count * dtype_size(dtype));
+  throw ValueError(std::string(what) + ": shape " + s.str() + " has " + counts + ", more than a 64-bit size can hold");
 }
 
 bool TensorView::is_contiguous() const {

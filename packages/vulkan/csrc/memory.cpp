@@ -176,6 +176,10 @@ uint32_t DeviceMemory::new_block(VkDeviceSize size, int pool, bool dedicated, Vk
 
 Allocation DeviceMemory::take(VkDeviceSize nbytes, int pool) {
   VkDeviceSize size = align_up(std::max<VkDeviceSize>(nbytes, 4), kAlign);
+  // The test cap applies to what is in use, not only to new blocks: a buffer carved from a
+  // block already held (large blocks on big GPUs, kept empty blocks) counts as well.
+  if (const uint64_t limit = memory_limit_env(); limit && in_use_ + size > limit)
+    out_of_memory(pool, nbytes, "RECURRA_VK_MEMORY_LIMIT_MB caps what recurra uses at " + bytes_str(limit));
   if (size > block_size_ / 2) {  // a block of its own: large buffers do not fragment blocks
     // An idle one kept from an earlier graph when one fits (up to a quarter larger): a
     // step that needs the same large scratch every time then allocates nothing.
