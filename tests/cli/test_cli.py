@@ -352,6 +352,6 @@ def test_train_without_recurra_models_says_what_to_install(monkeypatch, tmp_path
     monkeypatch.setitem(sys.modules, "recurra_models", None)  # import now raises ImportError
     res = runner.invoke(app, ["train", "--model", "mamba", "--data", str(text_file(tmp_path))])
     assert res.exit_code == 3
-    assert "pip install 'recurra-cli[models]'" in " ".join(res.output.split())
+    assert "tools/build_wheels.py --install 'recurra-cli[models]'" in " ".join(res.output.split())
     res = runner.invoke(app, ["generate", "--checkpoint", str(tmp_path), "--prompt", "a"])
     assert res.exit_code == 3

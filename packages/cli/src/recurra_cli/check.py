@@ -82,10 +82,7 @@ def check_backends(
     except cb.BackendUnavailableError as e:
         fail(str(e), EXIT_UNAVAILABLE)
     if not devices:
-        msg = (
-            "no backend other than the CPU is available, so there is nothing to compare "
-            "(`recurra devices` says why; `pip install recurra-vulkan` adds the Vulkan backend)"
-        )
+        msg = cb.no_device_message()
         code = EXIT_OK if allow_cpu_only else EXIT_UNAVAILABLE
         if as_json:
             doc = cb.to_json([], [], code)

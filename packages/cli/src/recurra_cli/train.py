@@ -1,6 +1,6 @@
 """``recurra train``: trains a byte-level language model on a text file, with checkpoints.
 
-Built on recurra-models (``pip install 'recurra-cli[models]'``): the model comes from
+Built on recurra-models (``recurra-cli[models]``): the model comes from
 ``recurra_models.create(arch, **config)``, the loop is ``recurra_models.Trainer`` with an
 AdamW optimizer, checkpoints are ``recurra_models.save_checkpoint`` folders (so that
 ``recurra generate --checkpoint DIR`` and ``--resume`` can read them).
@@ -27,6 +27,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from recurra._install import install_hint
 from recurra_cli._common import (
     EXIT_CHECK_FAILED,
     EXIT_OK,
@@ -36,7 +37,7 @@ from recurra_cli._common import (
     fail,
 )
 
-INSTALL_HINT = "pip install 'recurra-cli[models]'"
+INSTALL_HINT = install_hint("recurra-cli[models]")
 
 
 def require_models(command: str, names: tuple[str, ...]) -> ModuleType:
