@@ -159,6 +159,7 @@ def test_bench_runs_a_suite_with_extra_args(tmp_path):
     assert doc["suites"]["ops"]["result"] == {"bench": "fake", "argv": ["--only", "x"]}
     res = runner.invoke(app, ["bench", "ops", "--bench-dir", str(d)])
     assert res.exit_code == 0 and "## fake suite" in res.stdout
+    assert "JSON" not in res.stdout  # the machine-read line is for --json only
 
 
 def test_bench_exit_codes_of_failing_suites(tmp_path):

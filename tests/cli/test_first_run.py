@@ -142,3 +142,23 @@ def test_plot_without_matplotlib_fails_before_training(monkeypatch, tmp_path):
     assert res.exit_code == 3, res.output
     assert "pip install matplotlib" in _flat(res.output)
     assert "Training" not in res.output and "epoch" not in res.output
+
+
+def _strict_json(text: str):
+    def refuse(name: str):
+        raise ValueError(f"not JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_train_json_is_strict_json(tmp_path):
+    """Mamba-2's config holds dt_limit = (0, inf): --json writes "inf", not Infinity."""
+    data = tmp_path / "in.txt"
+    data.write_text("hello world, " * 40)
+    args = ["train", "--model", "mamba2", "--data", str(data), "--steps", "1", "--json"]
+    for c in ("d_model=16", "n_layer=1", "head_dim=8"):
+        args += ["--config", c]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    doc = _strict_json(res.stdout.strip().splitlines()[-1])
+    assert doc["config"]["dt_limit"] == [0.0, "inf"]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import NoReturn
+import json
+import math
+from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -32,3 +34,19 @@ def fail(msg: str, code: int = EXIT_USAGE) -> NoReturn:
     default)."""
     err.print(f"[bold red]error:[/] {escape(msg)}")
     raise typer.Exit(code)
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def dumps(obj: Any) -> str:
+    """``obj`` as strict JSON for ``--json``: a non-finite float (which JSON cannot hold;
+    ``json.dumps`` would write ``Infinity``) becomes the string "inf", "-inf" or "nan"."""
+    return json.dumps(_finite(obj), allow_nan=False)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import codecs
-import json
 import sys
 import time
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
-from recurra_cli._common import EXIT_CHECK_FAILED, EXIT_OK, EXIT_UNAVAILABLE, err, fail
+from recurra_cli._common import EXIT_CHECK_FAILED, EXIT_OK, EXIT_UNAVAILABLE, dumps, err, fail
 from recurra_cli.train import checkpoint_folder, parse_device, require_models
 
 
@@ -90,7 +89,7 @@ def generate(
     text = "".join(text_parts)
     if as_json:
         print(
-            json.dumps(
+            dumps(
                 {
                     "checkpoint": str(checkpoint),
                     "model": arch,

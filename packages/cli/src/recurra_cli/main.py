@@ -7,7 +7,6 @@ unavailable.
 
 from __future__ import annotations
 
-import json
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -28,6 +27,7 @@ from recurra_cli._common import (
     EXIT_OK,
     EXIT_UNAVAILABLE,
     console,
+    dumps,
     err,
     help_text,
 )
@@ -201,7 +201,7 @@ def mamba_train(
             "comparison": comparison,
             "ok": ok,
         }
-        print(json.dumps(out))
+        print(dumps(out))
     else:
         console.print(f"\n  predicting zero scores {baseline:.4f}: the number to beat")
         table = Table(title="comparison")
@@ -269,7 +269,7 @@ def devices(as_json: bool = typer.Option(False, "--json", help="print JSON")) ->
     infos = recurra.backends.available()
     if as_json:
         print(
-            json.dumps(
+            dumps(
                 [
                     {
                         "name": b.name,

@@ -34,6 +34,7 @@ from recurra_cli._common import (
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
     console,
+    dumps,
     fail,
 )
 
@@ -260,7 +261,7 @@ def train(
         "out": str(out) if out is not None else None,
     }
     if as_json:
-        print(json.dumps(result))
+        print(dumps(result))
     else:
         if losses:
             console.print(
