@@ -187,6 +187,7 @@ def train(
             out_dir=out,
             checkpoint_every=checkpoint_every,
             seed=seed,
+            log_every=0,  # the bar shows the progress
         )
         if resume:
             resumed_from = trainer.resume(out)
