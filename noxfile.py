@@ -131,8 +131,9 @@ print("recurra", getattr(recurra, "__version__", "?"), "from", recurra.__file__)
 """,
     "recurra-vulkan": """
 import recurra
-names = [b.name for b in recurra.backends.available()]
-assert "vulkan" in names, names
+found = {b.name: b for b in recurra.backends.available()}
+assert found["vulkan"].installed, found
+print("vulkan:", found["vulkan"].devices or found["vulkan"].reason)
 """,
 }
 
@@ -157,7 +158,6 @@ def build(session: nox.Session) -> None:
             venv = tmp / "venvs" / re.sub(r"\W+", "-", req)
             session.run("python", "-m", "venv", str(venv))
             py = _venv_python(venv)
-            session.run(py, "-m", "pip", "install", "-q", "pip>=23.1", external=True)
             pip = [py, "-m", "pip", "install", "--no-cache-dir", "--find-links", str(dist)]
             session.run(*pip, req, external=True)
             with session.chdir(tmp):
