@@ -347,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "pip", "install", "--find-links", str(dist)]
         return subprocess.run([*cmd, *args.requirements]).returncode
     rel = os.path.relpath(dist)
+    rel = str(dist) if rel.startswith("..") else rel
     print(f"wheels in {rel}: pip install --find-links {rel} NAME (e.g. recurra-models)")
     return 0
 
