@@ -5,10 +5,17 @@
     nox -s "tests(cpu)"       # one backend
     nox -s bench -- --only mamba2 --threads 2
 
-Every session builds the packages it needs from packages/*/ into a fresh virtual
-environment: nothing is reused between runs and nothing comes from the developer's own venv.
-Packages are discovered (a folder under packages/ with a pyproject.toml) and installed in
-dependency order, recurra-core first.
+    nox -s wheels             # every wheel into dist/ (tools/build_wheels.py)
+
+Every session installs the packages it needs into a fresh virtual environment, nothing from
+the developer's own venv. Their wheels are built by tools/build_wheels.py into one wheelhouse
+(.nox/_wheelhouse) shared by the sessions of a run: each wheel is built once and rebuilt only
+when its sources change (a hash of them is kept beside the wheels). Packages are discovered
+(a folder under packages/ with a pyproject.toml) and installed with
+`pip install --find-links WHEELHOUSE NAME`, the way the README says.
+
+tests(cpu) needs no Vulkan tools: it does not build recurra-vulkan. tests(vulkan) fails when
+no Vulkan device is found unless RECURRA_SKIP_VULKAN=1 (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -19,23 +26,19 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import nox
 
-try:
-    import tomllib
-except ImportError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "tools"))
+import build_wheels as bw  # noqa: E402 - tools/ is not a package
+from build_wheels import Package, discover_packages  # noqa: E402
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_venv = "no"
 nox.options.error_on_external_run = False
 nox.options.sessions = ["lint", "tests", "build", "sanitize"]
-
-ROOT = Path(__file__).resolve().parent
-PACKAGES_DIR = ROOT / "packages"
 
 # Backends the test suite runs against; each becomes one `tests(<name>)` session and reaches
 # the tests as RECURRA_TEST_BACKEND (see tests/conftest.py). Add "vulkan" here.
@@ -47,8 +50,74 @@ RUFF = "ruff==0.17.6"
 PEERS = ["torch==2.13.0", "ggml-python==0.0.45"]
 MODEL_PEERS = ["torch==2.13.0", "transformers>=5,<6", "tokenizers>=0.20"]
 
-# What `build` runs in the fresh venv after installing a package's wheel alone. Packages not
-# listed get a plain import of their module.
+
+def stage(session: nox.Session, packages: list[Package]) -> dict[str, Path]:
+    """Copies each package's sources to a fresh folder under the session's tmp dir (see
+    build_wheels.stage). Returns distribution name -> staged folder."""
+    return bw.stage(packages, Path(session.create_tmp()) / "src")
+
+
+def wheelhouse(session: nox.Session, names: list[str]) -> Path:
+    """Builds the wheels of ``names`` and the packages they need with tools/build_wheels.py
+    (reusing the ones whose sources did not change) into the run's shared wheelhouse."""
+    dist = Path(session.virtualenv.location).parent / "_wheelhouse"
+    session.install("pip>=23.1")
+    session.run("python", str(ROOT / "tools" / "build_wheels.py"), "--dist", str(dist), *names)
+    return dist
+
+
+def install_packages(session: nox.Session, vulkan: bool = True) -> None:
+    """Installs every package (recurra-vulkan only when ``vulkan``) from their wheels."""
+    names = [p.name for p in discover_packages() if vulkan or p.name != "recurra-vulkan"]
+    session.install("--find-links", str(wheelhouse(session, names)), *names)
+
+
+@nox.session
+@nox.parametrize("backend", [nox.param(b, id=b) for b in BACKENDS])
+def tests(session: nox.Session, backend: str) -> None:
+    """Runs the test suite with RECURRA_TEST_BACKEND=<backend>; no test run is a failure.
+
+    tests(cpu) installs every package but recurra-vulkan (no glslc needed). In tests(vulkan)
+    a missing Vulkan device fails the tests; RECURRA_SKIP_VULKAN=1 skips them instead (and
+    the session, when glslc is missing too)."""
+    if backend == "vulkan" and os.environ.get("RECURRA_SKIP_VULKAN", "") not in ("", "0"):
+        why = bw.missing_tools(next(p for p in discover_packages() if p.name == "recurra-vulkan"))
+        if why:
+            session.skip(f"RECURRA_SKIP_VULKAN is set and {why}")
+    install_packages(session, vulkan=backend == "vulkan")
+    session.install(*TEST_DEPS)
+    if backend == "cpu":
+        # Independent references: PyTorch's CPU build (on disk on the CI machine kind) and
+        # transformers' Mamba/Mamba-2, whose logits recurra_models must reproduce.
+        session.install(*MODEL_PEERS)
+    env = {"RECURRA_TEST_BACKEND": backend, "RECURRA_HYPOTHESIS_PROFILE": "ci"}
+    # pytest exits 5 when it collected no test; nox treats every non-zero code as a failure.
+    session.run("pytest", "-q", *(session.posargs or ["tests"]), env=env)
+
+
+@nox.session(default=False)
+def wheels(session: nox.Session) -> None:
+    """Builds every package's wheel into dist/ (or `-- --dist DIR NAME...`), then
+    `pip install --find-links dist recurra-models` (etc.) installs from it."""
+    session.install("pip>=23.1")
+    session.run("python", str(ROOT / "tools" / "build_wheels.py"), *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over the Python sources (settings in ruff.toml)."""
+    session.install(RUFF)
+    session.run(
+        "ruff", "check", "packages", "tests", "bench", "tools", "noxfile.py", *session.posargs
+    )
+
+
+def _venv_python(venv: Path) -> str:
+    return str(venv / ("Scripts/python.exe" if sys.platform == "win32" else "bin/python"))
+
+
+# What `build` runs in each fresh venv, per installed package. Packages not listed get a plain
+# import of their module.
 SMOKE = {
     "recurra-core": """
 import os
@@ -60,166 +129,44 @@ inc = recurra.get_include()
 assert os.path.isfile(os.path.join(inc, "recurra", "backend.h")), inc
 print("recurra", getattr(recurra, "__version__", "?"), "from", recurra.__file__)
 """,
+    "recurra-vulkan": """
+import recurra
+found = {b.name: b for b in recurra.backends.available()}
+assert found["vulkan"].installed, found
+print("vulkan:", found["vulkan"].devices or found["vulkan"].reason)
+""",
 }
-
-
-def _canon(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-@dataclass
-class Package:
-    """One folder under packages/ with its distribution name and local dependencies."""
-
-    path: Path
-    name: str  # canonical distribution name, e.g. "recurra-core"
-    local_deps: list[str]  # canonical names of other packages/* it depends on
-
-    @property
-    def module(self) -> str:
-        """The import name: recurra-core -> recurra, recurra-x -> recurra_x."""
-        return "recurra" if self.name == "recurra-core" else self.name.replace("-", "_")
-
-
-def discover_packages() -> list[Package]:
-    """Returns every packages/*/ that has a pyproject.toml, in dependency order.
-
-    recurra-core comes first; a package comes after every local package it depends on.
-    Raises RuntimeError on a dependency cycle.
-    """
-    found: dict[str, tuple[Path, list[str]]] = {}
-    for pyproject in sorted(PACKAGES_DIR.glob("*/pyproject.toml")):
-        meta = tomllib.loads(pyproject.read_text())["project"]
-        deps = [
-            _canon(re.split(r"[\s;<>=!~\[(@]", d.strip(), maxsplit=1)[0])
-            for d in meta.get("dependencies", [])
-        ]
-        found[_canon(meta["name"])] = (pyproject.parent, deps)
-    ordered: list[Package] = []
-    state: dict[str, str] = {}
-
-    def visit(name: str) -> None:
-        if state.get(name) == "done":
-            return
-        if state.get(name) == "visiting":
-            raise RuntimeError(f"dependency cycle among packages/ involving {name}")
-        state[name] = "visiting"
-        path, deps = found[name]
-        local = [d for d in deps if d in found]
-        for d in local:
-            visit(d)
-        state[name] = "done"
-        ordered.append(Package(path, name, local))
-
-    for name in sorted(found, key=lambda n: (n != "recurra-core", n)):
-        visit(name)
-    return ordered
-
-
-def closure(pkg: Package, by_name: dict[str, Package]) -> list[Package]:
-    """Returns pkg's local dependencies (transitively) and pkg itself, dependencies first."""
-    out: list[Package] = []
-
-    def walk(p: Package) -> None:
-        for d in p.local_deps:
-            walk(by_name[d])
-        if p not in out:
-            out.append(p)
-
-    walk(pkg)
-    return out
-
-
-# Build outputs that must not travel into a staged copy (a stale setuptools build/ would put
-# deleted files into a wheel).
-_NOT_SOURCES = shutil.ignore_patterns(
-    "build", "builddir", "dist", ".mesonpy-*", "*.egg-info", "__pycache__", "*.so", "*.pyc"
-)
-
-
-def stage(session: nox.Session, packages: list[Package]) -> dict[str, Path]:
-    """Copies each package's sources to a fresh folder under the session's tmp dir.
-
-    Builds then happen in the copy: nothing is written into the work tree (setuptools writes
-    build/ and *.egg-info beside the sources, meson-python a .mesonpy-* folder) and nothing
-    left there by an earlier build gets in. Returns distribution name -> staged folder.
-    """
-    root = Path(session.create_tmp()) / "src"
-    shutil.rmtree(root, ignore_errors=True)
-    return {
-        p.name: Path(shutil.copytree(p.path, root / p.path.name, ignore=_NOT_SOURCES))
-        for p in packages
-    }
-
-
-def install_packages(session: nox.Session, *pip_args: str) -> None:
-    """Installs every package (non-editable, build isolation on) in dependency order."""
-    staged = stage(session, discover_packages())
-    session.install(*pip_args, *[str(d) for d in staged.values()])
-
-
-@nox.session
-@nox.parametrize("backend", [nox.param(b, id=b) for b in BACKENDS])
-def tests(session: nox.Session, backend: str) -> None:
-    """Runs the test suite with RECURRA_TEST_BACKEND=<backend>; no test run is a failure."""
-    install_packages(session)
-    session.install(*TEST_DEPS)
-    if backend == "cpu":
-        # Independent references: PyTorch's CPU build (on disk on the CI machine kind) and
-        # transformers' Mamba/Mamba-2, whose logits recurra_models must reproduce.
-        session.install(*MODEL_PEERS)
-    env = {"RECURRA_TEST_BACKEND": backend, "RECURRA_HYPOTHESIS_PROFILE": "ci"}
-    # pytest exits 5 when it collected no test; nox treats every non-zero code as a failure.
-    session.run("pytest", "-q", *(session.posargs or ["tests"]), env=env)
-
-
-@nox.session
-def lint(session: nox.Session) -> None:
-    """ruff over the Python sources (settings in ruff.toml)."""
-    session.install(RUFF)
-    session.run("ruff", "check", "packages", "tests", "bench", "noxfile.py", *session.posargs)
-
-
-def _venv_python(venv: Path) -> str:
-    return str(venv / ("Scripts/python.exe" if sys.platform == "win32" else "bin/python"))
 
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """Builds each package's wheel as a user would and installs it alone into a fresh venv.
+    """Installs every combination the README names into a fresh venv, as the README says.
 
-    Each wheel is installed with only the wheels of its own local dependencies (built here, not
-    taken from an index) and its third-party requirements from PyPI; then it is imported and,
-    for recurra-core, runs a tiny graph. Runs from a scratch folder so that nothing in the
-    source tree can shadow the installed package.
+    The wheels are built once (tools/build_wheels.py, into the shared wheelhouse); each of
+    build_wheels.COMBINATIONS (recurra-core, recurra-optim, recurra-models, recurra-vulkan,
+    recurra-cli, recurra-cli[models]) is then installed alone into its own venv with
+    `pip install --find-links WHEELHOUSE NAME` (the local dependencies from the wheelhouse,
+    the third-party ones from the index), and every package it brought is imported (the core
+    runs a tiny graph; the CLI answers --version). Runs from a scratch folder so that nothing
+    in the source tree can shadow the installed packages.
     """
-    session.install("pip>=23.1")
     packages = discover_packages()
-    by_name = {p.name: p for p in packages}
-    staged = stage(session, packages)
+    dist = wheelhouse(session, [p.name for p in packages])
     tmp = Path(tempfile.mkdtemp(prefix="recurra-build-"))
     try:
-        wheel_dir = tmp / "wheels"
-        wheels: dict[str, Path] = {}
-        for pkg in packages:
-            out = tmp / "out" / pkg.name
-            session.run(
-                "python", "-m", "pip", "wheel", "--no-deps", "-w", str(out), str(staged[pkg.name])
-            )
-            (whl,) = out.glob("*.whl")
-            wheel_dir.mkdir(exist_ok=True)
-            wheels[pkg.name] = Path(shutil.copy2(whl, wheel_dir))
-            session.log(f"built {wheels[pkg.name].name}")
-        for pkg in packages:
-            venv = tmp / "venvs" / pkg.name
+        for req in bw.COMBINATIONS:
+            venv = tmp / "venvs" / re.sub(r"\W+", "-", req)
             session.run("python", "-m", "venv", str(venv))
             py = _venv_python(venv)
-            files = [str(wheels[p.name]) for p in closure(pkg, by_name)]
-            session.run(py, "-m", "pip", "install", "--no-cache-dir", *files, external=True)
-            code = SMOKE.get(pkg.name, f"import {pkg.module}; print({pkg.module}.__file__)")
+            pip = [py, "-m", "pip", "install", "--no-cache-dir", "--find-links", str(dist)]
+            session.run(*pip, req, external=True)
             with session.chdir(tmp):
-                session.run(py, "-I", "-c", code, external=True)
-            session.log(f"{pkg.name}: wheel installs alone and works")
+                for pkg in bw.select([req], packages):
+                    code = SMOKE.get(pkg.name, f"import {pkg.module}; print({pkg.module}.__file__)")
+                    session.run(py, "-I", "-c", code, external=True)
+                if req.startswith("recurra-cli"):
+                    session.run(py, "-I", "-m", "recurra_cli", "--version", external=True)
+            session.log(f"{req}: installs from the wheelhouse into a fresh venv and works")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

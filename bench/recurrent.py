@@ -60,26 +60,28 @@ class Spec:
 # ratio = peer ms / our ms, so "<= 0.5x ggml" is a ratio >= 2. The peer figures the issue
 # quotes (ggml ~52 ms...) were measured on another host; they are printed for orientation.
 SPECS: dict[str, Spec] = {
-    "mamba2_fwd": Spec("mamba2", False, ["ggml"], "<= 0.5x ggml (issue's host: ggml 52 ms)", 2.0),
+    "mamba2_fwd": Spec("mamba2", False, ["ggml"], "<= 0.5x ggml (other machine: ggml 52 ms)", 2.0),
     "mamba2_fwdbwd": Spec(
         "mamba2",
         True,
         ["torch-ssd", "torch-loop"],
-        "<= 0.3x torch SSD (issue's host: 305 ms)",
+        "<= 0.3x torch SSD (other machine: 305 ms)",
         1 / 0.3,
         inputs="torch",
     ),
-    "mamba1_fwd": Spec("mamba1", False, ["ggml"], "<= 0.33x ggml (issue's host: 190 ms)", 1 / 0.33),
+    "mamba1_fwd": Spec(
+        "mamba1", False, ["ggml"], "<= 0.33x ggml (other machine: ggml 190 ms)", 1 / 0.33
+    ),
     "mamba1_fwdbwd": Spec(
         "mamba1",
         True,
         ["torch-loop", "torch-pscan"],
-        "<= 0.1x torch loop (issue's host: 1800 ms)",
+        "<= 0.1x torch loop (other machine: 1800 ms)",
         10.0,
         inputs="torch",
     ),
-    "ssm_conv_fwd": Spec("conv", False, ["ggml"], "<= 0.25x ggml (issue's host: 18 ms)", 4.0),
-    "wkv6_fwd": Spec("wkv6", False, ["ggml"], "<= 0.7x ggml (issue's host: 37 ms)", 1 / 0.7),
+    "ssm_conv_fwd": Spec("conv", False, ["ggml"], "<= 0.25x ggml (other machine: 18 ms)", 4.0),
+    "wkv6_fwd": Spec("wkv6", False, ["ggml"], "<= 0.7x ggml (other machine: 37 ms)", 1 / 0.7),
     "wkv6_fwdbwd": Spec("wkv6", True, []),
     "wkv7_fwd": Spec("wkv7", False, ["ggml"]),
     "wkv7_fwdbwd": Spec("wkv7", True, []),

@@ -12,9 +12,11 @@ Writing a Vulkan test: mark it, or take the `vulkan` fixture (which marks it for
     @pytest.mark.vulkan
     def test_add_matches_cpu(vulkan): ...
 
-With no usable Vulkan backend such a test is skipped with the reason, except when
-RECURRA_EXPECT_VULKAN=1 (CI, where Mesa's lavapipe provides a device): then it fails, so a
-broken driver setup cannot pass as "all skipped".
+With no usable Vulkan backend such a test FAILS with the reason when the Vulkan backend is
+the one under test (RECURRA_TEST_BACKEND=vulkan, i.e. `nox -s "tests(vulkan)"`), so a broken
+driver setup cannot pass as "all skipped"; skipping is the opt-in: RECURRA_SKIP_VULKAN=1.
+In a run of everything (backend unset) it is skipped with the reason, unless
+RECURRA_EXPECT_VULKAN=1 (then it fails there too).
 
 Hypothesis profiles: RECURRA_HYPOTHESIS_PROFILE=dev|ci|sanitize (default: ci when the CI
 variable is set, dev otherwise). `sanitize` runs few examples, for the ASan build.
@@ -30,6 +32,7 @@ import pytest
 
 BACKEND_ENV = "RECURRA_TEST_BACKEND"
 EXPECT_VULKAN_ENV = "RECURRA_EXPECT_VULKAN"
+SKIP_VULKAN_ENV = "RECURRA_SKIP_VULKAN"
 KNOWN_BACKENDS = ("cpu", "vulkan")
 
 
@@ -40,8 +43,15 @@ def _test_backend() -> str | None:
     return value or None
 
 
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
+
+
 def _expect_vulkan() -> bool:
-    return os.environ.get(EXPECT_VULKAN_ENV, "").strip() not in ("", "0", "false", "no")
+    """Whether a missing Vulkan backend fails the Vulkan tests instead of skipping them."""
+    if _flag(SKIP_VULKAN_ENV):
+        return False
+    return _test_backend() == "vulkan" or _flag(EXPECT_VULKAN_ENV)
 
 
 # --------------------------------------------------------------------------------------------
@@ -126,7 +136,11 @@ def _require_vulkan() -> None:
     if available:
         return
     if _expect_vulkan():
-        pytest.fail(f"{EXPECT_VULKAN_ENV}=1 but Vulkan is unavailable: {reason}", pytrace=False)
+        pytest.fail(
+            f"Vulkan is unavailable: {reason} (set {SKIP_VULKAN_ENV}=1 to skip the Vulkan "
+            "tests instead)",
+            pytrace=False,
+        )
     pytest.skip(f"Vulkan unavailable: {reason}")
 
 
@@ -150,7 +164,8 @@ def test_backend() -> str:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "vulkan: needs the Vulkan backend (skips without one, fails when RECURRA_EXPECT_VULKAN=1)",
+        "vulkan: needs the Vulkan backend (without one: fails under RECURRA_TEST_BACKEND=vulkan "
+        "unless RECURRA_SKIP_VULKAN=1, skips otherwise)",
     )
     _test_backend()  # reject a misspelt backend before collecting anything
 
@@ -186,6 +201,6 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return [
         where,
         f"backend under test: {_test_backend() or 'all'}; "
-        f"{EXPECT_VULKAN_ENV}={os.environ.get(EXPECT_VULKAN_ENV, '')!r}; "
+        f"without Vulkan the Vulkan tests {'fail' if _expect_vulkan() else 'skip'}; "
         f"hypothesis profile: {HYPOTHESIS_PROFILE}",
     ]

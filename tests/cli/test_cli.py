@@ -157,6 +157,7 @@ def test_bench_runs_a_suite_with_extra_args(tmp_path):
     assert doc["suites"]["ops"]["result"] == {"bench": "fake", "argv": ["--only", "x"]}
     res = runner.invoke(app, ["bench", "ops", "--bench-dir", str(d)])
     assert res.exit_code == 0 and "## fake suite" in res.stdout
+    assert "JSON" not in res.stdout  # the machine-read line is for --json only
 
 
 def test_bench_exit_codes_of_failing_suites(tmp_path):
@@ -343,6 +344,6 @@ def test_train_without_recurra_models_says_what_to_install(monkeypatch, tmp_path
     monkeypatch.setitem(sys.modules, "recurra_models", None)  # import now raises ImportError
     res = runner.invoke(app, ["train", "--model", "mamba", "--data", str(text_file(tmp_path))])
     assert res.exit_code == 3
-    assert "pip install 'recurra-cli[models]'" in " ".join(res.output.split())
+    assert "tools/build_wheels.py --install 'recurra-cli[models]'" in " ".join(res.output.split())
     res = runner.invoke(app, ["generate", "--checkpoint", str(tmp_path), "--prompt", "a"])
     assert res.exit_code == 3

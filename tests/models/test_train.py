@@ -153,3 +153,26 @@ def test_encode_file(tmp_path: Path) -> None:
     np.testing.assert_array_equal(rm.ByteTokenizer().encode_file(p), [97, 98, 99, 10])
     with pytest.raises(FileNotFoundError, match="nope.txt"):
         rm.ByteTokenizer().encode_file(tmp_path / "nope.txt")
+
+
+def test_fit_prints_progress_and_checkpoints_periodically_by_default(tmp_path: Path, capsys):
+    events: list[dict] = []
+    tr = _trainer(*_setup(), tmp_path, 20)
+    assert (tr.checkpoint_every, tr.log_every) == (2, 1)  # a tenth, a twentieth of the run
+    tr.fit(events.append)
+    saved = [e["step"] for e in events if e["kind"] == "checkpoint"]
+    assert saved == list(range(2, 21, 2))
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-00000018", "ckpt-00000020"]
+    err = capsys.readouterr().err.splitlines()
+    steps = [line for line in err if line.startswith("step ") and "loss" in line]
+    assert len(steps) == 20 and steps[0].startswith("step 1/20  loss ")
+    assert "ETA" in steps[0] and "tokens/s" in steps[0] and "ETA" not in steps[-1]
+    assert any(line.endswith("ckpt-00000020") for line in err)
+
+    quiet = _trainer(*_setup(), tmp_path / "quiet", 3, log_every=0, checkpoint_every=0)
+    assert quiet.checkpoint_every == 0
+    quiet.fit()
+    assert capsys.readouterr().err == ""
+    assert [p.name for p in (tmp_path / "quiet").glob("ckpt-*")] == ["ckpt-00000003"]
+    long = _trainer(*_setup(), None, 100_000)
+    assert (long.checkpoint_every, long.log_every) == (1000, 100)

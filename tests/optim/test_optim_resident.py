@@ -5,7 +5,8 @@ The property that matters is equality, not speed: a step that computed something
 different from Adam would still train, just worse. Every test is an equality against an
 independent path or an invariant that a broken in-place update would violate. The CPU
 versions run everywhere; the device versions (marked ``vulkan``) compare a device run with
-the CPU run and skip without a Vulkan backend (they fail when RECURRA_EXPECT_VULKAN=1).
+the CPU run and skip without a Vulkan backend (in the Vulkan session they fail:
+tests/conftest.py).
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ axes broadcast both ways. Metric: normalized mean squared error against float64 
 The SPIR-V of the register-blocked variants (matmul_reg.comp) must keep every register
 array out of Function storage (local memory on NVIDIA): checked on the built modules.
 
-Without a Vulkan device these tests skip, or fail when RECURRA_EXPECT_VULKAN=1. Pipelines
-are compiled by lavapipe on first use (a few seconds per variant when its cache is cold).
+Without a Vulkan device these tests fail in the Vulkan session unless
+RECURRA_SKIP_VULKAN=1 (tests/conftest.py). Pipelines are compiled by lavapipe on first use
+(a few seconds per variant when its cache is cold).
 """
 
 from __future__ import annotations

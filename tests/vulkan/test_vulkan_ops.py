@@ -7,7 +7,8 @@ results: exact). Odd sizes (1, 3, 17, 1000), broadcasting, strided sources (tran
 sliced, broadcast numpy views keep their strides on the device) and misaligned buffers
 (``src_offset``) exercise every shader variant.
 
-Without a Vulkan device these tests skip, or fail when RECURRA_EXPECT_VULKAN=1.
+Without a Vulkan device these tests fail in the Vulkan session unless
+RECURRA_SKIP_VULKAN=1 (tests/conftest.py).
 """
 
 from __future__ import annotations

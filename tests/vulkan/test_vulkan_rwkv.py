@@ -9,7 +9,8 @@ longer than the backward's checkpoint interval (32 tokens), so that segments are
 from checkpoints; GLA with scales other than 1; tile overrides (RECURRA_VK_WKV) that force
 other lane splits, columns per lane, workgroup sizes and checkpoint intervals.
 
-Without a Vulkan device these tests skip, or fail when RECURRA_EXPECT_VULKAN=1.
+Without a Vulkan device these tests fail in the Vulkan session unless
+RECURRA_SKIP_VULKAN=1 (tests/conftest.py).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ P 1 and 16; N 16, 17 and 64; two sequences with permuted ids and a spare state r
 decay (|dt A| up to thousands per token: the weights underflow to 0, never overflow; dA and
 ddt are then checked against a float64 reference, see test_strong_decay_is_finite).
 
-Without a Vulkan device these tests skip, or fail when RECURRA_EXPECT_VULKAN=1.
+Without a Vulkan device these tests fail in the Vulkan session unless
+RECURRA_SKIP_VULKAN=1 (tests/conftest.py).
 """
 
 from __future__ import annotations

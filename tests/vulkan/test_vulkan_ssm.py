@@ -12,7 +12,8 @@ groups), odd sizes (N 1/3/17, P 1/3/64, H 5/6/7, G 1/2/3/5), 1-3 sequences, ids 
 repeats and more state rows than sequences, T from 1 to 200 (past the backward's
 checkpoint interval: 64 tokens with one decay per head, ~sqrt(T) with one per state).
 
-Without a Vulkan device these tests skip, or fail when RECURRA_EXPECT_VULKAN=1.
+Without a Vulkan device these tests fail in the Vulkan session unless
+RECURRA_SKIP_VULKAN=1 (tests/conftest.py).
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any, NoReturn
 
 import typer
@@ -55,3 +57,19 @@ def one_line_usage_errors() -> None:
         err.print(f"[bold red]error:[/] {escape(e.format_message())}{escape(hint)}")
 
     rich_utils.rich_format_error = one_line
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def dumps(obj: Any) -> str:
+    """``obj`` as strict JSON for ``--json``: a non-finite float (which JSON cannot hold;
+    ``json.dumps`` would write ``Infinity``) becomes the string "inf", "-inf" or "nan"."""
+    return json.dumps(_finite(obj), allow_nan=False)

@@ -22,7 +22,7 @@ from typing import Any
 import typer
 from rich.markup import escape
 
-from recurra_cli._common import EXIT_CHECK_FAILED, EXIT_OK, EXIT_USAGE, console, err, fail
+from recurra_cli._common import EXIT_CHECK_FAILED, EXIT_OK, EXIT_USAGE, console, dumps, err, fail
 
 #: Suite name -> script in bench/, in the order ``all`` runs them.
 SUITES: dict[str, str] = {
@@ -55,8 +55,9 @@ def find_bench_dir(explicit: Path | None) -> Path:
 
 
 def _run_suite(script: Path, extra: list[str], quiet: bool) -> tuple[int, dict[str, Any] | None]:
-    """Runs one suite script, echoing its output unless ``quiet``; returns its exit code
-    and the parsed ``JSON {...}`` line (None when it printed none)."""
+    """Runs one suite script, echoing its output unless ``quiet`` (but not its machine-read
+    ``JSON {...}`` line: ``--json`` collects those); returns its exit code and the parsed
+    line (None when it printed none)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         [sys.executable, str(script), *extra],
@@ -74,8 +75,7 @@ def _run_suite(script: Path, extra: list[str], quiet: bool) -> tuple[int, dict[s
                 result = json.loads(line[5:])
             except json.JSONDecodeError:
                 result = None
-            if quiet:
-                continue
+            continue
         if not quiet:
             print(line, end="", flush=True)
     return proc.wait(), result
@@ -144,8 +144,6 @@ def bench(
         final = EXIT_OK
     if as_json:
         print(
-            json.dumps(
-                {"bench_dir": str(folder), "args": extra, "suites": report, "exit_code": final}
-            )
+            dumps({"bench_dir": str(folder), "args": extra, "suites": report, "exit_code": final})
         )
     raise typer.Exit(final)

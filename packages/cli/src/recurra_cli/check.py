@@ -6,7 +6,6 @@ proof live there; ``python -m recurra.check_backends`` is the same check without
 
 from __future__ import annotations
 
-import json
 import math
 
 import typer
@@ -14,7 +13,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from recurra_cli._common import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, console, err, fail
+from recurra_cli._common import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, console, dumps, err, fail
 
 _STYLE = {"ok": "green", "unsupported": "yellow", "MISMATCH": "bold red", "ERROR": "bold red"}
 
@@ -82,15 +81,12 @@ def check_backends(
     except cb.BackendUnavailableError as e:
         fail(str(e), EXIT_UNAVAILABLE)
     if not devices:
-        msg = (
-            "no backend other than the CPU is available, so there is nothing to compare "
-            "(`recurra devices` says why; `pip install recurra-vulkan` adds the Vulkan backend)"
-        )
+        msg = cb.no_device_message()
         code = EXIT_OK if allow_cpu_only else EXIT_UNAVAILABLE
         if as_json:
             doc = cb.to_json([], [], code)
             doc["message"] = msg
-            print(json.dumps(doc))
+            print(dumps(doc))
             raise typer.Exit(code)
         if code == EXIT_OK:
             err.print(f"[yellow]note:[/] {msg}")
@@ -114,7 +110,7 @@ def check_backends(
         results = cb.check(op, devices, on_result=on_result)
     code = cb.exit_code(results, strict)
     if as_json:
-        print(json.dumps(cb.to_json(results, devices, code)))
+        print(dumps(cb.to_json(results, devices, code)))
         raise typer.Exit(code)
 
     one = len(devices) == 1  # then the backend is in the title, not in a column

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -12,7 +11,7 @@ import typer
 from rich.markup import escape
 
 from recurra_cli import text as text_io
-from recurra_cli._common import EXIT_CHECK_FAILED, EXIT_OK, EXIT_UNAVAILABLE, err, fail
+from recurra_cli._common import EXIT_CHECK_FAILED, EXIT_OK, EXIT_UNAVAILABLE, dumps, err, fail
 from recurra_cli.train import checkpoint_folder, parse_device, require_models
 
 
@@ -114,7 +113,7 @@ def generate(
     text = "".join(text_parts)
     if as_json:
         print(
-            json.dumps(
+            dumps(
                 {
                     "checkpoint": source,
                     "model": arch,

@@ -7,15 +7,16 @@ unavailable.
 
 from __future__ import annotations
 
-import json
 import sys
 from importlib import metadata
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from recurra._install import install_hint
 from recurra_cli import bench as bench_cmd
 from recurra_cli import check as check_cmd
 from recurra_cli import demo_mamba
@@ -27,6 +28,7 @@ from recurra_cli._common import (
     EXIT_OK,
     EXIT_UNAVAILABLE,
     console,
+    dumps,
     err,
     help_text,
     one_line_usage_errors,
@@ -39,10 +41,48 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},  # inherited by every command
 )
 one_line_usage_errors()
 demo_app = typer.Typer(help="End-to-end demos.", no_args_is_help=True)
 app.add_typer(demo_app, name="demo")
+
+
+#: The distributions `recurra --version` reports, the command's own first.
+DISTRIBUTIONS = ("recurra-cli", "recurra-core", "recurra-optim", "recurra-models", "recurra-vulkan")
+
+
+def versions() -> dict[str, str | None]:
+    """Distribution -> installed version (None when not installed)."""
+    out: dict[str, str | None] = {}
+    for dist in DISTRIBUTIONS:
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        found = versions()
+        rest = ", ".join(f"{d} {v or 'not installed'}" for d, v in found.items())
+        print(f"recurra {found['recurra-cli'] or '?'} ({rest})")
+        raise typer.Exit(EXIT_OK)
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False,
+        "--version",
+        "-V",
+        callback=_print_version,
+        is_eager=True,
+        help="print the version of each recurra package and exit",
+    ),
+) -> None:
+    """Train and run Mamba and RWKV models on any machine."""
 
 
 def _available_backends() -> dict[str, str]:
@@ -77,6 +117,7 @@ def mamba_train(
             _fail(f"--plot needs a .png file name, got {str(plot)!r}")
         if not plot.parent.exists() if str(plot.parent) else False:
             _fail(f"--plot: directory {str(plot.parent)!r} does not exist")
+        _require_matplotlib()  # before training, not after it
     cfg = demo_mamba.DemoConfig.small(epochs) if small else demo_mamba.DemoConfig()
     if epochs is not None and not small:
         cfg = demo_mamba.DemoConfig(epochs=epochs)
@@ -168,7 +209,7 @@ def mamba_train(
             "comparison": comparison,
             "ok": ok,
         }
-        print(json.dumps(out))
+        print(dumps(out))
     else:
         console.print(f"\n  predicting zero scores {baseline:.4f}: the number to beat")
         table = Table(title="comparison")
@@ -202,14 +243,21 @@ def mamba_train(
     raise typer.Exit(EXIT_OK if ok else EXIT_CHECK_FAILED)
 
 
-def _plot(results: list[demo_mamba.RunResult], baseline: float, path: Path) -> None:
+def _require_matplotlib() -> None:
+    """Exits 3 saying how to install matplotlib when it is missing."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError:
-        _fail("--plot needs matplotlib: pip install 'recurra-cli[plot]'")
+        _fail(f"--plot needs matplotlib: {install_hint('matplotlib')}", EXIT_UNAVAILABLE)
+
+
+def _plot(results: list[demo_mamba.RunResult], baseline: float, path: Path) -> None:
+    _require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in results:
         ax.plot(range(1, len(r.history) + 1), r.history, label=f"{r.backend} ({r.verdict})")
@@ -237,7 +285,7 @@ def devices(as_json: bool = typer.Option(False, "--json", help="print JSON")) ->
     infos = recurra.backends.available()
     if as_json:
         print(
-            json.dumps(
+            dumps(
                 [
                     {
                         "name": b.name,
@@ -245,6 +293,7 @@ def devices(as_json: bool = typer.Option(False, "--json", help="print JSON")) ->
                         "devices": b.devices,
                         "reason": b.reason,
                         "source": b.source,
+                        "installed": getattr(b, "installed", True),
                     }
                     for b in infos
                 ]
@@ -256,7 +305,8 @@ def devices(as_json: bool = typer.Option(False, "--json", help="print JSON")) ->
         table.add_column(col)
     for b in infos:
         if not b.available:
-            table.add_row(b.name, "[red]unavailable[/]", "-", "-", b.reason)
+            status = "[red]unavailable[/]" if getattr(b, "installed", True) else "not installed"
+            table.add_row(b.name, status, "-", "-", escape(b.reason))
             continue
         for d in b.devices:
             mem = d.get("memory_bytes", 0)

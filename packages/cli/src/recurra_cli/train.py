@@ -1,6 +1,6 @@
 """``recurra train``: trains a byte-level language model on a text file, with checkpoints.
 
-Built on recurra-models (``pip install 'recurra-cli[models]'``): the model comes from
+Built on recurra-models (``recurra-cli[models]``): the model comes from
 ``recurra_models.create(arch, **config)``, the loop is ``recurra_models.Trainer`` with an
 AdamW optimizer, checkpoints are ``recurra_models.save_checkpoint`` folders (so that
 ``recurra generate --checkpoint DIR`` and ``--resume`` can read them).
@@ -29,6 +29,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from recurra._install import install_hint
 from recurra_cli import text as text_io
 from recurra_cli._common import (
     EXIT_CHECK_FAILED,
@@ -37,10 +38,11 @@ from recurra_cli._common import (
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
     console,
+    dumps,
     fail,
 )
 
-INSTALL_HINT = "pip install 'recurra-cli[models]'"
+INSTALL_HINT = install_hint("recurra-cli[models]")
 
 
 def require_models(command: str, names: tuple[str, ...]) -> ModuleType:
@@ -255,6 +257,7 @@ def train(
             checkpoint_every=checkpoint_every,
             seed=seed,
             gradient_checkpointing=gradient_checkpointing,
+            log_every=0,  # the bar shows the progress
         )
         if resume:
             resumed_from = trainer.resume(out)
@@ -350,7 +353,7 @@ def train(
         "out": str(out) if out is not None else None,
     }
     if as_json:
-        print(json.dumps(result))
+        print(dumps(result))
     else:
         if losses:
             console.print(

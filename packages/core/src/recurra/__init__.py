@@ -13,6 +13,7 @@ import os as _os
 from importlib import metadata as _metadata
 
 from recurra import _core
+from recurra import backends as backends
 from recurra import ops as ops
 from recurra._devices import Device, parse_device
 from recurra._files import write_atomic
@@ -40,6 +41,7 @@ __all__ = [
     "GraphTensor",
     "Tensor",
     "__version__",
+    "backends",
     "blas_info",
     "empty_cache",
     "get_include",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from recurra._install import PLUGINS, install_hint
+
 
 @dataclass(frozen=True)
 class Device:
@@ -17,7 +19,6 @@ class Device:
 
 
 CPU = Device("cpu")
-_KNOWN_PLUGINS = ("vulkan",)
 
 
 def parse_device(spec: str | Device | None) -> Device:
@@ -57,9 +58,9 @@ def parse_device(spec: str | Device | None) -> Device:
         b = infos[name]
         why = b.reason if not b.available else f"it has {len(b.devices)} device(s)"
         raise ValueError(f"device {spec!r} is not available: {why}")
-    if name in _KNOWN_PLUGINS:
+    if name in PLUGINS:
         raise ValueError(
             f"device {spec!r} is not available: the {name} backend is not installed "
-            f"(pip install recurra-{name})"
+            f"(to add it, {install_hint(PLUGINS[name])})"
         )
     raise ValueError(f"unknown device {spec!r}: expected 'cpu' or 'vulkan[:N]'")

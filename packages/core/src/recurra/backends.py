@@ -2,8 +2,9 @@
 
 The CPU backend is built into the core and always present. Other backends are plugins:
 separate wheels that register a function under the ``recurra.backends`` entry-point group.
-A plugin that cannot start (no driver, no device, wrong ABI) is listed with the reason;
-importing recurra never fails because of one. ``RECURRA_BACKENDS=cpu`` (or a comma
+A plugin that cannot start (no driver, no device, wrong ABI) is listed with the reason, and
+a plugin recurra knows of that is not installed (recurra-vulkan) is listed with how to
+install it; importing recurra never fails because of one. ``RECURRA_BACKENDS=cpu`` (or a comma
 separated list) limits which backends load.
 """
 
@@ -15,6 +16,7 @@ from importlib import metadata
 from typing import Any
 
 from recurra import _core
+from recurra._install import PLUGINS, install_hint
 
 
 @dataclass
@@ -25,7 +27,8 @@ class BackendInfo:
     available: bool
     devices: list[dict[str, Any]] = field(default_factory=list)
     reason: str = ""
-    source: str = "builtin"
+    source: str = "builtin"  # the entry point of a plugin; "" when it is not installed
+    installed: bool = True
 
 
 def _allowed() -> set[str] | None:
@@ -121,5 +124,10 @@ def _discover() -> list[BackendInfo]:
             found.append(
                 BackendInfo(name, False, reason=f"{type(e).__name__}: {e}", source=ep.value)
             )
+    names = {b.name for b in found}
+    for name, dist in PLUGINS.items():
+        if name not in names:
+            why = f"{dist} is not installed (to add it, {install_hint(dist)})"
+            found.append(BackendInfo(name, False, reason=why, source="", installed=False))
     found.append(_cpu_info())
     return found

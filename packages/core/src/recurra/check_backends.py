@@ -46,6 +46,7 @@ import numpy as np
 
 import recurra as rc
 from recurra import ops
+from recurra._install import PLUGINS, install_hint
 
 __all__ = [
     "EXIT_MISMATCH",
@@ -71,6 +72,7 @@ __all__ = [
     "format_table",
     "main",
     "nmse",
+    "no_device_message",
     "op_names",
     "resolve_backends",
     "select_cases",
@@ -655,14 +657,15 @@ def resolve_backends(names: Iterable[str] | None = None) -> list[str]:
         else:
             found = [d for d in registered if d.partition(":")[0] == base]
         if not found:
-            if base in infos or base in ("vulkan",):
+            if base in infos or base in PLUGINS:
                 info = infos.get(base)
                 if info is not None and info.available:
                     why = f"it has no device {spec!r} (devices: {', '.join(registered)})"
                 elif info is not None:
                     why = info.reason or "no usable device"
                 else:
-                    why = f"the {base} backend is not installed (pip install recurra-{base})"
+                    hint = install_hint(PLUGINS[base])
+                    why = f"the {base} backend is not installed (to add it, {hint})"
                 raise BackendUnavailableError(f"backend {spec!r} is unavailable: {why}")
             known = sorted(set(infos) | {"cpu"})
             raise UnknownBackendError(
@@ -670,6 +673,20 @@ def resolve_backends(names: Iterable[str] | None = None) -> list[str]:
             )
         out += [d for d in found if d not in out]
     return out
+
+
+def no_device_message() -> str:
+    """Why there is nothing to compare: each device backend and why it cannot start (a
+    backend that is installed but has no driver or device says so; one that is not installed
+    says how to install it)."""
+    from recurra import backends
+
+    whys = [f"{b.name}: {b.reason}" for b in backends.available() if b.name != "cpu"]
+    return (
+        "no backend other than the CPU is available, so there is nothing to compare ("
+        + ("; ".join(whys) or "no backend plugin is known")
+        + ")"
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -1085,11 +1102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_NO_BACKEND
     if not devices:
-        msg = (
-            "no backend other than the CPU is available, so there is nothing to compare "
-            "(`recurra devices` says why a plugin is unavailable; `pip install recurra-vulkan` "
-            "adds the Vulkan backend)"
-        )
+        msg = no_device_message()
         code = EXIT_OK if args.allow_cpu_only else EXIT_NO_BACKEND
         if args.json:
             doc = to_json([], [], code)

@@ -28,6 +28,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -334,6 +335,46 @@ _CKPT_NAME = re.compile(r"ckpt-\d{8,}")
 Callback = Callable[[dict[str, Any]], Any]
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class _ProgressLog:
+    """Prints Trainer.fit's progress on stderr: the first step, every ``every`` steps, the
+    last one, evaluations and checkpoints (``every`` 0: nothing)."""
+
+    def __init__(self, steps: int, start: int, every: int) -> None:
+        self.steps, self.start, self.every = steps, start, every
+        self.t0 = time.perf_counter()
+
+    def __call__(self, ev: dict[str, Any]) -> None:
+        if not self.every:
+            return
+        kind, step = ev.get("kind"), ev.get("step", 0)
+        if kind == "step":
+            if not (step == self.start + 1 or step % self.every == 0 or step == self.steps):
+                return
+            elapsed = time.perf_counter() - self.t0
+            left = elapsed / (step - self.start) * (self.steps - step)
+            line = (
+                f"step {step}/{self.steps}  loss {ev['loss']:.4f}  "
+                f"{ev['tokens_per_s']:.0f} tokens/s  elapsed {_duration(elapsed)}"
+                + (f"  ETA {_duration(left)}" if step < self.steps else "")
+            )
+        elif kind == "eval":
+            line = f"step {step}/{self.steps}  eval loss {ev['eval_loss']:.4f}"
+        elif kind == "checkpoint":
+            line = f"step {step}/{self.steps}  checkpoint {ev['path']}"
+        else:
+            return
+        print(line, file=sys.stderr, flush=True)
+
+
 class Trainer:
     """Trains a causal LM on a token array with next-token cross-entropy.
 
@@ -346,7 +387,9 @@ class Trainer:
         eval_data: optional token array; every ``eval_every`` steps (and after the last) the
             mean loss over ``eval_batches`` fixed batches of it is recorded.
         out_dir: where checkpoints go (``ckpt-<step>`` folders + ``latest.json``); every
-            ``checkpoint_every`` steps and after the last step (0: only at the end).
+            ``checkpoint_every`` steps and after the last step. ``checkpoint_every``
+            None (the default): about every tenth of the run, at most 1000 steps apart;
+            0: only at the end.
         keep: how many checkpoint folders to keep (older ones are deleted).
         scheduler: optional LR scheduler stepped after every optimizer step; its state is
             saved in checkpoints.
@@ -355,6 +398,9 @@ class Trainer:
             instead of keeping it (``model.gradient_checkpointing(True)``: less activation
             memory, the same gradients, about one more forward per step); False turns it
             off; None (the default) leaves the model as it is.
+        log_every: a progress line on stderr (step, loss, tokens/s, ETA, checkpoints)
+            after the first step and every ``log_every`` steps; None (the default): about
+            every twentieth of the run, at most 100 steps apart; 0: silent.
 
     Raises ValueError for bad sizes or data too short for ``seq_len``, TypeError for
     ``gradient_checkpointing`` on a model without ``gradient_checkpointing()``.
@@ -372,11 +418,12 @@ class Trainer:
         eval_every: int = 0,
         eval_batches: int = 4,
         out_dir: str | os.PathLike[str] | None = None,
-        checkpoint_every: int = 0,
+        checkpoint_every: int | None = None,
         keep: int = 2,
         scheduler: Any = None,
         seed: int = 0,
         gradient_checkpointing: bool | None = None,
+        log_every: int | None = None,
     ) -> None:
         for name, v in (
             ("batch_size", batch_size),
@@ -386,10 +433,15 @@ class Trainer:
         ):
             if not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"Trainer: {name} must be a positive integer, got {v!r}")
+        if checkpoint_every is None:
+            checkpoint_every = min(1000, max(1, int(steps) // 10)) if _is_int(steps) else 0
+        if log_every is None:
+            log_every = min(100, max(1, int(steps) // 20)) if _is_int(steps) else 0
         for name, v in (
             ("steps", steps),
             ("eval_every", eval_every),
             ("checkpoint_every", checkpoint_every),
+            ("log_every", log_every),
         ):
             if not isinstance(v, (int, np.integer)) or v < 0:
                 raise ValueError(f"Trainer: {name} must be an integer >= 0, got {v!r}")
@@ -402,6 +454,7 @@ class Trainer:
         self.eval_every, self.eval_batches = int(eval_every), int(eval_batches)
         self.out_dir = Path(os.fspath(out_dir)) if out_dir is not None else None
         self.checkpoint_every, self.keep, self.seed = int(checkpoint_every), int(keep), int(seed)
+        self.log_every = int(log_every)
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self._data_hash = data_hash(self.data)
@@ -542,7 +595,13 @@ class Trainer:
         stops the run after the current step (a checkpoint is written if out_dir is set).
 
         Raises FloatingPointError when the loss becomes NaN or infinite."""
-        emit = callback if callback is not None else (lambda e: None)
+        user = callback if callback is not None else (lambda e: None)
+        log = _ProgressLog(self.steps, self.step, self.log_every)
+
+        def emit(event: dict[str, Any]) -> Any:
+            log(event)
+            return user(event)
+
         tokens = self.batch_size * self.seq_len
         stop = False
         while self.step < self.steps and not stop:
