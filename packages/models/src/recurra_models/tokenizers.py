@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from recurra._install import install_hint
 from recurra_models.loading import read_json
 from recurra_models.tokenizer import ByteTokenizer
 
@@ -78,8 +79,8 @@ class HFTokenizer:
             from tokenizers import Tokenizer
         except ImportError:
             raise ImportError(
-                "reading tokenizer.json needs the tokenizers library: pip install tokenizers "
-                "(or pip install 'recurra-models[text]')"
+                "reading tokenizer.json needs the tokenizers library: "
+                + install_hint("tokenizers")
             ) from None
         p = Path(os.fspath(path))
         file = p / "tokenizer.json" if p.is_dir() else p
