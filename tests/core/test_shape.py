@@ -270,4 +270,5 @@ def test_sizes_past_int64_raise(device):
     assert lines["reshape"].startswith("ValueError reshape: shape (4611686018427387904, 4)")
     assert lines["leaf"].startswith("ValueError leaf: shape (1099511627776, 1099511627776)")
     assert lines["huge"].startswith("MemoryError recurra:")
-    assert "exp of shape (1073741824, 1073741824)" in lines["huge"]
+    # the host names the largest intermediate, a device the node it cannot hold
+    assert "exp" in lines["huge"] and "shape (1073741824, 1073741824)" in lines["huge"]
