@@ -51,10 +51,12 @@ struct Shape {
   }
   int64_t operator[](int i) const { return d[i]; }
   int64_t& operator[](int i) { return d[i]; }
+  // Wraps around (defined: unsigned arithmetic) for counts past int64; every node's shape is
+  // checked for that where it is made (Graph's overflow check), before anything is sized.
   int64_t numel() const {
-    int64_t n = 1;
-    for (int i = 0; i < ndim; ++i) n *= d[i];
-    return n;
+    uint64_t n = 1;
+    for (int i = 0; i < ndim; ++i) n *= static_cast<uint64_t>(d[i]);
+    return static_cast<int64_t>(n);
   }
   std::vector<int64_t> vec() const { return std::vector<int64_t>(d, d + ndim); }
   bool operator==(const Shape& o) const {
