@@ -77,10 +77,10 @@ struct Shape {
 
 // Contiguous (row-major) strides of a shape.
 inline void contiguous_strides(const Shape& s, int64_t* st) {
-  int64_t acc = 1;
+  uint64_t acc = 1;  // wraps like numel() for shapes the overflow check refuses next
   for (int i = s.ndim - 1; i >= 0; --i) {
-    st[i] = acc;
-    acc *= s.d[i];
+    st[i] = static_cast<int64_t>(acc);
+    acc *= static_cast<uint64_t>(s.d[i]);
   }
 }
 
