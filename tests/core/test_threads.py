@@ -47,7 +47,7 @@ def run_threads(fns, timeout: float = TIMEOUT_S) -> None:
     threads = [threading.Thread(target=wrap(f), daemon=True) for f in fns]
     # A deadlock that keeps the GIL (the joins below could not time out) ends the process
     # with every thread's stack instead of hanging the suite.
-    faulthandler.dump_traceback_later(timeout + 60, exit=True)
+    faulthandler.dump_traceback_later(timeout + 60, exit=True, file=sys.__stderr__)
     try:
         for t in threads:
             t.start()
