@@ -391,6 +391,20 @@ void Device::check_lost() const {
 
 // ---- submissions ------------------------------------------------------------------------
 
+Submission& Device::new_submission(bool kept) {
+  auto s = std::make_unique<Submission>();
+  VkCommandBufferAllocateInfo ai{VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO};
+  ai.commandPool = pool_;
+  ai.level = VK_COMMAND_BUFFER_LEVEL_PRIMARY;
+  ai.commandBufferCount = 1;
+  vk_check(vkAllocateCommandBuffers(dev_, &ai, &s->cb), "vkAllocateCommandBuffers");
+  VkFenceCreateInfo fi{VK_STRUCTURE_TYPE_FENCE_CREATE_INFO};
+  vk_check(vkCreateFence(dev_, &fi, nullptr, &s->fence), "vkCreateFence");
+  s->kept = kept;
+  subs_.push_back(std::move(s));
+  return *subs_.back();
+}
+
 Submission& Device::acquire() {
   size_t ordinary = 0;
   for (auto& s : subs_) {
@@ -398,18 +412,7 @@ Submission& Device::acquire() {
     if (!s->pending) return *s;
     ++ordinary;
   }
-  if (ordinary < kMaxInFlight) {
-    auto s = std::make_unique<Submission>();
-    VkCommandBufferAllocateInfo ai{VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO};
-    ai.commandPool = pool_;
-    ai.level = VK_COMMAND_BUFFER_LEVEL_PRIMARY;
-    ai.commandBufferCount = 1;
-    vk_check(vkAllocateCommandBuffers(dev_, &ai, &s->cb), "vkAllocateCommandBuffers");
-    VkFenceCreateInfo fi{VK_STRUCTURE_TYPE_FENCE_CREATE_INFO};
-    vk_check(vkCreateFence(dev_, &fi, nullptr, &s->fence), "vkCreateFence");
-    subs_.push_back(std::move(s));
-    return *subs_.back();
-  }
+  if (ordinary < kMaxInFlight) return new_submission(false);
   Submission* oldest = nullptr;
   for (auto& s : subs_)
     if (!s->kept && (!oldest || s->serial < oldest->serial)) oldest = s.get();
@@ -426,17 +429,7 @@ Submission& Device::acquire_kept() {
       if (!lru || s->last_use < lru->last_use) lru = s.get();
     }
   if (kept < kMaxReplays || !lru) {
-    auto s = std::make_unique<Submission>();
-    VkCommandBufferAllocateInfo ai{VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO};
-    ai.commandPool = pool_;
-    ai.level = VK_COMMAND_BUFFER_LEVEL_PRIMARY;
-    ai.commandBufferCount = 1;
-    vk_check(vkAllocateCommandBuffers(dev_, &ai, &s->cb), "vkAllocateCommandBuffers");
-    VkFenceCreateInfo fi{VK_STRUCTURE_TYPE_FENCE_CREATE_INFO};
-    vk_check(vkCreateFence(dev_, &fi, nullptr, &s->fence), "vkCreateFence");
-    s->kept = true;
-    subs_.push_back(std::move(s));
-    lru = subs_.back().get();
+    lru = &new_submission(true);
   } else {  // evict: its recording and the scratch memory it reads go
     wait(*lru);
     for (const Allocation& a : lru->scratch)

@@ -136,6 +136,7 @@ class Device {
   void destroy_host_buffer(HostBuffer& b);
 
   Submission& acquire();
+  Submission& new_submission(bool kept);  // a command buffer and fence, added to subs_
   Submission& acquire_kept();  // a kept submission to record into (evicts the least used)
   bool replay(const std::vector<uint8_t>& key);  // resubmits a kept recording of `key`
   void submit(Submission& s);
