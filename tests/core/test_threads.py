@@ -259,6 +259,14 @@ def test_random_graphs_from_several_threads(steps, n_threads, seed):
 # ---- threads the system refuses --------------------------------------------------------
 
 
+# AddressSanitizer reserves terabytes of address space for its shadow memory: under an
+# address-space limit the interpreter cannot even import. These cases run in tests(cpu).
+needs_plain_address_space = pytest.mark.skipif(
+    "libasan" in os.environ.get("LD_PRELOAD", ""),
+    reason="an address-space limit cannot hold AddressSanitizer's shadow memory",
+)
+
+
 def run_limited(code: str, env: dict[str, str] | None = None, timeout: float = 120):
     """Runs `code` in a fresh interpreter under a 6 GiB address-space limit."""
     prelude = "import resource\nresource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))\n"
@@ -282,6 +290,7 @@ print("threads", rc.get_num_threads())
 """
 
 
+@needs_plain_address_space
 def test_set_num_threads_beyond_what_starts_warns():
     out = run_limited(
         textwrap.dedent(
@@ -303,6 +312,7 @@ def test_set_num_threads_beyond_what_starts_warns():
     assert "threads 2" in out.stdout
 
 
+@needs_plain_address_space
 def test_num_threads_env_beyond_what_starts_warns():
     out = run_limited("import recurra as rc\n" + CHECK_COMPUTE, env={"RECURRA_NUM_THREADS": "2000"})
     assert out.returncode == 0, out.stderr[-3000:]
