@@ -1,7 +1,7 @@
 """Tokenizing a text corpus: recurra's path (text file -> cached memory-mapped token file)
 against the tokenizers library's own batch encoding of the same text.
 
-    python bench/tokenize.py [--mb 100] [--vocab 50000] [--tokenizer path/tokenizer.json]
+    python bench/tokenization.py [--mb 100] [--vocab 50000] [--tokenizer path/tokenizer.json]
 
 Without --tokenizer a GPT-NeoX-style byte-level BPE (ByteLevel pre-tokenizer, vocabulary
 --vocab) is trained with the tokenizers library on a sample of the synthetic text (no real
