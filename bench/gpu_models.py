@@ -46,7 +46,7 @@ from models import (  # noqa: E402
     make_torch,
     tokens,
     torch_greedy,
-    torch_logits,
+    torch_train_step,
 )
 
 PEER = "torch cuda"
@@ -183,13 +183,7 @@ def torch_train(
     losses: list[float] = []
 
     def step() -> None:
-        logits = torch_logits(arch, model, x)
-        loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
-        )
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        loss = torch_train_step(arch, model, opt, x, y)
         if not losses:
             losses.append(float(loss.detach()))
         torch.cuda.synchronize()

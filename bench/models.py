@@ -187,6 +187,19 @@ def torch_logits(arch: str, model: Any, tokens: Any) -> Any:
     return model(tokens).logits
 
 
+def torch_train_step(arch: str, model: Any, opt: Any, x: Any, y: Any) -> Any:
+    """One training step of the PyTorch peer (cross-entropy of its logits, backward, the
+    optimizer); returns the loss tensor."""
+    import torch
+
+    logits = torch_logits(arch, model, x)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
 def tokens(size: dict[str, int], seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     return rng.integers(0, size["vocab"], (size["batch"], size["seq_len"] + 1)).astype(np.int32)
@@ -225,13 +238,7 @@ def torch_train(arch: str, size: dict[str, int], out: dict[str, Any]) -> Callabl
     x, y = data[:, :-1], data[:, 1:]
 
     def step() -> None:
-        logits = torch_logits(arch, model, x)
-        loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
-        )
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        loss = torch_train_step(arch, model, opt, x, y)
         if "torch" not in out:
             out["torch"] = float(loss.detach())
 

@@ -136,7 +136,7 @@ def worker_peer(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     sys.path.insert(0, str(HERE))
-    from models import make_torch, torch_greedy, torch_logits
+    from models import make_torch, torch_greedy, torch_train_step
 
     torch.set_num_threads(spec["threads"])
     cuda = spec["device"] != "cpu"
@@ -165,13 +165,7 @@ def worker_peer(spec: dict[str, Any]) -> dict[str, Any]:
         losses: list[float] = []
 
         def step() -> None:
-            logits = torch_logits(arch, model, x)
-            loss = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
-            )
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            loss = torch_train_step(arch, model, opt, x, y)
             losses.append(float(loss.detach()))
             sync()
 
