@@ -302,3 +302,24 @@ def test_idle_kept_blocks_go_before_a_larger_one_is_made(vulkan: str) -> None:
     info = recurra_vulkan.memory_info(0)
     assert info["peak_reserved_bytes"] < base + 600 * mib - 150 * mib, (base, info)
     np.testing.assert_array_equal(b.numpy()[:: 1 << 20], 1.0)
+
+
+def test_a_steady_training_loop_makes_no_new_blocks(vulkan: str) -> None:
+    # Each step plans the same arena and scratch: after the first steps every buffer comes
+    # from blocks already held (a driver allocation per step would cost time and peak).
+    import recurra_vulkan
+
+    rng = np.random.default_rng(3)
+    big = 40_000_000  # 160 MB: a block of its own for the values and for the gradient
+    w = rc.param(rng.standard_normal(big).astype(np.float32) * 0.01, device=vulkan)
+    v = rc.param(rng.standard_normal((256, 256)).astype(np.float32) * 0.1, device=vulkan)
+    made = []
+    for _ in range(5):
+        w.grad = v.grad = None
+        loss = ops.sum(ops.tanh(w) * ops.tanh(w)) + ops.sum(ops.matmul(v, v) ** 2)
+        loss.backward()
+        made.append(recurra_vulkan.memory_info(0)["blocks_made"])
+    assert made[2] == made[4], made
+    g = w.grad.numpy()[:1000].astype(np.float64)
+    x = w.numpy()[:1000].astype(np.float64)
+    np.testing.assert_allclose(g, 2 * np.tanh(x) * (1 - np.tanh(x) ** 2), rtol=1e-4, atol=1e-7)

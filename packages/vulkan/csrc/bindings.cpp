@@ -273,12 +273,13 @@ PYBIND11_MODULE(_vk, m) {
         out["peak_reserved_bytes"] = st.peak_reserved;
         out["idle_bytes"] = st.idle_bytes;
         out["blocks"] = st.blocks;
+        out["blocks_made"] = st.blocks_made;
         return out;
       },
       py::arg("device") = 0, py::arg("reset_peaks") = false,
       "Device memory recurra holds on one device: per pool (persistent, transient, internal: op scratch) the bytes "
       "in use and their peak; reserved_bytes (all blocks) and its peak; idle_bytes (empty blocks kept for reuse); "
-      "blocks. reset_peaks: set the peaks to what is held now (after reading them).");
+      "blocks; blocks_made (driver allocations since the start). reset_peaks: set the peaks to what is held now (after reading them).");
   m.def("shutdown", [] { backend_table()->shutdown(nullptr); },
         "Releases every device; the backend cannot be used afterwards.");
 

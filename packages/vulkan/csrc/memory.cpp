@@ -149,6 +149,7 @@ uint32_t DeviceMemory::new_block(VkDeviceSize size, int pool, bool dedicated, Vk
   }
   reserved_ += size;
   peak_reserved_ = std::max(peak_reserved_, reserved_);
+  ++blocks_made_;
   const VkMemoryPropertyFlags f = mem_props_.memoryTypes[best].propertyFlags;
   try {
     vk_check(vkBindBufferMemory(dev_, b.buffer, b.memory, 0), "vkBindBufferMemory");
@@ -338,6 +339,7 @@ DeviceMemory::Stats DeviceMemory::stats() const {
   for (int p = 0; p < 3; ++p) st.in_use[p] = pool_in_use_[p], st.peak_in_use[p] = pool_peak_[p];
   st.reserved = reserved_;
   st.peak_reserved = peak_reserved_;
+  st.blocks_made = blocks_made_;
   for (const Block& b : blocks_)
     if (b.memory) {
       ++st.blocks;

@@ -84,6 +84,7 @@ class DeviceMemory {
     uint64_t in_use[3] = {}, peak_in_use[3] = {};
     uint64_t reserved = 0, peak_reserved = 0, idle_bytes = 0;
     size_t blocks = 0;
+    uint64_t blocks_made = 0;  // since the start: each one a driver allocation
   };
   Stats stats() const;
   void reset_peaks();
@@ -131,6 +132,7 @@ class DeviceMemory {
   uint64_t next_generation_ = 1;
   uint64_t in_use_ = 0, reserved_ = 0, peak_reserved_ = 0;
   uint64_t pool_in_use_[3] = {}, pool_peak_[3] = {};
+  uint64_t blocks_made_ = 0;
 };
 
 }  // namespace recurra_vk

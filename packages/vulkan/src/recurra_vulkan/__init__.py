@@ -69,7 +69,8 @@ def memory_info(device: int = 0, reset_peaks: bool = False) -> dict[str, Any]:
     backend knows: per pool (``"persistent"``, ``"transient"``: graph arenas, ``"internal"``:
     op scratch) ``bytes_in_use`` and ``peak_bytes``; ``reserved_bytes`` (every block of device
     memory held) and ``peak_reserved_bytes`` (what nvidia-smi and the like show, less the
-    driver's own); ``idle_bytes`` (empty blocks kept for reuse) and ``blocks``. With
+    driver's own); ``idle_bytes`` (empty blocks kept for reuse), ``blocks`` and
+    ``blocks_made`` (driver allocations since the start: a steady training loop makes none). With
     ``reset_peaks`` the peaks restart from what is held now (after being read).
 
     Raises RuntimeError when the extension is not loaded, ValueError for a bad index.
