@@ -364,6 +364,9 @@ def main() -> None:
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
+    except SystemExit as e:
+        train_cmd.end_job(e.code)  # one rank of a data-parallel job failing ends them all
+        raise
 
 
 if __name__ == "__main__":
