@@ -2,7 +2,7 @@
 reference) and run under ``mpiexec`` (the data-parallel runs).
 
     mpiexec -n 2 python dp_worker.py equal OUT.npz
-    mpiexec -n 2 python dp_worker.py fail {raise,exit,kill} OUT_DIR
+    mpiexec -n 2 python dp_worker.py fail {raise,exit,kill,sysexit,hang} OUT_DIR
     mpiexec -n 3 python dp_worker.py train OUT_DIR STEPS [--resume]
 
 Rank 0 writes the losses and final weights of every case to the .npz file, with whether the
@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -53,6 +54,7 @@ def run(
     out_dir: str | None = None,
     resume: bool = False,
     callback: Any = None,
+    timeout: float | None = 600.0,
 ) -> tuple[list[float], dict[str, np.ndarray], bool]:
     """Trains ``case``; returns (losses, final weights, ranks bit-identical)."""
     import recurra_models as rm
@@ -65,7 +67,7 @@ def run(
         if recurra_dist.init().rank != 0:  # other weights elsewhere: rank 0's must win
             for p in model.parameters():
                 p.assign_(p.numpy() + 1.0)
-        dp = recurra_dist.DataParallel(model, opt, bucket_mb=0.01)  # several buckets
+        dp = recurra_dist.DataParallel(model, opt, bucket_mb=0.01, timeout=timeout)
     trainer = rm.Trainer(
         model,
         opt,
@@ -114,9 +116,13 @@ def main(argv: list[str]) -> None:
                     raise RuntimeError(f"boom on rank {ctx.rank}")
                 if how == "exit":
                     os._exit(3)
+                if how == "sysexit":  # exits through MPI_Finalize: the others must time out
+                    sys.exit(4)
+                if how == "hang":
+                    time.sleep(600)
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        run("adamw_clip", True, steps=6, out_dir=out_dir, callback=die)
+        run("adamw_clip", True, steps=6, out_dir=out_dir, callback=die, timeout=5.0)
     elif mode == "train":
         out_dir, steps = argv[1], int(argv[2])
         res = run("adamw_accum", True, steps=steps, out_dir=out_dir, resume="--resume" in argv)

@@ -72,7 +72,7 @@ def test_reference_differs_from_a_smaller_batch(reference):
     assert _compare(np.asarray(losses), weights, reference["sgd"]) > 1e-3
 
 
-@pytest.mark.parametrize("how", ["raise", "exit", "kill"])
+@pytest.mark.parametrize("how", ["raise", "exit", "kill", "sysexit", "hang"])
 def test_failing_rank_ends_the_job(mpiexec, tmp_path, how):
     r = launch(mpiexec, 2, ["fail", how, str(tmp_path)], timeout=120)
     assert r.returncode != 0
@@ -81,6 +81,8 @@ def test_failing_rank_ends_the_job(mpiexec, tmp_path, how):
         assert "[rank 1/2]" in text and "boom on rank 1" in text, text
     elif how == "kill":  # the launcher names the signal
         assert "Killed" in text or "signal 9" in text, text
+    elif how in ("sysexit", "hang"):  # rank 0 gives up waiting after the 5 s timeout
+        assert "[rank 0/2]" in text and "ExchangeTimeout" in text, text
     else:
         assert r.returncode == 3, text  # os._exit(3): its status is the job's
     # the checkpoint of step 1 (or 2) is complete and loads

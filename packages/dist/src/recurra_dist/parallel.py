@@ -257,11 +257,12 @@ class DataParallel:
             MPI.Request.Waitall(reqs)
             return
         deadline = time.monotonic() + self.timeout
-        spins = 0
+        spins, nap = 0, 1e-5
         while not MPI.Request.Testall(reqs):
             spins += 1
-            if spins > 1000:
-                time.sleep(5e-5)  # a slow peer: stop spinning a core against it
+            if spins > 1000:  # a slow peer: stop spinning a core against it
+                time.sleep(nap)
+                nap = min(2 * nap, 2e-4)
                 if time.monotonic() > deadline:
                     raise ExchangeTimeout(
                         f"rank {self.rank}: an MPI collective waited more than "

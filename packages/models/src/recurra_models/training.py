@@ -409,8 +409,8 @@ class Trainer:
             every twentieth of the run, at most 100 steps apart; 0: silent.
         parallel: data-parallel training across processes (a ``recurra_dist.DataParallel``
             over ``model`` and ``optimizer``, or anything with its ``rank``, ``world_size``,
-            ``shard(batch_size)``, ``step()``, ``mean(x)``, ``any(flag)`` and
-            ``last_exchange_s``). ``batch_size`` is then the global batch: every rank draws
+            ``shard(batch_size)``, ``step()``, ``mean(x)``, ``any(flag)``, ``barrier()``
+            and ``last_exchange_s``). ``batch_size`` is then the global batch: every rank draws
             the batch of the step and computes its ``shard`` of the rows, the gradients are
             averaged across the ranks before the optimizer updates, and the recorded loss
             is the mean over the ranks (the same on every rank). Only rank 0 writes
