@@ -1,7 +1,7 @@
 """Training runs for the recurra_dist tests: imported by the tests (the one-process
 reference) and run under ``mpiexec`` (the data-parallel runs).
 
-    mpiexec -n 2 python dp_worker.py equal OUT.npz
+    mpiexec -n 2 python dp_worker.py equal OUT.npz [vulkan]
     mpiexec -n 2 python dp_worker.py fail {raise,exit,kill,sysexit,hang} OUT_DIR
     mpiexec -n 3 python dp_worker.py train OUT_DIR STEPS [--resume]
 
@@ -38,11 +38,12 @@ def tokens() -> np.ndarray:
     return np.where(rng.random(base.size) < 0.2, noise, base).astype(np.int32)
 
 
-def make(case: str) -> tuple[Any, Any]:
+def make(case: str, device: str = "cpu") -> tuple[Any, Any]:
     import recurra_models as rm
     import recurra_optim
 
     model = rm.create("mamba", seed=SEED, vocab_size=64, d_model=16, n_layer=1, d_state=4)
+    model.to(device)
     name, kw = CASES[case]
     return model, getattr(recurra_optim, name)(list(model.parameters()), **kw)
 
@@ -55,11 +56,12 @@ def run(
     resume: bool = False,
     callback: Any = None,
     timeout: float | None = 600.0,
+    device: str = "cpu",
 ) -> tuple[list[float], dict[str, np.ndarray], bool]:
-    """Trains ``case``; returns (losses, final weights, ranks bit-identical)."""
+    """Trains ``case`` on ``device``; returns (losses, final weights, ranks bit-identical)."""
     import recurra_models as rm
 
-    model, opt = make(case)
+    model, opt = make(case, device)
     dp = None
     if parallel:
         import recurra_dist
@@ -103,8 +105,9 @@ def main(argv: list[str]) -> None:
 
     ctx = recurra_dist.init()
     mode = argv[0]
-    if mode == "equal":
-        results = {case: run(case, True) for case in CASES}
+    if mode == "equal":  # [DEVICE]: vulkan puts rank r on vulkan:<local rank % GPUs>
+        device = ctx.device(argv[2]) if len(argv) > 2 else "cpu"
+        results = {case: run(case, True, device=device) for case in CASES}
         if ctx.rank == 0:
             _save(argv[1], results)
     elif mode == "fail":

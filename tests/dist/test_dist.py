@@ -58,6 +58,20 @@ def test_ranks_match_one_process(mpiexec, tmp_path, reference, n):
         assert max(_rel(weights[k], init[k]) for k in init) > 1e-4
 
 
+@pytest.mark.vulkan
+def test_ranks_on_vulkan_match_one_process_on_vulkan(mpiexec, vulkan, tmp_path):
+    """Gradients in device memory: downloaded into the buckets, averaged, uploaded back."""
+    out = tmp_path / "res.npz"
+    r = launch(mpiexec, 2, ["equal", str(out), "vulkan"])
+    assert r.returncode == 0, r.stderr
+    for case in CASES:
+        losses, weights, same = _load(out, case)
+        assert same, f"{case}: the ranks ended with different weights"
+        worst = _compare(losses, weights, run(case, parallel=False, device=vulkan))
+        print(f"2 ranks on vulkan, {case}: max rel diff {worst:.2e}")
+        assert worst < RTOL, f"{case}: 2 ranks differ from one process by {worst:.2e}"
+
+
 def test_reference_differs_from_a_smaller_batch(reference):
     """The equality above is not vacuous: training on one rank's share alone (what a
     wrapper that forgot to average would do) gives other weights."""
