@@ -92,6 +92,8 @@ def worker(args: argparse.Namespace) -> None:
     )
     times, exchange = [], []
     for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            rc.reset_transfer_stats()
         dp.barrier()  # every rank starts the step together
         t0 = time.perf_counter()
         trainer.train_step(step)
@@ -99,6 +101,7 @@ def worker(args: argparse.Namespace) -> None:
         if step >= args.warmup:
             times.append(dt)
             exchange.append(dp.last_exchange_s)
+    moved = rc.transfer_stats()
     # the slowest rank sets the pace
     times = [max(v) for v in zip(*ctx.comm.allgather(times))]
     exchange = [max(v) for v in zip(*ctx.comm.allgather(exchange))]
@@ -114,6 +117,10 @@ def worker(args: argparse.Namespace) -> None:
             "exchange_s": statistics.median(exchange),
             "exchange_mb": dp.last_bytes / 1e6,
             "tokens_per_s": global_batch * args.seq_len / step_s,
+            # host <-> device copies per step on rank 0 (the batch, the loss, the gradients)
+            "uploads_per_step": moved["host_to_device"]["count"] / args.steps,
+            "downloads_per_step": moved["device_to_host"]["count"] / args.steps,
+            "download_mb_per_step": moved["device_to_host"]["bytes"] / args.steps / 1e6,
         }
         print("RESULT " + json.dumps(out), flush=True)
 
