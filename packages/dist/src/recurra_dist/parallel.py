@@ -9,9 +9,9 @@ same global batch, up to float32 rounding.
 
 The exchange is bucketed in a fixed order: the parameters in the optimizer's order, cut
 into buckets of about ``bucket_mb`` megabytes. Each bucket is one float32 host buffer; the
-gradients are copied into it (downloaded, for a device), summed across ranks by one
-non-blocking ``MPI_Iallreduce`` while the next bucket is packed, scaled by 1/N and copied
-back (uploaded). The order and the sizes are the same on every rank and in every run, and
+gradients are copied into it (on a device: concatenated there, then one download), summed
+across ranks by one non-blocking ``MPI_Iallreduce`` while the next bucket is packed, scaled
+by 1/N and copied back (on a device: one upload, cut into the new gradients there). The order and the sizes are the same on every rank and in every run, and
 MPI gives every rank the same sum, so the ranks stay bit-identical.
 """
 
@@ -175,20 +175,24 @@ class DataParallel:
         flags = iter(present.tolist())
         active = [[bool(next(flags)) for _ in b.params] for b in self.buckets]
         scale = np.float32(1.0 / n)
-        pending: list[tuple[_Bucket, list[bool], Any]] = []
+        pending: list[tuple[_Bucket, list[bool], Any, Any]] = []
         nbytes = 0
         for b, act in zip(self.buckets, active):
             if not any(act):
                 continue
-            for i, p in enumerate(b.params):
-                if not act[i]:
-                    continue
-                if p.grad is None:
-                    b.view(i)[...] = 0.0
-                else:
-                    _read_grad_into(p, b.view(i))
+            dev = _packed_device(b, act)
+            if dev is not None:
+                _download_packed(b)
+            else:
+                for i, p in enumerate(b.params):
+                    if not act[i]:
+                        continue
+                    if p.grad is None:
+                        b.view(i)[...] = 0.0
+                    else:
+                        _read_grad_into(p, b.view(i))
             req = comm.Iallreduce(_in_place(), b.buffer, op=_op("SUM"))
-            pending.append((b, act, req))
+            pending.append((b, act, req, dev))
             nbytes += b.buffer.nbytes
             if len(pending) > 1:  # unpack the previous bucket while this one is in flight
                 self._finish(*pending.pop(0), scale)
@@ -200,9 +204,12 @@ class DataParallel:
         self.exchanges += 1
         self.last_bytes = nbytes
 
-    def _finish(self, b: _Bucket, act: list[bool], req: Any, scale: np.float32) -> None:
+    def _finish(self, b: _Bucket, act: list[bool], req: Any, dev: Any, scale: np.float32) -> None:
         self._wait([req])
         b.buffer *= scale
+        if dev is not None:
+            _upload_packed(b, dev)
+            return
         for i, p in enumerate(b.params):
             if act[i]:
                 _write_grad(p, b.view(i))
@@ -306,6 +313,48 @@ def _make_buckets(params: list[Tensor], max_elems: int) -> list[_Bucket]:
     if run:
         out.append(_Bucket(run))
     return out
+
+
+def _compute(ts: list[Tensor]) -> None:
+    """Runs what ``ts`` still need (one lazy run; the results stay on their device)."""
+    pending = [t for t in ts if t._value is None]
+    if pending:
+        pending[0]._frontend.run(pending)
+
+
+def _packed_device(b: _Bucket, act: list[bool]) -> Any:
+    """The device of a bucket whose gradients all live on one device backend (they are then
+    packed there into one tensor: one download and one upload per bucket), else None."""
+    dev = b.params[0].device
+    if dev.backend == "cpu" or not all(act):
+        return None
+    for p in b.params:
+        g = p.grad
+        if not isinstance(g, Tensor) or g.device != dev or g.shape != p.shape or p.device != dev:
+            return None
+    return dev
+
+
+def _download_packed(b: _Bucket) -> None:
+    """Concatenates the bucket's gradients on their device and downloads them at once."""
+    with rc.no_grad():
+        flat = [p.grad.reshape(-1) for p in b.params]
+        packed = rc.ops.concat(flat) if len(flat) > 1 else flat[0]
+    _compute([packed])
+    _read_into(packed, b.buffer)
+
+
+def _upload_packed(b: _Bucket, dev: Any) -> None:
+    """Uploads the bucket at once and cuts it into the new gradients on the device."""
+    whole = rc.tensor(b.buffer, device=dev)
+    with rc.no_grad():
+        parts = [
+            rc.ops.getitem(whole, slice(b.offsets[i], b.offsets[i + 1])).reshape(p.shape)
+            for i, p in enumerate(b.params)
+        ]
+    _compute(parts)
+    for p, t in zip(b.params, parts):
+        p.grad = t.detach()
 
 
 def _read_into(t: Tensor, out: np.ndarray) -> None:
