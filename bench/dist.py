@@ -63,9 +63,9 @@ def _config(args: argparse.Namespace) -> dict:
 
 def worker(args: argparse.Namespace) -> None:
     import numpy as np
-    import recurra_dist
 
     import recurra as rc
+    import recurra_dist
     import recurra_models as rm
     import recurra_optim
 

@@ -54,6 +54,7 @@ def mpiexec() -> str:
     or recurra_dist cannot start MPI."""
     try:
         import mpi4py  # noqa: F401 - not mpi4py.MPI: this process does not start MPI
+
         import recurra_dist  # noqa: F401
     except ImportError as e:
         _unavailable(f"recurra_dist or mpi4py cannot be imported ({e})")

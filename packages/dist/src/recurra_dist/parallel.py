@@ -11,8 +11,9 @@ The exchange is bucketed in a fixed order: the parameters in the optimizer's ord
 into buckets of about ``bucket_mb`` megabytes. Each bucket is one float32 host buffer; the
 gradients are copied into it (on a device: concatenated there, then one download), summed
 across ranks by one non-blocking ``MPI_Iallreduce`` while the next bucket is packed, scaled
-by 1/N and copied back (on a device: one upload, cut into the new gradients there). The order and the sizes are the same on every rank and in every run, and
-MPI gives every rank the same sum, so the ranks stay bit-identical.
+by 1/N and copied back (on a device: one upload, cut into the new gradients there). The
+order and the sizes are the same on every rank and in every run, and MPI gives every rank
+the same sum, so the ranks stay bit-identical (the tests check it).
 """
 
 from __future__ import annotations
