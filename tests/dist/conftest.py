@@ -9,8 +9,6 @@ elsewhere they skip with the reason.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +18,8 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+from mpi_launch import find_mpiexec  # noqa: E402 - after the sys.path entry
+
 EXPECT_MPI_ENV = "RECURRA_EXPECT_MPI"
 
 
@@ -28,14 +28,6 @@ def _expect_mpi() -> bool:
     if flag:
         return flag not in ("0", "false", "no")
     return bool(os.environ.get("RECURRA_TEST_BACKEND") or os.environ.get("CI"))
-
-
-def find_mpiexec() -> str | None:
-    """mpiexec next to this Python (the `mpich` wheel's, in a venv), else on PATH."""
-    beside = Path(sys.executable).parent / "mpiexec"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
-    return shutil.which("mpiexec")
 
 
 def _unavailable(reason: str) -> None:
@@ -63,18 +55,3 @@ def mpiexec() -> str:
         _unavailable("no mpiexec beside python or on PATH (pip install mpich)")
     assert exe is not None
     return exe
-
-
-def launch(
-    mpiexec: str, n: int, args: list[str], timeout: float = 240.0
-) -> subprocess.CompletedProcess[str]:
-    """Runs ``mpiexec -n n python dp_worker.py ARGS``; a job that outlives ``timeout``
-    fails the test (its processes are killed)."""
-    cmd = [mpiexec, "-n", str(n), sys.executable, str(HERE / "dp_worker.py"), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", RECURRA_NUM_THREADS="1")
-    try:
-        return subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=HERE
-        )
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{' '.join(cmd)} hung for {timeout} s:\n{e.stderr}", pytrace=False)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import launch
 from dp_worker import CASES, STEPS, run
+from mpi_launch import launch
 
 RTOL = 1e-5
 
