@@ -49,7 +49,14 @@ app.add_typer(demo_app, name="demo")
 
 
 #: The distributions `recurra --version` reports, the command's own first.
-DISTRIBUTIONS = ("recurra-cli", "recurra-core", "recurra-optim", "recurra-models", "recurra-vulkan")
+DISTRIBUTIONS = (
+    "recurra-cli",
+    "recurra-core",
+    "recurra-optim",
+    "recurra-models",
+    "recurra-dist",
+    "recurra-vulkan",
+)
 
 
 def versions() -> dict[str, str | None]:
