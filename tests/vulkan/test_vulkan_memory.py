@@ -323,3 +323,19 @@ def test_a_steady_training_loop_makes_no_new_blocks(vulkan: str) -> None:
     g = w.grad.numpy()[:1000].astype(np.float64)
     x = w.numpy()[:1000].astype(np.float64)
     np.testing.assert_allclose(g, 2 * np.tanh(x) * (1 - np.tanh(x) ** 2), rtol=1e-4, atol=1e-7)
+
+
+def test_empty_shared_blocks_are_kept_for_the_next_step(vulkan: str) -> None:
+    # A step that holds several shared blocks' worth of buffers and frees them all must find
+    # those blocks again in the next step: giving all but one back to the driver made (and
+    # the driver cleared) the others again every step.
+    import recurra_vulkan
+
+    made = []
+    for k in range(4):
+        held = [rc.tensor(np.full(5 << 20, k, np.float32), device=vulkan) for _ in range(8)]
+        assert float(held[-1].numpy()[-1]) == k
+        del held
+        np.testing.assert_array_equal((rc.tensor(np.ones(4), device=vulkan) * 2).numpy(), 2.0)
+        made.append(recurra_vulkan.memory_info(0)["blocks_made"])
+    assert made[1] == made[3], made

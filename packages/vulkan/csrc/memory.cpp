@@ -14,6 +14,15 @@ constexpr VkDeviceSize kAlign = 256;  // sub-allocation alignment: vec4 loads, c
 
 const char* const kPoolName[3] = {"persistent", "transient arena", "internal (op scratch)"};
 
+// RECURRA_VK_TRACE_BLOCKS=1: each block of device memory made or freed is printed to stderr.
+bool trace_blocks() {
+  static const bool on = [] {
+    const char* v = std::getenv("RECURRA_VK_TRACE_BLOCKS");
+    return v && *v && *v != '0';
+  }();
+  return on;
+}
+
 }  // namespace
 
 std::string bytes_str(uint64_t n) {
@@ -49,13 +58,13 @@ DeviceMemory::DeviceMemory(VkDevice dev, VkPhysicalDevice pd, bool host_visible_
     : dev_(dev), pd_(pd), heap_(heap), has_budget_(has_budget), host_visible_preferred_(host_visible_preferred),
       block_size_(block_size), max_allocation_(max_allocation) {
   vkGetPhysicalDeviceMemoryProperties(pd, &mem_props_);
-  // Empty dedicated blocks kept for reuse: a sixteenth of the largest device-local heap (at
-  // least 1 GiB). They go first when an allocation finds the device full.
+  // Empty blocks kept for reuse: a sixteenth of the largest device-local heap (at least
+  // 1 GiB). They go first when an allocation finds the device full.
   VkDeviceSize largest = 0;
   for (uint32_t i = 0; i < mem_props_.memoryHeapCount; ++i)
     if (mem_props_.memoryHeaps[i].flags & VK_MEMORY_HEAP_DEVICE_LOCAL_BIT)
       largest = std::max(largest, mem_props_.memoryHeaps[i].size);
-  keep_dedicated_ = std::max<VkDeviceSize>(VkDeviceSize{1} << 30, largest / 16);
+  keep_bytes_ = std::max<VkDeviceSize>(VkDeviceSize{1} << 30, largest / 16);
 }
 
 void DeviceMemory::out_of_memory(int pool, VkDeviceSize asked, const std::string& why) const {
@@ -72,6 +81,9 @@ DeviceMemory::~DeviceMemory() {
 }
 
 void DeviceMemory::destroy_block(Block& b) {
+  if (b.memory && trace_blocks())
+    std::fprintf(stderr, "recurra-vulkan: block freed: %s, %s, %s\n", kPoolName[b.pool],
+                 b.dedicated ? "dedicated" : "shared", bytes_str(b.size).c_str());
   if (b.buffer) vkDestroyBuffer(dev_, b.buffer, nullptr);
   if (b.memory) {
     if (b.mapped) vkUnmapMemory(dev_, b.memory);
@@ -150,6 +162,9 @@ uint32_t DeviceMemory::new_block(VkDeviceSize size, int pool, bool dedicated, Vk
   reserved_ += size;
   peak_reserved_ = std::max(peak_reserved_, reserved_);
   ++blocks_made_;
+  if (trace_blocks())
+    std::fprintf(stderr, "recurra-vulkan: block made: %s, %s, %s\n", kPoolName[pool],
+                 dedicated ? "dedicated" : "shared", bytes_str(size).c_str());
   const VkMemoryPropertyFlags f = mem_props_.memoryTypes[best].propertyFlags;
   try {
     vk_check(vkBindBufferMemory(dev_, b.buffer, b.memory, 0), "vkBindBufferMemory");
@@ -210,7 +225,7 @@ Allocation DeviceMemory::take(VkDeviceSize nbytes, int pool) {
     pool_peak_[pool] = std::max(pool_peak_[pool], pool_in_use_[pool]);
     return {id, 0, size, nbytes};
   }
-  // Best fit over the pool's blocks.
+  // Best fit over the pool's blocks; else an empty shared block kept from any pool.
   uint32_t best_block = UINT32_MAX;
   VkDeviceSize best_off = 0, best_size = ~VkDeviceSize(0);
   for (uint32_t i = 0; i < blocks_.size(); ++i) {
@@ -218,6 +233,13 @@ Allocation DeviceMemory::take(VkDeviceSize nbytes, int pool) {
     if (!b.memory || b.pool != pool || b.dedicated) continue;
     for (const auto& [off, sz] : b.free)
       if (sz >= size && sz < best_size) best_block = i, best_off = off, best_size = sz;
+  }
+  for (uint32_t i = 0; best_block == UINT32_MAX && i < blocks_.size(); ++i) {
+    Block& b = blocks_[i];
+    if (b.memory && !b.dedicated && b.used == 0 && b.size >= size) {
+      b.pool = pool;
+      best_block = i, best_off = 0, best_size = b.size;
+    }
   }
   if (best_block == UINT32_MAX) {
     best_block = new_block(block_size_, pool, false, nbytes);
@@ -297,21 +319,23 @@ Allocation DeviceMemory::alloc_internal(size_t nbytes) { return take(nbytes, kIn
 bool DeviceMemory::free_internal(const Allocation& a) { return give_back(a); }
 
 bool DeviceMemory::release_empty_blocks(bool all) {
-  // Keep one empty shared block per pool and empty dedicated blocks up to keep_dedicated_
-  // bytes: the next graph (usually the same step again, with the same large scratch buffers
-  // and gradients) reuses them instead of allocating (and the driver clearing) them again.
-  bool kept[3] = {false, false, false};
-  VkDeviceSize kept_dedicated = 0;
+  // Keep empty blocks up to keep_bytes_: the next graph (usually the same step again, with
+  // the same large scratch buffers and gradients) reuses them instead of allocating (and the
+  // driver clearing) them again - once per step when a step needs one block more than it
+  // keeps. Shared blocks first (any pool takes them), then dedicated ones.
+  VkDeviceSize kept = 0;
   bool released = false;
+  for (int pass = 0; pass < 2 && !all; ++pass)
+    for (size_t k = blocks_.size(); k-- > 0;) {
+      Block& b = blocks_[k];
+      if (!b.memory || b.used != 0 || b.dedicated != (pass == 1) || b.keep) continue;
+      if (kept + b.size <= keep_bytes_) kept += b.size, b.keep = true;
+    }
   for (size_t k = blocks_.size(); k-- > 0;) {
     Block& b = blocks_[k];
     if (!b.memory || b.used != 0) continue;
-    if (!all && !b.dedicated && !kept[b.pool]) {
-      kept[b.pool] = true;
-      continue;
-    }
-    if (!all && b.dedicated && kept_dedicated + b.size <= keep_dedicated_) {
-      kept_dedicated += b.size;
+    if (b.keep && !all) {
+      b.keep = false;
       continue;
     }
     destroy_block(b);

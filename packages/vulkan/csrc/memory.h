@@ -104,6 +104,7 @@ class DeviceMemory {
     VkDeviceSize size = 0, used = 0;
     int pool = kTransient;
     bool dedicated = false;  // made for one large buffer
+    bool keep = false;       // release_empty_blocks: chosen to stay
     std::map<VkDeviceSize, VkDeviceSize> free;  // offset -> size, coalesced
   };
   struct Slot {
@@ -125,7 +126,7 @@ class DeviceMemory {
   VkPhysicalDeviceMemoryProperties mem_props_{};
   bool host_visible_preferred_;
   VkDeviceSize block_size_, max_allocation_;
-  VkDeviceSize keep_dedicated_ = 0;  // bytes of empty dedicated blocks kept for reuse
+  VkDeviceSize keep_bytes_ = 0;  // bytes of empty blocks kept for reuse
   std::vector<Block> blocks_;  // destroyed blocks stay as empty entries (ids are stable)
   std::vector<Slot> slots_;
   std::vector<uint32_t> free_slots_;

@@ -9,6 +9,7 @@ Environment:
     RECURRA_VULKAN_DEVICE   index (or comma list) of the devices to expose, best first
                             (discrete GPUs, integrated, then CPU devices such as lavapipe)
     RECURRA_VULKAN_PROFILE  1: print each node's GPU time to stderr
+    RECURRA_VK_TRACE_BLOCKS 1: print each block of device memory made or freed to stderr
     RECURRA_VULKAN_VALIDATE 1: enable the Khronos validation layer (when installed)
 """
 
