@@ -152,6 +152,14 @@ def test_case_node_on_the_kernel(case, layout, vulkan):
         assert node.op in DENSE_ONLY and relaid and "dense" in str(e), e
 
 
+@pytest.mark.parametrize("name", ["add", "sub", "mul", "div"])
+def test_binary_stride_zero_source(name):
+    """A broadcast numpy view (stride 0) as a source: a layout no case's values can take."""
+    e = np.broadcast_to(randn(1, 5), (4, 5))
+    b = randn(4, 5)
+    check(name, [e, np.where(np.abs(b) < 0.3, 0.7, b).astype(np.float32)])
+
+
 # ---- data movement ----------------------------------------------------------------------
 
 
