@@ -1,8 +1,9 @@
-"""Elementwise ops: forward against float64 numpy, gradients against finite differences."""
+"""Elementwise ops beyond the op-case registry: views as sources, Python operators, errors,
+and the gradients of broadcast sources. The per-op cases (every unary and binary op at odd
+shapes, broadcasting, finite-difference gradients, NaN propagation) are in recurra.opcases
+and run in tests/core/test_opcases.py."""
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import pytest
@@ -12,74 +13,6 @@ import recurra as rc
 from recurra import ops
 
 RNG = np.random.default_rng(1234)
-
-
-def erf64(x: np.ndarray) -> np.ndarray:
-    return np.vectorize(math.erf)(x)
-
-
-UNARY = {
-    # name: (float64 reference, input sampler)
-    "neg": (lambda x: -x, lambda s: RNG.standard_normal(s)),
-    "abs": (np.abs, lambda s: RNG.standard_normal(s)),
-    "sqr": (np.square, lambda s: RNG.standard_normal(s)),
-    "sqrt": (np.sqrt, lambda s: RNG.uniform(0.1, 3.0, s)),
-    "exp": (np.exp, lambda s: RNG.uniform(-3, 3, s)),
-    "log": (np.log, lambda s: RNG.uniform(0.1, 3.0, s)),
-    "relu": (lambda x: np.maximum(x, 0), lambda s: RNG.standard_normal(s)),
-    "silu": (lambda x: x / (1 + np.exp(-x)), lambda s: RNG.standard_normal(s) * 3),
-    "gelu": (lambda x: 0.5 * x * (1 + erf64(x / np.sqrt(2))), lambda s: RNG.standard_normal(s) * 2),
-    "sigmoid": (lambda x: 1 / (1 + np.exp(-x)), lambda s: RNG.standard_normal(s) * 3),
-    "tanh": (np.tanh, lambda s: RNG.standard_normal(s) * 2),
-    "softplus": (
-        lambda x: np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20)))),
-        lambda s: RNG.standard_normal(s) * 8,
-    ),
-}
-
-BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
-
-SIZES = [(1,), (3,), (17,), (2, 3, 5), (1000003,)]
-
-
-@pytest.mark.parametrize("name", sorted(UNARY))
-@pytest.mark.parametrize("shape", SIZES, ids=str)
-def test_unary_forward(name, shape):
-    ref, sample = UNARY[name]
-    x = sample(shape).astype(np.float32)
-    got = getattr(ops, name)(rc.tensor(x)).numpy()
-    np.testing.assert_allclose(got, ref(x.astype(np.float64)), rtol=2e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("name", sorted(UNARY))
-def test_unary_grad(name):
-    _, sample = UNARY[name]
-    x = sample((2, 3))
-    if name in ("abs", "relu"):  # keep away from the kink
-        x = np.where(np.abs(x) < 0.05, 0.3, x)
-    check_grads(lambda t: getattr(ops, name)(t), [x])
-
-
-@pytest.mark.parametrize("name", sorted(BINARY))
-@pytest.mark.parametrize(
-    "sa,sb",
-    [((17,), (17,)), ((3, 4), (4,)), ((3, 1), (1, 5)), ((2, 1, 4), (3, 1)), ((1,), (1000003,))],
-    ids=str,
-)
-def test_binary_forward_broadcast(name, sa, sb):
-    a = RNG.standard_normal(sa).astype(np.float32)
-    b = RNG.uniform(0.5, 2, sb).astype(np.float32)
-    got = getattr(ops, name)(rc.tensor(a), rc.tensor(b)).numpy()
-    want = BINARY[name](a.astype(np.float64), b.astype(np.float64))
-    assert got.shape == want.shape
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
-
-
-@pytest.mark.parametrize("name", sorted(BINARY))
-def test_binary_grad_broadcast(name):
-    a = RNG.standard_normal((2, 1, 3))
-    b = RNG.uniform(0.5, 2, (4, 1))
-    check_grads(lambda x, y: getattr(ops, name)(x, y), [a, b])
 
 
 def test_binary_on_views():
@@ -141,29 +74,3 @@ def test_broadcast_gradients_sum_back_exactly(big, small):
     axes = tuple(i for i, d in enumerate(small) if d == 1 and want.shape[i] != 1)
     want = want.sum(axis=axes, keepdims=True) if axes else want
     np.testing.assert_allclose(p.grad.numpy(), want.reshape(small), rtol=1e-6)
-
-
-# Each activation on [nan, -inf, -1, 0.5, 2, inf] and clamp to [-0.5, 1]: NaN in, NaN out
-# (numpy's semantics), forward and gradient. A NaN gradient (relu, clamp, abs at a NaN input)
-# is not hidden as 0 either.
-NAN_ROW = np.array([np.nan, -np.inf, -1.0, 0.5, 2.0, np.inf], np.float32)
-
-
-@pytest.mark.parametrize("name", sorted(set(UNARY) | {"clamp"}))
-def test_nan_propagates(name):
-    x = np.tile(NAN_ROW, 3)  # longer than a vector lane: the SIMD path too
-    if name == "clamp":
-        ref, fn = (lambda v: np.clip(v, -0.5, 1.0)), (lambda t: ops.clamp(t, -0.5, 1.0))
-    else:
-        ref, fn = UNARY[name][0], getattr(ops, name)
-    with np.errstate(all="ignore"):
-        want = ref(x.astype(np.float64))
-    p = rc.param(x)
-    y = fn(p)
-    got = y.numpy()
-    np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=f"{name}: {got} vs {want}")
-    if name == "neg":  # d(-x)/dx is -1 everywhere
-        return
-    ops.sum(y).backward()
-    g = p.grad.numpy()
-    assert np.isnan(g[::6]).all(), f"{name}: gradient at NaN input is {g[::6]}"

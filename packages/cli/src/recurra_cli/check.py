@@ -1,7 +1,8 @@
 """``recurra check-backends``: every op on every device backend against the CPU.
 
-A front end to :mod:`recurra.check_backends` (the cases, the comparison and the placement
-proof live there; ``python -m recurra.check_backends`` is the same check without rich).
+A front end to :mod:`recurra.check_backends` (the comparison and the placement proof live
+there, the cases in the registry :mod:`recurra.opcases`; ``python -m recurra.check_backends``
+is the same check without rich).
 """
 
 from __future__ import annotations

@@ -1,0 +1,98 @@
+"""The op-case registry (recurra.opcases) on the CPU: every case's forward against its
+float64 reference, gradients against finite differences, NaN propagation, and each case's
+core node against the op it builds. The same cases run on Vulkan in
+tests/vulkan/test_vulkan_ops.py and on every backend in ``recurra check-backends``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from recurra import opcases
+from recurra.ops import apply
+
+CASES = opcases.cases()
+
+
+def _ids(cases: list[opcases.OpCase]) -> list[str]:
+    return [c.id for c in cases]
+
+
+WITH_REF = [c for c in CASES if c.ref is not None]
+WITH_FD = [c for c in CASES if c.fd is not None]
+WITH_NAN_GRAD = [c for c in CASES if c.nan_grad]
+WITH_NODE = [c for c in CASES if c.node is not None]
+
+
+@pytest.mark.parametrize("case", WITH_REF, ids=_ids(WITH_REF))
+def test_forward_matches_the_float64_reference(case):
+    assert opcases.reference_errors(case) == []
+
+
+@pytest.mark.parametrize("case", WITH_FD, ids=_ids(WITH_FD))
+def test_gradient_matches_finite_differences(case):
+    assert opcases.fd_errors(case) == []
+
+
+@pytest.mark.parametrize("case", WITH_NAN_GRAD, ids=_ids(WITH_NAN_GRAD))
+def test_nan_input_gives_nan_gradient(case):
+    assert opcases.nan_grad_errors(case) == []
+
+
+@pytest.mark.parametrize("case", WITH_NODE, ids=_ids(WITH_NODE))
+def test_node_is_the_op_the_case_builds(case):
+    """A backend's node tests run ``case.node`` directly: it must compute the same."""
+    data = case.make_inputs()
+    want = opcases.evaluate(case, data)
+    assert len(want) == 1
+    got = apply(case.node.op, list(data.values()), ip=case.node.ip, fp=case.node.fp).numpy()
+    np.testing.assert_array_equal(got, want[0])
+
+
+def test_registry_ids_are_unique_and_every_family_has_cases():
+    ids = [c.id for c in CASES]
+    assert len(ids) == len(set(ids))
+    import importlib
+
+    for fam in opcases.FAMILIES:
+        assert importlib.import_module(f"recurra.opcases.{fam}").cases(), fam
+
+
+def test_every_elementwise_op_has_a_reference_and_a_gradient_check():
+    """What one unary or binary entry gives an op: references, finite differences, NaNs."""
+    from recurra.opcases import elementwise
+
+    for c in elementwise.cases():
+        assert c.ref is not None, c.id
+    for op in {c.op for c in elementwise.cases()}:
+        names = {c.name for c in CASES if c.op == op}
+        assert any(n.startswith("fd_") for n in names), op
+    for op in {c.op for c in elementwise.unary_cases()}:
+        assert {"nan_inf", "nan_1000", "100003"} <= {c.name for c in CASES if c.op == op}
+
+
+def test_a_wrong_reference_is_reported():
+    """The harness can fail: a case whose reference is off by 1e-4 is reported."""
+    import dataclasses
+
+    case = next(c for c in CASES if c.id == "exp/17")
+    bad = dataclasses.replace(case, ref=lambda x: np.exp(x) * (1 + 1e-4))
+    errs = opcases.reference_errors(bad)
+    assert errs and "exp/17" in errs[0] and "rtol" in errs[0]
+    nan_case = next(c for c in CASES if c.id == "relu/nan_inf")
+    hidden = dataclasses.replace(nan_case, ref=lambda x: np.nan_to_num(np.maximum(x, 0)))
+    assert opcases.reference_errors(hidden)
+
+
+def test_a_wrong_gradient_is_reported(monkeypatch):
+    from recurra.opcases import _run
+
+    case = next(c for c in CASES if c.id == "silu/fd_2x3")
+    real = _run._grads
+
+    def off(case, data, device):
+        return {k: g * np.float32(1.05) for k, g in real(case, data, device).items()}
+
+    monkeypatch.setattr(_run, "_grads", off)
+    errs = opcases.fd_errors(case)
+    assert errs and "gradient of x" in errs[0]
