@@ -183,10 +183,10 @@ def train(
             )
     dev = parse_device(device)
     overrides = _parse_config(config)
-    for opt, files in (("--data", data), ("--eval-data", eval_data)):
+    for flag, files in (("--data", data), ("--eval-data", eval_data)):
         for f in files:
             if not f.is_file():
-                fail(f"{opt}: {f}: data file not found")
+                fail(f"{flag}: {f}: data file not found")
 
     resumed_from = 0
     if resume:
@@ -226,9 +226,7 @@ def train(
     cache = out / "tokens" if out is not None else None
     tokens = text_io.load_tokens(rm, data, tok, cache, text_field, "--data", as_json)
     if tokens.size < seq_len + 1:
-        fail(
-            f"--data has {tokens.size} tokens: at least --seq-len + 1 = {seq_len + 1} are needed"
-        )
+        fail(f"--data has {tokens.size} tokens: at least --seq-len + 1 = {seq_len + 1} are needed")
     held_out = None
     if eval_data:
         held_out = text_io.load_tokens(

@@ -243,6 +243,7 @@ def _no_build(*leaves: Any) -> Any:
 
 def _build_cases() -> list[Case]:
     out: list[Case] = []
+    fn: Callable[..., Any]  # the op under test; each loop below binds other signatures
 
     def add(op: str, name: str, inputs: Any, build: Callable[..., Any], **kw: Any) -> None:
         out.append(Case(op, name, inputs, build, **kw))
@@ -450,14 +451,14 @@ def _build_cases() -> list[Case]:
     add("cumsum", "long_300", _unary_inputs(lambda r: _normal(r, 2, 300)), ops.cumsum)
 
     # -- recurrent ops ---------------------------------------------------------------------
-    def conv_inputs(n_seqs: int, d_inner: int, d_conv: int, n_tok: int) -> Any:
+    def ssm_conv_inputs(n_seqs: int, d_inner: int, d_conv: int, n_tok: int) -> Any:
         return lambda rng: {
             "sx": _normal(rng, n_seqs, d_inner, d_conv - 1 + n_tok),
             "c": _normal(rng, d_inner, d_conv, scale=0.5),
         }
 
-    add("ssm_conv", "d_conv4", conv_inputs(2, 5, 4, 7), ops.ssm_conv)
-    add("ssm_conv", "odd_d_conv3", conv_inputs(3, 7, 3, 5), ops.ssm_conv)
+    add("ssm_conv", "d_conv4", ssm_conv_inputs(2, 5, 4, 7), ops.ssm_conv)
+    add("ssm_conv", "odd_d_conv3", ssm_conv_inputs(3, 7, 3, 5), ops.ssm_conv)
     # n_seqs, n_tok, n_head, head_dim, d_state, n_group, per_state (see docs/ops.md)
     add(
         "ssm_scan",
@@ -913,9 +914,9 @@ def check_case(case: Case, backend: str) -> CaseResult:
     if case.grad and ref.grads:
         worst, worst_name = -1.0, ""
         for name, want in ref.grads.items():
-            e = compare(got.grads.get(name), want)
-            if e > worst or math.isnan(e):
-                worst, worst_name = e, name
+            err = compare(got.grads.get(name), want)
+            if err > worst or math.isnan(err):
+                worst, worst_name = err, name
         res.grad_nmse, res.worst_grad = worst, worst_name
     bad = []
     if not res.forward_nmse <= case.forward_tol:
