@@ -98,6 +98,10 @@ def tests(session: nox.Session, backend: str) -> None:
         # transformers' Mamba/Mamba-2, whose logits recurra_models must reproduce.
         session.install(*MODEL_PEERS)
     env = {"RECURRA_TEST_BACKEND": backend, "RECURRA_HYPOTHESIS_PROFILE": "ci"}
+    if backend == "cpu":
+        # tests/dist runs recurra-dist under mpiexec (the `mpich` wheel, a dependency of
+        # recurra-dist installed above): a missing MPI fails them (tests/dist/conftest.py).
+        env["RECURRA_EXPECT_MPI"] = "1"
     # pytest exits 5 when it collected no test; nox treats every non-zero code as a failure.
     session.run("pytest", "-q", *(session.posargs or ["tests"]), env=env)
 
@@ -149,6 +153,17 @@ inc = recurra.get_include()
 assert os.path.isfile(os.path.join(inc, "recurra", "backend.h")), inc
 print("recurra", getattr(recurra, "__version__", "?"), "from", recurra.__file__)
 """,
+    "recurra-dist": """
+import os, shutil, sys
+import recurra_dist
+from mpi4py import MPI
+ctx = recurra_dist.init()
+assert (ctx.rank, ctx.world_size) == (0, 1), ctx
+exe = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+exe = exe if os.path.isfile(exe) else shutil.which("mpiexec")
+assert exe, "no mpiexec beside python or on PATH"
+print("recurra_dist", recurra_dist.__version__, "on", MPI.Get_library_version().splitlines()[0])
+""",
     "recurra-vulkan": """
 import recurra
 found = {b.name: b for b in recurra.backends.available()}
@@ -164,7 +179,8 @@ def build(session: nox.Session) -> None:
 
     The wheels are built once (tools/build_wheels.py, into the shared wheelhouse); each of
     build_wheels.COMBINATIONS (recurra-core, recurra-optim, recurra-models, recurra-vulkan,
-    recurra-cli, recurra-cli[models]) is then installed alone into its own venv with
+    recurra-cli, recurra-cli[models], recurra-dist, recurra-cli[dist]) is then installed
+    alone into its own venv with
     `pip install --find-links WHEELHOUSE NAME` (the local dependencies from the wheelhouse,
     the third-party ones from the index), and every package it brought is imported (the core
     runs a tiny graph; the CLI answers --version). Runs from a scratch folder so that nothing

@@ -43,6 +43,20 @@ PEER = {"mamba": "transformers", "mamba2": "transformers", "rwkv7": "torch_rwkv"
 # ------------------------------------------------------------------------------------------
 # the worker: one side of one preset, in its own process; prints one RESULT line
 # ------------------------------------------------------------------------------------------
+
+
+def _vk_memory(device: str, reset: bool = False) -> dict[str, Any] | None:
+    """recurra_vulkan.memory_info of a Vulkan device, None elsewhere (or in an older build)."""
+    if not device.startswith("vulkan"):
+        return None
+    import recurra_vulkan
+
+    if not hasattr(recurra_vulkan, "memory_info"):
+        return None
+    index = int(device.partition(":")[2] or 0)
+    return recurra_vulkan.memory_info(index, reset_peaks=reset)
+
+
 def _model(spec: dict[str, Any]) -> Any:
     import recurra_models as rm
 
@@ -59,9 +73,7 @@ def _model(spec: dict[str, Any]) -> Any:
 def _batch(spec: dict[str, Any], vocab: int) -> np.ndarray:
     rng = np.random.default_rng(0)
     # token ids below 50k, like text in the GPT-NeoX / World vocabularies
-    return rng.integers(0, min(vocab, 50000), (spec["batch"], spec["seq_len"] + 1)).astype(
-        np.int32
-    )
+    return rng.integers(0, min(vocab, 50000), (spec["batch"], spec["seq_len"] + 1)).astype(np.int32)
 
 
 def _timed(fn: Any, reps: int, budget: float) -> tuple[list[float], float]:
@@ -110,6 +122,7 @@ def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
             losses.append(loss.item())
 
         getattr(rc, "reset_peak_memory", rc._core.reset_peak_memory)()
+        vk = _vk_memory(spec["device"], reset=True)
         runs, first = _timed(step, spec["reps"], spec["budget"])
         st = rc.memory_stats()
         out.update(
@@ -118,6 +131,10 @@ def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
             loss0=losses[0],
             lib_peak=st["persistent"]["peak_bytes"] + st["transient"]["peak_bytes"],
         )
+        vk = _vk_memory(spec["device"])
+        if vk is not None:  # what the backend held: blocks, and op scratch beside the plan
+            out["vk_reserved_peak"] = vk["peak_reserved_bytes"]
+            out["vk_internal_peak"] = vk["internal"]["peak_bytes"]
     if "gen" in spec["modes"] and not spec["recompute"]:
         prompt = data[0, : spec["prompt"]]
         n = spec["gen_tokens"]
@@ -274,9 +291,11 @@ def report(preset: str, spec: dict[str, Any], res: dict[str, dict[str, Any]]) ->
     ours, ours_rc, peer = res.get("ours", {}), res.get("ours+recompute", {}), res.get("peer", {})
     tokens = spec["batch"] * spec["seq_len"]
     mem_key = "gpu_peak" if spec["device"] != "cpu" else "rss_peak"
-    print(f"\n== {preset} ({ours.get('params', 0) / 1e6:.1f}M parameters), "
-          f"{spec['device']}, batch {spec['batch']} x {spec['seq_len']}, peer: "
-          f"{peer.get('peer', '?')} (torch {peer.get('torch', '?')})")
+    print(
+        f"\n== {preset} ({ours.get('params', 0) / 1e6:.1f}M parameters), "
+        f"{spec['device']}, batch {spec['batch']} x {spec['seq_len']}, peer: "
+        f"{peer.get('peer', '?')} (torch {peer.get('torch', '?')})"
+    )
     row: dict[str, Any] = {"preset": preset}
     for name, r in (("ours", ours), ("ours+recompute", ours_rc), ("peer", peer)):
         if not r:
@@ -295,6 +314,11 @@ def report(preset: str, spec: dict[str, Any], res: dict[str, dict[str, Any]]) ->
             )
             if r.get("lib_peak") is not None:
                 line += f" (own count {_gib(r['lib_peak'])})"
+            if r.get("vk_reserved_peak") is not None:
+                line += (
+                    f" (device blocks {_gib(r['vk_reserved_peak'])},"
+                    f" op scratch {_gib(r['vk_internal_peak'])})"
+                )
         if r.get("gen_ms") is not None:
             line += f"  generate {r['gen_ms']:.2f} ms/token"
         print(line)
@@ -358,8 +382,12 @@ def main() -> None:
     for preset in [p for p in args.presets.split(",") if p]:
         res = {}
         for side in [s for s in args.sides.split(",") if s]:
-            spec = dict(base, preset=preset, side="peer" if side == "peer" else "ours",
-                        recompute=side == "ours+recompute")
+            spec = dict(
+                base,
+                preset=preset,
+                side="peer" if side == "peer" else "ours",
+                recompute=side == "ours+recompute",
+            )
             t0 = time.time()
             res[side] = run_side(spec, args.timeout)
             print(f"  [{preset} {side}: {time.time() - t0:.0f} s]", flush=True)

@@ -58,6 +58,8 @@ COMBINATIONS = [
     "recurra-vulkan",
     "recurra-cli",
     "recurra-cli[models]",
+    "recurra-dist",
+    "recurra-cli[dist]",
 ]
 
 

@@ -97,6 +97,7 @@ def test_version_and_short_help():
     assert res.exit_code == 0, res.output
     assert res.stdout.startswith(f"recurra {cli_main.versions()['recurra-cli']} (")
     assert f"recurra-core {recurra.__version__}" in res.stdout
+    assert "recurra-dist " in res.stdout  # installed or "not installed", but listed
     for args in (["-h"], ["train", "-h"], ["demo", "mamba-train", "-h"]):
         res = runner.invoke(app, args)
         assert res.exit_code == 0 and "Usage:" in res.stdout, (args, res.output)

@@ -80,6 +80,29 @@ def test_memory_planner_reuses_dead_buffers():
     assert stats["transient"]["bytes"] >= plan["arena_bytes"]
 
 
+def test_memory_plan_reports_the_peak_and_what_is_live_there():
+    # x -> a = exp(x) (n floats) -> b = a * a -> s = sum(b) + sum(a): a lives until the last
+    # sum, so the peak is a and b together (2 n floats), at the node making b.
+    n = 1 << 16
+    g = rc.Graph()
+    x = g.input((n,))
+    a = ops.exp(x)
+    b = ops.mul(a, a)
+    s = ops.add(ops.sum(b), ops.sum(a))
+    g.set_output(s)
+    plan = g.memory()
+    # plus the first sum's 0-d result (one aligned slot)
+    assert 2 * n * 4 < plan["peak_live_bytes"] <= 2 * n * 4 + 256
+    assert plan["peak_live_bytes"] <= plan["arena_bytes"] <= plan["unplanned_bytes"]
+    live = dict(plan["live_at_peak"])
+    assert live["exp"] == n * 4 and live["mul"] == n * 4
+    assert sum(live.values()) == plan["peak_live_bytes"]
+    g.set_data(x, np.full(n, 0.5, np.float32))
+    g.compute()
+    want = n * np.exp(1.0) + n * np.exp(0.5)
+    np.testing.assert_allclose(s.numpy(), want, rtol=1e-5)
+
+
 def test_large_host_blocks_are_kept_for_reuse_and_can_be_freed():
     rc.empty_cache()
     assert rc.memory_stats()["host_cache"]["bytes"] == 0

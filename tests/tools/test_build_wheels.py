@@ -30,6 +30,18 @@ def test_the_repository_packages_and_what_each_combination_needs():
         "recurra-optim",
         "recurra-models",
     }
+    assert set(names(bw.select(["recurra-cli[dist]"], pkgs))) == {
+        "recurra-core",
+        "recurra-cli",
+        "recurra-optim",
+        "recurra-models",
+        "recurra-dist",
+    }
+    assert set(names(bw.select(["recurra-dist"], pkgs))) == {
+        "recurra-core",
+        "recurra-optim",
+        "recurra-dist",
+    }
     assert names(bw.select(["recurra-vulkan"], pkgs)) == ["recurra-core", "recurra-vulkan"]
     assert names(bw.select(["recurra_core"], pkgs)) == ["recurra-core"]
     for req in bw.COMBINATIONS:

@@ -224,3 +224,102 @@ def test_device_out_of_memory_names_pool_bytes_limit_and_free(vulkan: str, monke
         ops.sum(ops.exp(x) * x).item()
     msg = str(e.value)
     assert "transient arena pool asked for" in msg and "gradient checkpointing" in msg, msg
+
+
+# ---- (e) op scratch: one node's worth per submission, not one per node ---------------------
+
+
+def _scan_stack(layers: int, device: str) -> tuple[float, list[np.ndarray], int]:
+    """A stack of ``layers`` selective scans (each layer's y feeds the next) trained once on
+    ``device``. Returns the loss, the gradients of the inputs, and (on Vulkan) the peak bytes
+    of the backend's op-scratch pool during the step."""
+    import recurra_vulkan
+
+    rng = np.random.default_rng(7)
+    S, T, H, P, N = 2, 96, 4, 16, 16
+    x = rc.param(rng.standard_normal((S, T, H, P)).astype(np.float32), device=device)
+    s0 = rc.tensor(np.zeros((S, H, P, N), np.float32), device=device)
+    params = [x]
+    y = x
+    for _ in range(layers):
+        dt = rc.param(rng.standard_normal((S, T, H)).astype(np.float32) * 0.5, device=device)
+        A = rc.param(-np.exp(rng.standard_normal((H, 1))).astype(np.float32), device=device)
+        B = rc.param(rng.standard_normal((S, T, 1, N)).astype(np.float32) * 0.3, device=device)
+        C = rc.param(rng.standard_normal((S, T, 1, N)).astype(np.float32) * 0.3, device=device)
+        params += [dt, A, B, C]
+        y, _ = ops.ssm_scan(s0, y, dt, A, B, C, np.arange(S))
+    loss = ops.sum(y * y)
+    peak = 0
+    if device != "cpu":
+        recurra_vulkan.memory_info(0, reset_peaks=True)
+    loss.backward()
+    if device != "cpu":
+        peak = recurra_vulkan.memory_info(0)["internal"]["peak_bytes"]
+    return loss.item(), [p.grad.numpy() for p in params], peak
+
+
+def test_scratch_of_a_submission_is_reused_by_later_nodes(vulkan: str) -> None:
+    # Every scan's backward takes op scratch. The nodes of one submission hand it on to each
+    # other (the recorder orders the two uses by a barrier), so 6 layers need about what one
+    # layer needs, not six times as much - and give the CPU's values and gradients.
+    _, _, one = _scan_stack(1, vulkan)
+    loss, grads, six = _scan_stack(6, vulkan)
+    assert one > 0
+    assert six < 2 * one, (one, six)
+    want_loss, want_grads, _ = _scan_stack(6, "cpu")
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-4)
+    for g, w in zip(grads, want_grads):
+        np.testing.assert_allclose(g, w, rtol=2e-3, atol=2e-3 * np.abs(w).max())
+
+
+def test_memory_info_counts_pools_and_reserved(vulkan: str) -> None:
+    import recurra_vulkan
+
+    before = recurra_vulkan.memory_info(0)
+    w = rc.tensor(np.ones((1 << 20,), np.float32), device=vulkan)  # 4 MiB, persistent
+    info = recurra_vulkan.memory_info(0)
+    assert info["persistent"]["bytes_in_use"] >= before["persistent"]["bytes_in_use"] + (4 << 20)
+    assert (
+        info["peak_reserved_bytes"]
+        >= info["reserved_bytes"]
+        >= sum(info[p]["bytes_in_use"] for p in ("persistent", "transient", "internal"))
+    )
+    del w
+    with pytest.raises(ValueError):
+        recurra_vulkan.memory_info(99)
+
+
+def test_idle_kept_blocks_go_before_a_larger_one_is_made(vulkan: str) -> None:
+    # A freed large buffer's block is kept for reuse; when a larger buffer comes instead, the
+    # idle block is given back before the new one is made, so it does not add to the peak.
+    import recurra_vulkan
+
+    mib = 1 << 20
+    a = rc.tensor(np.zeros(300 * mib // 4, np.float32), device=vulkan)
+    del a
+    base = recurra_vulkan.memory_info(0, reset_peaks=True)["reserved_bytes"]
+    b = rc.tensor(np.ones(600 * mib // 4, np.float32), device=vulkan)
+    info = recurra_vulkan.memory_info(0)
+    assert info["peak_reserved_bytes"] < base + 600 * mib - 150 * mib, (base, info)
+    np.testing.assert_array_equal(b.numpy()[:: 1 << 20], 1.0)
+
+
+def test_a_steady_training_loop_makes_no_new_blocks(vulkan: str) -> None:
+    # Each step plans the same arena and scratch: after the first steps every buffer comes
+    # from blocks already held (a driver allocation per step would cost time and peak).
+    import recurra_vulkan
+
+    rng = np.random.default_rng(3)
+    big = 40_000_000  # 160 MB: a block of its own for the values and for the gradient
+    w = rc.param(rng.standard_normal(big).astype(np.float32) * 0.01, device=vulkan)
+    v = rc.param(rng.standard_normal((256, 256)).astype(np.float32) * 0.1, device=vulkan)
+    made = []
+    for _ in range(5):
+        w.grad = v.grad = None
+        loss = ops.sum(ops.tanh(w) * ops.tanh(w)) + ops.sum(ops.matmul(v, v) ** 2)
+        loss.backward()
+        made.append(recurra_vulkan.memory_info(0)["blocks_made"])
+    assert made[2] == made[4], made
+    g = w.grad.numpy()[:1000].astype(np.float64)
+    x = w.numpy()[:1000].astype(np.float64)
+    np.testing.assert_allclose(g, 2 * np.tanh(x) * (1 - np.tanh(x) ** 2), rtol=1e-4, atol=1e-7)

@@ -159,6 +159,10 @@ PYBIND11_MODULE(_core, m) {
         d["arena_bytes"] = p.arena_bytes;
         d["unplanned_bytes"] = p.unplanned_bytes;
         d["n_planned"] = p.n_planned;
+        d["peak_live_bytes"] = p.peak_live_bytes;
+        py::list at_peak;  // (op, bytes) live at the peak, largest first
+        for (const auto& [op, bytes] : p.live_at_peak) at_peak.append(py::make_tuple(op, bytes));
+        d["live_at_peak"] = at_peak;
         py::dict segs;  // backend -> bytes of each arena segment
         for (const auto& [b, bytes] : s.g.placement().segment_bytes) segs[py::str(backend_name(b))] = bytes;
         d["segments"] = segs;

@@ -139,6 +139,11 @@ class OpTable {
 struct MemoryPlan {
   size_t arena_bytes = 0;      // the peak: bytes of the arenas all intermediates share
   size_t unplanned_bytes = 0;  // what the same intermediates would take without reuse
+  // The most bytes live at once (arena_bytes less what fragmentation adds), the node at
+  // which that happens, and the live bytes there by the op that made them.
+  size_t peak_live_bytes = 0;
+  int peak_node = -1;
+  std::vector<std::pair<std::string, size_t>> live_at_peak;
   size_t n_planned = 0;        // nodes given memory in an arena
   // Per node: the segment of its backend's arena and the byte offset in it (SIZE_MAX: none).
   // A device backend's arena is split into segments no larger than its largest buffer; the

@@ -454,6 +454,7 @@ const MemoryPlan& Graph::plan() {
       mirrors_die_at[mirror_last[m]].push_back(static_cast<int>(m));
 
   size_t split_i = 0;
+  size_t live = 0;  // bytes of planned intermediates (and mirrors) alive now
   for (int j = 0; j < n; ++j) {
     const Node& nd = nodes_[j];
     if (nd.is_leaf() || nd.is_view() || !keep[j]) continue;
@@ -465,21 +466,37 @@ const MemoryPlan& Graph::plan() {
         const auto slot = arena(mr.backend).alloc(nodes_[mr.base].nbytes());
         mr.segment = slot.segment;
         mr.offset = slot.offset;
+        live += align_up(std::max<size_t>(nodes_[mr.base].nbytes(), 1));
       }
       ++split_i;
     }
     const auto slot = arena(place_.where[j]).alloc(nd.nbytes());
+    live += align_up(std::max<size_t>(nd.nbytes(), 1));
+    if (live > p.peak_live_bytes) p.peak_live_bytes = live, p.peak_node = j;
     p.segments[j] = slot.segment;
     p.offsets[j] = slot.offset;
     p.unplanned_bytes += align_up(std::max<size_t>(nd.nbytes(), 1));
     p.n_planned++;
     if (last[j] < 0) dies_at[j].push_back(j);  // dead on arrival
     for (int d : dies_at[j])
-      if (p.offsets[d] != SIZE_MAX) arena(place_.where[d]).release(p.segments[d], p.offsets[d], nodes_[d].nbytes());
+      if (p.offsets[d] != SIZE_MAX) {
+        arena(place_.where[d]).release(p.segments[d], p.offsets[d], nodes_[d].nbytes());
+        live -= align_up(std::max<size_t>(nodes_[d].nbytes(), 1));
+      }
     for (int m : mirrors_die_at[j]) {
       const auto& mr = place_.mirrors[m];
       arena(mr.backend).release(mr.segment, mr.offset, nodes_[mr.base].nbytes());
+      live -= align_up(std::max<size_t>(nodes_[mr.base].nbytes(), 1));
     }
+  }
+  if (p.peak_node >= 0) {  // what is live at the peak, by op
+    std::map<std::string, size_t> by_op;
+    for (int i = 0; i <= p.peak_node; ++i)
+      if (p.offsets[i] != SIZE_MAX && (last[i] >= p.peak_node || i == p.peak_node))
+        by_op[tab.at(nodes_[i].op).name] += align_up(std::max<size_t>(nodes_[i].nbytes(), 1));
+    p.live_at_peak.assign(by_op.begin(), by_op.end());
+    std::sort(p.live_at_peak.begin(), p.live_at_peak.end(),
+              [](const auto& a, const auto& b) { return a.second > b.second; });
   }
   for (auto& [b, a] : alloc) {
     auto& segs = place_.segment_bytes[b] = a.segment_bytes();

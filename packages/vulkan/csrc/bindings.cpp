@@ -253,6 +253,33 @@ PYBIND11_MODULE(_vk, m) {
       py::arg("device") = 0,
       "Like profile_node, but times each dispatch: returns (label, seconds) for every dispatch of the last iters "
       "runs, labelled 'op/shader[specialization constants]', in recording order.");
+  m.def(
+      "memory_info",
+      [](int device, bool reset_peaks) {
+        DeviceMemory::Stats st;
+        with_device(device, [&](Device& d) {
+          st = d.memory().stats();
+          if (reset_peaks) d.memory().reset_peaks();
+        });
+        py::dict out;
+        const char* const pools[3] = {"persistent", "transient", "internal"};
+        for (int p = 0; p < 3; ++p) {
+          py::dict e;
+          e["bytes_in_use"] = st.in_use[p];
+          e["peak_bytes"] = st.peak_in_use[p];
+          out[pools[p]] = e;
+        }
+        out["reserved_bytes"] = st.reserved;
+        out["peak_reserved_bytes"] = st.peak_reserved;
+        out["idle_bytes"] = st.idle_bytes;
+        out["blocks"] = st.blocks;
+        out["blocks_made"] = st.blocks_made;
+        return out;
+      },
+      py::arg("device") = 0, py::arg("reset_peaks") = false,
+      "Device memory recurra holds on one device: per pool (persistent, transient, internal: op scratch) the bytes "
+      "in use and their peak; reserved_bytes (all blocks) and its peak; idle_bytes (empty blocks kept for reuse); "
+      "blocks; blocks_made (driver allocations since the start). reset_peaks: set the peaks to what is held now (after reading them).");
   m.def("shutdown", [] { backend_table()->shutdown(nullptr); },
         "Releases every device; the backend cannot be used afterwards.");
 

@@ -148,6 +148,8 @@ uint32_t DeviceMemory::new_block(VkDeviceSize size, int pool, bool dedicated, Vk
     refused(r, "vkAllocateMemory");
   }
   reserved_ += size;
+  peak_reserved_ = std::max(peak_reserved_, reserved_);
+  ++blocks_made_;
   const VkMemoryPropertyFlags f = mem_props_.memoryTypes[best].propertyFlags;
   try {
     vk_check(vkBindBufferMemory(dev_, b.buffer, b.memory, 0), "vkBindBufferMemory");
@@ -183,18 +185,29 @@ Allocation DeviceMemory::take(VkDeviceSize nbytes, int pool) {
   if (size > block_size_ / 2) {  // a block of its own: large buffers do not fragment blocks
     // An idle one kept from an earlier graph when one fits (up to a quarter larger): a
     // step that needs the same large scratch every time then allocates nothing.
-    uint32_t id = UINT32_MAX;
-    for (uint32_t i = 0; i < blocks_.size(); ++i) {
-      const Block& b = blocks_[i];
-      if (b.memory && b.dedicated && b.pool == pool && b.used == 0 && b.size >= size &&
-          b.size <= size + size / 4 && (id == UINT32_MAX || b.size < blocks_[id].size))
-        id = i;
+    // Any pool's: a dedicated block is plain device memory.
+    auto fitting = [&] {
+      uint32_t id = UINT32_MAX;
+      for (uint32_t i = 0; i < blocks_.size(); ++i) {
+        const Block& b = blocks_[i];
+        if (b.memory && b.dedicated && b.used == 0 && b.size >= size && b.size <= size + size / 4 &&
+            (id == UINT32_MAX || b.size < blocks_[id].size))
+          id = i;
+      }
+      return id;
+    };
+    uint32_t id = fitting();
+    if (id == UINT32_MAX) {
+      release_idle_dedicated();
+      id = new_block(size, pool, true, nbytes);
     }
-    if (id == UINT32_MAX) id = new_block(size, pool, true, nbytes);
     Block& b = blocks_[id];
     b.free.clear();
     b.used = size;
+    b.pool = pool;
     in_use_ += size;
+    pool_in_use_[pool] += size;
+    pool_peak_[pool] = std::max(pool_peak_[pool], pool_in_use_[pool]);
     return {id, 0, size, nbytes};
   }
   // Best fit over the pool's blocks.
@@ -216,6 +229,8 @@ Allocation DeviceMemory::take(VkDeviceSize nbytes, int pool) {
   if (best_size > size) b.free[best_off + size] = best_size - size;
   b.used += size;
   in_use_ += size;
+  pool_in_use_[pool] += size;
+  pool_peak_[pool] = std::max(pool_peak_[pool], pool_in_use_[pool]);
   return {best_block, best_off, size, nbytes};
 }
 
@@ -223,6 +238,7 @@ bool DeviceMemory::give_back(const Allocation& a) {
   Block& b = blocks_[a.block];
   b.used -= a.size;
   in_use_ -= a.size;
+  pool_in_use_[b.pool] -= a.size;
   if (b.dedicated) return true;
   auto it = b.free.emplace(a.offset, a.size).first;
   auto nx = std::next(it);
@@ -302,6 +318,39 @@ bool DeviceMemory::release_empty_blocks(bool all) {
     released = true;
   }
   return released;
+}
+
+bool DeviceMemory::release_idle_dedicated() {
+  bool any = false;
+  for (const Block& b : blocks_) any |= b.memory && b.dedicated && b.used == 0;
+  if (!any) return false;
+  if (drain) drain();  // the GPU is done with every freed buffer
+  bool released = false;
+  for (Block& b : blocks_)
+    if (b.memory && b.dedicated && b.used == 0) {
+      destroy_block(b);
+      released = true;
+    }
+  return released;
+}
+
+DeviceMemory::Stats DeviceMemory::stats() const {
+  Stats st;
+  for (int p = 0; p < 3; ++p) st.in_use[p] = pool_in_use_[p], st.peak_in_use[p] = pool_peak_[p];
+  st.reserved = reserved_;
+  st.peak_reserved = peak_reserved_;
+  st.blocks_made = blocks_made_;
+  for (const Block& b : blocks_)
+    if (b.memory) {
+      ++st.blocks;
+      if (b.used == 0) st.idle_bytes += b.size;
+    }
+  return st;
+}
+
+void DeviceMemory::reset_peaks() {
+  for (int p = 0; p < 3; ++p) pool_peak_[p] = pool_in_use_[p];
+  peak_reserved_ = reserved_;
 }
 
 }  // namespace recurra_vk

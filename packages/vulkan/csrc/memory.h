@@ -63,6 +63,10 @@ class DeviceMemory {
   // Frees empty blocks beyond those kept for reuse (all of them with `all`); true when it
   // freed any.
   bool release_empty_blocks(bool all = false);
+  // Frees the empty dedicated blocks kept for reuse (waits for the GPU first through `drain`).
+  // take() calls it before making a new dedicated block when none of them fits: memory kept
+  // for a buffer that no longer comes would otherwise add to the peak.
+  bool release_idle_dedicated();
   // Set by the device: waits for every pending submission (before empty blocks are freed to
   // make room for an allocation that found the device full).
   std::function<void()> drain;
@@ -73,6 +77,18 @@ class DeviceMemory {
   uint8_t* mapped(const Allocation& a) const {
     return blocks_[a.block].mapped ? blocks_[a.block].mapped + a.offset : nullptr;
   }
+  // What is held: per pool (persistent, transient arena, internal scratch) the bytes in use
+  // and their high-water mark; the bytes of device memory reserved (blocks) and its
+  // high-water mark; empty blocks kept for reuse.
+  struct Stats {
+    uint64_t in_use[3] = {}, peak_in_use[3] = {};
+    uint64_t reserved = 0, peak_reserved = 0, idle_bytes = 0;
+    size_t blocks = 0;
+    uint64_t blocks_made = 0;  // since the start: each one a driver allocation
+  };
+  Stats stats() const;
+  void reset_peaks();
+
   uint64_t bytes_in_use() const { return in_use_; }
   uint64_t bytes_reserved() const { return reserved_; }
   uint64_t free_bytes() const { return free_device_bytes(pd_, heap_, has_budget_, reserved_); }
@@ -114,7 +130,9 @@ class DeviceMemory {
   std::vector<Slot> slots_;
   std::vector<uint32_t> free_slots_;
   uint64_t next_generation_ = 1;
-  uint64_t in_use_ = 0, reserved_ = 0;
+  uint64_t in_use_ = 0, reserved_ = 0, peak_reserved_ = 0;
+  uint64_t pool_in_use_[3] = {}, pool_peak_[3] = {};
+  uint64_t blocks_made_ = 0;
 };
 
 }  // namespace recurra_vk

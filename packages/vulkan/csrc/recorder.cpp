@@ -2,6 +2,8 @@
 
 #include "device.h"
 
+#include <algorithm>
+
 namespace recurra_vk {
 
 namespace {
@@ -71,15 +73,31 @@ void Recorder::dispatch_raw(const std::string& module, const std::vector<int32_t
 }
 
 Recorder::Scratch Recorder::scratch(size_t nbytes) {
-  Allocation a = dev_.memory().alloc_internal(nbytes);
-  sub_.scratch.push_back(a);
+  // The smallest scratch an earlier node of this submission released that holds nbytes.
+  const VkDeviceSize need = std::max<VkDeviceSize>(4, (nbytes + 255) & ~VkDeviceSize{255});
+  size_t best = free_scratch_.size();
+  for (size_t k = 0; k < free_scratch_.size(); ++k) {
+    const Allocation& c = sub_.scratch[free_scratch_[k]];
+    if (c.size >= need && (best == free_scratch_.size() || c.size < sub_.scratch[free_scratch_[best]].size)) best = k;
+  }
+  Allocation a;
+  if (best < free_scratch_.size()) {
+    node_reused_.push_back(free_scratch_[best]);
+    a = sub_.scratch[free_scratch_[best]];
+    free_scratch_.erase(free_scratch_.begin() + static_cast<std::ptrdiff_t>(best));
+  } else {
+    a = dev_.memory().alloc_internal(nbytes);
+    sub_.scratch.push_back(a);
+  }
   Scratch s;
   s.addr = dev_.memory().address(a);
-  s.range = {a.block, a.offset, a.offset + a.size};
+  s.range = {a.block, a.offset, a.offset + need};
   return s;
 }
 
 void Recorder::begin_node(const char* op) {
+  node_first_scratch_ = sub_.scratch.size();
+  node_reused_.clear();
   if (per_dispatch_) op_ = op;  // the label of this node's dispatches
   if (!profiling_ || per_dispatch_) return;
   barrier();  // profiled nodes run one at a time so each one's time is its own
@@ -88,6 +106,11 @@ void Recorder::begin_node(const char* op) {
 }
 
 void Recorder::end_node() {
+  // The node's scratch is free for the next nodes (see Recorder::Scratch).
+  for (size_t k = node_first_scratch_; k < sub_.scratch.size(); ++k) free_scratch_.push_back(k);
+  free_scratch_.insert(free_scratch_.end(), node_reused_.begin(), node_reused_.end());
+  node_reused_.clear();
+  node_first_scratch_ = sub_.scratch.size();
   if (!profiling_ || per_dispatch_) return;
   barrier();
   vkCmdWriteTimestamp(cb_, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, sub_.queries, 2 * n_profiled_ + 1);

@@ -44,7 +44,11 @@ class Recorder {
     dispatch_raw(module, spec, &pc, sizeof(PC), gx, gy, gz, reads, writes);
   }
 
-  // Device memory that lives until this submission completes.
+  // Device memory for the node being recorded. It stays allocated until the submission
+  // completes, but once the node is recorded a later node of the same submission may be
+  // handed the same memory: the ranges each dispatch declares make the recorder put a barrier
+  // between the two uses. A backward of 24 layers in one submission thus needs the scratch of
+  // one layer, not of 24.
   struct Scratch {
     VkDeviceAddress addr = 0;
     Range range;
@@ -68,6 +72,9 @@ class Recorder {
   uint32_t n_profiled_ = 0;
   std::string op_;  // the node being recorded (per-dispatch profile labels)
   std::vector<Range> reads_, writes_;  // since the last barrier
+  size_t node_first_scratch_ = 0;      // sub_.scratch index of the node's first new scratch
+  std::vector<size_t> node_reused_;    // sub_.scratch indexes the node took from free_scratch_
+  std::vector<size_t> free_scratch_;   // sub_.scratch indexes no node holds now
   VkPipeline bound_ = VK_NULL_HANDLE;
 };
 

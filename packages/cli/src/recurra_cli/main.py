@@ -56,7 +56,14 @@ app.add_typer(demo_app, name="demo")
 
 
 #: The distributions `recurra --version` reports, the command's own first.
-DISTRIBUTIONS = ("recurra-cli", "recurra-core", "recurra-optim", "recurra-models", "recurra-vulkan")
+DISTRIBUTIONS = (
+    "recurra-cli",
+    "recurra-core",
+    "recurra-optim",
+    "recurra-models",
+    "recurra-dist",
+    "recurra-vulkan",
+)
 
 
 def versions() -> dict[str, str | None]:
@@ -371,6 +378,9 @@ def main() -> None:
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
+    except SystemExit as e:
+        train_cmd.end_job(e.code)  # one rank of a data-parallel job failing ends them all
+        raise
 
 
 if __name__ == "__main__":

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -43,6 +47,11 @@ from recurra_cli._common import (
 )
 
 INSTALL_HINT = install_hint("recurra-cli[models]")
+DIST_HINT = install_hint("recurra-cli[dist]")
+
+#: The MPI context of this process when `recurra train` runs as one rank of several (see
+#: :func:`end_job`), else None.
+DIST_CONTEXT: Any = None
 
 
 def require_models(command: str, names: tuple[str, ...]) -> ModuleType:
@@ -121,7 +130,9 @@ def train(
     ),
     device: str = typer.Option("cpu", "--device", help="cpu or vulkan[:N]"),
     steps: int = typer.Option(200, "--steps", min=1, help="optimizer steps in total"),
-    batch_size: int = typer.Option(8, "--batch-size", min=1, help="sequences per step"),
+    batch_size: int = typer.Option(
+        8, "--batch-size", min=1, help="sequences per step (over all processes)"
+    ),
     seq_len: int = typer.Option(64, "--seq-len", min=2, help="tokens per sequence"),
     lr: float = typer.Option(3e-3, "--lr", help="AdamW learning rate (finite, >= 0)"),
     seed: int = typer.Option(0, "--seed", help="initialisation and batch seed"),
@@ -142,6 +153,12 @@ def train(
         "--gradient-checkpointing",
         help="recompute each block's forward in the backward instead of keeping it (less memory)",
     ),
+    nproc: int = typer.Option(
+        1,
+        "--nproc",
+        min=1,
+        help="data-parallel on N processes of this host (launches mpiexec; needs recurra-dist)",
+    ),
 ) -> None:
     """Train a Mamba / Mamba-2 / RWKV-6 / RWKV-7 language model on text, or fine-tune one.
 
@@ -156,7 +173,22 @@ def train(
     that cannot be written or bad arguments, 3 when recurra-models or the device is
     unavailable, 1 when training fails (the loss diverges, the model fails on the device,
     memory runs out).
+
+    Data-parallel (recurra-cli[dist]): `mpiexec -n N recurra train ...` (any MPI launcher,
+    several hosts with a hostfile) or `recurra train --nproc N ...` (one host) trains on N
+    processes, each on its share of every batch (--batch-size is the global batch: N must
+    divide it), with the gradients averaged across them; --device vulkan gives process i
+    vulkan:<i % GPUs>. Rank 0 prints and writes the checkpoints; --resume works with
+    another N. A process that fails ends them all.
     """
+    world = _world_size()
+    if nproc > 1 and world == 1:
+        raise typer.Exit(_launch(nproc))
+    if nproc > 1 and nproc != world:
+        fail(f"--nproc {nproc} inside an MPI job of {world} processes: drop --nproc")
+    ctx = _init_dist() if world > 1 else None
+    main_rank = ctx is None or ctx.rank == 0
+    as_json = as_json or not main_rank  # only rank 0 prints: quiet elsewhere
     rm = require_models("train", ("Trainer", "create", "ByteTokenizer", "load_checkpoint"))
     import recurra_optim
 
@@ -181,7 +213,7 @@ def train(
                 f"--out {str(out)!r} holds an earlier run ({earlier[0]}): pass --resume to "
                 "continue it or --overwrite to replace it, or choose another --out"
             )
-    dev = parse_device(device)
+    dev = parse_device(device) if ctx is None else _rank_device(ctx, device)
     overrides = _parse_config(config)
     for flag, files in (("--data", data), ("--eval-data", eval_data)):
         for f in files:
@@ -224,6 +256,8 @@ def train(
     if out is not None:
         check_writable(out, "--out")  # now: its token cache, and not after the training
     cache = out / "tokens" if out is not None else None
+    if ctx is not None and not main_rank:
+        ctx.barrier()  # rank 0 tokenizes into the cache first
     tokens = text_io.load_tokens(rm, data, tok, cache, text_field, "--data", as_json)
     if tokens.size < seq_len + 1:
         fail(f"--data has {tokens.size} tokens: at least --seq-len + 1 = {seq_len + 1} are needed")
@@ -234,13 +268,22 @@ def train(
         )
         if held_out.size < seq_len + 1:
             fail(f"--eval-data has {held_out.size} tokens: at least {seq_len + 1} are needed")
-    if out is not None:
+    if out is not None and main_rank:
         text_io.save_run_tokenizer(tok, out)
+    if ctx is not None and main_rank:
+        ctx.barrier()
     try:
         net.to(dev)
     except ValueError as e:
         fail(str(e), EXIT_UNAVAILABLE)
     opt = recurra_optim.AdamW(list(net.parameters()), lr=lr, weight_decay=0.01)
+    parallel = None
+    if ctx is not None:
+        import recurra_dist
+
+        if batch_size % ctx.world_size:
+            fail(f"--batch-size {batch_size} is not a multiple of the {ctx.world_size} processes")
+        parallel = recurra_dist.DataParallel(net, opt, ctx)
     try:
         trainer = rm.Trainer(
             net,
@@ -256,6 +299,7 @@ def train(
             seed=seed,
             gradient_checkpointing=gradient_checkpointing,
             log_every=0,  # the bar shows the progress
+            parallel=parallel,
         )
         if resume:
             resumed_from = trainer.resume(out)
@@ -267,9 +311,10 @@ def train(
             "raise --steps to train further"
         )
     n_params = sum(int(p.size) for p in net.parameters())
+    where = dev if ctx is None else f"{ctx.world_size} processes ({dev} on rank 0)"
     if not as_json:
         console.print(
-            f"[bold]Training {model}[/] ({n_params:,} parameters) on {dev}: {tokens.size:,} "
+            f"[bold]Training {model}[/] ({n_params:,} parameters) on {where}: {tokens.size:,} "
             f"tokens of {escape(', '.join(map(str, data)))}, batch {batch_size} x {seq_len} "
             "tokens, steps "
             f"{resumed_from + 1}..{steps}" + (f", checkpoints in {escape(str(out))}" if out else "")
@@ -349,8 +394,16 @@ def train(
         "seconds": seconds,
         "tokens_per_s": done * batch_size * seq_len / seconds if seconds > 0 else None,
         "out": str(out) if out is not None else None,
+        "processes": ctx.world_size if ctx is not None else 1,
+        "exchange_s_per_step": (
+            sum(float(r.get("exchange_s", 0.0)) for r in records) / done
+            if ctx is not None and done
+            else None
+        ),
     }
-    if as_json:
+    if not main_rank:
+        pass
+    elif as_json:
         print(dumps(result))
     else:
         if losses:
@@ -369,6 +422,84 @@ def train(
         else:
             console.print("  [yellow]no --out: nothing was saved[/]")
     raise typer.Exit(EXIT_INTERRUPTED if stop.requested else EXIT_OK)
+
+
+def _world_size() -> int:
+    """The number of processes of the MPI job this one belongs to (1 outside mpiexec, or
+    when recurra-dist is not installed)."""
+    try:
+        from recurra_dist import launched_world_size
+    except ImportError:
+        return 1
+    return launched_world_size()
+
+
+def _init_dist() -> Any:
+    """Starts MPI for this rank: a failure on any rank now ends every rank (see end_job)."""
+    global DIST_CONTEXT
+    try:
+        import recurra_dist
+    except ImportError as e:
+        fail(f"data-parallel training needs recurra-dist ({e}): {DIST_HINT}", EXIT_UNAVAILABLE)
+    DIST_CONTEXT = recurra_dist.init()
+    return DIST_CONTEXT
+
+
+def _rank_device(ctx: Any, spec: str) -> str:
+    """This rank's device: --device vulkan (no index) is vulkan:<local rank % GPUs>."""
+    if spec.strip().lower() != "vulkan":
+        return parse_device(spec)
+    from recurra_dist import device_for
+
+    try:
+        return device_for(ctx.local_rank, "vulkan")
+    except RuntimeError as e:
+        fail(str(e), EXIT_UNAVAILABLE)
+
+
+def end_job(code: Any) -> None:
+    """Called with the exit status of the command: when this process is one rank of several
+    and it fails (not 0, not an interrupt, which every rank sees), every rank of the job is
+    ended (MPI_Abort) so that none waits for it for ever."""
+    if DIST_CONTEXT is None or DIST_CONTEXT.world_size == 1:
+        return
+    if code in (None, 0, EXIT_OK, EXIT_INTERRUPTED):
+        return
+    from recurra_dist import abort
+
+    abort(
+        DIST_CONTEXT,
+        f"recurra train exited with status {code}",
+        code if isinstance(code, int) else 1,
+    )
+
+
+def _launch(nproc: int) -> int:
+    """Runs this same command line as ``mpiexec -n nproc python -m recurra_cli ...`` (the
+    --nproc option removed) and returns its exit status."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    mpiexec = str(beside) if beside.is_file() else shutil.which("mpiexec")
+    if mpiexec is None:
+        fail(f"--nproc needs mpiexec (an MPI library): {DIST_HINT}", EXIT_UNAVAILABLE)
+    try:
+        import recurra_dist  # noqa: F401
+    except ImportError as e:
+        fail(f"--nproc needs recurra-dist ({e}): {DIST_HINT}", EXIT_UNAVAILABLE)
+    args: list[str] = []
+    skip = False
+    for a in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            args.append(a)
+    cmd = [mpiexec, "-n", str(nproc), sys.executable, "-m", "recurra_cli", *args]
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the ranks, not us
+    try:
+        return subprocess.run(cmd, env=dict(os.environ)).returncode
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def check_writable(folder: Path, option: str) -> None:

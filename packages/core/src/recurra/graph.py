@@ -221,9 +221,12 @@ class Graph:
         return out
 
     def memory(self) -> dict[str, Any]:
-        """The memory plan: arena bytes (peak), bytes without reuse, planned nodes, and the
-        bytes of each arena segment per backend (a device's arena is split into buffers no
-        larger than its largest allocation)."""
+        """The memory plan: ``arena_bytes`` (what the arenas take), ``unplanned_bytes`` (the
+        same intermediates without reuse), ``n_planned`` (planned nodes), ``segments`` (the
+        bytes of each arena segment per backend: a device's arena is split into buffers no
+        larger than its largest allocation), ``peak_live_bytes`` (the most bytes alive at
+        once: arena_bytes less fragmentation) and ``live_at_peak`` (``(op, bytes)`` pairs,
+        largest first: which ops made what is alive then - where to look to save memory)."""
         return dict(self._g.plan())
 
     @property

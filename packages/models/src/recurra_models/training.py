@@ -365,6 +365,12 @@ class _ProgressLog:
                 f"step {step}/{self.steps}  loss {ev['loss']:.4f}  "
                 f"{ev['tokens_per_s']:.0f} tokens/s  elapsed {_duration(elapsed)}"
                 + (f"  ETA {_duration(left)}" if step < self.steps else "")
+                + (
+                    f"  exchange {1e3 * ev['exchange_s']:.1f} ms "
+                    f"({100 * ev['exchange_s'] / ev['time']:.0f}% of the step)"
+                    if "exchange_s" in ev and ev.get("time")
+                    else ""
+                )
             )
         elif kind == "eval":
             line = f"step {step}/{self.steps}  eval loss {ev['eval_loss']:.4f}"
@@ -401,6 +407,18 @@ class Trainer:
         log_every: a progress line on stderr (step, loss, tokens/s, ETA, checkpoints)
             after the first step and every ``log_every`` steps; None (the default): about
             every twentieth of the run, at most 100 steps apart; 0: silent.
+        parallel: data-parallel training across processes (a ``recurra_dist.DataParallel``
+            over ``model`` and ``optimizer``, or anything with its ``rank``, ``world_size``,
+            ``shard(batch_size)``, ``step()``, ``mean(x)``, ``any(flag)``, ``barrier()``
+            and ``last_exchange_s``). ``batch_size`` is then the global batch: every rank draws
+            the batch of the step and computes its ``shard`` of the rows, the gradients are
+            averaged across the ranks before the optimizer updates, and the recorded loss
+            is the mean over the ranks (the same on every rank). Only rank 0 writes
+            checkpoints and prints progress; the callback runs on every rank with the same
+            records, and a stop it asks for on any rank stops every rank. The data position
+            is the step, so a checkpoint resumes with another number of ranks, as long as
+            it divides the batch size. Records get ``"exchange_s"`` (the time spent
+            averaging gradients in that step).
 
     Raises ValueError for bad sizes or data too short for ``seq_len``, TypeError for
     ``gradient_checkpointing`` on a model without ``gradient_checkpointing()``.
@@ -424,6 +442,7 @@ class Trainer:
         seed: int = 0,
         gradient_checkpointing: bool | None = None,
         log_every: int | None = None,
+        parallel: Any = None,
     ) -> None:
         for name, v in (
             ("batch_size", batch_size),
@@ -455,6 +474,17 @@ class Trainer:
         self.out_dir = Path(os.fspath(out_dir)) if out_dir is not None else None
         self.checkpoint_every, self.keep, self.seed = int(checkpoint_every), int(keep), int(seed)
         self.log_every = int(log_every)
+        self.parallel = parallel
+        self._rows = slice(None)
+        if parallel is not None:
+            if getattr(parallel, "optimizer", optimizer) is not optimizer:
+                raise ValueError("Trainer: parallel wraps another optimizer than the trainer's")
+            try:
+                self._rows = parallel.shard(self.batch_size)
+            except ValueError as e:
+                raise ValueError(f"Trainer: {e} (batch_size is the global batch)") from None
+            if parallel.rank != 0:
+                self.log_every = 0  # rank 0 prints the progress
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self._data_hash = data_hash(self.data)
@@ -471,10 +501,14 @@ class Trainer:
         """One optimizer step on batch ``step``; returns the loss (before the update)."""
         x, y = batch_at(self.data, self.batch_size, self.seq_len, self.seed, step)
         self.model.train()
-        loss = self.model.loss(x, y)
+        loss = self.model.loss(x[self._rows], y[self._rows])
         loss.backward()
         value = float(loss.item())
-        self.optimizer.step()
+        if self.parallel is not None:
+            value = self.parallel.mean(value)
+            self.parallel.step()  # averages the gradients across the ranks, then updates
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad()
         if self.scheduler is not None:
             self.scheduler.step()
@@ -495,9 +529,11 @@ class Trainer:
                     x, y = batch_at(
                         self.eval_data, self.batch_size, self.seq_len, self.seed + 1_000_003, k
                     )
-                    total += float(self.model.loss(x, y).item())
+                    total += float(self.model.loss(x[self._rows], y[self._rows]).item())
         finally:
             self.model.train(was)
+        if self.parallel is not None:
+            total = self.parallel.mean(total)
         return total / self.eval_batches
 
     def _lr(self) -> float | None:
@@ -522,7 +558,14 @@ class Trainer:
             "seq_len": self.seq_len,
             "history": self.history,
             "scheduler": sched,
+            "world_size": self.parallel.world_size if self.parallel is not None else 1,
         }
+        if self.parallel is not None and self.parallel.rank != 0:
+            # rank 0 writes (the ranks hold the same weights and optimizer state)
+            if directory is not None:
+                return Path(os.fspath(directory))
+            assert self.out_dir is not None
+            return self.out_dir / f"ckpt-{self.step:08d}"
         if directory is not None:
             return save_checkpoint(directory, self.model, self.optimizer, self.step, extra)
         assert self.out_dir is not None
@@ -546,7 +589,8 @@ class Trainer:
 
         Raises FileNotFoundError when there is no checkpoint, CheckpointError naming the
         file when it is corrupted or does not match the model, optimizer, data, seed or
-        batch shape."""
+        batch shape. With ``parallel``, every rank reads the checkpoint (a folder every
+        host can read), which may have been written by another number of ranks."""
         base = Path(os.fspath(directory)) if directory is not None else self.out_dir
         if base is None:
             raise ValueError("Trainer.resume: give a directory or set out_dir")
@@ -602,7 +646,8 @@ class Trainer:
             log(event)
             return user(event)
 
-        tokens = self.batch_size * self.seq_len
+        tokens = self.batch_size * self.seq_len  # over all ranks
+        par = self.parallel
         stop = False
         while self.step < self.steps and not stop:
             t0 = time.perf_counter()
@@ -618,8 +663,12 @@ class Trainer:
                 "tokens_per_s": tokens / dt if dt > 0 else float("inf"),
                 "time": dt,
             }
+            if par is not None:
+                rec["exchange_s"] = float(par.last_exchange_s)
             self.history.append(rec)
             stop = emit({"kind": "step", **rec}) is False
+            if par is not None:
+                stop = par.any(stop)
             last = self.step == self.steps or stop
             if self.eval_data is not None and (
                 (self.eval_every and self.step % self.eval_every == 0) or last
@@ -630,6 +679,8 @@ class Trainer:
                 (self.checkpoint_every and self.step % self.checkpoint_every == 0) or last
             ):
                 path = self.save()
+                if par is not None:
+                    par.barrier()  # no rank goes on (or exits) before rank 0 has written it
                 emit({"kind": "checkpoint", "step": self.step, "path": str(path)})
         emit({"kind": "done", "step": self.step, "history": self.history})
         return self.history

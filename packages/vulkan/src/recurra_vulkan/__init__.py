@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["backend_info", "op_names", "run_node"]
+__all__ = ["backend_info", "memory_info", "op_names", "run_node"]
 
 try:
     from recurra_vulkan import _vk
@@ -59,3 +59,22 @@ def run_node(*args: Any, **kwargs: Any) -> Any:
     if _vk is None:
         raise RuntimeError(_IMPORT_ERROR)
     return _vk.run_node(*args, **kwargs)
+
+
+def memory_info(device: int = 0, reset_peaks: bool = False) -> dict[str, Any]:
+    """Device memory recurra holds on Vulkan device ``device`` (an index of
+    ``backend_info()["devices"]``), as the driver sees it.
+
+    ``rc.memory_stats()`` counts the tensors recurra's planner places; this adds what only the
+    backend knows: per pool (``"persistent"``, ``"transient"``: graph arenas, ``"internal"``:
+    op scratch) ``bytes_in_use`` and ``peak_bytes``; ``reserved_bytes`` (every block of device
+    memory held) and ``peak_reserved_bytes`` (what nvidia-smi and the like show, less the
+    driver's own); ``idle_bytes`` (empty blocks kept for reuse), ``blocks`` and
+    ``blocks_made`` (driver allocations since the start: a steady training loop makes none). With
+    ``reset_peaks`` the peaks restart from what is held now (after being read).
+
+    Raises RuntimeError when the extension is not loaded, ValueError for a bad index.
+    """
+    if _vk is None:
+        raise RuntimeError(_IMPORT_ERROR)
+    return _vk.memory_info(device, reset_peaks)

@@ -1,0 +1,189 @@
+"""Data-parallel training throughput: tokens/s of 1 rank vs N ranks (recurra_dist over MPI),
+the same per-rank batch (weak scaling), and the time of the gradient exchange per step.
+
+    python bench/dist.py --nproc 2                            # CPU, a tiny Mamba-2
+    python bench/dist.py --nproc 2 --device vulkan --model mamba2-130m --batch 8 --seq-len 512
+
+Each run is `mpiexec -n K python bench/dist.py --worker ...`: every rank builds the model on
+its device (`--device vulkan`: vulkan:<local rank % GPUs>), trains --warmup untimed steps,
+then --steps timed ones (AdamW, the Trainer's step: forward, backward, gradient averaging,
+update); rank 0 reports the median step time and exchange time. Prints one line per run,
+the ratio N-rank / 1-rank tokens/s (the target on two GPUs: >= 1.8) and `JSON {...}`.
+On the CPU, --threads is per rank (default 1), so N ranks use N times the cores of one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+
+
+def _args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nproc", type=int, default=2, help="ranks of the parallel run")
+    ap.add_argument("--device", default="cpu", help="cpu or vulkan (one GPU per rank)")
+    ap.add_argument("--model", default="mamba2", help="an architecture or a preset")
+    ap.add_argument(
+        "--config",
+        default="",
+        help="model fields as JSON (default for an architecture: a small model for the CPU)",
+    )
+    ap.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=6, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
+    ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--timeout", type=float, default=580.0, help="seconds per mpiexec run")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.nproc < 1 or args.batch < 1 or args.steps < 1:
+        ap.error("--nproc, --batch and --steps must be >= 1")
+    return args
+
+
+def _config(args: argparse.Namespace) -> dict:
+    if args.config:
+        return json.loads(args.config)
+    import recurra_models as rm
+
+    if args.model in rm.presets():
+        return {}
+    return {"d_model": 64, "n_layer": 2, "vocab_size": 256}
+
+
+def worker(args: argparse.Namespace) -> None:
+    import numpy as np
+
+    import recurra as rc
+    import recurra_dist
+    import recurra_models as rm
+    import recurra_optim
+
+    ctx = recurra_dist.init()
+    rc.set_num_threads(args.threads)
+    dev = ctx.device(args.device)
+    model = rm.create(args.model, seed=0, **_config(args))
+    model.to(dev)
+    opt = recurra_optim.AdamW(list(model.parameters()), lr=1e-4, weight_decay=0.01)
+    dp = recurra_dist.DataParallel(model, opt, ctx, bucket_mb=args.bucket_mb)
+    vocab = int(model.config.vocab_size)
+    data = np.random.default_rng(0).integers(0, vocab, size=1 << 20).astype(np.int32)
+    global_batch = args.batch * ctx.world_size
+    trainer = rm.Trainer(
+        model,
+        opt,
+        data,
+        batch_size=global_batch,
+        seq_len=args.seq_len,
+        steps=args.warmup + args.steps,
+        log_every=0,
+        checkpoint_every=0,
+        parallel=dp,
+    )
+    times, exchange = [], []
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            rc.reset_transfer_stats()
+        dp.barrier()  # every rank starts the step together
+        t0 = time.perf_counter()
+        trainer.train_step(step)
+        dt = time.perf_counter() - t0
+        if step >= args.warmup:
+            times.append(dt)
+            exchange.append(dp.last_exchange_s)
+    moved = rc.transfer_stats()
+    # the exchange alone (all ranks ready: no waiting for a slower one), on one backward's
+    # gradients
+    x, y = rm.batch_at(data, global_batch, args.seq_len, 0, 0)
+    model.loss(x[dp.shard(global_batch)], y[dp.shard(global_batch)]).backward()
+    alone = []
+    for _ in range(max(3, args.steps)):
+        dp.barrier()
+        t0 = time.perf_counter()
+        dp.sync_gradients()
+        alone.append(time.perf_counter() - t0)
+    alone = [max(v) for v in zip(*ctx.comm.allgather(alone))]
+    # the slowest rank sets the pace
+    times = [max(v) for v in zip(*ctx.comm.allgather(times))]
+    exchange = [max(v) for v in zip(*ctx.comm.allgather(exchange))]
+    if ctx.rank == 0:
+        step_s = statistics.median(times)
+        out = {
+            "ranks": ctx.world_size,
+            "device": dev,
+            "parameters": int(sum(int(p.size) for p in model.parameters())),
+            "batch_per_rank": args.batch,
+            "seq_len": args.seq_len,
+            "step_s": step_s,
+            "exchange_s": statistics.median(exchange),
+            "exchange_alone_s": statistics.median(alone) if ctx.world_size > 1 else 0.0,
+            "exchange_mb": dp.last_bytes / 1e6,
+            "tokens_per_s": global_batch * args.seq_len / step_s,
+            # host <-> device copies per step on rank 0 (the batch, the loss, the gradients)
+            "uploads_per_step": moved["host_to_device"]["count"] / args.steps,
+            "downloads_per_step": moved["device_to_host"]["count"] / args.steps,
+            "download_mb_per_step": moved["device_to_host"]["bytes"] / args.steps / 1e6,
+        }
+        print("RESULT " + json.dumps(out), flush=True)
+
+
+def _mpiexec() -> str:
+    beside = Path(sys.executable).parent / "mpiexec"
+    exe = str(beside) if beside.is_file() else shutil.which("mpiexec")
+    if exe is None:
+        sys.exit("bench/dist.py: no mpiexec (pip install recurra-dist, which brings mpich)")
+    return exe
+
+
+def _run(args: argparse.Namespace, n: int, argv: list[str]) -> dict:
+    cmd = [_mpiexec(), "-n", str(n), sys.executable, str(HERE), "--worker", *argv]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+    except subprocess.TimeoutExpired:
+        sys.exit(f"bench/dist.py: {n} ranks took more than {args.timeout} s")
+    for line in r.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    sys.exit(f"bench/dist.py: {n} ranks failed (exit {r.returncode}):\n{r.stdout}\n{r.stderr}")
+
+
+def main() -> None:
+    args = _args()
+    if args.worker:
+        worker(args)
+        return
+    argv = [a for a in sys.argv[1:] if a != "--worker"]
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(
+        f"recurra_dist: {args.model} on {args.device}, {args.batch} x {args.seq_len} tokens per "
+        f"rank, {args.steps} timed steps, {args.threads} thread(s) per rank, load {load:.1f}"
+    )
+    results = []
+    for n in sorted({1, args.nproc}):
+        res = _run(args, n, argv)
+        results.append(res)
+        step_ms, ex_ms = 1e3 * res["step_s"], 1e3 * res["exchange_s"]
+        print(
+            f"  {n} rank(s): {res['tokens_per_s']:10.0f} tokens/s   step {step_ms:8.1f} ms   "
+            f"exchange {ex_ms:7.1f} ms ({100 * ex_ms / step_ms:.0f}% of the step; "
+            f"{1e3 * res['exchange_alone_s']:.1f} ms without waiting for the slowest rank; "
+            f"{res['exchange_mb']:.1f} MB)"
+        )
+    ratio = results[-1]["tokens_per_s"] / results[0]["tokens_per_s"]
+    print(f"  {args.nproc} ranks / 1 rank: {ratio:.2f}x tokens/s (ideal {args.nproc}.00x)")
+    print("JSON " + json.dumps({"runs": results, "ratio": ratio, "load": load}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""Where this process is in an MPI job: rank, world size, local rank, its device, and the
+error handling that ends every rank when one fails.
+
+Nothing here starts MPI at import: :func:`init` does (through mpi4py), and
+:func:`launched_world_size` reads the launcher's environment without starting it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+__all__ = [
+    "Context",
+    "abort",
+    "device_for",
+    "init",
+    "install_abort_hook",
+    "launched_world_size",
+]
+
+# What MPI launchers set in every process they start: MPICH's Hydra, Intel MPI and srun
+# with PMI: PMI_SIZE; Open MPI: OMPI_COMM_WORLD_SIZE.
+_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
+
+
+def launched_world_size() -> int:
+    """The number of processes of the MPI job this process was started in, read from the
+    launcher's environment (1 when it was not started by ``mpiexec``). Starts nothing."""
+    for var in _SIZE_VARS:
+        raw = os.environ.get(var, "").strip()
+        if raw.isdigit() and int(raw) > 0:
+            return int(raw)
+    return 1
+
+
+def _mpi() -> Any:
+    try:
+        from mpi4py import MPI
+    except ImportError as e:  # pragma: no cover - mpi4py is a dependency
+        raise ImportError(
+            f"recurra_dist needs mpi4py and an MPI library ({e}): pip install mpi4py mpich"
+        ) from None
+    return MPI
+
+
+@dataclass(frozen=True)
+class Context:
+    """This process's place in the job.
+
+    Attributes:
+        comm: the mpi4py communicator of the job (a duplicate of COMM_WORLD by default).
+        rank, world_size: the rank in ``comm`` and its size.
+        local_rank, local_size: the rank among the processes of this host and their number.
+    """
+
+    comm: Any
+    rank: int
+    world_size: int
+    local_rank: int
+    local_size: int
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0 (the rank that writes checkpoints and prints)."""
+        return self.rank == 0
+
+    def device(self, backend: str = "auto") -> str:
+        """This rank's device: see :func:`device_for`."""
+        return device_for(self.local_rank, backend)
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+
+_CONTEXT: Context | None = None
+
+
+def init(comm: Any = None, *, abort_on_error: bool = True) -> Context:
+    """Starts MPI (once) and returns this process's :class:`Context`.
+
+    ``comm`` defaults to a duplicate of ``MPI.COMM_WORLD``; the local rank comes from
+    splitting it by shared memory (the processes of one host). With ``abort_on_error``, an
+    exception that reaches the top of any rank prints its traceback, prefixed with the
+    rank, and ends the whole job through ``MPI_Abort`` (:func:`install_abort_hook`), so that
+    no rank waits forever for one that failed.
+    """
+    global _CONTEXT
+    if comm is None and _CONTEXT is not None:
+        return _CONTEXT
+    MPI = _mpi()
+    own = comm is None
+    if own:
+        comm = MPI.COMM_WORLD.Dup()
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    ctx = Context(comm, comm.Get_rank(), comm.Get_size(), local.Get_rank(), local.Get_size())
+    local.Free()
+    if abort_on_error:
+        install_abort_hook(ctx)
+    if own:
+        _CONTEXT = ctx
+    return ctx
+
+
+def abort(ctx: Context, message: str, code: int = 1) -> None:
+    """Prints ``message`` on stderr with this rank's number and ends every rank of the job
+    with exit status ``code`` (``MPI_Abort``). A job of one process just exits."""
+    sys.stderr.write(f"[rank {ctx.rank}/{ctx.world_size}] {message.rstrip()}\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    if ctx.world_size > 1:
+        ctx.comm.Abort(code)
+    os._exit(code)  # Abort returned (it should not), or a job of one process
+
+
+def install_abort_hook(ctx: Context) -> None:
+    """Replaces ``sys.excepthook`` (and ``threading.excepthook``) so that an uncaught
+    exception on this rank prints its traceback and aborts the whole job (:func:`abort`)."""
+    import threading
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        text = "".join(traceback.format_exception(kind, exc, tb))
+        abort(ctx, f"failed, ending the job:\n{text}", 1)
+
+    def thread_hook(args: Any) -> None:
+        if args.exc_type is SystemExit:
+            return
+        hook(args.exc_type, args.exc_value, args.exc_traceback)
+
+    sys.excepthook = hook
+    threading.excepthook = thread_hook
+
+
+def device_for(local_rank: int, backend: str = "auto") -> str:
+    """The device of the process with ``local_rank`` on its host: ``vulkan:<local_rank %
+    n>`` when ``backend`` is ``vulkan`` (or ``auto`` and the Vulkan backend has n >= 1
+    devices), else ``cpu``.
+
+    Raises ValueError for an unknown backend name, RuntimeError when ``vulkan`` is asked
+    for and no Vulkan device is usable (with the reason the backend gives)."""
+    backend = backend.strip().lower()
+    if backend == "cpu":
+        return "cpu"
+    if backend not in ("auto", "vulkan"):
+        raise ValueError(f"device_for: backend must be 'auto', 'cpu' or 'vulkan', got {backend!r}")
+    import recurra.backends
+
+    info = {b.name: b for b in recurra.backends.available()}.get("vulkan")
+    n = len(info.devices) if info is not None and info.available else 0
+    if n == 0:
+        if backend == "vulkan":
+            why = info.reason if info is not None else "recurra-vulkan is not installed"
+            raise RuntimeError(f"device_for: no usable Vulkan device ({why})")
+        return "cpu"
+    return f"vulkan:{int(local_rank) % n}"

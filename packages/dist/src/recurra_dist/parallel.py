@@ -1,0 +1,401 @@
+"""The data-parallel wrapper: one model + optimizer per rank, gradients averaged across ranks.
+
+Every rank holds the whole model. At the start the parameters are broadcast from rank 0;
+each rank then computes the loss and gradients of its share of the global batch, and before
+the optimizer updates, :meth:`DataParallel.sync_gradients` replaces every gradient by its
+mean over the ranks. The optimizer (clipping, accumulation, weight decay...) then sees the
+gradient of the whole global batch, so N ranks compute what one process computes with the
+same global batch, up to float32 rounding.
+
+The exchange is bucketed in a fixed order: the parameters in the optimizer's order, cut
+into buckets of about ``bucket_mb`` megabytes. Each bucket is one float32 host buffer; the
+gradients are copied into it (on a device: concatenated there, then one download), summed
+across ranks by one non-blocking ``MPI_Iallreduce`` while the next bucket is packed, scaled
+by 1/N and copied back (on a device: one upload, cut into the new gradients there). The
+order and the sizes are the same on every rank and in every run, and MPI gives every rank
+the same sum, so the ranks stay bit-identical (the tests check it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+import recurra as rc
+from recurra import Tensor
+from recurra_dist.context import Context, init
+
+__all__ = ["DataParallel", "ExchangeTimeout"]
+
+
+class ExchangeTimeout(RuntimeError):
+    """A collective did not complete within the wrapper's timeout (a rank is gone or stuck)."""
+
+
+def _device_buffer(t: Tensor) -> rc.DeviceBuffer | None:
+    """The DeviceBuffer behind a device tensor, or None for a host tensor."""
+    v = t.storage
+    return v if isinstance(v, rc.DeviceBuffer) else None
+
+
+class _Bucket:
+    """A run of consecutive parameters exchanged together, and its host buffer."""
+
+    __slots__ = ("params", "offsets", "buffer")
+
+    def __init__(self, params: list[Tensor]) -> None:
+        self.params = params
+        self.offsets = np.cumsum([0] + [int(p.size) for p in params]).tolist()
+        self.buffer = np.empty(self.offsets[-1], np.float32)
+
+    def view(self, i: int) -> np.ndarray:
+        p = self.params[i]
+        return self.buffer[self.offsets[i] : self.offsets[i + 1]].reshape(p.shape)
+
+
+class DataParallel:
+    """Wraps a model and its optimizer for data-parallel training across the ranks of ``ctx``.
+
+    Args:
+        model: anything with ``parameters()`` (or a list of parameters). Its parameters are
+            overwritten with rank 0's at construction.
+        optimizer: a recurra_optim optimizer over those parameters; its order of parameters
+            is the exchange order.
+        ctx: the :class:`Context` (default: :func:`recurra_dist.init`).
+        bucket_mb: the size of a bucket, in megabytes of float32 gradients.
+        timeout: seconds a collective may take before :class:`ExchangeTimeout` is raised
+            (None: wait for ever; a rank that dies is noticed by the launcher anyway).
+
+    Raises ValueError when the ranks' models differ (parameter count or shapes), or a
+    parameter of the model is not in the optimizer.
+
+    Attributes (timers, in seconds, of the last :meth:`sync_gradients` and in total):
+        last_exchange_s, total_exchange_s, exchanges, last_bytes.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        optimizer: Any,
+        ctx: Context | None = None,
+        *,
+        bucket_mb: float = 25.0,
+        timeout: float | None = 600.0,
+    ) -> None:
+        if not bucket_mb > 0:
+            raise ValueError(f"DataParallel: bucket_mb must be > 0, got {bucket_mb!r}")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"DataParallel: timeout must be > 0 or None, got {timeout!r}")
+        self.ctx = ctx if ctx is not None else init()
+        self.model, self.optimizer = model, optimizer
+        self.timeout = timeout
+        self.params: list[Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
+        own = model.parameters() if hasattr(model, "parameters") else model
+        mine = {id(p) for p in self.params}
+        missing = [i for i, p in enumerate(_as_list(own)) if id(p) not in mine]
+        if missing:
+            raise ValueError(
+                f"DataParallel: {len(missing)} parameter(s) of the model are not in the "
+                f"optimizer (first: parameter {missing[0]}); give the optimizer all of them"
+            )
+        self._check_same_model()
+        self.buckets = _make_buckets(self.params, int(bucket_mb * (1 << 20)) // 4)
+        self.last_exchange_s = 0.0
+        self.total_exchange_s = 0.0
+        self.exchanges = 0
+        self.last_bytes = 0
+        self.broadcast_parameters()
+
+    # -- the job ---------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.ctx.rank == 0
+
+    def shard(self, batch_size: int) -> slice:
+        """The rows of a global batch of ``batch_size`` this rank computes: the r-th of N
+        equal, consecutive parts. Raises ValueError unless N divides ``batch_size``."""
+        n = self.world_size
+        if batch_size % n:
+            raise ValueError(
+                f"the global batch size {batch_size} is not a multiple of the {n} ranks"
+            )
+        b = batch_size // n
+        return slice(self.rank * b, (self.rank + 1) * b)
+
+    def mean(self, value: float) -> float:
+        """The mean of ``value`` over the ranks (the same float on every rank)."""
+        buf = np.array([float(value)], np.float64)
+        self._wait([self.ctx.comm.Iallreduce(_in_place(), buf, op=_op("SUM"))])
+        return float(buf[0]) / self.world_size
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is true on some rank."""
+        buf = np.array([1 if flag else 0], np.int32)
+        self._wait([self.ctx.comm.Iallreduce(_in_place(), buf, op=_op("MAX"))])
+        return bool(buf[0])
+
+    def barrier(self) -> None:
+        self._wait([self.ctx.comm.Ibarrier()])
+
+    # -- parameters and gradients ------------------------------------------------------------
+    def broadcast_parameters(self, root: int = 0) -> None:
+        """Overwrites every rank's parameters with those of ``root``, bucket by bucket."""
+        comm = self.ctx.comm
+        for b in self.buckets:
+            if self.rank == root:
+                for i, p in enumerate(b.params):
+                    _read_into(p, b.view(i))
+            self._wait([comm.Ibcast(b.buffer, root=root)])
+            if self.rank != root:
+                for i, p in enumerate(b.params):
+                    p.assign_(b.view(i))
+
+    def sync_gradients(self) -> None:
+        """Replaces every parameter's gradient by its mean over the ranks (a missing gradient
+        counts as zeros where another rank has one; where no rank has one it stays None).
+        Times the exchange (``last_exchange_s``)."""
+        t0 = time.perf_counter()
+        comm, n = self.ctx.comm, self.world_size
+        if n == 1:  # the mean over one rank: nothing to do
+            self.last_exchange_s, self.last_bytes = 0.0, 0
+            self.exchanges += 1
+            return
+        present = np.array([p.grad is not None for p in self.params], np.int32)
+        self._wait([comm.Iallreduce(_in_place(), present, op=_op("MAX"))])
+        flags = iter(present.tolist())
+        active = [[bool(next(flags)) for _ in b.params] for b in self.buckets]
+        scale = np.float32(1.0 / n)
+        pending: list[tuple[_Bucket, list[bool], Any, Any]] = []
+        nbytes = 0
+        for b, act in zip(self.buckets, active):
+            if not any(act):
+                continue
+            dev = _packed_device(b, act)
+            if dev is not None:
+                _download_packed(b)
+            else:
+                for i, p in enumerate(b.params):
+                    if not act[i]:
+                        continue
+                    if p.grad is None:
+                        b.view(i)[...] = 0.0
+                    else:
+                        _read_grad_into(p, b.view(i))
+            req = comm.Iallreduce(_in_place(), b.buffer, op=_op("SUM"))
+            pending.append((b, act, req, dev))
+            nbytes += b.buffer.nbytes
+            if len(pending) > 1:  # unpack the previous bucket while this one is in flight
+                self._finish(*pending.pop(0), scale)
+        while pending:
+            self._finish(*pending.pop(0), scale)
+        dt = time.perf_counter() - t0
+        self.last_exchange_s = dt
+        self.total_exchange_s += dt
+        self.exchanges += 1
+        self.last_bytes = nbytes
+
+    def _finish(self, b: _Bucket, act: list[bool], req: Any, dev: Any, scale: np.float32) -> None:
+        self._wait([req])
+        b.buffer *= scale
+        if dev is not None:
+            _upload_packed(b, dev)
+            return
+        for i, p in enumerate(b.params):
+            if act[i]:
+                _write_grad(p, b.view(i))
+
+    # -- the step ----------------------------------------------------------------------------
+    @property
+    def will_update(self) -> bool:
+        """Whether the optimizer's next step() updates (it closes an accumulation window)."""
+        k = int(getattr(self.optimizer, "accumulate_steps", 1))
+        return int(getattr(self.optimizer, "micro_step", 0)) + 1 >= k
+
+    def step(self) -> None:
+        """``optimizer.step()``, with the gradients averaged across the ranks first when this
+        step updates (inside an accumulation window the gradients only sum up locally, and
+        the exchange happens once, on the summed gradient, when the window closes)."""
+        if self.will_update:
+            self.sync_gradients()
+        else:
+            self.last_exchange_s = 0.0
+        self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+
+    # -- checks --------------------------------------------------------------------------------
+    def _check_same_model(self) -> None:
+        shapes = [tuple(p.shape) for p in self.params]
+        theirs = self.ctx.comm.allgather(shapes)
+        for r, s in enumerate(theirs):
+            if s != theirs[0]:
+                raise ValueError(
+                    f"DataParallel: rank {r}'s model differs from rank 0's "
+                    f"({len(s)} parameters vs {len(theirs[0])}, or other shapes): every "
+                    "rank must build the same model"
+                )
+
+    def consistent(self) -> bool:
+        """Whether every rank holds bit-identical parameters (a check for tests and debugging:
+        compares a hash of all parameter bytes)."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for p in self.params:
+            h.update(np.ascontiguousarray(p.numpy()).tobytes())
+        digests = self.ctx.comm.allgather(h.hexdigest())
+        return all(d == digests[0] for d in digests)
+
+    def _wait(self, reqs: list[Any]) -> None:
+        """Waits for ``reqs``; raises ExchangeTimeout after ``timeout`` seconds."""
+        MPI = _mpi()
+        if self.timeout is None:
+            MPI.Request.Waitall(reqs)
+            return
+        deadline = time.monotonic() + self.timeout
+        spins, nap = 0, 1e-5
+        while not MPI.Request.Testall(reqs):
+            spins += 1
+            if spins > 1000:  # a slow peer: stop spinning a core against it
+                time.sleep(nap)
+                nap = min(2 * nap, 2e-4)
+                if time.monotonic() > deadline:
+                    raise ExchangeTimeout(
+                        f"rank {self.rank}: an MPI collective waited more than "
+                        f"{self.timeout:g} s; a rank is gone or stuck"
+                    )
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def _mpi() -> Any:
+    from mpi4py import MPI
+
+    return MPI
+
+
+def _in_place() -> Any:
+    return _mpi().IN_PLACE
+
+
+def _op(name: str) -> Any:
+    return getattr(_mpi(), name)
+
+
+def _as_list(params: Iterable[Tensor]) -> list[Tensor]:
+    return list(params)
+
+
+def _make_buckets(params: list[Tensor], max_elems: int) -> list[_Bucket]:
+    """Cuts ``params`` (in order) into runs of at most ``max_elems`` elements (a larger
+    parameter is a bucket alone)."""
+    out: list[_Bucket] = []
+    run: list[Tensor] = []
+    size = 0
+    for p in params:
+        if run and size + int(p.size) > max_elems:
+            out.append(_Bucket(run))
+            run, size = [], 0
+        run.append(p)
+        size += int(p.size)
+    if run:
+        out.append(_Bucket(run))
+    return out
+
+
+def _compute(ts: list[Tensor]) -> None:
+    """Runs what ``ts`` still need (one lazy run; the results stay on their device)."""
+    pending = [t for t in ts if t.storage is None]
+    if pending:
+        pending[0]._frontend.run(pending)
+
+
+def _packed_device(b: _Bucket, act: list[bool]) -> Any:
+    """The device of a bucket whose gradients all live on one device backend (they are then
+    packed there into one tensor: one download and one upload per bucket), else None."""
+    dev = b.params[0].device
+    if dev.backend == "cpu" or not all(act):
+        return None
+    for p in b.params:
+        g = p.grad
+        if not isinstance(g, Tensor) or g.device != dev or g.shape != p.shape or p.device != dev:
+            return None
+    return dev
+
+
+def _download_packed(b: _Bucket) -> None:
+    """Concatenates the bucket's gradients on their device and downloads them at once."""
+    with rc.no_grad():
+        flat = []
+        for p in b.params:
+            assert p.grad is not None  # _device_of checked every gradient of the bucket
+            flat.append(p.grad.reshape(-1))
+        packed = rc.ops.concat(flat) if len(flat) > 1 else flat[0]
+    _compute([packed])
+    _read_into(packed, b.buffer)
+
+
+def _upload_packed(b: _Bucket, dev: Any) -> None:
+    """Uploads the bucket at once and cuts it into the new gradients on the device."""
+    whole = rc.tensor(b.buffer, device=dev)
+    with rc.no_grad():
+        parts = [
+            rc.ops.getitem(whole, slice(b.offsets[i], b.offsets[i + 1])).reshape(p.shape)
+            for i, p in enumerate(b.params)
+        ]
+    _compute(parts)
+    for p, t in zip(b.params, parts):
+        p.grad = t.detach()
+
+
+def _read_into(t: Tensor, out: np.ndarray) -> None:
+    """Copies tensor ``t``'s value into host array ``out`` (a download for a device tensor)."""
+    buf = _device_buffer(t)
+    if buf is not None:
+        buf.download(out)
+    else:
+        np.copyto(out, np.asarray(t), casting="same_kind")
+
+
+def _read_grad_into(p: Tensor, out: np.ndarray) -> None:
+    g: Tensor | np.ndarray | None = p.grad  # a numpy array where a user set one
+    if g is None or g.shape != p.shape:
+        shape = None if g is None else g.shape
+        raise ValueError(f"the gradient has shape {shape}, the parameter {p.shape}")
+    if isinstance(g, Tensor):
+        _read_into(g, out)
+    else:
+        np.copyto(out, np.asarray(g, np.float32))
+
+
+def _write_grad(p: Tensor, value: np.ndarray) -> None:
+    """Sets ``p.grad`` to ``value``, in place where the gradient's buffer allows it."""
+    g = p.grad
+    if isinstance(g, Tensor) and g.is_leaf:
+        buf = _device_buffer(g)
+        if buf is not None:
+            buf.upload(value)
+            return
+        arr = g.storage
+        if (
+            isinstance(arr, np.ndarray)
+            and arr.dtype == np.float32
+            and arr.flags.writeable
+            and arr.flags.c_contiguous
+        ):
+            np.copyto(arr, value)
+            return
+    p.grad = rc.tensor(value, device=p.device)

@@ -1,0 +1,139 @@
+"""Training runs for the recurra_dist tests: imported by the tests (the one-process
+reference) and run under ``mpiexec`` (the data-parallel runs).
+
+    mpiexec -n 2 python dp_worker.py equal OUT.npz [vulkan]
+    mpiexec -n 2 python dp_worker.py fail {raise,exit,kill,sysexit,hang} OUT_DIR
+    mpiexec -n 3 python dp_worker.py train OUT_DIR STEPS [--resume]
+
+Rank 0 writes the losses and final weights of every case to the .npz file, with whether the
+ranks ended bit-identical.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+BATCH, SEQ, STEPS, SEED = 6, 8, 4, 0  # 6 rows: divisible by 1, 2 and 3 ranks
+
+# name -> (optimizer, keyword arguments)
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "sgd": ("SGD", {"lr": 0.05, "momentum": 0.9}),
+    "sgd_clip_accum": ("SGD", {"lr": 0.05, "max_grad_norm": 0.05, "accumulate_steps": 2}),
+    "adamw_clip": ("AdamW", {"lr": 3e-3, "weight_decay": 0.01, "max_grad_norm": 0.05}),
+    "adamw_accum": ("AdamW", {"lr": 3e-3, "weight_decay": 0.01, "accumulate_steps": 2}),
+}
+
+
+def tokens() -> np.ndarray:
+    rng = np.random.default_rng(1234)
+    # a learnable pattern with noise: the loss falls within a few steps
+    base = np.tile(np.arange(32, dtype=np.int32), 40)
+    noise = rng.integers(0, 64, size=base.size).astype(np.int32)
+    return np.where(rng.random(base.size) < 0.2, noise, base).astype(np.int32)
+
+
+def make(case: str, device: str = "cpu") -> tuple[Any, Any]:
+    import recurra_models as rm
+    import recurra_optim
+
+    model = rm.create("mamba", seed=SEED, vocab_size=64, d_model=16, n_layer=1, d_state=4)
+    model.to(device)
+    name, kw = CASES[case]
+    return model, getattr(recurra_optim, name)(list(model.parameters()), **kw)
+
+
+def run(
+    case: str,
+    parallel: bool,
+    steps: int = STEPS,
+    out_dir: str | None = None,
+    resume: bool = False,
+    callback: Any = None,
+    timeout: float | None = 600.0,
+    device: str = "cpu",
+) -> tuple[list[float], dict[str, np.ndarray], bool]:
+    """Trains ``case`` on ``device``; returns (losses, final weights, ranks bit-identical)."""
+    import recurra_models as rm
+
+    model, opt = make(case, device)
+    dp = None
+    if parallel:
+        import recurra_dist
+
+        if recurra_dist.init().rank != 0:  # other weights elsewhere: rank 0's must win
+            for p in model.parameters():
+                p.assign_(p.numpy() + 1.0)
+        dp = recurra_dist.DataParallel(model, opt, bucket_mb=0.01, timeout=timeout)
+    trainer = rm.Trainer(
+        model,
+        opt,
+        tokens(),
+        batch_size=BATCH,
+        seq_len=SEQ,
+        steps=steps,
+        seed=SEED,
+        out_dir=out_dir,
+        checkpoint_every=1 if out_dir else 0,
+        log_every=0,
+        parallel=dp,
+    )
+    if resume:
+        trainer.resume()
+    hist = trainer.fit(callback)
+    same = dp.consistent() if dp is not None else True
+    return [float(r["loss"]) for r in hist], model.state_dict(), same
+
+
+def _save(path: str, results: dict[str, tuple[list[float], dict[str, np.ndarray], bool]]) -> None:
+    flat: dict[str, np.ndarray] = {}
+    for case, (losses, weights, same) in results.items():
+        flat[f"{case}/losses"] = np.asarray(losses, np.float64)
+        flat[f"{case}/consistent"] = np.asarray(same)
+        for k, v in weights.items():
+            flat[f"{case}/w/{k}"] = v
+    np.savez(path, **flat)
+
+
+def main(argv: list[str]) -> None:
+    import recurra_dist
+
+    ctx = recurra_dist.init()
+    mode = argv[0]
+    if mode == "equal":  # [DEVICE]: vulkan puts rank r on vulkan:<local rank % GPUs>
+        device = ctx.device(argv[2]) if len(argv) > 2 else "cpu"
+        results = {case: run(case, True, device=device) for case in CASES}
+        if ctx.rank == 0:
+            _save(argv[1], results)
+    elif mode == "fail":
+        how, out_dir = argv[1], argv[2]
+
+        def die(ev: dict[str, Any]) -> None:
+            if ev["kind"] == "step" and ev["step"] == 2 and ctx.rank == ctx.world_size - 1:
+                if how == "raise":
+                    raise RuntimeError(f"boom on rank {ctx.rank}")
+                if how == "exit":
+                    os._exit(3)
+                if how == "sysexit":  # exits through MPI_Finalize: the others must time out
+                    sys.exit(4)
+                if how == "hang":
+                    time.sleep(600)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        run("adamw_clip", True, steps=6, out_dir=out_dir, callback=die, timeout=5.0)
+    elif mode == "train":
+        out_dir, steps = argv[1], int(argv[2])
+        res = run("adamw_accum", True, steps=steps, out_dir=out_dir, resume="--resume" in argv)
+        if ctx.rank == 0:
+            _save(os.path.join(out_dir, f"result-{steps}.npz"), {"adamw_accum": res})
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,126 @@
+"""recurra_dist under mpiexec: N ranks train what one process trains with the same global
+batch; a failing rank ends the job; a checkpoint resumes on another number of ranks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from dp_worker import CASES, STEPS, run
+from mpi_launch import launch
+
+RTOL = 1e-5
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    """max |a - b| / max |b| (per tensor: elements near zero do not blow the ratio up)."""
+    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
+
+
+def _load(path: Path, case: str) -> tuple[np.ndarray, dict[str, np.ndarray], bool]:
+    z = np.load(path)
+    prefix = f"{case}/w/"
+    weights = {k[len(prefix) :]: z[k] for k in z.files if k.startswith(prefix)}
+    return z[f"{case}/losses"], weights, bool(z[f"{case}/consistent"])
+
+
+def _compare(losses: np.ndarray, weights: dict[str, np.ndarray], ref: tuple) -> float:
+    ref_losses, ref_weights, _ = ref
+    assert len(losses) == len(ref_losses)
+    worst = _rel(losses, np.asarray(ref_losses))
+    assert set(weights) == set(ref_weights)
+    for k, w in weights.items():
+        worst = max(worst, _rel(w, ref_weights[k]))
+    return worst
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, tuple]:
+    """One process, no recurra_dist: the whole global batch per step."""
+    return {case: run(case, parallel=False) for case in CASES}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ranks_match_one_process(mpiexec, tmp_path, reference, n):
+    out = tmp_path / "res.npz"
+    r = launch(mpiexec, n, ["equal", str(out)])
+    assert r.returncode == 0, r.stderr
+    for case in CASES:
+        losses, weights, same = _load(out, case)
+        assert same, f"{case}: the {n} ranks ended with different weights"
+        worst = _compare(losses, weights, reference[case])
+        print(f"{n} ranks, {case}: max rel diff {worst:.2e}")
+        assert worst < RTOL, f"{case}: {n} ranks differ from one process by {worst:.2e}"
+        # the training did something: the weights moved from the initial ones
+        init = run(case, parallel=False, steps=0)[1]
+        assert max(_rel(weights[k], init[k]) for k in init) > 1e-4
+
+
+@pytest.mark.vulkan
+def test_ranks_on_vulkan_match_one_process_on_vulkan(mpiexec, vulkan, tmp_path):
+    """Gradients in device memory: downloaded into the buckets, averaged, uploaded back."""
+    out = tmp_path / "res.npz"
+    r = launch(mpiexec, 2, ["equal", str(out), "vulkan"])
+    assert r.returncode == 0, r.stderr
+    for case in CASES:
+        losses, weights, same = _load(out, case)
+        assert same, f"{case}: the ranks ended with different weights"
+        worst = _compare(losses, weights, run(case, parallel=False, device=vulkan))
+        print(f"2 ranks on vulkan, {case}: max rel diff {worst:.2e}")
+        assert worst < RTOL, f"{case}: 2 ranks differ from one process by {worst:.2e}"
+
+
+def test_reference_differs_from_a_smaller_batch(reference):
+    """The equality above is not vacuous: training on one rank's share alone (what a
+    wrapper that forgot to average would do) gives other weights."""
+    import dp_worker
+
+    old = dp_worker.BATCH
+    dp_worker.BATCH = old // 2
+    try:
+        losses, weights, _ = run("sgd", parallel=False)
+    finally:
+        dp_worker.BATCH = old
+    assert _compare(np.asarray(losses), weights, reference["sgd"]) > 1e-3
+
+
+@pytest.mark.parametrize("how", ["raise", "exit", "kill", "sysexit", "hang"])
+def test_failing_rank_ends_the_job(mpiexec, tmp_path, how):
+    r = launch(mpiexec, 2, ["fail", how, str(tmp_path)], timeout=120)
+    assert r.returncode != 0
+    text = r.stdout + r.stderr
+    if how == "raise":  # the failing rank's message and traceback
+        assert "[rank 1/2]" in text and "boom on rank 1" in text, text
+    elif how == "kill":  # the launcher names the signal
+        assert "Killed" in text or "signal 9" in text, text
+    elif how in ("sysexit", "hang"):  # rank 0 gives up waiting after the 5 s timeout
+        assert "[rank 0/2]" in text and "ExchangeTimeout" in text, text
+    else:
+        assert r.returncode == 3, text  # os._exit(3): its status is the job's
+    # the checkpoint of step 1 (or 2) is complete and loads
+    from dp_worker import make
+
+    import recurra_models as rm
+
+    latest = json.loads((tmp_path / "latest.json").read_text())
+    assert latest["step"] in (1, 2)
+    model, opt = make("adamw_clip")
+    out = rm.load_checkpoint(tmp_path / latest["path"], model, opt)
+    assert out["step"] == latest["step"]
+    assert out["extra"]["world_size"] == 2
+
+
+def test_resume_on_another_world_size(mpiexec, tmp_path):
+    """4 steps on 2 ranks, then on to 8 on 3 ranks == 8 steps in one process."""
+    r = launch(mpiexec, 2, ["train", str(tmp_path), "4"])
+    assert r.returncode == 0, r.stderr
+    r = launch(mpiexec, 3, ["train", str(tmp_path), "8", "--resume"])
+    assert r.returncode == 0, r.stderr
+    losses, weights, same = _load(tmp_path / "result-8.npz", "adamw_accum")
+    assert same
+    ref = run("adamw_accum", parallel=False, steps=2 * STEPS)
+    worst = _compare(losses, weights, ref)
+    print(f"resume 2 -> 3 ranks: max rel diff {worst:.2e}")
+    assert worst < RTOL
