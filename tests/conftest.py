@@ -91,8 +91,8 @@ def vulkan_status() -> tuple[bool, str]:
 
     Asks the core (`recurra.backends.available()`, which loads the `recurra.backends` entry
     points and lists each plugin with its devices or the reason it has none). Without that
-    module it probes the `vulkan` entry point itself: per docs/design.md its function returns
-    a dict with `devices` and `reason` and never raises.
+    module it probes the `vulkan` entry point itself: per docs/design.md ("Packages") its
+    function returns a dict with `devices` and `reason` and never raises.
     """
     selected = os.environ.get("RECURRA_BACKENDS")
     if selected and "vulkan" not in [s.strip().lower() for s in selected.split(",")]:

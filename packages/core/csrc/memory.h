@@ -1,6 +1,6 @@
 // Memory accounting and host buffers.
 //
-// Two pools, as in design.md: the *persistent* pool holds what outlives a step (weights,
+// Two pools, as in docs/design.md ("Memory"): the *persistent* pool holds what outlives a step (weights,
 // optimizer state, any tensor the user keeps); the *transient* pool holds the arenas of
 // planned graphs (activations and gradients of one step). memory_stats() reports both.
 #pragma once

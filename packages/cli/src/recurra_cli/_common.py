@@ -56,7 +56,7 @@ def one_line_usage_errors() -> None:
         hint = f" (see `{path} --help`)" if path else ""
         err.print(f"[bold red]error:[/] {escape(e.format_message())}{escape(hint)}")
 
-    rich_utils.rich_format_error = one_line
+    rich_utils.rich_format_error = one_line  # type: ignore[assignment]  # typer's hook, replaced
 
 
 def _finite(obj: Any) -> Any:

@@ -13,7 +13,14 @@ from pathlib import Path
 
 import typer
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from recurra._install import install_hint
@@ -167,7 +174,7 @@ def mamba_train(
         ) as progress:
             task = progress.add_task("epoch", total=cfg.epochs)
 
-            def on_epoch(ep: int, loss: float, _task: int = task) -> None:
+            def on_epoch(ep: int, loss: float, _task: TaskID = task) -> None:
                 progress.update(_task, completed=ep, description=f"loss {loss:.5f}")
 
             # the first run of two has the second backend follow it in lockstep

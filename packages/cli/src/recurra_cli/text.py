@@ -114,9 +114,10 @@ def load_tokens(
             progress.update(task, completed=done, total=total)
 
         try:
-            return rm.tokenize_files(
+            ids: np.ndarray = rm.tokenize_files(
                 paths, tok, cache_dir, text_field=text_field, progress=on_progress
             )
+            return ids
         except (FileNotFoundError, IsADirectoryError, PermissionError, ValueError) as e:
             fail(f"{option}: {e}")
 

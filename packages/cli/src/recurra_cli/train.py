@@ -215,10 +215,10 @@ def train(
             )
     dev = parse_device(device) if ctx is None else _rank_device(ctx, device)
     overrides = _parse_config(config)
-    for opt, files in (("--data", data), ("--eval-data", eval_data)):
+    for flag, files in (("--data", data), ("--eval-data", eval_data)):
         for f in files:
             if not f.is_file():
-                fail(f"{opt}: {f}: data file not found")
+                fail(f"{flag}: {f}: data file not found")
 
     resumed_from = 0
     if resume:

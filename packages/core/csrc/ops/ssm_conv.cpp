@@ -1,6 +1,6 @@
 // ssm_conv: Mamba's depthwise causal convolution, forward and backward, on the CPU.
 //
-// Shapes (numpy order; see docs/ops.md):
+// Shapes (numpy order; see docs/ops.md, "ssm_conv"):
 //   sx (S, D, W - 1 + T)  the W - 1 positions of left context come first
 //   c  (D, W)
 //   ssm_conv      -> y (S, T, D),  y[s, t, ch] = sum_k sx[s, ch, t + k] c[ch, k]

@@ -15,6 +15,7 @@ from importlib import metadata as _metadata
 from recurra import _core
 from recurra import backends as backends
 from recurra import ops as ops
+from recurra._core import DeviceBuffer
 from recurra._devices import Device, parse_device
 from recurra._files import write_atomic
 from recurra._tensor import (
@@ -37,6 +38,7 @@ except _metadata.PackageNotFoundError:  # running from a source tree
 
 __all__ = [
     "Device",
+    "DeviceBuffer",
     "Graph",
     "GraphTensor",
     "Tensor",

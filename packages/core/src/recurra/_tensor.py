@@ -91,7 +91,8 @@ def _host_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """A numpy array whose memory is counted in recurra's persistent pool."""
     n = int(np.prod(shape, dtype=np.int64))
     buf = _core.HostBuffer(max(n, 1) * 4)
-    return np.frombuffer(buf, dtype=dtype, count=n).reshape(shape)
+    arr: np.ndarray = np.frombuffer(memoryview(buf), dtype=dtype, count=n).reshape(shape)
+    return arr
 
 
 class Tensor(TensorOps):
@@ -112,6 +113,19 @@ class Tensor(TensorOps):
         "_seg",
         "__weakref__",
     )
+    _op: str | None
+    _src: tuple[Tensor, ...]
+    _ip: tuple[int, ...]
+    _fp: tuple[float, ...]
+    shape: tuple[int, ...]
+    dtype: str
+    _value: np.ndarray | _core.DeviceBuffer | None
+    requires_grad: bool
+    #: The gradient ``backward()`` accumulated (a tensor on this tensor's device), or None.
+    grad: Tensor | None
+    _is_param: bool
+    device: Device
+    _seg: int
 
     def __init__(self) -> None:
         raise TypeError("create tensors with recurra.tensor() or recurra.param()")
@@ -125,7 +139,7 @@ class Tensor(TensorOps):
         fp: tuple[float, ...],
         shape: tuple[int, ...],
         dtype: str,
-        value: np.ndarray | None,
+        value: np.ndarray | _core.DeviceBuffer | None,
         requires_grad: bool,
         device: Device,
     ) -> Tensor:
@@ -153,6 +167,23 @@ class Tensor(TensorOps):
         return self._op is None
 
     # -- values ----------------------------------------------------------------------
+    @property
+    def storage(self) -> np.ndarray | _core.DeviceBuffer | None:
+        """The memory holding this tensor's value, as it is now: nothing is computed,
+        copied or moved.
+
+        - a numpy array when the value is on the host: the tensor's own memory (writing
+          into it changes the tensor; this is how the optimizers update parameters and
+          their state in place);
+        - a :class:`recurra.DeviceBuffer` when the value lives in a device backend's memory
+          (``upload``/``download`` copy into and out of it; ``valid`` is False once its
+          backend was closed);
+        - None while the value is pending (recorded ops that have not run yet).
+
+        Use :meth:`numpy` for a copy of the value on the host, computing it if needed.
+        """
+        return self._value
+
     def _realized(self) -> np.ndarray:
         """The value as a host array (computing it, and downloading it from a device)."""
         if self._value is None:
@@ -172,13 +203,15 @@ class Tensor(TensorOps):
 
     def numpy(self) -> np.ndarray:
         """Runs what is pending and returns the value as a new numpy array."""
-        return self._realized().copy()
+        out: np.ndarray = self._realized().copy()
+        return out
 
     def item(self) -> float | int:
         """The value of a one-element tensor as a Python number."""
         if self.size != 1:
             raise ValueError(f"item(): the tensor has {self.size} elements, not 1")
-        return self._realized().reshape(()).item()
+        value: float | int = self._realized().reshape(()).item()
+        return value
 
     def tolist(self) -> Any:
         return self._realized().tolist()
@@ -188,10 +221,12 @@ class Tensor(TensorOps):
         if dtype is not None and np.dtype(dtype) != v.dtype:
             if copy is False:
                 raise ValueError("converting the dtype needs a copy, but copy=False was given")
-            return v.astype(dtype)
+            converted: np.ndarray = v.astype(dtype)
+            return converted
         if copy:
-            return v.copy()
-        out = v.view()
+            copied: np.ndarray = v.copy()
+            return copied
+        out: np.ndarray = v.view()
         out.flags.writeable = False
         return out
 
@@ -205,7 +240,13 @@ class Tensor(TensorOps):
         return bool(self.item())
 
     def __repr__(self) -> str:
-        state = "pending" if self._value is None else np.array2string(self._value, threshold=20)
+        v = self._value
+        if v is None:
+            state = "pending"
+        elif isinstance(v, np.ndarray):
+            state = np.array2string(v, threshold=20)
+        else:  # a device buffer: its value is not downloaded for a repr
+            state = f"on {self.device}"
         extra = ", requires_grad=True" if self.requires_grad else ""
         return f"recurra.Tensor({state}, shape={self.shape}, dtype={self.dtype}{extra})"
 
@@ -460,10 +501,12 @@ class LazyFrontend:
         for nid, t in zip(plan.leaf_ids, leaves):
             if t._value is None:
                 t._realized()
-            if isinstance(t._value, _core.DeviceBuffer):
-                g.bind_device(nid, t._value)
+            value = t._value
+            if isinstance(value, _core.DeviceBuffer):
+                g.bind_device(nid, value)
             else:
-                g.bind(nid, t._value)
+                assert value is not None  # computed just above
+                g.bind(nid, value)
         g.compute()
         params = [t for t in leaves if t.requires_grad] if want_grad else []
         graded = [(gid, p) for gid, p in zip(plan.grad_ids, params) if gid >= 0]
@@ -511,6 +554,7 @@ class LazyFrontend:
                 if want_grad and t._seg != seg:
                     seg = t._seg
                     g.set_segment(segs.setdefault(seg, len(segs)))
+                assert t._op is not None  # expand() is True for op nodes only
                 nid = g.op(t._op, [ids[index[id(s)]] for s in t._src], list(t._ip), list(t._fp))
             else:
                 flags = _core.FLAG_INPUT

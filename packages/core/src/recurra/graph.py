@@ -46,7 +46,8 @@ class GraphTensor(TensorOps):
     @property
     def op(self) -> str:
         """The op that computes this node (``"leaf"`` for inputs, params and constants)."""
-        return self.graph._g.info(self.id)["op"]
+        op: str = self.graph._g.info(self.id)["op"]
+        return op
 
     @property
     def grad(self) -> GraphTensor | None:
@@ -61,7 +62,7 @@ class GraphTensor(TensorOps):
         v = self.numpy()
         if v.size != 1:
             raise ValueError(f"item(): the tensor has {v.size} elements, not 1")
-        return v.reshape(()).item()
+        return float(v.reshape(()).item())
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         v = self.numpy()
@@ -210,7 +211,7 @@ class Graph:
 
     def splits(self) -> list[tuple[str, int, int]]:
         """Per split: (backend, number of nodes, number of tensors copied in)."""
-        return [tuple(s) for s in self._g.splits()]
+        return [(str(b), int(n), int(m)) for b, n, m in self._g.splits()]
 
     def placement(self) -> dict[str, int]:
         """How many computed nodes each backend runs."""

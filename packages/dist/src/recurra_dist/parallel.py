@@ -35,10 +35,10 @@ class ExchangeTimeout(RuntimeError):
     """A collective did not complete within the wrapper's timeout (a rank is gone or stuck)."""
 
 
-def _device_buffer(t: Tensor) -> Any:
+def _device_buffer(t: Tensor) -> rc.DeviceBuffer | None:
     """The DeviceBuffer behind a device tensor, or None for a host tensor."""
-    v = t._value
-    return None if v is None or isinstance(v, np.ndarray) else v
+    v = t.storage
+    return v if isinstance(v, rc.DeviceBuffer) else None
 
 
 class _Bucket:
@@ -318,7 +318,7 @@ def _make_buckets(params: list[Tensor], max_elems: int) -> list[_Bucket]:
 
 def _compute(ts: list[Tensor]) -> None:
     """Runs what ``ts`` still need (one lazy run; the results stay on their device)."""
-    pending = [t for t in ts if t._value is None]
+    pending = [t for t in ts if t.storage is None]
     if pending:
         pending[0]._frontend.run(pending)
 
@@ -339,7 +339,10 @@ def _packed_device(b: _Bucket, act: list[bool]) -> Any:
 def _download_packed(b: _Bucket) -> None:
     """Concatenates the bucket's gradients on their device and downloads them at once."""
     with rc.no_grad():
-        flat = [p.grad.reshape(-1) for p in b.params]
+        flat = []
+        for p in b.params:
+            assert p.grad is not None  # _device_of checked every gradient of the bucket
+            flat.append(p.grad.reshape(-1))
         packed = rc.ops.concat(flat) if len(flat) > 1 else flat[0]
     _compute([packed])
     _read_into(packed, b.buffer)
@@ -364,13 +367,14 @@ def _read_into(t: Tensor, out: np.ndarray) -> None:
     if buf is not None:
         buf.download(out)
     else:
-        np.copyto(out, t._realized(), casting="same_kind")
+        np.copyto(out, np.asarray(t), casting="same_kind")
 
 
 def _read_grad_into(p: Tensor, out: np.ndarray) -> None:
-    g = p.grad
-    if g.shape != p.shape:
-        raise ValueError(f"the gradient has shape {g.shape}, the parameter {p.shape}")
+    g: Tensor | np.ndarray | None = p.grad  # a numpy array where a user set one
+    if g is None or g.shape != p.shape:
+        shape = None if g is None else g.shape
+        raise ValueError(f"the gradient has shape {shape}, the parameter {p.shape}")
     if isinstance(g, Tensor):
         _read_into(g, out)
     else:
@@ -385,7 +389,7 @@ def _write_grad(p: Tensor, value: np.ndarray) -> None:
         if buf is not None:
             buf.upload(value)
             return
-        arr = g._value
+        arr = g.storage
         if (
             isinstance(arr, np.ndarray)
             and arr.dtype == np.float32

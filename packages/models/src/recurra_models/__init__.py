@@ -16,9 +16,37 @@ from __future__ import annotations
 
 from importlib import import_module
 from importlib import metadata as _metadata
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from recurra_models import nn as nn
+
+if TYPE_CHECKING:  # what _LAZY loads on first use, for type checkers and readers
+    from recurra_models.evaluation import evaluate_tokens
+    from recurra_models.export import save_pretrained
+    from recurra_models.generation import generate, sample_token, stream
+    from recurra_models.loading import load_pretrained, load_safetensors
+    from recurra_models.mamba import MambaConfig, MambaLM
+    from recurra_models.mamba2 import Mamba2Config, Mamba2LM
+    from recurra_models.presets import presets
+    from recurra_models.rwkv6 import RWKV6LM, RWKV6Config
+    from recurra_models.rwkv7 import RWKV7LM, RWKV7Config
+    from recurra_models.textdata import tokenize_files
+    from recurra_models.tokenizer import ByteTokenizer
+    from recurra_models.tokenizers import (
+        HFTokenizer,
+        TextStreamer,
+        WorldTokenizer,
+        load_tokenizer,
+        train_byte_bpe,
+    )
+    from recurra_models.training import (
+        CheckpointError,
+        Trainer,
+        batch_at,
+        latest_checkpoint,
+        load_checkpoint,
+        save_checkpoint,
+    )
 
 try:
     __version__ = _metadata.version("recurra-models")
@@ -119,11 +147,7 @@ def __getattr__(name: str) -> Any:
 def _entry_points() -> dict[str, str]:
     """name -> "module:attr" of every registered architecture (built-ins included)."""
     found = dict(_BUILTIN)
-    try:
-        eps = _metadata.entry_points(group="recurra.models")
-    except TypeError:  # Python < 3.10 style API; kept for safety
-        eps = _metadata.entry_points().get("recurra.models", [])  # type: ignore[attr-defined]
-    for ep in eps:
+    for ep in _metadata.entry_points(group="recurra.models"):  # Python >= 3.10
         found[ep.name] = ep.value
     return found
 

@@ -177,7 +177,7 @@ class StepGraph:
         g = self.graph
         for p, leaf in self.params:
             if self.resident:
-                g._g.bind_device(leaf.id, p._value)
+                g._g.bind_device(leaf.id, p.storage)
             else:
                 g._g.bind(leaf.id, p._realized())
 
@@ -194,7 +194,8 @@ class StepGraph:
         for leaf, v in zip(self.st_in, state):
             g.set_data(leaf, v)
         g.compute()
-        return g.get_data(self.logits), [g.get_data(t) for t in self.st_out]
+        logits: np.ndarray = g.get_data(self.logits)
+        return logits, [g.get_data(t) for t in self.st_out]
 
     def start(self, state: State) -> None:
         """Resident graphs: takes over ``state`` (computed device tensors, e.g. after the
@@ -205,7 +206,7 @@ class StepGraph:
         realize(flat)
         self._state = []
         for leaf, t in zip(self.st_in, flat):
-            buf = (t if t.is_on_device else t.to(self.graph.backends[0]))._value
+            buf = (t if t.is_on_device else t.to(self.graph.backends[0])).storage
             self._state.append(buf)
             self.graph._g.bind_device(leaf.id, buf)
 
@@ -217,7 +218,8 @@ class StepGraph:
         g = self.graph
         g.set_data(self.tok, tokens)
         g.compute()
-        return g.get_data(self.logits)
+        logits: np.ndarray = g.get_data(self.logits)
+        return logits
 
 
 def _step(model: Any, tokens: np.ndarray, state: State | None) -> tuple[np.ndarray, State]:

@@ -23,7 +23,7 @@ def realize(tensors: Sequence[Any]) -> None:
     """Computes every pending tensor of ``tensors`` in one graph run (one plan), so that
     results that share work (logits and the recurrent states of a step) are computed once
     and later graphs do not reach back into this one."""
-    pending = [t for t in tensors if isinstance(t, rc.Tensor) and t._value is None]
+    pending = [t for t in tensors if isinstance(t, rc.Tensor) and t.storage is None]
     if pending:
         pending[0]._frontend.run(pending)
 
@@ -210,7 +210,8 @@ def conv_state_after(x: Any, k: int) -> Any:
 
 def inv_softplus(x: np.ndarray) -> np.ndarray:
     """The inverse of softplus: log(exp(x) - 1), stable for small x."""
-    return x + np.log(-np.expm1(-x))
+    out: np.ndarray = x + np.log(-np.expm1(-x))
+    return out
 
 
 def init_dt_bias(

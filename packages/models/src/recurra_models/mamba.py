@@ -68,7 +68,8 @@ class MambaConfig(ConfigBase):
     }
 
     def __post_init__(self) -> None:
-        if self.dt_rank in ("auto", None):
+        raw: object = self.dt_rank  # HF configs write "auto" (or null)
+        if raw in ("auto", None):
             self.dt_rank = 0
         _positive(
             "MambaConfig",
@@ -108,6 +109,7 @@ class MambaMixer(nn.Module):
         self.dt_proj = nn.Linear(r, di, bias=True, seed=rng)
         std = r**-0.5
         self.dt_proj.weight.assign_(rng.uniform(-std, std, (di, r)).astype(np.float32))
+        assert self.dt_proj.bias is not None  # bias=True above
         self.dt_proj.bias.assign_(init_dt_bias(rng, di, 1e-3, 1e-1, 1e-4))
         self.A_log = nn.Parameter(np.log(np.tile(np.arange(1, n + 1, dtype=np.float32), (di, 1))))
         self.D = nn.Parameter(np.ones(di, np.float32))

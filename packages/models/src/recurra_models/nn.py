@@ -310,7 +310,8 @@ class ModuleList(Module):
         n = len(self)
         if not -n <= i < n:
             raise IndexError(f"ModuleList index {i} out of range for {n} modules")
-        return self.__dict__["_modules"][str(i % n)]
+        module: Module = self.__dict__["_modules"][str(i % n)]
+        return module
 
 
 # -- layers ------------------------------------------------------------------------------

@@ -79,8 +79,7 @@ class HFTokenizer:
             from tokenizers import Tokenizer
         except ImportError:
             raise ImportError(
-                "reading tokenizer.json needs the tokenizers library: "
-                + install_hint("tokenizers")
+                "reading tokenizer.json needs the tokenizers library: " + install_hint("tokenizers")
             ) from None
         p = Path(os.fspath(path))
         file = p / "tokenizer.json" if p.is_dir() else p
@@ -235,9 +234,10 @@ class WorldTokenizer:
         while i < n:
             node, j, best, end = root, i, -1, i
             while j < n:
-                node = node.get(src[j])
-                if node is None:
+                child = node.get(src[j])
+                if child is None:
                     break
+                node = child
                 j += 1
                 tid = node.get(-1)
                 if tid is not None:
@@ -391,7 +391,7 @@ class TextStreamer:
 
     def push(self, token_id: int) -> str:
         self._ids.append(int(token_id))
-        text = self.tok.decode(self._ids)
+        text: str = self.tok.decode(self._ids)
         if text.endswith("\ufffd") and self._held < 4:
             self._held += 1  # maybe an incomplete character (at most 4 bytes): wait
             return ""

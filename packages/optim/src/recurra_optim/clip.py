@@ -12,9 +12,11 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
-from recurra import Tensor
+import numpy as np
+
+from recurra import DeviceBuffer, Tensor
 from recurra.ops import FusedStep
-from recurra_optim.optimizer import _grad_buffer, _on_device
+from recurra_optim.optimizer import _device_storage, _grad_buffer
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_"]
 
@@ -32,14 +34,19 @@ def _run(parameters: Tensor | Iterable[Tensor], hyper: dict[str, float], norm: b
         return 0.0
     # Host gradients are clipped in their own buffers; device gradients through a host copy
     # written back afterwards (until the backends run grad_clip themselves).
-    grads, uploads = [], []
+    grads: list[np.ndarray] = []
+    uploads: list[tuple[DeviceBuffer, np.ndarray]] = []
     for p in params:
-        if _on_device(p.grad):
-            host = p.grad.numpy()
-            uploads.append((p.grad._value, host))
+        g = p.grad
+        buf = _device_storage(g)
+        if g is not None and buf is not None:
+            host = g.numpy()
+            uploads.append((buf, host))
             grads.append(host)
         else:
-            grads.append(_grad_buffer(p, writable=True))
+            arr = _grad_buffer(p, writable=True)
+            assert arr is not None  # p.grad is not None
+            grads.append(arr)
     key = (norm, tuple(g.shape for g in grads))
     fs = _cache.get(key)
     if fs is None:
@@ -49,8 +56,8 @@ def _run(parameters: Tensor | Iterable[Tensor], hyper: dict[str, float], norm: b
             _cache.popitem(last=False)
     else:
         _cache.move_to_end(key)
-    for t, g in enumerate(grads):
-        fs.bind(0, t, 0, g)
+    for t, arr in enumerate(grads):
+        fs.bind(0, t, 0, arr)
     fs.set_hyper(0, hyper)
     fs.run()
     for buf, host in uploads:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -36,7 +36,7 @@ ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]] | Mapping[str, Tensor]
 _MAX_PLANS = 8
 
 
-def _is_tensor(x: Any) -> bool:
+def _is_tensor(x: Any) -> TypeGuard[Tensor]:
     return isinstance(x, Tensor)
 
 
@@ -202,7 +202,9 @@ class Optimizer:
                 elif _is_tensor(p.grad):
                     p.grad.assign_(np.zeros(p.grad.shape, np.float32))  # in place, any device
                 else:
-                    _grad_buffer(p, writable=True)[...] = 0.0
+                    buf = _grad_buffer(p, writable=True)
+                    assert buf is not None  # p.grad is not None
+                    buf[...] = 0.0
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step: updates every parameter that has a gradient, in place, on
@@ -289,7 +291,7 @@ class Optimizer:
                 self._check_value(p, group)
                 tensors.append(self._arrays(p, keys, uploads))
             updates.append((self._op, self._extra(group), tensors))
-            on_host.append(all(isinstance(p._value, np.ndarray) for p in ps))
+            on_host.append(all(isinstance(p.storage, np.ndarray) for p in ps))
         try:
             fs = FusedStep(updates, norm=norm)
         except RuntimeError as exc:
@@ -301,7 +303,7 @@ class Optimizer:
             return self._build(rows, norm, uploads)
         if not all(on_host):
             self._device_kernels = True
-        return _Plan(fs, on_host, [[p._value for p in ps] for _, ps in rows])
+        return _Plan(fs, on_host, [[p.storage for p in ps] for _, ps in rows])
 
     def _rebind(
         self, plan: _Plan, u: int, gi: int, ps: list[Tensor], uploads: list[tuple[Any, np.ndarray]]
@@ -314,7 +316,7 @@ class Optimizer:
             keys = self._state_keys(group)
             for t, p in enumerate(ps):
                 self._check_grad_shape(p)
-                if p._value is not plan.values[u][t]:
+                if p.storage is not plan.values[u][t]:
                     return False
                 for k, a in enumerate(self._arrays(p, keys, uploads)):
                     fs.bind(u, t, k, a)
@@ -322,19 +324,20 @@ class Optimizer:
         values = plan.values[u]
         grads = []
         for t, p in enumerate(ps):
-            if p._value is not values[t]:
+            if p.storage is not values[t]:
                 return False
-            g = p.grad
-            a = g._value if isinstance(g, Tensor) else g
+            g = _grad(p)
+            ga = g.storage if isinstance(g, Tensor) else g
             if (
-                type(a) is not np.ndarray
-                or a.dtype != np.float32
+                type(ga) is not np.ndarray
+                or ga.dtype != np.float32
+                or g is None
                 or g.shape != p.shape
-                or not a.flags.c_contiguous
+                or not ga.flags.c_contiguous
             ):
                 self._check_grad_shape(p)
-                a = self._host_grad(p)
-            grads.append(a)
+                ga = self._host_grad(p)
+            grads.append(ga)
         fs.bind_column(u, 1, grads)
         return True
 
@@ -348,7 +351,8 @@ class Optimizer:
 
     def _host_grad(self, p: Tensor) -> np.ndarray:
         """p's gradient as a dense float32 host array (a download for a device gradient)."""
-        if not _on_device(p.grad):
+        g = p.grad
+        if not _on_device(g):
             arr = _grad_buffer(p, writable=False)
             assert arr is not None
             return arr
@@ -356,12 +360,12 @@ class Optimizer:
         host = stage.get("grad")
         if host is None or host.shape != p.shape:
             host = stage["grad"] = np.empty(p.shape, np.float32)
-        _download(p.grad, host, self._name(p), "gradient")
+        _download(g, host, self._name(p), "gradient")
         return host
 
     def _arrays(
         self, p: Tensor, keys: tuple[str, ...], uploads: list[tuple[Any, np.ndarray]]
-    ) -> tuple[np.ndarray, ...]:
+    ) -> tuple[np.ndarray | Tensor, ...]:
         """The host arrays the update op works on for p: (param, grad, *state, step).
 
         On the CPU these are the tensors' own buffers (updated in place, zero-copy). For a
@@ -371,8 +375,9 @@ class Optimizer:
         """
         st = self.state[p]
         tensors = [p, *(st[k] for k in keys), st["step"]]
-        if all(isinstance(t._value, np.ndarray) for t in tensors):
-            return (p._value, self._host_grad(p), *(st[k]._value for k in keys), st["step"]._value)
+        own = _host_storages(tensors)
+        if own is not None:
+            return (own[0], self._host_grad(p), *own[1:])
         if self._device_kernels is not False and all(t.device == p.device for t in tensors):
             # Resident: the update runs on the device, on the tensors themselves.
             g = p.grad
@@ -386,14 +391,14 @@ class Optimizer:
             if host is None or host.shape != t.shape:
                 host = stage[name] = np.empty(t.shape, np.int32 if name == "step" else np.float32)
             _download(t, host, self._name(p), name)
-            uploads.append((t._value, host))
+            uploads.append((t.storage, host))
             out.append(host)
         return (out[0], self._host_grad(p), *out[1:])
 
     def _check_value(self, p: Tensor, group: dict[str, Any]) -> None:
         """Checks a parameter's data the first time it is seen (and whenever it is replaced),
         and moves the state along if the parameter changed device."""
-        value = p._value
+        value = p.storage
         if isinstance(value, np.ndarray):
             if (
                 value.dtype != np.float32
@@ -421,7 +426,7 @@ class Optimizer:
         for k, t in list(st.items()):
             if t.device == p.device:
                 continue
-            if not getattr(t._value, "valid", True):
+            if not getattr(t.storage, "valid", True):
                 raise RuntimeError(
                     f"{type(self).__name__}: the {k} state of {self._name(p)} "
                     f"lived on {t.device}, whose memory was released; restore it "
@@ -491,17 +496,15 @@ class Optimizer:
                 for k in [k for k in st if k != "step" and k not in keys and k not in entry]:
                     del st[k]
                 self._init_state(p, group)
-                st["step"]._value[0] = entry.get("step", 0)
+                # assign_ writes into the tensor's own memory, on the host or a device.
+                st["step"].assign_(np.int32(entry.get("step", 0)))
                 for k in keys:
-                    if k in entry:
-                        np.copyto(st[k]._value, entry[k])
-                    else:
-                        st[k]._value[...] = 0.0
+                    st[k].assign_(entry[k] if k in entry else np.float32(0.0))
                 for k, arr in entry.items():  # optional state the group does not use now
                     if k == "step" or k in keys:
                         continue
                     if k in st:
-                        np.copyto(st[k]._value, arr)
+                        st[k].assign_(arr)
                     else:
                         st[k] = recurra.tensor(arr, device=p.device)
         if meta:
@@ -674,15 +677,44 @@ _REQUIRED: Any = _Required()
 # ---- helpers --------------------------------------------------------------------------------
 
 
-def _on_device(t: Any) -> bool:
+def _on_device(t: Any) -> TypeGuard[Tensor]:
     """Whether t is a recurra tensor whose value lives in a device backend's memory."""
-    return _is_tensor(t) and t._value is not None and not isinstance(t._value, np.ndarray)
+    return _device_storage(t) is not None
+
+
+def _device_storage(t: Any) -> recurra.DeviceBuffer | None:
+    """The device memory holding t when t is a recurra tensor on a device backend, else
+    None (a host tensor, a pending one, or not a tensor)."""
+    s = t.storage if _is_tensor(t) else None
+    return s if isinstance(s, recurra.DeviceBuffer) else None
+
+
+def _host_storages(tensors: list[Tensor]) -> list[np.ndarray] | None:
+    """The host arrays holding ``tensors`` (their own memory), or None when any of them is
+    not on the host."""
+    out = []
+    for t in tensors:
+        s = t.storage
+        if not isinstance(s, np.ndarray):
+            return None
+        out.append(s)
+    return out
+
+
+def _grad(p: Tensor) -> Tensor | np.ndarray | None:
+    """``p.grad`` as the optimizers take it: the tensor ``backward()`` left there, or a
+    numpy array a user assigned (accepted, converted to float32 when needed)."""
+    g: Tensor | np.ndarray | None = p.grad
+    return g
 
 
 def _download(t: Tensor, out: np.ndarray, name: str, what: str) -> None:
-    buf = t._value
+    buf = t.storage
     if isinstance(buf, np.ndarray):
         np.copyto(out, buf)
+        return
+    if buf is None:  # pending: compute it (where it lives) and copy the result
+        np.copyto(out, t.numpy())
         return
     if not getattr(buf, "valid", True):
         raise RuntimeError(
@@ -695,18 +727,21 @@ def _download(t: Tensor, out: np.ndarray, name: str, what: str) -> None:
 def _grad_buffer(p: Tensor, *, writable: bool) -> np.ndarray | None:
     """The array behind ``p.grad`` (no copy when it is dense float32), or None. With
     ``writable``, an array that can be written in place and that ``p.grad`` then holds."""
-    g = p.grad
+    g = _grad(p)
     if g is None:
         return None
-    arr = g._value if _is_tensor(g) and g._value is not None else np.asarray(g)
+    s = g.storage if isinstance(g, Tensor) else None
+    arr = s if isinstance(s, np.ndarray) else np.asarray(g)
     if arr.dtype == np.float32 and arr.flags.c_contiguous and (arr.flags.writeable or not writable):
         return arr
     arr = np.array(arr, np.float32, order="C")
     if writable:  # the in-place users (zero_grad, clipping) must write into p.grad itself
-        if _is_tensor(g):
-            p.grad = recurra.tensor(arr, device=p.device)
-            return p.grad._value
-        p.grad = arr
+        if isinstance(g, Tensor):
+            t = recurra.tensor(arr, device=p.device)
+            p.grad = t
+            s = t.storage
+            return s if isinstance(s, np.ndarray) else arr
+        p.grad = arr  # type: ignore[assignment]  # a numpy gradient stays one
     return arr
 
 
@@ -733,7 +768,8 @@ def _param_list(params: Any, names: dict[int, str]) -> list[Tensor]:
             raise ValueError(f"can't optimize a non-leaf tensor (parameter {i})")
         if p.dtype != "float32":
             raise TypeError(f"parameter {i} is {p.dtype}; only float32 tensors can be optimized")
-    return params
+    checked: list[Tensor] = params
+    return checked
 
 
 def _as_groups(params: Any, names: dict[int, str]) -> list[dict[str, Any]]:
@@ -765,10 +801,10 @@ def _check_accumulate(k: Any) -> int:
 def _check_clip(name: str, v: Any) -> float | None:
     if v is None:
         return None
-    v = float(v)
-    if not (v > 0 and math.isfinite(v)):
-        raise ValueError(f"{name} must be a positive finite number or None, got {v}")
-    return v
+    f = float(v)
+    if not (f > 0 and math.isfinite(f)):
+        raise ValueError(f"{name} must be a positive finite number or None, got {f}")
+    return f
 
 
 def _check_nonneg(name: str, v: Any) -> None:

@@ -22,7 +22,7 @@ __all__ = ["backend_info", "memory_info", "op_names", "run_node"]
 try:
     from recurra_vulkan import _vk
 except ImportError as _e:  # libvulkan.so.1 missing, or a broken build
-    _vk = None
+    _vk = None  # type: ignore[assignment]  # checked as `_vk is None` below
     _IMPORT_ERROR = f"the recurra_vulkan extension could not be loaded: {_e}"
 else:
     _IMPORT_ERROR = ""

@@ -1,32 +1,54 @@
+"""Type stub of recurra-vulkan's native extension (packages/vulkan/csrc/bindings.cpp).
+
+Kept in step with the bindings by tests/vulkan/test_vulkan_stubs.py. In the bindings
+``out_shape`` has no default but follows ``ip`` and ``fp``, which have one (``[]``); a call
+that gives ``out_shape`` by position must give ``ip`` and ``fp`` too, so the stub asks for
+them (stricter than the bindings: ``run_node(op, srcs, out_shape=...)`` also runs).
+"""
+
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+_R_co = TypeVar("_R_co", covariant=True)
+
 ABI_VERSION: int
+MAX_SRC: int
 
 def backend_info() -> dict[str, Any]: ...
 def op_names() -> list[str]: ...
 def run_node(
     op: str,
     srcs: Sequence[np.ndarray],
-    ip: Sequence[int] = ...,
-    fp: Sequence[float] = ...,
-    out_shape: Sequence[int] = ...,
+    ip: Sequence[int],
+    fp: Sequence[float],
+    out_shape: Sequence[int],
     out_dtype: str = "float32",
     src_offset: int = 0,
     device: int = 0,
 ) -> np.ndarray: ...
-def profile_node(
-    op: str,
-    srcs: Sequence[np.ndarray],
-    ip: Sequence[int] = ...,
-    fp: Sequence[float] = ...,
-    out_shape: Sequence[int] = ...,
-    out_dtype: str = "float32",
-    iters: int = 10,
-    warmup: int = 2,
-    device: int = 0,
-) -> list[float]: ...
+
+class _Profiler(Protocol[_R_co]):
+    """profile_node and profile_dispatches: run_node's arguments, iters and warmup."""
+
+    def __call__(
+        self,
+        op: str,
+        srcs: Sequence[np.ndarray],
+        ip: Sequence[int],
+        fp: Sequence[float],
+        out_shape: Sequence[int],
+        out_dtype: str = "float32",
+        iters: int = 10,
+        warmup: int = 2,
+        device: int = 0,
+    ) -> _R_co: ...
+
+# The GPU time of each of the last `iters` runs, in seconds.
+profile_node: _Profiler[list[float]]
+# (label, seconds) of every dispatch of the last `iters` runs.
+profile_dispatches: _Profiler[list[tuple[str, float]]]
+
 def memory_info(device: int = 0, reset_peaks: bool = False) -> dict[str, Any]: ...
 def shutdown() -> None: ...

@@ -160,7 +160,7 @@ def tanh(x: Any) -> Any:
 
 
 def softplus(x: Any) -> Any:
-    """log(1 + exp(x)), and x itself where x > 20 (as in ops.md)."""
+    """log(1 + exp(x)), and x itself where x > 20 (docs/ops.md, "Conventions")."""
     return _unary("softplus", x)
 
 

@@ -168,7 +168,7 @@ class FusedStep:
         self._norm_id = -1
         self._hyper_dev: list[Any] = []  # the device copy of each update's hyper, or None
         devices: set[str] = set()
-        built: list[tuple[str, list[int], int, list[list[int]], bool]] = []
+        built: list[tuple[str, list[int], int, list[list[int]], str]] = []
         for op, extra, tensors in updates:
             if op not in UPDATE_SOURCES:
                 raise ValueError(f"FusedStep: unknown update op {op!r}")
@@ -242,7 +242,8 @@ class FusedStep:
     def hyper(self, update: int) -> np.ndarray:
         """A copy of the packed hyper-parameters of update ``update`` (set them with
         :meth:`set_hyper`)."""
-        return self._hyper[update].copy()
+        out: np.ndarray = self._hyper[update].copy()
+        return out
 
     def set_hyper(self, update: int, values: Mapping[str, float]) -> None:
         """Packs ``values`` into update ``update``'s hyper-parameters (see pack_hyper); for

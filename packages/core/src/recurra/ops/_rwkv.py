@@ -1,6 +1,6 @@
 """RWKV's sequence-mixing operators: RWKV-6 and RWKV-7 time mixing, and gated linear attention.
 
-Semantics (shapes in numpy order) are those of ``docs/ops.md`` and of ggml's
+Semantics (shapes in numpy order) are those of ``docs/ops.md`` (one section per op) and of ggml's
 GGML_OP_RWKV_WKV6, GGML_OP_RWKV_WKV7 and GGML_OP_GATED_LINEAR_ATTN. The per-token inputs are
 (T, H, S): T tokens of H heads of size S, made of ``n_seqs`` runs of ``T // n_seqs`` tokens,
 run q starting from ``state[q]`` of the (n_seqs, H, S, S) state. Each op returns

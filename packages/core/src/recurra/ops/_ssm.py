@@ -1,7 +1,8 @@
 """Mamba's sequence-mixing operators: the depthwise causal convolution and the selective scan.
 
-Semantics (shapes in numpy order) are those of ``docs/ops.md`` and of ggml's
-GGML_OP_SSM_CONV and GGML_OP_SSM_SCAN; both ops are differentiable in every float input.
+Semantics (shapes in numpy order) are those of ``docs/ops.md`` (sections "ssm_conv" and
+"ssm_scan") and of ggml's GGML_OP_SSM_CONV and GGML_OP_SSM_SCAN; both ops are
+differentiable in every float input.
 """
 
 from __future__ import annotations
