@@ -134,19 +134,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(e.code) if isinstance(e.code, int) else cb.EXIT_USAGE
     if args.list:
         print(_format_list())
-        return cb.EXIT_OK
+        return int(cb.EXIT_OK)
     try:
         selected = cb.select_cases(args.op)
         devices = cb.resolve_backends(args.backend)
     except (cb.UnknownOpError, cb.UnknownBackendError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return cb.EXIT_USAGE
+        return int(cb.EXIT_USAGE)
     except cb.BackendUnavailableError as e:
         print(f"error: {e}", file=sys.stderr)
-        return cb.EXIT_NO_BACKEND
+        return int(cb.EXIT_NO_BACKEND)
     if not devices:
         msg = cb.no_device_message()
-        code = cb.EXIT_OK if args.allow_cpu_only else cb.EXIT_NO_BACKEND
+        code: int = cb.EXIT_OK if args.allow_cpu_only else cb.EXIT_NO_BACKEND
         if args.json:
             doc = cb.to_json([], [], code)
             doc["message"] = msg
@@ -168,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(_row(_HEADER), flush=True)
     results = cb.check(args.op, devices, on_result=None if args.json else show)
-    code = cb.exit_code(results, args.strict)
+    code = int(cb.exit_code(results, args.strict))
     if args.json:
         print(json.dumps(cb.to_json(results, devices, code)))
     else:

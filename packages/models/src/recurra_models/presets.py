@@ -13,14 +13,30 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     # state-spaces/mamba-130m: GPT-NeoX vocabulary padded to a multiple of 8
     "mamba-130m": (
         "mamba",
-        dict(vocab_size=50280, d_model=768, n_layer=24, d_state=16, d_conv=4, expand=2,
-             tie_embeddings=True),
+        dict(
+            vocab_size=50280,
+            d_model=768,
+            n_layer=24,
+            d_state=16,
+            d_conv=4,
+            expand=2,
+            tie_embeddings=True,
+        ),
     ),
     # state-spaces/mamba2-130m: the same vocabulary padded to a multiple of 16
     "mamba2-130m": (
         "mamba2",
-        dict(vocab_size=50288, d_model=768, n_layer=24, d_state=128, d_conv=4, expand=2,
-             head_dim=64, n_groups=1, tie_embeddings=True),
+        dict(
+            vocab_size=50288,
+            d_model=768,
+            n_layer=24,
+            d_state=128,
+            d_conv=4,
+            expand=2,
+            head_dim=64,
+            n_groups=1,
+            tie_embeddings=True,
+        ),
     ),
     # RWKV-7 "Goose" 0.1B (World vocabulary; LoRA widths follow from n_embd: 64/64/32/128)
     "rwkv7-0.1b": ("rwkv7", dict(vocab_size=65536, n_embd=768, n_layer=12, head_size=64)),

@@ -94,8 +94,7 @@ class RWKV7Config(ConfigBase):
         )
         if self.n_embd % self.head_size:
             raise ValueError(
-                f"RWKV7Config: n_embd {self.n_embd} is not a multiple of head_size "
-                f"{self.head_size}"
+                f"RWKV7Config: n_embd {self.n_embd} is not a multiple of head_size {self.head_size}"
             )
         if not isinstance(self.layer0_v_lora, bool):
             raise ValueError(
@@ -235,9 +234,7 @@ class RWKV7Block(nn.Module):
         self.att = RWKV7TimeMix(cfg, layer_id, rng)
         self.ffn = RWKV7ChannelMix(cfg, layer_id, rng)
 
-    def forward(
-        self, x: Any, state: list[Any], v_first: Any | None
-    ) -> tuple[Any, list[Any], Any]:
+    def forward(self, x: Any, state: list[Any], v_first: Any | None) -> tuple[Any, list[Any], Any]:
         """x (B, T, C), state [att_shift, wkv, ffn_shift], v_first (None in layer 0).
 
         Returns (x, new state, v_first)."""
@@ -304,8 +301,8 @@ class RWKV7LM(RWKVFamilyLM):
                 f"does not fit n_embd {c} with head size {hs}"
             )
         # v1 of layer 0 may be absent; layer 1 (if any) always has it.
-        mv_key = "blocks.0.att.v1" if "blocks.0.att.v1" in sd or n_layer == 1 else (
-            "blocks.1.att.v1"
+        mv_key = (
+            "blocks.0.att.v1" if "blocks.0.att.v1" in sd or n_layer == 1 else ("blocks.1.att.v1")
         )
         d_mv = require_matrix(sd, mv_key)[1] if mv_key in sd else 32
         cfg = RWKV7Config(

@@ -106,8 +106,9 @@ class HFTokenizer:
 
         def pick(key: str) -> int | None:
             name = self.special.get(f"{key}_token")
-            if name is not None and self._tok.token_to_id(name) is not None:
-                return int(self._tok.token_to_id(name))
+            tid = self._tok.token_to_id(name) if name is not None else None
+            if tid is not None:
+                return int(tid)
             v = model_cfg.get(f"{key}_token_id")
             if isinstance(v, list):
                 v = v[0] if v else None

@@ -42,16 +42,16 @@ NAN_FINITE_ROW = np.array([np.nan, -3.0, -1.0, 0.5, 2.0, 5.0], np.float32)
 
 
 def _erf(x: np.ndarray) -> np.ndarray:
-    return np.vectorize(math.erf, otypes=[np.float64])(x)
+    return np.asarray(np.vectorize(math.erf, otypes=[np.float64])(x))
 
 
 def _softplus(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
-        return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))
+        return np.asarray(np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20)))))
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
-    return x / (1 + np.exp(-x))
+    return np.asarray(x / (1 + np.exp(-x)))
 
 
 def _pow15(x: np.ndarray) -> np.ndarray:
@@ -87,7 +87,7 @@ def unary(
             OpCase(
                 op,
                 name,
-                lambda rng, d=data: {"x": d.copy()},
+                _fixed(data),
                 build,
                 nonfinite=True,
                 nan_grad=nan_grad,
@@ -95,6 +95,11 @@ def unary(
             )
         )
     return out
+
+
+def _fixed(data: np.ndarray) -> Callable[[np.random.Generator], dict[str, np.ndarray]]:
+    """Inputs that are always ``data`` (a copy each time)."""
+    return lambda rng: {"x": data.copy()}
 
 
 def _n(scale: float = 1.0) -> Sampler:

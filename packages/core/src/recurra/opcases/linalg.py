@@ -22,7 +22,7 @@ def _tag(sa: tuple[int, ...], sb: tuple[int, ...]) -> str:
 
 
 def _out_prod_ref(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.swapaxes(a, -1, -2) @ b
+    return np.asarray(np.swapaxes(a, -1, -2) @ b)
 
 
 def matmul(name: str, sa: tuple[int, ...], sb: tuple[int, ...], note: str = "") -> OpCase:
