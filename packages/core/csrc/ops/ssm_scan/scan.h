@@ -6,7 +6,6 @@
 //   back_heads.cpp the backward, heads layout (P == 1), from checkpointed segments
 //   op.cpp         the op definitions, shape checks and the backward driver (partial sums)
 //
-//
 // Shapes (numpy order; see docs/ops.md):
 //   s    (R, H, P, N)  initial states, R >= S          x   (S, T, H, P)    dt (S, T, H)
 //   A    (H, NA)       NA = N (one decay per state) or 1 (one decay per head, Mamba-2)
