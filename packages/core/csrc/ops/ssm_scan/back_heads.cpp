@@ -41,20 +41,7 @@ struct HeadsBwd {
 RC_SIMD void heads_seg_forward(const HeadsBwd& f, float* S, int64_t t0, int64_t t1, float* dbuf, float* ubuf,
                                float* abuf, float* sbuf) {
   const int64_t N = f.N, nl = f.nl, na = f.NA == 1 ? 1 : N;
-  for (int64_t t = t0; t < t1; ++t) {
-    if (t + kChunk < f.T) {
-      __builtin_prefetch(f.dt + (t + kChunk) * f.H);
-      __builtin_prefetch(f.x + (t + kChunk) * f.H);
-    }
-    const float* dtt = f.dt + t * f.H;
-    const float* xt = f.x + t * f.H;
-    vf z = nl == 16 ? vload(dtt) : vload_part(dtt, nl);
-    vf xv = nl == 16 ? vload(xt) : vload_part(xt, nl);
-    vf d = vsoftplus(z);
-    vstore(dbuf + (t - t0) * 16, d);
-    vstore(ubuf + (t - t0) * 16, xv * d);
-  }
-  exp_rows_best(dbuf, f.AT, na, t1 - t0, abuf);
+  heads_stage(f.dt, f.x, nullptr, f.AT, f.T, f.H, nl, na, t0, t1, dbuf, ubuf, abuf);
   const int64_t as = na == 1 ? 0 : 16;
   for (int64_t t = t0; t < t1; ++t) {
     const float* Bt = f.B + t * f.bs;

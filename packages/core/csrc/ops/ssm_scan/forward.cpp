@@ -284,22 +284,7 @@ RC_SIMD void heads_fwd_run(const HeadsFwd& f, int64_t t0, int64_t t1, float* abu
   const int64_t N = f.N, nl = f.nl, na = f.NA == 1 ? 1 : N;
   float* St = f.St;
   alignas(64) float dbuf[kChunk * 16], ubuf[kChunk * 16];
-  for (int64_t t = t0; t < t1; ++t) {
-    if (t + kChunk < f.T) {
-      const int64_t o = (t + kChunk) * f.H;
-      __builtin_prefetch(f.dt + o);
-      __builtin_prefetch(f.x + o);
-      __builtin_prefetch(f.y + o, 1);
-    }
-    const float* dtt = f.dt + t * f.H;
-    const float* xt = f.x + t * f.H;
-    vf z = nl == 16 ? vload(dtt) : vload_part(dtt, nl);
-    vf xv = nl == 16 ? vload(xt) : vload_part(xt, nl);
-    vf d = vsoftplus(z);
-    vstore(dbuf + (t - t0) * 16, d);
-    vstore(ubuf + (t - t0) * 16, xv * d);
-  }
-  exp_rows_best(dbuf, f.AT, na, t1 - t0, abuf);
+  heads_stage(f.dt, f.x, f.y, f.AT, f.T, f.H, nl, na, t0, t1, dbuf, ubuf, abuf);
   for (int64_t t = t0; t < t1; ++t) {
     const float* Bt = f.B + t * f.bs;
     const float* Ct = f.C + t * f.bs;

@@ -172,6 +172,31 @@ RC_INLINE void prefetch_row(const float* p, int64_t len, bool w) {
 // AVX-512 kernel where the CPU has it, else the vexp clones.
 void exp_rows_best(const float* d, const float* A, int64_t m, int64_t nt, float* out);
 
+// Heads layout, the per-token vectors of a chunk [t0, t1) of one block of 16 heads (nl of
+// them real): d = softplus(dt) and u = x d into dbuf, ubuf (16 floats per token), then
+// a = exp(d A) into abuf (na rows of 16 per token, A as AT [na][16]). dt and x have token
+// stride H; y, when not null, is prefetched for writing.
+RC_INLINE void heads_stage(const float* dt, const float* x, const float* y, const float* AT, int64_t T,
+                           int64_t H, int64_t nl, int64_t na, int64_t t0, int64_t t1, float* dbuf, float* ubuf,
+                           float* abuf) {
+  for (int64_t t = t0; t < t1; ++t) {
+    if (t + kChunk < T) {
+      const int64_t o = (t + kChunk) * H;
+      __builtin_prefetch(dt + o);
+      __builtin_prefetch(x + o);
+      if (y) __builtin_prefetch(y + o, 1);
+    }
+    const float* dtt = dt + t * H;
+    const float* xt = x + t * H;
+    vf z = nl == 16 ? vload(dtt) : vload_part(dtt, nl);
+    vf xv = nl == 16 ? vload(xt) : vload_part(xt, nl);
+    vf d = vsoftplus(z);
+    vstore(dbuf + (t - t0) * 16, d);
+    vstore(ubuf + (t - t0) * 16, xv * d);
+  }
+  exp_rows_best(dbuf, AT, na, t1 - t0, abuf);
+}
+
 // (Compiled as clones per x86 level in math.cpp; declared plainly so that callers go
 // through the resolver, not to a clone they cannot see.)
 // dtp[t] = softplus(dt[t * stride]); a[t] = exp(dtp[t] * A) when a != nullptr;
