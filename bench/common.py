@@ -230,6 +230,20 @@ def load_recurra(threads: int) -> tuple[ModuleType | None, str]:
     return recurra, f"recurra {getattr(recurra, '__version__', '?')} from {recurra.__file__}"
 
 
+def vulkan_device(index: int, flag: str) -> tuple[dict[str, Any] | None, str]:
+    """Device `index` of recurra_vulkan's backend_info() (imported here), or (None, why not);
+    `flag` names the option that chose the index. Import and backend errors propagate."""
+    import recurra_vulkan
+
+    info = recurra_vulkan.backend_info()
+    devs = info.get("devices") or []
+    if not devs:
+        return None, f"no Vulkan device: {info.get('reason', '?')}"
+    if index >= len(devs):
+        return None, f"{flag} {index}: only {len(devs)} Vulkan device(s)"
+    return devs[index], ""
+
+
 def peers_dir() -> Path:
     """Where the peer scripts live: $RECURRA_PEERS_DIR, else ../shared/peers beside the repo."""
     env = os.environ.get("RECURRA_PEERS_DIR")

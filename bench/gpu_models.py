@@ -36,7 +36,16 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Case, PeerUnavailable, Table, Timing, environment, measure, parse_args  # noqa: E402
+from common import (  # noqa: E402
+    Case,
+    PeerUnavailable,
+    Table,
+    Timing,
+    environment,
+    measure,
+    parse_args,
+    vulkan_device,
+)
 from models import (  # noqa: E402
     SMALL,
     SPECS,
@@ -70,17 +79,13 @@ def _per_token(t: Timing, n: int) -> Timing:
 def load_vulkan(index: int) -> tuple[str | None, str]:
     """Our device name ("vulkan:N") and a line describing it, or (None, why not)."""
     try:
-        import recurra_vulkan
+        import recurra_vulkan  # noqa: F401  (the import error is reported on its own)
     except Exception as exc:  # reported; the peers still run
         return None, f"import recurra_vulkan failed: {type(exc).__name__}: {exc}"
     try:
-        info = recurra_vulkan.backend_info()
-        devs = info.get("devices") or []
-        if not devs:
-            return None, f"no Vulkan device: {info.get('reason', '?')}"
-        if index >= len(devs):
-            return None, f"--device-index {index}: only {len(devs)} Vulkan device(s)"
-        d = devs[index]
+        d, why = vulkan_device(index, "--device-index")
+        if d is None:
+            return None, why
         line = (
             f"vulkan:{index} {d.get('name')} ({d.get('kind')}, {d.get('driver')}, "
             f"{d.get('memory_bytes', 0) / 2**30:.1f} GiB)"

@@ -11,6 +11,7 @@
 #include <mutex>
 
 #include "device.h"
+#include "ops/ops.h"
 
 namespace recurra_vk {
 
@@ -125,7 +126,8 @@ int t_supports_op(void*, int device, const recurra_node_desc* node) {
   int answer = 0;
   int st = guarded([&](Backend& b) {
     if (!node) fail_invalid("supports_op: null node");
-    const std::string why = b.device(device).check(*node);
+    b.device(device);  // a valid device index (and its device made) first
+    const std::string why = check_node(*node);
     answer = why.empty() ? 1 : 0;
     if (!why.empty()) b.last_error = why;
   });
@@ -133,7 +135,7 @@ int t_supports_op(void*, int device, const recurra_node_desc* node) {
 }
 
 int t_compute(void*, int device, const recurra_node_desc* nodes, int32_t n) {
-  return guarded([&](Backend& b) { b.device(device).compute(nodes, n); });
+  return guarded([&](Backend& b) { compute_nodes(b.device(device), nodes, n); });
 }
 
 int t_synchronize(void*, int device) {

@@ -5,7 +5,6 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "ops/ops.h"
 #include "recorder.h"
 
 namespace recurra_vk {
@@ -267,6 +266,34 @@ Instance::~Instance() {
 
 // ---- device -------------------------------------------------------------------------------
 
+namespace {
+
+DeviceLimits query_limits(const PhysicalDevice& pd) {
+  VkPhysicalDeviceSubgroupProperties sp{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES};
+  VkPhysicalDeviceProperties2 p2{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2};
+  p2.pNext = &sp;
+#ifdef VK_API_VERSION_1_3
+  VkPhysicalDeviceVulkan13Properties p13{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_3_PROPERTIES};
+  const bool v13 = pd.api_version >= VK_API_VERSION_1_3;
+  if (v13) sp.pNext = &p13;
+#endif
+  vkGetPhysicalDeviceProperties2(pd.handle, &p2);
+  DeviceLimits l;
+  l.subgroup_size = std::max<uint32_t>(1, sp.subgroupSize);
+  l.min_subgroup_size = l.subgroup_size;
+#ifdef VK_API_VERSION_1_3
+  // Devices with varying subgroup sizes (Intel) report the range here.
+  if (v13 && p13.minSubgroupSize > 0) l.min_subgroup_size = std::min(l.min_subgroup_size, p13.minSubgroupSize);
+#endif
+  l.max_shared_bytes = p2.properties.limits.maxComputeSharedMemorySize;
+  l.subgroup_shuffle = (sp.supportedStages & VK_SHADER_STAGE_COMPUTE_BIT) &&
+                       (sp.supportedOperations & VK_SUBGROUP_FEATURE_BASIC_BIT) &&
+                       (sp.supportedOperations & VK_SUBGROUP_FEATURE_SHUFFLE_BIT);
+  return l;
+}
+
+}  // namespace
+
 Device::Device(const PhysicalDevice& pd) : info_(pd) {
   float prio = 1.0f;
   VkDeviceQueueCreateInfo qi{VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO};
@@ -304,6 +331,7 @@ Device::Device(const PhysicalDevice& pd) : info_(pd) {
     release();
     throw;
   }
+  limits_ = query_limits(info_);
   profile_env_ = env_flag("RECURRA_VULKAN_PROFILE");
   if (const char* rp = std::getenv("RECURRA_VK_REPLAY")) replay_enabled_ = std::strcmp(rp, "0") != 0;
   const char* pe = std::getenv("RECURRA_VULKAN_PROFILE");
@@ -620,33 +648,8 @@ void Device::copy_out(const recurra_buffer& src, size_t offset, void* dst, size_
 
 // ---- compute ------------------------------------------------------------------------------
 
-std::string Device::check(const recurra_node_desc& n) const {
-  const OpImpl* op = find_op(n.op);
-  if (!op) return std::string("op '") + (n.op ? n.op : "?") + "' has no Vulkan kernel";
-  if (n.n_src < 0 || n.n_src > RECURRA_MAX_SRC) return "bad source count";
-  if ((n.n_ip > 0 && !n.ip) || (n.n_fp > 0 && !n.fp)) return "null parameter array";
-  auto tensor_ok = [](const recurra_tensor_desc& d) -> std::string {
-    if (d.ndim < 0 || d.ndim > RECURRA_MAX_DIMS) return "bad ndim";
-    if (d.dtype != RECURRA_F32 && d.dtype != RECURRA_I32) return "unknown dtype";
-    for (int i = 0; i < d.ndim; ++i) {
-      if (d.shape[i] < 0) return "negative dimension";
-      if (d.shape[i] > 1 && d.strides[i] < 0) return "negative strides are not supported";
-    }
-    if (numel(d) > kMaxIndex || max_offset(d) > kMaxIndex) return "tensors past 2^31 elements are not supported";
-    if (d.offset % 4) return "offsets must be multiples of 4 bytes";
-    return "";
-  };
-  std::string why = tensor_ok(n.dst);
-  if (!why.empty()) return "output: " + why;
-  if (!is_dense(n.dst)) return "the output must be dense";
-  for (int i = 0; i < n.n_src; ++i) {
-    why = tensor_ok(n.src[i]);
-    if (!why.empty()) return "source " + std::to_string(i) + ": " + why;
-  }
-  return op->check(n);
-}
-
-void Device::compute(const recurra_node_desc* nodes, int32_t n) {
+void Device::compute(const recurra_node_desc* nodes, int32_t n, const std::function<void()>& validate,
+                     const std::function<void(Recorder&)>& record) {
   check_lost();
   if (n < 0 || (n > 0 && !nodes)) fail_invalid("compute: bad node list");
   if (n == 0) return;
@@ -656,34 +659,7 @@ void Device::compute(const recurra_node_desc* nodes, int32_t n) {
     key = replay_key(nodes, n);
     if (replay(key)) return;  // validated and recorded when it was first seen
   }
-  // Validate everything before recording anything: a failure leaves no half-built work.
-  std::vector<const OpImpl*> impls(n);
-  for (int32_t i = 0; i < n; ++i) {
-    const std::string why = check(nodes[i]);
-    if (!why.empty())
-      fail(RECURRA_ERR_UNSUPPORTED, std::string("node ") + std::to_string(i) + " (" + (nodes[i].op ? nodes[i].op : "?") +
-                                        "): " + why);
-    impls[i] = find_op(nodes[i].op);
-  }
-  auto resolve = [&](const recurra_tensor_desc& d, int node, const char* what) {
-    Tensor t;
-    t.d = &d;
-    const Allocation a = memory_->lookup(d.buffer, "compute");
-    const int64_t count = numel(d);
-    const uint64_t bytes = count == 0 ? 0 : static_cast<uint64_t>(max_offset(d) + 1) * 4;
-    if (d.offset > a.nbytes || bytes > a.nbytes - d.offset)
-      fail_invalid("compute: node " + std::to_string(node) + " (" + nodes[node].op + "): the " + what + " view " +
-                   shape_str(d) + " at byte " + std::to_string(d.offset) + " reaches past the end of its buffer (" +
-                   std::to_string(a.nbytes) + " bytes)");
-    t.addr = memory_->address(a) + d.offset;
-    t.range = {a.block, a.offset + d.offset, a.offset + d.offset + bytes};
-    return t;
-  };
-  std::vector<std::vector<Tensor>> tensors(n);
-  for (int32_t i = 0; i < n; ++i) {
-    tensors[i].push_back(resolve(nodes[i].dst, i, "output"));
-    for (int k = 0; k < nodes[i].n_src; ++k) tensors[i].push_back(resolve(nodes[i].src[k], i, "source"));
-  }
+  validate();  // before anything is recorded: a failure leaves no half-built work
 
   Submission& s = keep ? acquire_kept() : acquire();
   VkCommandBufferBeginInfo bi{VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO};
@@ -712,13 +688,7 @@ void Device::compute(const recurra_node_desc* nodes, int32_t n) {
     vkCmdPipelineBarrier(s.cb, VK_PIPELINE_STAGE_ALL_COMMANDS_BIT, VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, 0, 1, &mb, 0,
                          nullptr, 0, nullptr);
     Recorder rec(*this, s);
-    for (int32_t i = 0; i < n; ++i) {
-      NodeCall call{nodes[i], tensors[i][0], {}, rec};
-      for (int k = 0; k < nodes[i].n_src; ++k) call.src[k] = tensors[i][k + 1];
-      rec.begin_node(nodes[i].op);
-      impls[i]->record(call);
-      rec.end_node();
-    }
+    record(rec);
     // Results become visible to the host (copy_out of host-visible memory) and transfers.
     mb.srcAccessMask = VK_ACCESS_SHADER_WRITE_BIT;
     mb.dstAccessMask = VK_ACCESS_HOST_READ_BIT | VK_ACCESS_TRANSFER_READ_BIT;

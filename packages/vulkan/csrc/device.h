@@ -15,6 +15,7 @@
 #pragma once
 
 #include <deque>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -65,6 +66,28 @@ class Instance {
   std::string reason_;
 };
 
+// What the kernels need to know of a device's compute limits, queried once when the Device is
+// made (the ops read them from there; none queries the driver itself).
+struct DeviceLimits {
+  uint32_t subgroup_size = 1;         // subgroup size of compute shaders (at least 1)
+  uint32_t min_subgroup_size = 1;     // the smallest one a compute shader may get (Vulkan 1.3
+                                      // devices with varying sizes report a range)
+  uint32_t max_shared_bytes = 32768;  // maxComputeSharedMemorySize
+  bool subgroup_shuffle = false;      // compute shaders have the basic and shuffle operations
+};
+
+// Error words set by shaders when a run-time index is out of range (see Device::wait_all):
+// word i of the device's error buffer becomes nonzero.
+enum ShaderError : uint32_t {
+  kErrGetRows = 0,
+  kErrGetRowsBack = 1,
+  kErrCrossEntropy = 2,
+  kErrCrossEntropyBack = 3,
+  kErrSsmScan = 4,
+  kErrSsmScanBack = 5,
+  kNumShaderErrors = 6,
+};
+
 // Time of one profiled node, filled when its submission completes.
 struct ProfileRecord {
   std::string op;
@@ -98,15 +121,20 @@ class Device {
   Device& operator=(const Device&) = delete;
 
   const PhysicalDevice& info() const { return info_; }
+  const DeviceLimits& limits() const { return limits_; }
 
   // --- the table's operations ------------------------------------------------------------
   recurra_buffer alloc(size_t nbytes, bool persistent);
   void free(const recurra_buffer& b);
   void copy_in(const recurra_buffer& dst, size_t offset, const void* src, size_t nbytes);
   void copy_out(const recurra_buffer& src, size_t offset, void* dst, size_t nbytes);
-  // "" when the node can run here, else why not.
-  std::string check(const recurra_node_desc& node) const;
-  void compute(const recurra_node_desc* nodes, int32_t n);
+  // Records one split of n nodes into one command buffer and submits it. The device knows
+  // no op: the op layer (ops/run.cpp) passes `validate`, which throws to refuse the nodes
+  // before anything is recorded, and `record`, which adds their dispatches between the
+  // device's opening and closing barriers. A list seen before may be replayed instead
+  // (neither is then called).
+  void compute(const recurra_node_desc* nodes, int32_t n, const std::function<void()>& validate,
+               const std::function<void(Recorder&)>& record);
   void synchronize();
 
   // --- used by the recorder and the ops ------------------------------------------------------
@@ -146,6 +174,7 @@ class Device {
   void staged_copy(const Allocation& a, size_t offset, void* host, size_t nbytes, bool to_device);
 
   PhysicalDevice info_;
+  DeviceLimits limits_;
   VkDevice dev_ = VK_NULL_HANDLE;
   VkQueue queue_ = VK_NULL_HANDLE;
   VkCommandPool pool_ = VK_NULL_HANDLE;

@@ -18,7 +18,7 @@
 // checkpoints every K tokens; each segment is recomputed into scratch and walked in reverse.
 // dB_t and dC_t are sums over the units of the group: reduced across the subgroup's units
 // by xor-shuffles, across subgroups in shared memory (fixed order), one partial sum per
-// workgroup written to scratch; ssm_scan_fin.comp adds the partials in order.
+// workgroup written to scratch; ssm_scan_back_sum.comp adds the partials in order.
 #version 450
 #include "common.glsl"
 #extension GL_KHR_shader_subgroup_basic : require

@@ -9,7 +9,7 @@ void register_reduce_ops(OpTable& t);       // reduce.cpp
 void register_matmul_ops(OpTable& t);       // matmul.cpp
 void register_nn_ops(OpTable& t);           // nn.cpp
 void register_shape_ops(OpTable& t);        // shape.cpp
-void register_ssm_ops(OpTable& t);          // ssm_conv.cpp, ssm_scan.cpp
+void register_ssm_ops(OpTable& t);          // ssm_conv.cpp, ssm_scan/op.cpp
 void register_rwkv_ops(OpTable& t);         // rwkv_wkv6.cpp, rwkv_wkv7.cpp, gated_linear_attn.cpp
 void register_optim_ops(OpTable& t);        // optim_kernels.cpp
 

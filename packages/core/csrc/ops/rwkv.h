@@ -492,6 +492,26 @@ RWKV_INLINE void load_transposed(float* dst_a, const float* src_a, float* dst_b,
     }
 }
 
+// ---- backward of the decay-plus-outer-product recurrences (wkv6 and GLA; rwkv_wkv6.cpp) --
+//
+// With lam_t = dL/dS_t walked from the last token, mu_t the whole gradient of S_t and
+// gv_t = gy_t . v_t, both get dc (their readout: r or q), dk, dv, dw (the decay) and
+// d(state) = lam_0. wkv6 (u = its bonus tf, given) reads the state before the update,
+// mu_t = lam_t, lam_{t-1} = w_t mu_t + r_t gy_t^T, and also gets du; GLA (u null) reads after
+// it, mu_t = lam_t + scale q_t gy_t^T, lam_{t-1} = w_t mu_t.
+struct DecayBackIn {
+  const float *k, *v, *c, *w;  // (T, H, S)
+  const float* u;              // (H, S), or nullptr
+  float scale;                 // GLA's output scale (1 for wkv6)
+  const float *s0, *gy;        // initial states; packed gradient of (y, final states)
+};
+struct DecayGrad {
+  float *dk, *dv, *dc, *dw;  // (T, H, S)
+  float* du;                 // (H, S) when u is given
+  float* ds;                 // d(initial state), (N, H, S, S)
+};
+void decay_backward(KernelCtx& c, const Dims& d, const DecayBackIn& in, const DecayGrad& out);
+
 Dims make_dims(int64_t T, int64_t H, int64_t S, int64_t N);
 
 // Validates the sources of a recurrent op (or, with `grad`, of its backward op whose last

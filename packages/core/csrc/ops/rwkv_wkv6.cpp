@@ -166,6 +166,205 @@ void decay_forward(KernelCtx& c, const Dims& d, const DecayIn& in, const float* 
   });
 }
 
+// ---- backward of the decay-plus-outer-product recurrences (wkv6 and GLA) ----------------
+//
+// A task is (run q, head h, rows j in [j0, j1)): the value columns of the state are
+// independent, so a task needs only its own columns, kept transposed in scratch as R = j1 - j0
+// rows of Sp lanes (i). Then the sums over j in dc, dk, dw are vector accumulations and only
+// dv needs a horizontal sum. Per task: one pass saves the state every K tokens; then, chunk by
+// chunk from the end, the chunk's states are recomputed from its checkpoint and walked
+// backwards. Peak scratch per thread: (2 + ceil(n/K) + K) * R * Sp + R (kL + 1) + 8 Sp floats,
+// e.g. 2.1 MB for n = 4096 (K = 64), S = 64.
+
+namespace {
+
+// One backward token over a register block of NV lane groups (i). sp: S_{t-1} rows, lam:
+// lam_t rows (updated to lam_{t-1}); acc gets the block's sums over j of S_{t-1} gy, mu v and
+// mu * S_{t-1} (offsets 0, Sp, 2 Sp), mu the whole gradient of S_t; dvp[j] (kL lanes) gets,
+// or with `add` adds, the block's lane-wise part of sum_i mu[j][i] k[i] (summed across lanes
+// later, 16 rows at a time). wkv6 (`after` false) reads before the update: mu = lam_t and
+// lam_{t-1} = w mu + r gy^T; GLA reads after it: mu = lam_t + scale c gy^T, lam_{t-1} = w mu.
+template <int NV>
+RWKV_INLINE void decay_backward_rows(const float* sp, float* lam, int64_t Sp, int64_t R,
+                                     const float* gy, const float* v, float scale, const float* c,
+                                     const float* k, const float* w, float* dvp, bool add,
+                                     float* acc, bool after) {
+  vf dc[NV], dk[NV], dw[NV], cc[NV], kk[NV], ww[NV];
+  for (int b = 0; b < NV; ++b) {
+    dc[b] = dk[b] = dw[b] = vf{};
+    cc[b] = vload(c + b * kL);
+    kk[b] = vload(k + b * kL);
+    ww[b] = vload(w + b * kL);
+  }
+  for (int64_t j = 0; j < R; ++j) {
+    const vf g = RWKV_SPLAT(gy[j]), gs = RWKV_SPLAT(scale * gy[j]), vj = RWKV_SPLAT(v[j]);
+    const float* s = sp + j * Sp;
+    float* l = lam + j * Sp;
+    vf dv = vf{};
+    for (int b = 0; b < NV; ++b) {
+      const vf x = vload(s + b * kL);
+      const vf m = after ? vload(l + b * kL) + gs * cc[b] : vload(l + b * kL);
+      dc[b] += g * x;
+      dk[b] += vj * m;
+      dw[b] += m * x;
+      dv += m * kk[b];
+      vstore(l + b * kL, after ? ww[b] * m : ww[b] * m + g * cc[b]);
+    }
+    vstore(dvp + j * kL, add ? vload(dvp + j * kL) + dv : dv);
+  }
+  for (int b = 0; b < NV; ++b) {
+    vstore(acc + b * kL, dc[b]);
+    vstore(acc + Sp + b * kL, dk[b]);
+    vstore(acc + 2 * Sp + b * kL, dw[b]);
+  }
+}
+
+template <int NV>
+RWKV_INLINE void decay_backward_rows_before(const float* sp, float* lam, int64_t Sp, int64_t R,
+                                            const float* gy, const float* v, float scale,
+                                            const float* c, const float* k, const float* w,
+                                            float* dvp, bool add, float* acc) {
+  decay_backward_rows<NV>(sp, lam, Sp, R, gy, v, scale, c, k, w, dvp, add, acc, false);
+}
+
+template <int NV>
+RWKV_INLINE void decay_backward_rows_after(const float* sp, float* lam, int64_t Sp, int64_t R,
+                                           const float* gy, const float* v, float scale,
+                                           const float* c, const float* k, const float* w,
+                                           float* dvp, bool add, float* acc) {
+  decay_backward_rows<NV>(sp, lam, Sp, R, gy, v, scale, c, k, w, dvp, add, acc, true);
+}
+
+// out.dc, dk, dw (T, H, S) may be a block's partial buffers; out.du is this task's Sp partial.
+RC_SIMD void decay_backward_task(const DecayBackIn& in, const DecayGrad& out, const Dims& d,
+                                 int64_t q, int64_t h, int64_t j0, int64_t j1, float* scratch) {
+  const int64_t S = d.S, Sp = d.Sp, R = j1 - j0, n = d.n;
+  const int64_t K = checkpoint_interval(n), nck = (n + K - 1) / K, RS = R * Sp;
+  const bool bonus = in.u != nullptr;  // wkv6
+  const float* gs = in.gy + d.ths();
+  float* st = scratch;
+  float* lam = st + RS;
+  float* ck = lam + RS;
+  float* chunk = ck + nck * RS;
+  float* cb = chunk + K * RS;
+  float* kb = cb + Sp;
+  float* wb = kb + Sp;
+  float* ub = wb + Sp;
+  float* du = ub + Sp;
+  float* acc = du + Sp;         // 3 Sp
+  float* dvrow = acc + 3 * Sp;  // R
+  float* dvp = dvrow + R;       // R * kL
+
+  // Transposed, padded copies of the initial state (the first checkpoint) and of the final
+  // state's gradient.
+  load_transposed(ck, in.s0 + d.state(q, h), lam, gs + d.state(q, h), S, Sp, j0, R);
+  if (bonus) {
+    load_padded(ub, in.u + h * S, S, Sp);
+    std::memset(du, 0, static_cast<size_t>(Sp) * sizeof(float));
+  }
+
+  decay_checkpoints(ck, st, d, q, h, j0, R, K, nck, in.k, in.w, in.v, kb, wb);
+  // Chunks from the last: recomputed from the checkpoint, then walked backwards.
+  for (int64_t ci = nck - 1; ci >= 0; --ci) {
+    const int64_t t0 = ci * K, t1 = std::min(n, t0 + K);
+    decay_recompute(chunk, ck + ci * RS, d, q, h, j0, R, t0, t1, in.k, in.w, in.v, kb, wb);
+    for (int64_t t = t1 - 1; t >= t0; --t) {
+      const int64_t base = d.token(q, t, h);
+      if (t - kPrefetchTokens >= t0) {  // walking backwards: no hardware prefetch
+        const int64_t ahead = d.token(q, t - kPrefetchTokens, h);
+        prefetch(in.c + ahead, S);
+        prefetch(in.gy + ahead + j0, R);
+        for (float* o : {out.dc, out.dk, out.dw}) prefetch(o + ahead, S, true);
+        prefetch(out.dv + ahead + j0, R, true);
+      }
+      const float* cp = padded(cb, in.c + base, S, Sp);
+      const float* kp = padded(kb, in.k + base, S, Sp);
+      const float* wp = padded(wb, in.w + base, S, Sp);
+      const float* gyt = in.gy + base + j0;
+      const float* vt = in.v + base + j0;
+      const float gv = dot(gyt, vt, R);
+      const float* sp = chunk + (t - t0) * RS;
+      for (int64_t c = 0; c < Sp; c += kMaxNV * kL) {
+        const int64_t nv = std::min(kMaxNV, (Sp - c) / kL);
+        if (bonus) {
+          RWKV_DISPATCH_NV(nv, decay_backward_rows_before, sp + c, lam + c, Sp, R, gyt, vt,
+                           in.scale, cp + c, kp + c, wp + c, dvp, c > 0, acc + c)
+        } else {
+          RWKV_DISPATCH_NV(nv, decay_backward_rows_after, sp + c, lam + c, Sp, R, gyt, vt,
+                           in.scale, cp + c, kp + c, wp + c, dvp, c > 0, acc + c)
+        }
+      }
+      hsum_rows(dvp, R, dvrow);
+      // Finish in padded scratch (whole vectors), then copy S values out.
+      const vf g = RWKV_SPLAT(gv);
+      if (bonus) {  // dr += u k gv, dk += r u gv, du += r k gv, dv += (sum_i r u k) gy
+        const float b = dot3(cp, ub, kp, Sp);
+        for (int64_t c = 0; c < Sp; c += kL) {
+          const vf r_ = vload(cp + c), k_ = vload(kp + c), u_ = vload(ub + c);
+          vstore(acc + c, vload(acc + c) + u_ * k_ * g);
+          vstore(acc + Sp + c, vload(acc + Sp + c) + r_ * u_ * g);
+          vstore(du + c, vload(du + c) + r_ * k_ * g);
+        }
+        for (int64_t j = 0; j < R; ++j) dvrow[j] += b * gyt[j];
+      } else {  // dq = scale (g * sum_j S_{t-1} gy + k gv)
+        const vf sg = RWKV_SPLAT(in.scale);
+        for (int64_t c = 0; c < Sp; c += kL)
+          vstore(acc + c, sg * (vload(wp + c) * vload(acc + c) + vload(kp + c) * g));
+      }
+      copy_floats(out.dc + base, acc, S);
+      copy_floats(out.dk + base, acc + Sp, S);
+      copy_floats(out.dw + base, acc + 2 * Sp, S);
+      copy_floats(out.dv + base + j0, dvrow, R);
+    }
+  }
+  float* dsh = out.ds + d.state(q, h);
+  for (int64_t i = 0; i < S; ++i)
+    for (int64_t j = 0; j < R; ++j) dsh[i * S + j0 + j] = lam[j * Sp + i];
+  if (bonus) std::memcpy(out.du, du, static_cast<size_t>(Sp) * sizeof(float));
+}
+
+}  // namespace
+
+void decay_backward(KernelCtx& c, const Dims& d, const DecayBackIn& in, const DecayGrad& full) {
+  const int64_t ths = d.ths();
+  // Rows j are split into blocks when there are few (run, head) pairs; the block sums of
+  // dc, dk, dw then go to partial buffers, added up in block order afterwards.
+  const int64_t units = d.N * d.H, nb = backward_blocks(units, d.S);
+  std::vector<float> part(nb > 1 ? static_cast<size_t>(3 * nb * ths) : 0);
+  std::vector<float> du_part(in.u ? static_cast<size_t>(units * nb * d.Sp) : 0);
+  const int64_t K = checkpoint_interval(d.n), nck = (d.n + K - 1) / K;
+  const int64_t rmax = (d.S + nb - 1) / nb;
+  const size_t need =
+      static_cast<size_t>((2 + nck + K) * rmax * d.Sp + 8 * d.Sp + rmax * (kL + 1));
+  Scratch scratch(c.pool.size());
+  c.pool.run(units * nb, [&](int64_t task, int tid) {
+    const int64_t b = task % nb, qh = task / nb, q = qh / d.H, h = qh % d.H;
+    const int64_t j0 = block_begin(b, nb, d.S), j1 = block_begin(b + 1, nb, d.S);
+    DecayGrad g = full;
+    g.du = in.u ? du_part.data() + task * d.Sp : nullptr;
+    if (nb > 1) {
+      g.dk = part.data() + b * ths;
+      g.dc = part.data() + (nb + b) * ths;
+      g.dw = part.data() + (2 * nb + b) * ths;
+    }
+    decay_backward_task(in, g, d, q, h, j0, j1, scratch.get(tid, need));
+  });
+  if (nb > 1) {
+    reduce_blocks(c.pool, full.dk, part.data(), nb, ths);
+    reduce_blocks(c.pool, full.dc, part.data() + nb * ths, nb, ths);
+    reduce_blocks(c.pool, full.dw, part.data() + 2 * nb * ths, nb, ths);
+  }
+  if (!in.u) return;
+  // du: the task partials in (run, head, block) order.
+  for (int64_t h = 0; h < d.H; ++h)
+    for (int64_t i = 0; i < d.S; ++i) {
+      float s = 0.0f;
+      for (int64_t q = 0; q < d.N; ++q)
+        for (int64_t b = 0; b < nb; ++b) s += du_part[((q * d.H + h) * nb + b) * d.Sp + i];
+      full.du[h * d.S + i] = s;
+    }
+}
+
 namespace {
 
 RC_SIMD void wkv6_forward_task(const DecayIn& in, const Dims& d, int64_t q, int64_t h,
@@ -180,186 +379,16 @@ void wkv6_forward(KernelCtx& c, const Dims& d) {
   decay_forward(c, d, in, c.src[5].f32(), wkv6_forward_task);
 }
 
-struct Wkv6In {
-  const float *k, *v, *r, *tf, *td;
-};
-
-// ---- wkv6 backward -----------------------------------------------------------------------
-//
-// A task is (run q, head h, rows j in [j0, j1)): the value columns of the state are
-// independent, so a task needs only its own columns, kept transposed in scratch as R = j1 - j0
-// rows of Sp lanes (i). Then the sums over j in dr, dk, dtd are vector accumulations and only
-// dv needs a horizontal sum. Per task: one pass saves the state every K tokens; then, chunk by
-// chunk from the end, the chunk's states are recomputed from its checkpoint and walked
-// backwards. Peak scratch per thread: (2 + ceil(n/K) + K) * R * Sp + R (kL + 1) + 8 Sp floats,
-// e.g. 2.1 MB for n = 4096 (K = 64), S = 64.
-
-// One backward token over a register block of NV lane groups (i). sp: S_{t-1} rows, lam:
-// lam_t rows (updated to lam_{t-1}); acc gets the block's sums over j of dr, dk, dtd (at
-// offsets 0, Sp, 2 Sp); dvp[j] (kL lanes) gets, or with `add` adds, the block's lane-wise
-// part of sum_i lam[j][i] k[i] (summed across lanes later, 16 rows at a time).
-template <int NV>
-RWKV_INLINE void wkv6_backward_rows(const float* sp, float* lam, int64_t Sp, int64_t R,
-                                    const float* gy, const float* v, const float* r,
-                                    const float* k, const float* w, float* dvp, bool add,
-                                    float* acc) {
-  vf dr[NV], dk[NV], dw[NV], rr[NV], kk[NV], ww[NV];
-  for (int c = 0; c < NV; ++c) {
-    dr[c] = dk[c] = dw[c] = vf{};
-    rr[c] = vload(r + c * kL);
-    kk[c] = vload(k + c * kL);
-    ww[c] = vload(w + c * kL);
-  }
-  for (int64_t j = 0; j < R; ++j) {
-    const vf g = RWKV_SPLAT(gy[j]), vj = RWKV_SPLAT(v[j]);
-    const float* s = sp + j * Sp;
-    float* l = lam + j * Sp;
-    vf dv = vf{};
-    for (int c = 0; c < NV; ++c) {
-      const vf x = vload(s + c * kL), m = vload(l + c * kL);
-      dr[c] += g * x;
-      dk[c] += vj * m;
-      dw[c] += m * x;
-      dv += m * kk[c];
-      vstore(l + c * kL, ww[c] * m + g * rr[c]);
-    }
-    vstore(dvp + j * kL, add ? vload(dvp + j * kL) + dv : dv);
-  }
-  for (int c = 0; c < NV; ++c) {
-    vstore(acc + c * kL, dr[c]);
-    vstore(acc + Sp + c * kL, dk[c]);
-    vstore(acc + 2 * Sp + c * kL, dw[c]);
-  }
-}
-
-struct Wkv6Grad {
-  float *dk, *dv, *dr, *dtd;  // (T, H, S) layouts; dk, dr, dtd may be a block's partial buffer
-  float* dtf;                 // this task's Sp partial of dtf
-  float* ds;                  // d(initial state), (N, H, S, S)
-};
-
-RC_SIMD void wkv6_backward_task(const Wkv6In& in, const float* s0, const float* gy,
-                                const float* gs, const Wkv6Grad& out, const Dims& d, int64_t q,
-                                int64_t h, int64_t j0, int64_t j1, float* scratch) {
-  const int64_t S = d.S, Sp = d.Sp, R = j1 - j0, n = d.n;
-  const int64_t K = checkpoint_interval(n), nck = (n + K - 1) / K, RS = R * Sp;
-  float* st = scratch;
-  float* lam = st + RS;
-  float* ck = lam + RS;
-  float* chunk = ck + nck * RS;
-  float* rb = chunk + K * RS;
-  float* kb = rb + Sp;
-  float* wb = kb + Sp;
-  float* ub = wb + Sp;
-  float* du = ub + Sp;
-  float* acc = du + Sp;  // 3 Sp
-  float* dvrow = acc + 3 * Sp;  // R
-  float* dvp = dvrow + R;       // R * kL
-
-  // Transposed, padded copies of the initial state (the first checkpoint) and of the final
-  // state's gradient.
-  load_transposed(ck, s0 + d.state(q, h), lam, gs + d.state(q, h), S, Sp, j0, R);
-  load_padded(ub, in.tf + h * S, S, Sp);
-  std::memset(du, 0, static_cast<size_t>(Sp) * sizeof(float));
-
-  decay_checkpoints(ck, st, d, q, h, j0, R, K, nck, in.k, in.td, in.v, kb, wb);
-  // Chunks from the last: recomputed from the checkpoint, then walked backwards.
-  for (int64_t ci = nck - 1; ci >= 0; --ci) {
-    const int64_t t0 = ci * K, t1 = std::min(n, t0 + K);
-    decay_recompute(chunk, ck + ci * RS, d, q, h, j0, R, t0, t1, in.k, in.td, in.v, kb, wb);
-    for (int64_t t = t1 - 1; t >= t0; --t) {
-      const int64_t base = d.token(q, t, h);
-      if (t - kPrefetchTokens >= t0) {  // walking backwards: no hardware prefetch
-        const int64_t ahead = d.token(q, t - kPrefetchTokens, h);
-        prefetch(in.r + ahead, S);
-        prefetch(gy + ahead + j0, R);
-        for (float* o : {out.dr, out.dk, out.dtd}) prefetch(o + ahead, S, true);
-        prefetch(out.dv + ahead + j0, R, true);
-      }
-      const float* rp = padded(rb, in.r + base, S, Sp);
-      const float* kp = padded(kb, in.k + base, S, Sp);
-      const float* wp = padded(wb, in.td + base, S, Sp);
-      const float* gyt = gy + base + j0;
-      const float* vt = in.v + base + j0;
-      const float gv = dot(gyt, vt, R);
-      const float bonus = dot3(rp, ub, kp, Sp);
-      const float* sp = chunk + (t - t0) * RS;
-      for (int64_t c = 0; c < Sp; c += kMaxNV * kL) {
-        const int64_t nv = std::min(kMaxNV, (Sp - c) / kL);
-        float* a = acc + c;
-        RWKV_DISPATCH_NV(nv, wkv6_backward_rows, sp + c, lam + c, Sp, R, gyt, vt, rp + c, kp + c,
-                         wp + c, dvp, c > 0, a)
-      }
-      hsum_rows(dvp, R, dvrow);
-      // Finish in padded scratch (whole vectors), then copy S values out.
-      const vf g = RWKV_SPLAT(gv);
-      for (int64_t c = 0; c < Sp; c += kL) {
-        const vf r_ = vload(rp + c), k_ = vload(kp + c), u_ = vload(ub + c);
-        vstore(acc + c, vload(acc + c) + u_ * k_ * g);
-        vstore(acc + Sp + c, vload(acc + Sp + c) + r_ * u_ * g);
-        vstore(du + c, vload(du + c) + r_ * k_ * g);
-      }
-      copy_floats(out.dr + base, acc, S);
-      copy_floats(out.dk + base, acc + Sp, S);
-      copy_floats(out.dtd + base, acc + 2 * Sp, S);
-      for (int64_t j = 0; j < R; ++j) dvrow[j] += bonus * gyt[j];
-      copy_floats(out.dv + base + j0, dvrow, R);
-    }
-  }
-  float* dsh = out.ds + d.state(q, h);
-  for (int64_t i = 0; i < S; ++i)
-    for (int64_t j = 0; j < R; ++j) dsh[i * S + j0 + j] = lam[j * Sp + i];
-  std::memcpy(out.dtf, du, static_cast<size_t>(Sp) * sizeof(float));
-}
-
 void wkv6_backward(KernelCtx& c, const Dims& d) {
-  const Wkv6In in{c.src[0].f32(), c.src[1].f32(), c.src[2].f32(), c.src[3].f32(), c.src[4].f32()};
-  const float* s0 = c.src[5].f32();
-  const float* gy = c.src[6].f32();
-  const float* gs = gy + d.ths();
-  const int64_t ths = d.ths(), hs = d.H * d.S;
-  // Packed result, in source order: dk, dv, dr, dtf, dtd, dstate.
+  // Sources: k, v, r, tf, td, state; packed result in source order: dk, dv, dr, dtf, dtd,
+  // dstate.
+  const int64_t ths = d.ths();
+  const DecayBackIn in{c.src[0].f32(), c.src[1].f32(), c.src[2].f32(), c.src[4].f32(),
+                       c.src[3].f32(), 1.0f, c.src[5].f32(), c.src[6].f32()};
   float* o = c.dst.f32();
-  float* dk = o;
-  float* dv = dk + ths;
-  float* dr = dv + ths;
-  float* dtf = dr + ths;
-  float* dtd = dtf + hs;
-  float* ds = dtd + ths;
-  // Rows j are split into blocks when there are few (run, head) pairs; the block sums of
-  // dr, dk, dtd then go to partial buffers, added up in block order afterwards.
-  const int64_t units = d.N * d.H, nb = backward_blocks(units, d.S);
-  std::vector<float> part(nb > 1 ? static_cast<size_t>(3 * nb * ths) : 0);
-  std::vector<float> dtf_part(static_cast<size_t>(units * nb * d.Sp));
-  const int64_t K = checkpoint_interval(d.n), nck = (d.n + K - 1) / K;
-  const int64_t rmax = (d.S + nb - 1) / nb;
-  const size_t need =
-      static_cast<size_t>((2 + nck + K) * rmax * d.Sp + 8 * d.Sp + rmax * (kL + 1));
-  Scratch scratch(c.pool.size());
-  c.pool.run(units * nb, [&](int64_t task, int tid) {
-    const int64_t b = task % nb, qh = task / nb, q = qh / d.H, h = qh % d.H;
-    const int64_t j0 = block_begin(b, nb, d.S), j1 = block_begin(b + 1, nb, d.S);
-    Wkv6Grad g{dk, dv, dr, dtd, dtf_part.data() + task * d.Sp, ds};
-    if (nb > 1) {
-      g.dk = part.data() + b * ths;
-      g.dr = part.data() + (nb + b) * ths;
-      g.dtd = part.data() + (2 * nb + b) * ths;
-    }
-    wkv6_backward_task(in, s0, gy, gs, g, d, q, h, j0, j1, scratch.get(tid, need));
-  });
-  if (nb > 1) {
-    reduce_blocks(c.pool, dk, part.data(), nb, ths);
-    reduce_blocks(c.pool, dr, part.data() + nb * ths, nb, ths);
-    reduce_blocks(c.pool, dtd, part.data() + 2 * nb * ths, nb, ths);
-  }
-  // dtf: the task partials in (run, head, block) order.
-  for (int64_t h = 0; h < d.H; ++h)
-    for (int64_t i = 0; i < d.S; ++i) {
-      float s = 0.0f;
-      for (int64_t q = 0; q < d.N; ++q)
-        for (int64_t b = 0; b < nb; ++b) s += dtf_part[((q * d.H + h) * nb + b) * d.Sp + i];
-      dtf[h * d.S + i] = s;
-    }
+  const DecayGrad out{o, o + ths, o + 2 * ths, o + 3 * ths + d.H * d.S, o + 3 * ths,
+                      o + 4 * ths + d.H * d.S};
+  decay_backward(c, d, in, out);
 }
 
 }  // namespace

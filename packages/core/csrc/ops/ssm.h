@@ -1,4 +1,4 @@
-// Mamba's operators (ssm_conv, ssm_scan): what ssm_scan.cpp and ssm_conv.cpp share.
+// Mamba's operators (ssm_conv, ssm_scan): what ssm_scan/ and ssm_conv.cpp share.
 //
 // The 16-lane float vectors below are GCC vector extensions: a kernel marked RC_SIMD is
 // compiled for AVX-512, AVX2 and baseline x86-64, and these types lower to one zmm, two ymm

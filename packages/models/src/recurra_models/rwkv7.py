@@ -33,7 +33,8 @@ import numpy as np
 from recurra import ops
 from recurra_models import nn
 from recurra_models.lm import ConfigBase, State
-from recurra_models.rwkv6 import (
+from recurra_models.rwkv_base import (
+    RWKVBlock,
     RWKVFamilyLM,
     _check_ints,
     _Init,
@@ -41,8 +42,9 @@ from recurra_models.rwkv6 import (
     conform,
     count_layers,
     head_norm,
+    head_size_of,
     official_arrays,
-    require,
+    reject_family,
     require_matrix,
     token_shift,
 )
@@ -222,26 +224,19 @@ class RWKV7ChannelMix(nn.Module):
         return self.value(k), new_shift
 
 
-class RWKV7Block(nn.Module):
+class RWKV7Block(RWKVBlock):
     """``x + att(ln1(x))``, then ``x + ffn(ln2(x))``; block 0 also holds ``ln0``."""
 
-    def __init__(self, cfg: RWKV7Config, layer_id: int, rng: np.random.Generator | None) -> None:
-        super().__init__()
-        if layer_id == 0:
-            self.ln0 = nn.LayerNorm(cfg.n_embd)
-        self.ln1 = nn.LayerNorm(cfg.n_embd)
-        self.ln2 = nn.LayerNorm(cfg.n_embd)
-        self.att = RWKV7TimeMix(cfg, layer_id, rng)
-        self.ffn = RWKV7ChannelMix(cfg, layer_id, rng)
+    TimeMix = RWKV7TimeMix
+    ChannelMix = RWKV7ChannelMix
 
     def forward(self, x: Any, state: list[Any], v_first: Any | None) -> tuple[Any, list[Any], Any]:
         """x (B, T, C), state [att_shift, wkv, ffn_shift], v_first (None in layer 0).
 
         Returns (x, new state, v_first)."""
         dx, att_shift, wkv, v_first = self.att(self.ln1(x), state[0], state[1], v_first)
-        x = x + dx
-        dx, ffn_shift = self.ffn(self.ln2(x), state[2])
-        return x + dx, [att_shift, wkv, ffn_shift], v_first
+        x, new_state = self.channel_mix(x, dx, state, att_shift, wkv)
+        return x, new_state, v_first
 
 
 class RWKV7LM(RWKVFamilyLM):
@@ -281,25 +276,11 @@ class RWKV7LM(RWKVFamilyLM):
         when the dict is an RWKV-6 one.
         """
         sd = official_arrays(state_dict)
-        if "blocks.0.att.time_faaaa" in sd or "blocks.0.att.time_maa_x" in sd:
-            raise ValueError(
-                "RWKV7LM.from_official: this is an RWKV-6 state dict (it has "
-                "'blocks.0.att.time_faaaa'); use RWKV6LM.from_official"
-            )
+        who = "RWKV7LM"
+        reject_family(sd, ("blocks.0.att.time_faaaa", "blocks.0.att.time_maa_x"), who, "RWKV-6")
         vocab, c = require_matrix(sd, "emb.weight")
         n_layer = count_layers(sd)
-        r_k = require(sd, "blocks.0.att.r_k")
-        hs = int(r_k.shape[1]) if r_k.ndim == 2 else int(head_size or 64)
-        if head_size is not None and head_size != hs:
-            raise ValueError(
-                f"RWKV7LM.from_official: key 'blocks.0.att.r_k' has shape {r_k.shape}: head "
-                f"size {hs}, but head_size={head_size} was given"
-            )
-        if r_k.size != c or c % hs:
-            raise ValueError(
-                f"RWKV7LM.from_official: key 'blocks.0.att.r_k' has shape {r_k.shape}, which "
-                f"does not fit n_embd {c} with head size {hs}"
-            )
+        hs = head_size_of(sd, "blocks.0.att.r_k", c, "n_embd", head_size, who)
         # v1 of layer 0 may be absent; layer 1 (if any) always has it.
         mv_key = (
             "blocks.0.att.v1" if "blocks.0.att.v1" in sd or n_layer == 1 else ("blocks.1.att.v1")

@@ -1,6 +1,6 @@
 // Neural-net ops along the last axis and the lookup ops: softmax, log_softmax, rms_norm,
 // layer_norm and their *_back kernels, cross_entropy(+_back), get_rows(+_back).
-// Shaders: rows.comp, reduce.comp (the mean of cross_entropy), get_rows.comp,
+// Shaders: softmax_norm.comp, reduce.comp (the mean of cross_entropy), get_rows.comp,
 // get_rows_back.comp.
 //
 //   R = rows (all axes but the last), C = the last axis; every source dense
@@ -14,7 +14,6 @@
 // error flag that synchronize() reports as RECURRA_ERR_INVALID.
 #include <cstring>
 
-#include "../device.h"
 #include "ops.h"
 
 namespace recurra_vk {
@@ -72,9 +71,9 @@ void row_record(NodeCall& c) {
   uint32_t gx, gy;
   grid_2d(rows, gx, gy);
   if (NSRC == 1)
-    c.rec.dispatch("rows", {OP}, pc, gx, gy, 1, {c.src[0].range}, {c.dst.range});
+    c.rec.dispatch("softmax_norm", {OP}, pc, gx, gy, 1, {c.src[0].range}, {c.dst.range});
   else
-    c.rec.dispatch("rows", {OP}, pc, gx, gy, 1, {c.src[0].range, c.src[1].range}, {c.dst.range});
+    c.rec.dispatch("softmax_norm", {OP}, pc, gx, gy, 1, {c.src[0].range, c.src[1].range}, {c.dst.range});
 }
 
 // ---- cross_entropy --------------------------------------------------------------------
@@ -103,7 +102,7 @@ void cross_entropy_record(NodeCall& c) {
   pc.C = static_cast<uint32_t>(C);
   uint32_t gx, gy;
   grid_2d(N, gx, gy);
-  c.rec.dispatch("rows", {kCrossEntropyRows}, pc, gx, gy, 1, {c.src[0].range, c.src[1].range}, {losses.range});
+  c.rec.dispatch("softmax_norm", {kCrossEntropyRows}, pc, gx, gy, 1, {c.src[0].range, c.src[1].range}, {losses.range});
   // The mean over rows, summed in a fixed order.
   ReduceSpec r;
   r.sn = 1;
@@ -138,7 +137,7 @@ void cross_entropy_back_record(NodeCall& c) {
   pc.C = static_cast<uint32_t>(C);
   uint32_t gx, gy;
   grid_2d(N, gx, gy);
-  c.rec.dispatch("rows", {kCrossEntropyBack}, pc, gx, gy, 1, {c.src[0].range, c.src[1].range, c.src[2].range},
+  c.rec.dispatch("softmax_norm", {kCrossEntropyBack}, pc, gx, gy, 1, {c.src[0].range, c.src[1].range, c.src[2].range},
                  {c.dst.range});
 }
 

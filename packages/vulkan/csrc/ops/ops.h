@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "../common.h"
+#include "../device.h"
 #include "../recorder.h"
 
 namespace recurra_vk {
@@ -36,6 +37,12 @@ struct OpImpl {
   std::string (*check)(const recurra_node_desc& n);  // "" when supported, else why not
   void (*record)(NodeCall& c);
 };
+
+// "" when the node can run on the device (its tensors, then its op's own check), else why not.
+std::string check_node(const recurra_node_desc& n);
+// Validates the n nodes (all before recording any), resolves their tensors to memory and
+// records and submits them on `dev` (run.cpp).
+void compute_nodes(Device& dev, const recurra_node_desc* nodes, int32_t n);
 
 // The op named `name`, or nullptr when the backend has no kernel for it.
 const OpImpl* find_op(const char* name);
@@ -113,17 +120,5 @@ struct ReduceSpec {
 };
 void record_reduce(Recorder& rec, const ReduceSpec& r, uint64_t x, const Range& x_range, uint64_t out,
                    const Range& out_range);
-
-// Error words set by shaders when a run-time index is out of range (see Device::wait_all):
-// word i of the device's error buffer becomes nonzero.
-enum ShaderError : uint32_t {
-  kErrGetRows = 0,
-  kErrGetRowsBack = 1,
-  kErrCrossEntropy = 2,
-  kErrCrossEntropyBack = 3,
-  kErrSsmScan = 4,
-  kErrSsmScanBack = 5,
-  kNumShaderErrors = 6,
-};
 
 }  // namespace recurra_vk

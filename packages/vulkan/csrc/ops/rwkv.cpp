@@ -36,11 +36,8 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <map>
-#include <mutex>
 #include <vector>
 
-#include "../device.h"
 #include "ops.h"
 
 namespace recurra_vk {
@@ -152,24 +149,15 @@ struct DevProps {
   bool shuffle = false;
 };
 
+// The recurrences' view of the device's limits (Device::limits): shuffles need a
+// power-of-two subgroup; without them a cluster is one lane.
 DevProps dev_props(Device& dev) {
-  static std::mutex mu;
-  static std::map<VkPhysicalDevice, DevProps> cache;
-  std::lock_guard<std::mutex> lock(mu);
-  const VkPhysicalDevice h = dev.info().handle;
-  auto it = cache.find(h);
-  if (it != cache.end()) return it->second;
-  VkPhysicalDeviceSubgroupProperties sp{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES};
-  VkPhysicalDeviceProperties2 p2{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2};
-  p2.pNext = &sp;
-  vkGetPhysicalDeviceProperties2(h, &p2);
+  const DeviceLimits& dl = dev.limits();
   DevProps d;
-  d.subgroup = std::max<uint32_t>(1, sp.subgroupSize);
-  d.shared_bytes = p2.properties.limits.maxComputeSharedMemorySize;
-  d.shuffle = (sp.supportedStages & VK_SHADER_STAGE_COMPUTE_BIT) && (sp.supportedOperations & VK_SUBGROUP_FEATURE_SHUFFLE_BIT) &&
-              (d.subgroup & (d.subgroup - 1)) == 0;
+  d.subgroup = dl.subgroup_size;
+  d.shared_bytes = dl.max_shared_bytes;
+  d.shuffle = dl.subgroup_shuffle && (d.subgroup & (d.subgroup - 1)) == 0;
   if (!d.shuffle) d.subgroup = 1;  // clusters of one lane: no shuffles run
-  cache[h] = d;
   return d;
 }
 

@@ -1,5 +1,5 @@
 // Mamba's recurrent ops: ssm_conv, ssm_conv_back, ssm_scan, ssm_scan_back.
-// Shaders: ssm_conv.comp, ssm_scan.comp, ssm_scan_fin.comp, ssd.comp.
+// Shaders: ssm_conv.comp, ssm_scan.comp, ssm_scan_back_sum.comp, ssm_scan_chunked.comp.
 //
 // Shapes (numpy order) and packed results exactly as the core's CPU kernels
 // (packages/core/csrc/ops/ssm_conv.cpp, ssm_scan.cpp; docs/ops.md, "ssm_conv" and "ssm_scan"):
@@ -41,7 +41,7 @@
 // every state would take 4 GB. Very large d_state (N above ~2500 with 32 KiB of shared
 // memory) does not fit the staging buffers: record() raises then.
 //
-// ssm_scan, chunked (state-space-duality) form: shaders/ssd.comp (algorithm in its header).
+// ssm_scan, chunked (state-space-duality) form: shaders/ssm_scan_chunked.comp (algorithm in its header).
 // Taken for one decay per head (A (H, 1), Mamba-2) when T >= 128 (two 64-token chunks);
 // RECURRA_VK_SSM=seq forces the sequential kernels above, =chunk the chunked ones for any
 // Mamba-2 shape (T >= 1), =auto (or unset) the rule above. Any P, N, G, H work (tiles of 64
@@ -77,11 +77,8 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cmath>
-#include <map>
-#include <mutex>
 #include <stdexcept>
 
-#include "../device.h"
 #include "ops.h"
 
 namespace recurra_vk {
@@ -96,33 +93,13 @@ struct Limits {
   bool shuffle = false;
 };
 
+// The scan's view of the device's limits (Device::limits).
 Limits limits_of(Device& dev) {
-  static std::mutex mu;
-  static std::map<VkPhysicalDevice, Limits> cache;
-  std::lock_guard<std::mutex> lock(mu);
-  const VkPhysicalDevice pd = dev.info().handle;
-  auto it = cache.find(pd);
-  if (it != cache.end()) return it->second;
-  VkPhysicalDeviceSubgroupProperties sp{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES};
-  VkPhysicalDeviceProperties2 p2{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2};
-  p2.pNext = &sp;
-#ifdef VK_API_VERSION_1_3
-  VkPhysicalDeviceVulkan13Properties p13{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_3_PROPERTIES};
-  const bool v13 = dev.info().api_version >= VK_API_VERSION_1_3;
-  if (v13) sp.pNext = &p13;
-#endif
-  vkGetPhysicalDeviceProperties2(pd, &p2);
+  const DeviceLimits& dl = dev.limits();
   Limits l;
-  l.sg_min = std::max<uint32_t>(1, sp.subgroupSize);
-#ifdef VK_API_VERSION_1_3
-  // Devices with varying subgroup sizes (Intel) report the range here.
-  if (v13 && p13.minSubgroupSize > 0) l.sg_min = std::min(l.sg_min, p13.minSubgroupSize);
-#endif
-  l.shmem = std::min<uint32_t>(p2.properties.limits.maxComputeSharedMemorySize, 49152);
-  l.shuffle = (sp.supportedStages & VK_SHADER_STAGE_COMPUTE_BIT) &&
-              (sp.supportedOperations & VK_SUBGROUP_FEATURE_BASIC_BIT) &&
-              (sp.supportedOperations & VK_SUBGROUP_FEATURE_SHUFFLE_BIT);
-  cache[pd] = l;
+  l.sg_min = dl.min_subgroup_size;
+  l.shmem = std::min<uint32_t>(dl.max_shared_bytes, 49152);
+  l.shuffle = dl.subgroup_shuffle;
   return l;
 }
 
@@ -374,9 +351,9 @@ struct FinPC {
   uint32_t n, m, P, H, NA, nstate, S;
 };
 
-// ---- ssm_scan, chunked form (shaders/ssd.comp) -----------------------------------------
+// ---- ssm_scan, chunked form (shaders/ssm_scan_chunked.comp) -----------------------------------------
 
-constexpr int64_t kChunk = 64;  // chunk length = tile edge of ssd.comp
+constexpr int64_t kChunk = 64;  // chunk length = tile edge of ssm_scan_chunked.comp
 
 struct SsdGeom {
   int64_t nc, npt, nnt;
@@ -384,7 +361,7 @@ struct SsdGeom {
   int64_t fwd_floats, back_floats;  // scratch
 };
 
-// Scratch (floats, same order as in ssd.comp): dtp, cs (S*H*T each), CB (S*G*nc*64*64),
+// Scratch (floats, same order as in ssm_scan_chunked.comp): dtp, cs (S*H*T each), CB (S*G*nc*64*64),
 // hin (S*H*nc*P*N) | backward: lam (S*H*nc*P*N), d s per sequence (S*H*P*N), dB and dC
 // parts per block of hblk heads of a group (2 * H/G/hblk * S*T*G*N), dy . y per token
 // (S*H*T), per-token partial sums per P tile (2 * npt*S*H*T), <lam, h_out> parts
@@ -414,13 +391,13 @@ SsdGeom ssd_geom(const ScanDims& d) {
   return g;
 }
 
-// ssd.comp's shared memory: cs, dtp, two staged 16 x 68 tiles, one 64 x 65 matrix.
+// ssm_scan_chunked.comp's shared memory: cs, dtp, two staged 16 x 68 tiles, one 64 x 65 matrix.
 constexpr uint32_t kSsdShared = 4 * (2 * 64 + 2 * 16 * 68 + 64 * 65);
 
 // RECURRA_VK_SSM: "seq" forces the sequential kernels, "chunk" the chunked ones wherever
 // they apply; "" or "auto": chunked from T >= 2 chunks. They apply to one decay per head,
 // T >= 1, scratch below 2^31 floats (32-bit offsets) and devices with the shared memory
-// of ssd.comp (~26 KB; Vulkan guarantees only 16 KB); elsewhere the sequential kernels run.
+// of ssm_scan_chunked.comp (~26 KB; Vulkan guarantees only 16 KB); elsewhere the sequential kernels run.
 bool chunk_capable(const ScanDims& d, Device& dev) {
   return d.NA == 1 && d.T >= 1 && ssd_geom(d).back_floats < (int64_t(1) << 31) && limits_of(dev).shmem >= kSsdShared;
 }
@@ -436,7 +413,7 @@ bool use_chunked(const ScanDims& d, Device& dev, bool ck) {
   return v == "chunk" || ck || d.T >= 2 * kChunk;
 }
 
-// ssd.comp's push constants: the scan's addresses, hin (the states entering each chunk),
+// ssm_scan_chunked.comp's push constants: the scan's addresses, hin (the states entering each chunk),
 // the sizes, and nc | hblk << 24.
 struct SsdPC {
   uint64_t gr, s, x, dt, A, B, C, ids, out, scr, err, hin;
@@ -447,7 +424,7 @@ void ssd_dispatch(Recorder& rec, int mode, int var, const SsdPC& pc, int64_t gro
                   std::initializer_list<Range> reads, std::initializer_list<Range> writes) {
   uint32_t gx, gy;
   grid_2d(groups, gx, gy);
-  rec.dispatch("ssd", {mode, var}, pc, gx, gy, 1, reads, writes);
+  rec.dispatch("ssm_scan_chunked", {mode, var}, pc, gx, gy, 1, reads, writes);
 }
 
 SsdPC ssd_pc(NodeCall& c, const ScanDims& d, const SsdGeom& g, int off) {
@@ -500,7 +477,7 @@ void ssd_back_record(NodeCall& c, const ScanDims& d) {
   const auto scr = rec.scratch(static_cast<size_t>(g.back_floats) * 4);
   const int64_t sht = d.S * d.H * d.T, nst = d.S * d.H * d.P * d.N, nx = d.S * d.T * d.H * d.P;
   const int64_t nbc = d.S * d.T * d.G * d.N;
-  // scratch regions (floats; the order of ssd.comp)
+  // scratch regions (floats; the order of ssm_scan_chunked.comp)
   const int64_t nblkh = d.H / d.G / g.hblk, nbcp = nblkh * nbc;
   const int64_t o_cb = 2 * sht, o_hin = o_cb + d.S * d.G * g.nc * kChunk * kChunk;
   const int64_t o_lam = g.fwd_floats, o_dsi = o_lam + nst * g.nc, o_dbp = o_dsi + nst, o_dcp = o_dbp + nbcp;
@@ -547,7 +524,7 @@ void ssd_back_record(NodeCall& c, const ScanDims& d) {
   {
     FinPC p = f;
     p.src = sa + uint64_t(o_dsi) * 4, p.dst = p_ds, p.ids = addr(c.src[7]), p.n = uint32_t(d.R * d.H * d.P * d.N);
-    rec.dispatch("ssm_scan_fin", {3}, p, grid_groups(p.n, 256), 1, 1, {dsi, idr}, {out_ds});
+    rec.dispatch("ssm_scan_back_sum", {3}, p, grid_groups(p.n, 256), 1, 1, {dsi, idr}, {out_ds});
   }
   ssd_dispatch(rec, 5, 0, pc, d.S * d.G * nblkh * g.nc, {grr, xr, Br, Cr, pre, cb, hin, lam}, {dbc, qy});
   SsdPC p6 = pc;
@@ -560,12 +537,12 @@ void ssd_back_record(NodeCall& c, const ScanDims& d) {
     FinPC p = f;
     p.src = sa + uint64_t(o_dbp) * 4, p.src2 = sa + uint64_t(o_dcp) * 4, p.dst = p_dB, p.dst2 = p_dC;
     p.n = uint32_t(nbc), p.m = uint32_t(nblkh);
-    rec.dispatch("ssm_scan_fin", {0}, p, grid_groups(nbc, 256), 1, 1, {dbc}, {out_dBC});
+    rec.dispatch("ssm_scan_back_sum", {0}, p, grid_groups(nbc, 256), 1, 1, {dbc}, {out_dBC});
   }
   {  // dA[h] = sum_i sum_chunk parts[i][h][chunk]: OP 2 with P = chunks
     FinPC p = f;
     p.src = sa + uint64_t(o_dap) * 4, p.dst = p_dA, p.n = uint32_t(d.H), p.P = uint32_t(g.nc);
-    rec.dispatch("ssm_scan_fin", {2}, p, grid_groups(p.n, 256), 1, 1, {dap}, {out_dA});
+    rec.dispatch("ssm_scan_back_sum", {2}, p, grid_groups(p.n, 256), 1, 1, {dap}, {out_dA});
   }
 }
 
@@ -646,22 +623,22 @@ void scan_back_record(NodeCall& c) {
     FinPC p = f;
     p.src = sa + o_db * 4, p.src2 = sa + o_dc * 4, p.dst = p_dB, p.dst2 = p_dC, p.n = uint32_t(nbc);
     p.m = uint32_t(l.nblk);
-    rec.dispatch("ssm_scan_fin", {0}, p, grid_groups(nbc, 256), 1, 1, {scr.range}, {c.dst.range});
+    rec.dispatch("ssm_scan_back_sum", {0}, p, grid_groups(nbc, 256), 1, 1, {scr.range}, {c.dst.range});
   }
   if (d.S * d.T * d.H > 0) {
     FinPC p = f;
     p.src = sa + o_ddtp * 4, p.dst = p_ddt, p.dt = addr(c.src[3]), p.n = uint32_t(d.S * d.T * d.H);
-    rec.dispatch("ssm_scan_fin", {1}, p, grid_groups(p.n, 256), 1, 1, {scr.range, c.src[3].range}, {c.dst.range});
+    rec.dispatch("ssm_scan_back_sum", {1}, p, grid_groups(p.n, 256), 1, 1, {scr.range, c.src[3].range}, {c.dst.range});
   }
   {
     FinPC p = f;
     p.src = sa + o_da * 4, p.dst = p_dA, p.n = uint32_t(d.H * d.NA);
-    rec.dispatch("ssm_scan_fin", {2}, p, grid_groups(p.n, 256), 1, 1, {scr.range}, {c.dst.range});
+    rec.dispatch("ssm_scan_back_sum", {2}, p, grid_groups(p.n, 256), 1, 1, {scr.range}, {c.dst.range});
   }
   {
     FinPC p = f;
     p.src = sa + o_dss * 4, p.dst = p_ds, p.ids = addr(c.src[7]), p.n = uint32_t(d.R * d.H * d.P * d.N);
-    rec.dispatch("ssm_scan_fin", {3}, p, grid_groups(p.n, 256), 1, 1, {scr.range, c.src[7].range}, {c.dst.range});
+    rec.dispatch("ssm_scan_back_sum", {3}, p, grid_groups(p.n, 256), 1, 1, {scr.range, c.src[7].range}, {c.dst.range});
   }
 }
 

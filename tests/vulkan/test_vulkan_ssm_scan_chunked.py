@@ -1,5 +1,6 @@
-"""The chunked (state-space-duality) Vulkan path of ssm_scan / ssm_scan_back (shaders/ssd.comp)
-against the core's CPU kernels and against the sequential Vulkan kernels on the same inputs.
+"""The chunked (state-space-duality) Vulkan path of ssm_scan / ssm_scan_back
+(shaders/ssm_scan_chunked.comp) against the core's CPU kernels and against the sequential
+Vulkan kernels on the same inputs.
 
 The path is chosen per node from RECURRA_VK_SSM (``seq``, ``chunk``, or ``auto``/unset:
 chunked for one decay per head and T >= 128); these tests set it explicitly. Every part

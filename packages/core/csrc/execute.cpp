@@ -1,0 +1,285 @@
+// The executor: binding leaves, host views of node results, mirrors across backends, and
+// running the splits of a planned graph (see schedule.cpp for the placement).
+#include <algorithm>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <new>
+#include <string>
+#include <unordered_map>
+
+#include "graph.h"
+#include "memory.h"
+#include "schedule.h"
+
+namespace recurra {
+
+using namespace sched;
+
+void scatter_last_axis(const TensorView& dst, const std::vector<TensorView>& parts,
+                       const std::vector<int64_t>& begin, ThreadPool& tp);  // ops/views.cpp
+
+void Graph::AlignedFree::operator()(void* p) const { host_free(p); }
+
+void Graph::bind(int id, void* data) {
+  Node& n = node(id);
+  if (!n.is_leaf()) throw ValueError("bind: node " + std::to_string(id) + " is not a leaf");
+  for (auto& mr : place_.mirrors)
+    if (mr.base == id) mr.filled = false;
+  if (n.dbuf) {
+    n.dbuf.reset();
+    planned_ = false;  // the leaf moved to the host
+  }
+  n.data = data;
+}
+
+void Graph::bind_device(int id, std::shared_ptr<DeviceBuffer> buf) {
+  Node& n = node(id);
+  if (!n.is_leaf()) throw ValueError("bind: node " + std::to_string(id) + " is not a leaf");
+  for (auto& mr : place_.mirrors)
+    if (mr.base == id) mr.filled = false;
+  if (!buf || buf->nbytes() < n.nbytes())
+    throw ValueError("bind: the device buffer is smaller than leaf " + std::to_string(id) + " (" +
+                     std::to_string(n.nbytes()) + " bytes)");
+  if (!n.dbuf || n.dbuf->backend() != buf->backend()) planned_ = false;
+  n.dbuf = std::move(buf);
+  n.data = nullptr;
+}
+
+int Graph::backend_of(int id) {
+  node(id);
+  plan();
+  return location(id);
+}
+
+int Graph::n_splits() {
+  plan();
+  return static_cast<int>(place_.splits.size());
+}
+
+TensorView Graph::host_view(int id, int consumer) const {
+  const Node& n = node(id);
+  TensorView v;
+  v.dtype = n.dtype;
+  v.shape = n.shape;
+  std::copy(n.strides, n.strides + kMaxDims, v.strides);
+  int base = n.is_view() ? n.view_base : id;
+  const Node& b = nodes_[base];
+  uint8_t* mem = nullptr;
+  if (location(base) == consumer) {
+    mem = static_cast<uint8_t*>(b.data);
+  } else {
+    auto it = place_.mirror_of.find({base, consumer});
+    if (it != place_.mirror_of.end())
+      mem = static_cast<uint8_t*>(arena_.get()) + place_.mirrors[it->second].offset;
+  }
+  v.data = mem ? mem + n.view_offset * dtype_size(n.dtype) : nullptr;
+  return v;
+}
+
+TensorView Graph::view_of(int id) const { return host_view(id, kCpuBackend); }
+
+recurra_tensor_desc Graph::desc_on(int id, int backend) const {
+  const Node& n = nodes_[id];
+  recurra_tensor_desc d = shape_desc(n);
+  int base = n.is_view() ? n.view_base : id;
+  const Node& b = nodes_[base];
+  size_t off = 0;
+  if (location(base) == backend) {
+    if (b.is_leaf()) {
+      d.buffer = b.dbuf->handle();
+    } else {
+      d.buffer = arena_segment(backend, plan_.segments[base]).handle();
+      off = plan_.offsets[base];
+    }
+  } else {
+    const auto& m = place_.mirrors[place_.mirror_of.at({base, backend})];
+    d.buffer = arena_segment(backend, m.segment).handle();
+    off = m.offset;
+  }
+  d.offset = off + static_cast<size_t>(n.view_offset) * dtype_size(n.dtype);
+  return d;
+}
+
+void Graph::fill_mirror(const Placement::Mirror& m) {
+  const Node& b = nodes_[m.base];
+  const size_t bytes = b.nbytes();
+  if (bytes == 0) return;
+  const int src = location(m.base);
+  // Where the source bytes are.
+  auto download_src = [&](void* dst) {
+    if (b.is_leaf())
+      b.dbuf->download(0, dst, bytes);
+    else
+      arena_segment(src, plan_.segments[m.base]).download(plan_.offsets[m.base], dst, bytes);
+  };
+  if (m.backend == kCpuBackend) {
+    download_src(static_cast<uint8_t*>(arena_.get()) + m.offset);
+    return;
+  }
+  DeviceBuffer& dst = arena_segment(m.backend, m.segment);
+  if (src == kCpuBackend) {
+    dst.upload(m.offset, b.data, bytes);
+    return;
+  }
+  std::vector<uint8_t> tmp(bytes);  // device to device through the host
+  download_src(tmp.data());
+  dst.upload(m.offset, tmp.data(), bytes);
+}
+
+void Graph::run_device_split(const Placement::Split& sp) {
+  const BackendEntry& e = backend_entry(sp.backend);
+  if (e.closed) throw StateError(e.name + " was released; rebuild the graph on another device");
+  const OpTable& tab = OpTable::get();
+  std::vector<recurra_node_desc> descs(sp.nodes.size());
+  for (size_t k = 0; k < sp.nodes.size(); ++k) {
+    const Node& nd = nodes_[sp.nodes[k]];
+    recurra_node_desc& d = descs[k];
+    d.op = tab.at(nd.op).name.c_str();
+    d.dst = desc_on(nd.id, sp.backend);
+    d.n_src = static_cast<int32_t>(nd.src.size());
+    for (size_t i = 0; i < nd.src.size(); ++i) d.src[i] = desc_on(nd.src[i], sp.backend);
+    d.n_ip = static_cast<int32_t>(nd.ip.size());
+    d.ip = nd.ip.data();
+    d.n_fp = static_cast<int32_t>(nd.fp.size());
+    d.fp = nd.fp.data();
+  }
+  check_status(sp.backend, e.table->compute(e.table->ctx, e.device, descs.data(), static_cast<int32_t>(descs.size())),
+               "compute");
+  check_status(sp.backend, e.table->synchronize(e.table->ctx, e.device), "synchronize");
+}
+
+void Graph::check_ready() const {
+  for (const Node& n : nodes_)
+    if (n.is_leaf() && !n.data && !n.dbuf && n.numel() > 0)
+      throw StateError("compute: leaf " + std::to_string(n.id) +
+                       (n.name.empty() ? "" : " ('" + n.name + "')") +
+                       " has no data; set it before computing");
+}
+
+void Graph::compute() {
+  plan();
+  check_ready();
+  const OpTable& tab = OpTable::get();
+  const PoolLease lease;  // set_num_threads waits for this computation to end
+  ThreadPool& tp = lease.pool();
+  for (const auto& sp : place_.splits) {
+    for (int m : sp.mirrors) {
+      Placement::Mirror& mr = place_.mirrors[m];
+      if (mr.filled) continue;
+      fill_mirror(mr);
+      mr.filled = (nodes_[mr.base].flags & kConst) != 0;
+    }
+    if (sp.backend != kCpuBackend) {
+      run_device_split(sp);
+      continue;
+    }
+    const std::unordered_map<int, Scatter>* merged = nullptr;
+    {
+      std::lock_guard<std::mutex> lk(g_scatter_mu);
+      const auto it = g_scatters.find(this);
+      if (it != g_scatters.end()) merged = &it->second;  // stable until the next plan()
+    }
+    for (int j : sp.nodes) {
+      const Node& n = nodes_[j];
+      if (merged && merged->count(j)) {
+        const Scatter& sc = merged->at(j);
+        std::vector<TensorView> parts;
+        for (int q : sc.parts) parts.push_back(host_view(q, kCpuBackend));
+        scatter_last_axis(host_view(j, kCpuBackend), parts, sc.begin, tp);
+        continue;
+      }
+      KernelCtx ctx{n, host_view(j, kCpuBackend), {}, tp};
+      ctx.src.reserve(n.src.size());
+      for (int s : n.src) ctx.src.push_back(host_view(s, kCpuBackend));
+      tab.at(n.op).forward(ctx);
+    }
+  }
+}
+
+void Graph::read(int id, void* out) {
+  const Node& n = node(id);
+  plan();
+  const int base = n.is_view() ? n.view_base : id;
+  const int loc = location(base);
+  const size_t esz = dtype_size(n.dtype);
+  std::vector<uint8_t> staging;
+  const uint8_t* mem;
+  if (loc == kCpuBackend) {
+    mem = static_cast<const uint8_t*>(nodes_[base].data);
+    if (!mem && n.numel() > 0)
+      throw StateError("read: node " + std::to_string(id) + " has no data yet; compute the graph first");
+  } else {
+    const Node& b = nodes_[base];
+    staging.resize(b.nbytes());
+    if (b.is_leaf())
+      b.dbuf->download(0, staging.data(), b.nbytes());
+    else
+      arena_segment(loc, plan_.segments[base]).download(plan_.offsets[base], staging.data(), b.nbytes());
+    mem = staging.data();
+  }
+  if (n.numel() == 0) return;
+  TensorView v;
+  v.shape = n.shape;
+  std::copy(n.strides, n.strides + kMaxDims, v.strides);
+  const uint8_t* src = mem + n.view_offset * esz;
+  auto* dst = static_cast<uint8_t*>(out);
+  if (v.is_contiguous()) {
+    std::memcpy(dst, src, n.numel() * esz);
+    return;
+  }
+  int64_t idx[kMaxDims] = {0, 0, 0, 0};
+  const int nd = n.shape.ndim;
+  for (int64_t k = 0; k < n.numel(); ++k) {
+    int64_t off = 0;
+    for (int i = 0; i < nd; ++i) off += idx[i] * v.strides[i];
+    std::memcpy(dst + k * esz, src + off * esz, esz);
+    for (int i = nd - 1; i >= 0; --i) {
+      if (++idx[i] < n.shape.d[i]) break;
+      idx[i] = 0;
+    }
+  }
+}
+
+std::shared_ptr<DeviceBuffer> Graph::copy_to_device_buffer(int id) { return copy_to_device_buffers({id}).at(0); }
+
+std::vector<std::shared_ptr<DeviceBuffer>> Graph::copy_to_device_buffers(const std::vector<int>& ids) {
+  plan();
+  std::vector<std::shared_ptr<DeviceBuffer>> out(ids.size());
+  // Per backend: one dense "contiguous" node per result, all in one compute call and one
+  // wait (a training step's gradients cost one round trip, not one per parameter).
+  std::map<int, std::vector<size_t>> by_backend;
+  for (size_t k = 0; k < ids.size(); ++k) {
+    const Node& n = node(ids[k]);
+    const int loc = location(ids[k]);
+    if (loc == kCpuBackend)
+      throw ValueError("copy_to_device_buffer: node " + std::to_string(ids[k]) + " is on the CPU");
+    out[k] = std::make_shared<DeviceBuffer>(loc, std::max<size_t>(n.nbytes(), 4), Pool::persistent);
+    if (n.numel() > 0) by_backend[loc].push_back(k);
+  }
+  for (const auto& [loc, ks] : by_backend) {
+    const BackendEntry& e = backend_entry(loc);
+    std::vector<recurra_node_desc> descs(ks.size());
+    for (size_t q = 0; q < ks.size(); ++q) {
+      const Node& n = nodes_[ids[ks[q]]];
+      recurra_node_desc& d = descs[q];
+      d = recurra_node_desc{};
+      d.op = "contiguous";
+      d.dst = shape_desc(n);
+      int64_t st[kMaxDims];
+      contiguous_strides(n.shape, st);
+      for (int i = 0; i < n.shape.ndim; ++i) d.dst.strides[i] = st[i];
+      d.dst.buffer = out[ks[q]]->handle();
+      d.dst.offset = 0;
+      d.n_src = 1;
+      d.src[0] = desc_on(n.id, loc);
+    }
+    check_status(loc, e.table->compute(e.table->ctx, e.device, descs.data(), static_cast<int32_t>(descs.size())),
+                 "copy");
+    check_status(loc, e.table->synchronize(e.table->ctx, e.device), "synchronize");
+  }
+  return out;
+}
+
+}  // namespace recurra

@@ -1,0 +1,393 @@
+// Memory planning: each backend's transient arena (best fit in growing segments), the
+// lifetimes of the nodes, and the merged slice gradients (see schedule.h).
+#include <algorithm>
+#include <climits>
+#include <map>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <new>
+#include <string>
+#include <unordered_map>
+
+#include "graph.h"
+#include "memory.h"
+#include "schedule.h"
+
+namespace recurra {
+
+using namespace sched;
+
+namespace sched {
+
+std::mutex g_scatter_mu;
+std::unordered_map<const Graph*, std::unordered_map<int, Scatter>> g_scatters;
+
+}  // namespace sched
+
+namespace {
+
+// Best-fit allocation of [offset, size) blocks within one growing arena.
+class ArenaAllocator {
+ public:
+  size_t alloc(size_t bytes) {
+    bytes = align_up(std::max<size_t>(bytes, 1));
+    auto best = free_.end();
+    for (auto it = free_.begin(); it != free_.end(); ++it)
+      if (it->second >= bytes && (best == free_.end() || it->second < best->second)) best = it;
+    if (best != free_.end()) {
+      size_t off = best->first, sz = best->second;
+      free_.erase(best);
+      if (sz > bytes) free_[off + bytes] = sz - bytes;
+      return off;
+    }
+    if (!free_.empty()) {  // grow from a free block that ends at the top
+      auto last = std::prev(free_.end());
+      if (last->first + last->second == top_) {
+        size_t off = last->first;
+        free_.erase(last);
+        top_ = off + bytes;
+        return off;
+      }
+    }
+    size_t off = top_;
+    top_ += bytes;
+    return off;
+  }
+  void release(size_t off, size_t bytes) {
+    bytes = align_up(std::max<size_t>(bytes, 1));
+    auto it = free_.emplace(off, bytes).first;
+    auto nx = std::next(it);
+    if (nx != free_.end() && it->first + it->second == nx->first) {
+      it->second += nx->second;
+      free_.erase(nx);
+    }
+    if (it != free_.begin()) {
+      auto pv = std::prev(it);
+      if (pv->first + pv->second == it->first) {
+        pv->second += it->second;
+        free_.erase(it);
+      }
+    }
+  }
+  size_t top() const { return top_; }
+  // The smallest free block that holds `bytes` (aligned), SIZE_MAX when none does.
+  size_t best_free(size_t bytes) const {
+    size_t best = SIZE_MAX;
+    for (const auto& [off, sz] : free_)
+      if (sz >= bytes && sz < best) best = sz;
+    return best;
+  }
+  // The top after alloc(bytes) had to grow the arena.
+  size_t grown_top(size_t bytes) const {
+    if (!free_.empty()) {
+      auto last = std::prev(free_.end());
+      if (last->first + last->second == top_) return last->first + bytes;
+    }
+    return top_ + bytes;
+  }
+
+ private:
+  std::map<size_t, size_t> free_;
+  size_t top_ = 0;
+};
+
+// The arena of one backend as segments of at most `limit` bytes each (a device's largest
+// buffer; the host has one unbounded segment). A block goes to the best-fitting free block
+// of any segment, else to the first segment that can grow enough, else to a new segment;
+// with one segment this is ArenaAllocator's best fit. Callers never ask for more than
+// `limit` (Graph::check_fits refuses such tensors first).
+class SegmentedArena {
+ public:
+  struct Slot {
+    int segment;
+    size_t offset;
+  };
+  explicit SegmentedArena(size_t limit = SIZE_MAX) : limit_(limit) {}
+  Slot alloc(size_t bytes) {
+    bytes = align_up(std::max<size_t>(bytes, 1));
+    int best = -1;
+    size_t best_size = SIZE_MAX;
+    for (size_t i = 0; i < segs_.size(); ++i) {
+      const size_t f = segs_[i].best_free(bytes);
+      if (f < best_size) best = static_cast<int>(i), best_size = f;
+    }
+    for (size_t i = 0; best < 0 && i < segs_.size(); ++i)
+      if (segs_[i].grown_top(bytes) <= limit_) best = static_cast<int>(i);
+    if (best < 0) {
+      segs_.emplace_back();
+      best = static_cast<int>(segs_.size()) - 1;
+    }
+    return {best, segs_[best].alloc(bytes)};
+  }
+  void release(int segment, size_t offset, size_t bytes) { segs_[segment].release(offset, bytes); }
+  std::vector<size_t> segment_bytes() const {
+    std::vector<size_t> out;
+    for (const auto& a : segs_) out.push_back(a.top());
+    return out;
+  }
+
+ private:
+  size_t limit_;
+  std::vector<ArenaAllocator> segs_;
+};
+
+// The pieces a node contributes as a scatter: a slice_grad over the last axis only (whole
+// ranges elsewhere, step 1), or an add already merged. False otherwise.
+bool scatter_parts(const Graph& g, const std::unordered_map<int, Scatter>& merged, int id, Scatter* out) {
+  const auto it = merged.find(id);
+  if (it != merged.end()) {
+    *out = it->second;
+    return true;
+  }
+  const Node& nd = g.node(id);
+  if (nd.is_leaf() || nd.is_view() || OpTable::get().at(nd.op).name != "slice_grad") return false;
+  const int d = nd.shape.ndim;
+  if (d == 0 || static_cast<int>(nd.ip.size()) != 4 * d) return false;
+  for (int i = 0; i < d - 1; ++i)
+    if (nd.ip[d + 3 * i] != 0 || nd.ip[d + 3 * i + 1] != nd.shape.d[i] || nd.ip[d + 3 * i + 2] != 1) return false;
+  if (nd.ip[d + 3 * (d - 1) + 2] != 1) return false;
+  *out = Scatter{{nd.src[0]}, {nd.ip[d + 3 * (d - 1)]}, {nd.ip[d + 3 * (d - 1) + 1]}};
+  return true;
+}
+
+// Merges a and b (sorted by begin); false when their columns overlap.
+bool merge_scatters(const Scatter& a, const Scatter& b, Scatter* out) {
+  std::vector<size_t> order;
+  Scatter all = a;
+  all.parts.insert(all.parts.end(), b.parts.begin(), b.parts.end());
+  all.begin.insert(all.begin.end(), b.begin.begin(), b.begin.end());
+  all.end.insert(all.end.end(), b.end.begin(), b.end.end());
+  for (size_t i = 0; i < all.parts.size(); ++i) order.push_back(i);
+  std::sort(order.begin(), order.end(), [&](size_t x, size_t y) { return all.begin[x] < all.begin[y]; });
+  *out = Scatter{};
+  for (size_t i : order) {
+    if (!out->end.empty() && all.begin[i] < out->end.back()) return false;
+    out->parts.push_back(all.parts[i]);
+    out->begin.push_back(all.begin[i]);
+    out->end.push_back(all.end[i]);
+  }
+  return true;
+}
+
+}  // namespace
+
+const MemoryPlan& Graph::plan() {
+  if (planned_) return plan_;
+  const int n = size();
+  place_ = Placement{};
+  assign_backends();
+
+  auto base_of = [&](int id) { return nodes_[id].view_base >= 0 ? nodes_[id].view_base : id; };
+
+  // Adds of slice gradients that run as one scatter (see Scatter); only when nothing is
+  // placed on a device backend (which has no scatter kernel).
+  const OpTable& tab = OpTable::get();
+  std::vector<int> readers(n, 0);
+  for (int j = 0; j < n; ++j)
+    for (int s : nodes_[j].src) ++readers[s];
+  std::unordered_map<int, Scatter> merged;
+  if (backends_.empty()) {
+    const int add_op = tab.find("add");
+    for (int j = 0; j < n; ++j) {
+      const Node& nd = nodes_[j];
+      if (nd.op != add_op || nd.src.size() != 2) continue;
+      Scatter a, b, m;
+      bool ok = true;
+      for (int k = 0; k < 2 && ok; ++k) {
+        const Node& s = nodes_[nd.src[k]];
+        ok = s.shape == nd.shape && readers[nd.src[k]] == 1 && !(s.flags & (kOutput | kLoss)) &&
+             nd.src[0] != nd.src[1] && scatter_parts(*this, merged, nd.src[k], k == 0 ? &a : &b);
+      }
+      if (ok && merge_scatters(a, b, &m)) merged[j] = std::move(m);
+    }
+  }
+  auto srcs_of = [&](int j) -> const std::vector<int>& {
+    const auto it = merged.find(j);
+    return it == merged.end() ? nodes_[j].src : it->second.parts;
+  };
+  // Nodes the backward appended (after the loss) that nothing reads are not run: gradients
+  // a rule left unused, or forms a rule or a scatter superseded. Outputs, in-place updates
+  // and whatever they read are kept; everything up to the loss is kept.
+  std::vector<char> keep(n, 1);
+  int first_loss = n;
+  for (int j = 0; j < n && first_loss == n; ++j)
+    if (nodes_[j].flags & kLoss) first_loss = j;
+  std::vector<char> read(n, 0);
+  for (int j = n - 1; j > first_loss; --j) {
+    const Node& nd = nodes_[j];
+    const bool effect = !nd.is_leaf() && !nd.is_view() && tab.at(nd.op).writes_src;
+    keep[j] = nd.is_leaf() || (nd.flags & (kOutput | kLoss)) || effect || read[j];
+    if (keep[j])
+      for (int s : srcs_of(j)) read[s] = 1;
+  }
+
+  // Splits, and the mirrors each one needs.
+  for (int j = 0; j < n; ++j) {
+    const Node& nd = nodes_[j];
+    if (nd.is_leaf() || nd.is_view() || !keep[j]) continue;
+    int b = place_.where[j];
+    if (place_.splits.empty() || place_.splits.back().backend != b) place_.splits.push_back({b, {}, {}});
+    auto& sp = place_.splits.back();
+    sp.nodes.push_back(j);
+    for (int s : srcs_of(j)) {
+      int base = base_of(s);
+      if (location(base) == b) continue;
+      auto key = std::make_pair(base, b);
+      if (!place_.mirror_of.count(key)) {
+        place_.mirror_of[key] = static_cast<int>(place_.mirrors.size());
+        place_.mirrors.push_back({base, b, SIZE_MAX, 0, false});
+        sp.mirrors.push_back(place_.mirror_of[key]);
+      }
+    }
+  }
+
+  // Liveness: the last node that reads each base, and each mirror.
+  const int kForever = INT_MAX;
+  std::vector<int> last(n, -1);
+  std::vector<int> mirror_last(place_.mirrors.size(), -1);
+  for (int j = 0; j < n; ++j) {
+    if (!keep[j]) continue;
+    for (int s : srcs_of(j)) {
+      int base = base_of(s);
+      last[base] = std::max(last[base], j);
+      if (!nodes_[j].is_view() && !nodes_[j].is_leaf()) {
+        auto it = place_.mirror_of.find({base, place_.where[j]});
+        if (it != place_.mirror_of.end()) mirror_last[it->second] = std::max(mirror_last[it->second], j);
+      }
+    }
+  }
+  for (int j = 0; j < n; ++j)
+    if (nodes_[j].flags & (kOutput | kLoss)) last[base_of(j)] = kForever;
+
+  // A mirror on a device must fit one of its buffers too.
+  for (const auto& mr : place_.mirrors)
+    if (mr.backend != kCpuBackend) check_fits(mr.backend, mr.base, true);
+
+  MemoryPlan p;
+  p.offsets.assign(n, SIZE_MAX);
+  p.segments.assign(n, 0);
+  std::map<int, SegmentedArena> alloc;  // per backend
+  auto arena = [&](int b) -> SegmentedArena& {
+    auto it = alloc.find(b);
+    if (it != alloc.end()) return it->second;
+    const uint64_t lim = b == kCpuBackend ? 0 : limits_of(b).max_buffer_bytes;
+    return alloc.emplace(b, SegmentedArena(lim ? lim / kAlign * kAlign : SIZE_MAX)).first->second;
+  };
+  std::vector<std::vector<int>> dies_at(n), mirrors_die_at(n);
+  for (int j = 0; j < n; ++j)
+    if (last[j] >= 0 && last[j] != kForever && !nodes_[j].is_view()) dies_at[last[j]].push_back(j);
+  for (size_t m = 0; m < place_.mirrors.size(); ++m)  // a constant's mirror lives on
+    if (mirror_last[m] >= 0 && !(nodes_[place_.mirrors[m].base].flags & kConst))
+      mirrors_die_at[mirror_last[m]].push_back(static_cast<int>(m));
+
+  size_t split_i = 0;
+  size_t live = 0;  // bytes of planned intermediates (and mirrors) alive now
+  for (int j = 0; j < n; ++j) {
+    const Node& nd = nodes_[j];
+    if (nd.is_leaf() || nd.is_view() || !keep[j]) continue;
+    // Mirrors are written when their split starts: allocate them there, before the
+    // split's own nodes, so nothing still live in the split can share their memory.
+    while (split_i < place_.splits.size() && place_.splits[split_i].nodes.front() <= j) {
+      for (int m : place_.splits[split_i].mirrors) {
+        auto& mr = place_.mirrors[m];
+        const auto slot = arena(mr.backend).alloc(nodes_[mr.base].nbytes());
+        mr.segment = slot.segment;
+        mr.offset = slot.offset;
+        live += align_up(std::max<size_t>(nodes_[mr.base].nbytes(), 1));
+      }
+      ++split_i;
+    }
+    const auto slot = arena(place_.where[j]).alloc(nd.nbytes());
+    live += align_up(std::max<size_t>(nd.nbytes(), 1));
+    if (live > p.peak_live_bytes) p.peak_live_bytes = live, p.peak_node = j;
+    p.segments[j] = slot.segment;
+    p.offsets[j] = slot.offset;
+    p.unplanned_bytes += align_up(std::max<size_t>(nd.nbytes(), 1));
+    p.n_planned++;
+    if (last[j] < 0) dies_at[j].push_back(j);  // dead on arrival
+    for (int d : dies_at[j])
+      if (p.offsets[d] != SIZE_MAX) {
+        arena(place_.where[d]).release(p.segments[d], p.offsets[d], nodes_[d].nbytes());
+        live -= align_up(std::max<size_t>(nodes_[d].nbytes(), 1));
+      }
+    for (int m : mirrors_die_at[j]) {
+      const auto& mr = place_.mirrors[m];
+      arena(mr.backend).release(mr.segment, mr.offset, nodes_[mr.base].nbytes());
+      live -= align_up(std::max<size_t>(nodes_[mr.base].nbytes(), 1));
+    }
+  }
+  if (p.peak_node >= 0) {  // what is live at the peak, by op
+    std::map<std::string, size_t> by_op;
+    for (int i = 0; i <= p.peak_node; ++i)
+      if (p.offsets[i] != SIZE_MAX && (last[i] >= p.peak_node || i == p.peak_node))
+        by_op[tab.at(nodes_[i].op).name] += align_up(std::max<size_t>(nodes_[i].nbytes(), 1));
+    p.live_at_peak.assign(by_op.begin(), by_op.end());
+    std::sort(p.live_at_peak.begin(), p.live_at_peak.end(),
+              [](const auto& a, const auto& b) { return a.second > b.second; });
+  }
+  for (auto& [b, a] : alloc) {
+    auto& segs = place_.segment_bytes[b] = a.segment_bytes();
+    for (size_t bytes : segs) place_.arena_bytes[b] += bytes;
+    p.arena_bytes += place_.arena_bytes[b];
+  }
+
+  // Memory: the host arena (one segment), and one buffer per segment of each device backend.
+  size_t host_bytes = place_.arena_bytes.count(kCpuBackend) ? place_.arena_bytes[kCpuBackend] : 0;
+  if (host_bytes > arena_capacity_) {
+    arena_.reset();
+    try {
+      arena_.reset(host_alloc(host_bytes, "transient arena"));
+    } catch (const OutOfMemory& e) {
+      memory_stats_adjust(Pool::transient, -static_cast<int64_t>(arena_capacity_));  // freed above
+      arena_capacity_ = 0;
+      int big = -1;  // the largest planned node: usually the culprit
+      for (int j = 0; j < n; ++j)
+        if (p.offsets[j] != SIZE_MAX && place_.where[j] == kCpuBackend &&
+            (big < 0 || nodes_[j].nbytes() > nodes_[big].nbytes()))
+          big = j;
+      std::string msg = e.what();
+      if (big >= 0)
+        msg += " (the largest intermediate: " + OpTable::get().at(nodes_[big].op).name + " of shape " +
+               nodes_[big].shape.str() + ", " + std::to_string(nodes_[big].nbytes()) + " bytes)";
+      throw OutOfMemory(msg);
+    }
+    memory_stats_adjust(Pool::transient, static_cast<int64_t>(host_bytes) - static_cast<int64_t>(arena_capacity_));
+    arena_capacity_ = host_bytes;
+  }
+  for (const auto& [b, segs] : place_.segment_bytes) {
+    if (b == kCpuBackend) continue;
+    auto& bufs = dev_arena_[b];
+    bufs.resize(std::max(bufs.size(), segs.size()));
+    // Buffers too small go first, so that their memory is free for the new ones.
+    for (size_t i = 0; i < bufs.size(); ++i)
+      if (bufs[i] && (i >= segs.size() || bufs[i]->nbytes() < segs[i] || !bufs[i]->valid())) bufs[i].reset();
+    bufs.resize(segs.size());
+    for (size_t i = 0; i < segs.size(); ++i)
+      if (!bufs[i]) bufs[i] = std::make_shared<DeviceBuffer>(b, std::max<size_t>(segs[i], 64), Pool::transient);
+  }
+  for (int j = 0; j < n; ++j)
+    if (p.offsets[j] != SIZE_MAX && place_.where[j] == kCpuBackend)
+      nodes_[j].data = static_cast<uint8_t*>(arena_.get()) + p.offsets[j];
+  {
+    std::lock_guard<std::mutex> lk(g_scatter_mu);
+    if (merged.empty())
+      g_scatters.erase(this);
+    else
+      g_scatters[this] = std::move(merged);
+  }
+  plan_ = std::move(p);
+  planned_ = true;
+  ++generation_;
+  return plan_;
+}
+
+Graph::~Graph() {
+  {
+    std::lock_guard<std::mutex> lk(g_scatter_mu);
+    g_scatters.erase(this);
+  }
+  if (arena_capacity_) memory_stats_adjust(Pool::transient, -static_cast<int64_t>(arena_capacity_));
+}
+
+}  // namespace recurra

@@ -1,0 +1,593 @@
+// ssm_scan, the backward of the rows layout (P > 1): one forward sweep (S, dC) and one
+// reverse sweep (lam, dB, dx), the decay gradient re-anchored from stored states (see scan.h).
+#include "scan.h"
+
+namespace recurra {
+namespace ssm {
+namespace scan {
+
+namespace {
+
+// ======================================================================================
+// Backward, rows layout: one (sequence, head, block of PB channels), state [p][n].
+// ======================================================================================
+
+// One unit of the rows backward: (sequence, head, block of pl channels), state [p][n]. A
+// task advances a few units chunk by chunk, forward then in reverse, so that the dB and dC
+// rows of a chunk stay in L1 while every unit adds to them.
+struct RowsBwd {
+  const float* s0;   // s[row, h, p0, 0]
+  const float* x;    // x[i, 0, h, p0]: token stride xs (also dy, dx)
+  const float* dy;
+  const float* dsf;  // dL/d(final state) [i, h, p0, 0]
+  const float* dtp;  // T
+  const float* a;    // T (one decay per head) or nullptr
+  const float* Ah;   // A[h, :]
+  const float* B;    // B[i, 0, g, 0]: token stride bs
+  const float* C;
+  float* dx;
+  float* ddtp;  // T: dL/d softplus(dt), summed over the head's channel blocks
+  float* ds;    // [i, h, p0, 0] (pl x N)
+  float* dA;    // NA, summed over the head's channel blocks
+  float* dB;    // partial-sum slot [i, 0, g, 0]: token stride bs
+  float* dC;
+  bool first_in_head;  // write ddtp, dA instead of adding
+  int64_t T, N, pl, xs, bs, K;
+  // state kept between chunks
+  float* S;     // [pl][Np]: S / P in the forward sweep, lam / R in the reverse sweep
+  float* anch;  // ceil(T / K) x [pl][Np]: S_t at t = K-1, 2K-1, ..., T-1
+  float* zc;    // T x (Np or 1): C_t . dC_t
+  float* v;     // rows_bwd_scratch(): per-state vectors and staging
+  float P, Zs, dAs;
+};
+
+// Scratch of a unit (f.v), in floats: per-state vectors, then per-token staging.
+//   0 Pv / Rv | 1 (unused) | 2 an (bh) | 3 bt (cr) | 4 dc | 5 Z | 6 db | 7 dAv   (Np each)
+//   8 Np: for each of two tokens: uv, dyv, du (plp each), dupart (16 plp); then bt2, dc2 /
+//   cr2, bh2, db2 (Np each) for the second token of a pair.
+size_t rows_bwd_scratch(int64_t Np, int64_t plp) { return static_cast<size_t>(8 * Np + 2 * 19 * plp + 3 * Np); }
+
+size_t rows_bwd_unit_floats(int64_t T, int64_t N, int64_t pl, int64_t K, bool per_n) {
+  const int64_t Np = (N + 15) / 16 * 16, plp = (pl + 15) / 16 * 16, nanch = (T + K - 1) / K;
+  return static_cast<size_t>(pl * Np * (1 + nanch) + T * (per_n ? Np : 1)) + rows_bwd_scratch(Np, plp);
+}
+
+void rows_bwd_begin(RowsBwd& f) {
+  const int64_t N = f.N, Np = (N + 15) / 16 * 16, plp = (f.pl + 15) / 16 * 16;
+  const size_t nv = rows_bwd_scratch(Np, plp);
+  for (size_t k = 0; k < nv; ++k) f.v[k] = 0.0f;
+  for (int64_t p = 0; p < f.pl; ++p)
+    for (int64_t n = 0; n < Np; ++n) f.S[p * Np + n] = n < N ? f.s0[p * N + n] : 0.0f;
+  for (int64_t n = 0; n < Np; ++n) f.v[n] = 1.0f;  // Pv
+  f.P = 1.0f;
+}
+
+// Forward sweep of M tokens: for each token m in turn, S[p][:] += u[m][p] b[m] and
+// dc[m] = sum_p dy[m][p] S[p][:]. One load and one store of the state serve all M tokens.
+template <int NV, int M>
+RC_INLINE void fwd_pn_chunk(float* __restrict S, const float* const* b, const float* const* u,
+                            const float* const* dy, float* const* dc, int64_t n0, int64_t pl, int64_t Np) {
+  vf bv[M][NV], acc[M][NV];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < NV; ++j) {
+      bv[m][j] = vload(b[m] + n0 + 16 * j);
+      acc[m][j] = vf{};
+    }
+  for (int64_t p = 0; p < pl; ++p) {
+    float* sp = S + p * Np + n0;
+    vf sv[NV];
+    for (int j = 0; j < NV; ++j) sv[j] = vload(sp + 16 * j);
+    for (int m = 0; m < M; ++m) {
+      const vf up = vsplat(u[m][p]), dp = vsplat(dy[m][p]);
+      for (int j = 0; j < NV; ++j) {
+        sv[j] += up * bv[m][j];
+        acc[m][j] += dp * sv[j];
+      }
+    }
+    for (int j = 0; j < NV; ++j) vstore(sp + 16 * j, sv[j]);
+  }
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < NV; ++j) vstore(dc[m] + n0 + 16 * j, acc[m][j]);
+}
+
+template <int M>
+RC_INLINE void fwd_pn(float* S, const float* const* b, const float* const* u, const float* const* dy,
+                      float* const* dc, int64_t pl, int64_t Np) {
+  constexpr int NV = 4;
+  int64_t n = 0;
+  for (; n + 16 * NV <= Np; n += 16 * NV) fwd_pn_chunk<NV, M>(S, b, u, dy, dc, n, pl, Np);
+  for (; n < Np; n += 16) fwd_pn_chunk<1, M>(S, b, u, dy, dc, n, pl, Np);
+}
+
+// Reverse sweep of M tokens: for each token m in turn, lam[p][:] += dy[m][p] c[m];
+// db[m] = sum_p u[m][p] lam[p][:]; du[m][p] = lam[p][:] . bh[m] (lane sums taken at the end
+// from dupart[m], 16 lanes per p).
+template <int NV, int M, bool FIRST>
+RC_INLINE void rev_pn_chunk(float* __restrict lam, const float* const* c, const float* const* bh,
+                            const float* const* u, const float* const* dy, float* const* db,
+                            float* const* dupart, int64_t n0, int64_t pl, int64_t Np) {
+  vf cv[M][NV], bv[M][NV], acc[M][NV];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < NV; ++j) {
+      cv[m][j] = vload(c[m] + n0 + 16 * j);
+      bv[m][j] = vload(bh[m] + n0 + 16 * j);
+      acc[m][j] = vf{};
+    }
+  for (int64_t p = 0; p < pl; ++p) {
+    float* lp = lam + p * Np + n0;
+    vf lv[NV];
+    for (int j = 0; j < NV; ++j) lv[j] = vload(lp + 16 * j);
+    for (int m = 0; m < M; ++m) {
+      const vf up = vsplat(u[m][p]), dp = vsplat(dy[m][p]);
+      vf du = FIRST ? vf{} : vload(dupart[m] + 16 * p);
+      for (int j = 0; j < NV; ++j) {
+        lv[j] += dp * cv[m][j];
+        acc[m][j] += up * lv[j];
+        du += lv[j] * bv[m][j];
+      }
+      vstore(dupart[m] + 16 * p, du);
+    }
+    for (int j = 0; j < NV; ++j) vstore(lp + 16 * j, lv[j]);
+  }
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < NV; ++j) vstore(db[m] + n0 + 16 * j, acc[m][j]);
+}
+
+template <int M>
+RC_INLINE void rev_pn(float* lam, const float* const* c, const float* const* bh, const float* const* u,
+                      const float* const* dy, float* const* db, float* const* dupart, float* const* du,
+                      int64_t pl, int64_t Np) {
+  constexpr int NV = 4;
+  int64_t n = 0;
+  if (Np >= 16 * NV) {
+    rev_pn_chunk<NV, M, true>(lam, c, bh, u, dy, db, dupart, 0, pl, Np);
+    n = 16 * NV;
+  } else {
+    rev_pn_chunk<1, M, true>(lam, c, bh, u, dy, db, dupart, 0, pl, Np);
+    n = 16;
+  }
+  for (; n + 16 * NV <= Np; n += 16 * NV) rev_pn_chunk<NV, M, false>(lam, c, bh, u, dy, db, dupart, n, pl, Np);
+  for (; n < Np; n += 16) rev_pn_chunk<1, M, false>(lam, c, bh, u, dy, db, dupart, n, pl, Np);
+  for (int m = 0; m < M; ++m)
+    for (int64_t p0 = 0; p0 < pl; p0 += 16) {
+      vf r = hsum16x16(dupart[m] + 16 * p0);
+      vstore_part(du[m] + p0, r, std::min<int64_t>(16, pl - p0));
+    }
+}
+
+// z[n] = sum_p lam[p][n] * S[p][n]
+RC_INLINE void dot_pn(const float* lam, const float* S, float* z, int64_t pl, int64_t Np) {
+  for (int64_t n = 0; n < Np; n += 16) {
+    vf acc = {};
+    for (int64_t p = 0; p < pl; ++p) acc += vload(lam + p * Np + n) * vload(S + p * Np + n);
+    vstore(z + n, acc);
+  }
+}
+
+RC_INLINE void scale_pn(float* S, const float* f, int64_t pl, int64_t Np) {
+  for (int64_t p = 0; p < pl; ++p)
+    for (int64_t n = 0; n < Np; n += 16) vstore(S + p * Np + n, vload(S + p * Np + n) * vload(f + n));
+}
+
+// Per-state decays: acc[n] *= exp(d A[n]); when any of them leaves [2^-60, 2^60] the
+// scaled state is multiplied out (X[p][n] *= acc[n]) and acc is reset to 1. `an` is
+// scratch (Np). The forward sweep keeps S~ = S / Pv and the reverse sweep lam~ = lam / Rv
+// this way.
+RC_INLINE void decay_pn(float* X, float* acc, const float* Ah, float d, float* an, int64_t N, int64_t Np,
+                        int64_t pl) {
+  exp_row(Ah, d, N, Np, an);
+  vi bad = {};
+  for (int64_t n0 = 0; n0 < Np; n0 += 16) {
+    vf q = vload(acc + n0) * vload(an + n0);
+    bad |= !(q >= kPMin && q <= kPMax);
+    vstore(acc + n0, q);
+  }
+  bool renorm = false;
+  for (int l = 0; l < 16; ++l) renorm |= bad[l] != 0;
+  if (renorm) {
+    scale_pn(X, acc, pl, Np);
+    for (int64_t n = 0; n < Np; ++n) acc[n] = 1.0f;
+  }
+}
+
+// One decay per head: the accumulated decay p of the scaled state X (n floats). When p
+// leaves [2^-60, 2^60] (also when it is 0 or NaN) X is multiplied out and 1 is returned.
+RC_INLINE float renorm_head(float* X, int64_t n, float p) {
+  if (in_range(p)) return p;
+  for (int64_t k = 0; k < n; k += 16) vstore(X + k, vload(X + k) * p);
+  return 1.0f;
+}
+
+// Lanes n0 .. n0 + 15 of a row of N floats (zero past N).
+RC_INLINE vf row_at(const float* p, int64_t n0, int64_t N) {
+  return n0 + 16 <= N ? vload(p + n0) : vload_part(p + n0, N - n0);
+}
+RC_INLINE void row_put(float* p, int64_t n0, int64_t N, vf v, bool add) {
+  if (add) v += row_at(p, n0, N);
+  if (n0 + 16 <= N)
+    vstore(p + n0, v);
+  else
+    vstore_part(p + n0, v, N - n0);
+}
+
+
+struct Stage {
+  float *uv, *dyv, *du, *dupart;
+};
+RC_INLINE Stage stage_of(float* v, int64_t Np, int64_t plp, int m) {
+  float* b = v + 8 * Np + m * 19 * plp;
+  return {b, b + plp, b + 2 * plp, b + 3 * plp};
+}
+
+// K is a power of two.
+RC_INLINE bool is_anchor(int64_t t, int64_t K, int64_t T) { return (t & (K - 1)) == K - 1 || t == T - 1; }
+
+// uv = x_t * d_t, dyv = dy_t (the rows of this unit's channels).
+RC_INLINE void stage_rows(const RowsBwd& f, int64_t t, const Stage& st) {
+  const float d = f.dtp[t];
+  const float* xt = f.x + t * f.xs;
+  const float* dyt = f.dy + t * f.xs;
+  for (int64_t p = 0; p < f.pl; ++p) {
+    st.uv[p] = xt[p] * d;
+    st.dyv[p] = dyt[p];
+  }
+}
+
+// After a token of the forward sweep: dC_t = P dc into the slot, C_t . dC_t, the anchor.
+RC_INLINE void fwd_post(RowsBwd& f, int64_t t, const float* S, const float* dc, const float* Pv, float P,
+                        bool first) {
+  const int64_t N = f.N, Np = (N + 15) / 16 * 16, pl = f.pl;
+  const bool per_n = f.a == nullptr;
+  const float* Ct = f.C + t * f.bs;
+  float* dCt = f.dC + t * f.bs;
+  vf zacc = {};
+  for (int64_t n0 = 0; n0 < Np; n0 += 16) {
+    const vf dcn = vload(dc + n0) * (per_n ? vload(Pv + n0) : vsplat(P));
+    row_put(dCt, n0, N, dcn, !first);
+    const vf z = row_at(Ct, n0, N) * dcn;
+    if (per_n)
+      vstore(f.zc + t * Np + n0, z);
+    else
+      zacc += z;
+  }
+  if (!per_n) f.zc[t] = hsum(zacc);
+  if (is_anchor(t, f.K, f.T)) {
+    float* at = f.anch + (t / f.K) * pl * Np;
+    for (int64_t p = 0; p < pl; ++p)
+      for (int64_t n0 = 0; n0 < Np; n0 += 16)
+        vstore(at + p * Np + n0, vload(S + p * Np + n0) * (per_n ? vload(Pv + n0) : vsplat(P)));
+  }
+}
+
+// Forward sweep over tokens [t0, t1): S~, dC (added to the slot; `first` writes it), C.dC,
+// anchors. Two tokens per sweep over the state where no renormalisation or anchor falls
+// between them.
+RC_SIMD void rows_bwd_fwd(RowsBwd& f, int64_t t0, int64_t t1, bool first) {
+  const int64_t N = f.N, Np = (N + 15) / 16 * 16, pl = f.pl, T = f.T, K = f.K;
+  const int64_t plp = (pl + 15) / 16 * 16;
+  const bool per_n = f.a == nullptr;
+  float* S = f.S;
+  float* v = f.v;
+  float *Pv = v, *an = v + 2 * Np, *bt = v + 3 * Np, *dc = v + 4 * Np;
+  float* ext = v + 8 * Np + 2 * 19 * plp;
+  float *bt2 = ext, *dc2 = ext + Np;
+  const Stage s0 = stage_of(v, Np, plp, 0), s1 = stage_of(v, Np, plp, 1);
+  float P = f.P;
+  for (int64_t t = t0; t < t1;) {
+    for (int64_t k = 0; k < 2; ++k)
+      if (t + 2 * kPrefetch + k < T) {
+        prefetch_row(f.x + (t + 2 * kPrefetch + k) * f.xs, pl, false);
+        prefetch_row(f.dy + (t + 2 * kPrefetch + k) * f.xs, pl, false);
+      }
+    const float* Bt = f.B + t * f.bs;
+    if (!per_n && t + 1 < t1 && !is_anchor(t, K, T)) {
+      const float p0 = P * f.a[t], p1 = p0 * f.a[t + 1];
+      if (in_range(p0) && in_range(p1)) {
+        const float i0 = 1.0f / p0, i1 = 1.0f / p1;
+        for (int64_t n0 = 0; n0 < Np; n0 += 16) {
+          vstore(bt + n0, row_at(Bt, n0, N) * i0);
+          vstore(bt2 + n0, row_at(Bt + f.bs, n0, N) * i1);
+        }
+        stage_rows(f, t, s0);
+        stage_rows(f, t + 1, s1);
+        const float* bb[2] = {bt, bt2};
+        const float* uu[2] = {s0.uv, s1.uv};
+        const float* dd[2] = {s0.dyv, s1.dyv};
+        float* cc[2] = {dc, dc2};
+        fwd_pn<2>(S, bb, uu, dd, cc, pl, Np);
+        fwd_post(f, t, S, dc, Pv, p0, first);
+        fwd_post(f, t + 1, S, dc2, Pv, p1, first);
+        P = p1;
+        t += 2;
+        continue;
+      }
+    }
+    if (!per_n) {
+      P = renorm_head(S, pl * Np, P * f.a[t]);
+      const float ip = 1.0f / P;
+      for (int64_t n0 = 0; n0 < Np; n0 += 16) vstore(bt + n0, row_at(Bt, n0, N) * ip);
+    } else {
+      decay_pn(S, Pv, f.Ah, f.dtp[t], an, N, Np, pl);
+      for (int64_t n0 = 0; n0 < Np; n0 += 16) vstore(bt + n0, row_at(Bt, n0, N) / vload(Pv + n0));
+    }
+    stage_rows(f, t, s0);
+    const float* bb[1] = {bt};
+    const float* uu[1] = {s0.uv};
+    const float* dd[1] = {s0.dyv};
+    float* cc[1] = {dc};
+    fwd_pn<1>(S, bb, uu, dd, cc, pl, Np);
+    fwd_post(f, t, S, dc, Pv, P, first);
+    t += 1;
+  }
+  f.P = P;
+}
+
+// Between the sweeps: lam = dL/d(final state), R = 1.
+void rows_bwd_mid(RowsBwd& f) {
+  const int64_t N = f.N, Np = (N + 15) / 16 * 16;
+  for (int64_t p = 0; p < f.pl; ++p)
+    for (int64_t n = 0; n < Np; ++n) f.S[p * Np + n] = n < N ? f.dsf[p * N + n] : 0.0f;
+  for (int64_t n = 0; n < Np; ++n) {
+    f.v[n] = 1.0f;           // Rv
+    f.v[7 * Np + n] = 0.0f;  // dAv
+  }
+  f.P = 1.0f;  // R
+  f.Zs = f.dAs = 0.0f;
+}
+
+// cr = C_t / R, bh = B_t * R (one decay per head).
+RC_INLINE void rev_pre(const RowsBwd& f, int64_t t, float R, float* cr, float* bh) {
+  const int64_t N = f.N, Np = (N + 15) / 16 * 16;
+  const float ir = 1.0f / R;
+  const float* Bt = f.B + t * f.bs;
+  const float* Ct = f.C + t * f.bs;
+  for (int64_t n0 = 0; n0 < Np; n0 += 16) {
+    vstore(cr + n0, row_at(Ct, n0, N) * ir);
+    vstore(bh + n0, row_at(Bt, n0, N) * R);
+  }
+}
+
+// After a token of the reverse sweep (one decay per head): dx, dB into the slot, the
+// decay gradient G_t = Z_t - B_t . dB_t, dA, ddtp, and Z_{t-1}.
+RC_INLINE void rev_post(RowsBwd& f, int64_t t, float R, const float* lam, const float* db, const float* du,
+                        float* Z, bool first) {
+  const int64_t N = f.N, Np = (N + 15) / 16 * 16, pl = f.pl;
+  const float d = f.dtp[t];
+  const float* Bt = f.B + t * f.bs;
+  const float* xt = f.x + t * f.xs;
+  float* dBt = f.dB + t * f.bs;
+  float* dxt = f.dx + t * f.xs;
+  vf ddv = {};
+  for (int64_t p0 = 0; p0 < pl; p0 += 16) {
+    const int64_t m = std::min<int64_t>(16, pl - p0);
+    const vf dv = vload(du + p0);  // du is padded to a multiple of 16
+    if (m == 16)
+      vstore(dxt + p0, dv * d);
+    else
+      vstore_part(dxt + p0, dv * d, m);
+    ddv += dv * (m == 16 ? vload(xt + p0) : vload_part(xt + p0, m));
+  }
+  float dd = hsum(ddv);
+  if (is_anchor(t, f.K, f.T)) {  // Z_t exactly from the stored state
+    dot_pn(lam, f.anch + (t / f.K) * pl * Np, Z, pl, Np);
+    vf z = {};
+    for (int64_t n0 = 0; n0 < Np; n0 += 16) z += vload(Z + n0);
+    f.Zs = hsum(z) * R;
+  }
+  vf bdb = {};
+  for (int64_t n0 = 0; n0 < Np; n0 += 16) {
+    const vf dbn = vload(db + n0) * R;
+    row_put(dBt, n0, N, dbn, !first);
+    bdb += row_at(Bt, n0, N) * dbn;
+  }
+  const float G = f.Zs - hsum(bdb);
+  f.dAs += G * d;
+  dd += G * f.Ah[0];
+  if (t > 0) f.Zs = G + f.zc[t - 1];
+  f.ddtp[t] = f.first_in_head ? dd : f.ddtp[t] + dd;
+}
+
+// Reverse sweep over tokens t1 - 1 down to t0: lam~, dB (added to the slot; `first` writes
+// it), dx, ddtp, dA. Two tokens per sweep where no renormalisation or anchor falls between.
+RC_SIMD void rows_bwd_rev(RowsBwd& f, int64_t t0, int64_t t1, bool first) {
+  const int64_t N = f.N, Np = (N + 15) / 16 * 16, pl = f.pl, T = f.T, K = f.K;
+  const int64_t plp = (pl + 15) / 16 * 16;
+  const bool per_n = f.a == nullptr;
+  float* lam = f.S;
+  float* v = f.v;
+  float *Rv = v, *an = v + 2 * Np, *cr = v + 3 * Np, *Z = v + 5 * Np, *db = v + 6 * Np, *dAv = v + 7 * Np;
+  float* bh = an;  // B * R (dead by the time `an` is needed)
+  float* ext = v + 8 * Np + 2 * 19 * plp;
+  float *cr2 = ext, *bh2 = ext + Np, *db2 = ext + 2 * Np;
+  const Stage s0 = stage_of(v, Np, plp, 0), s1 = stage_of(v, Np, plp, 1);
+  for (int64_t t = t1 - 1; t >= t0;) {
+    for (int64_t k = 0; k < 2; ++k)
+      if (t - 2 * kPrefetch - k >= 0) {
+        const int64_t o = (t - 2 * kPrefetch - k) * f.xs;
+        prefetch_row(f.x + o, pl, false);
+        prefetch_row(f.dy + o, pl, false);
+        prefetch_row(f.dx + o, pl, true);
+      }
+    if (!per_n && t - 1 >= t0 && !is_anchor(t, K, T)) {
+      const float R0 = f.P, R1 = R0 * f.a[t];
+      if (in_range(R1)) {
+        rev_pre(f, t, R0, cr, bh);
+        rev_pre(f, t - 1, R1, cr2, bh2);
+        stage_rows(f, t, s0);
+        stage_rows(f, t - 1, s1);
+        const float* cc[2] = {cr, cr2};
+        const float* bb[2] = {bh, bh2};
+        const float* uu[2] = {s0.uv, s1.uv};
+        const float* dd[2] = {s0.dyv, s1.dyv};
+        float* dbs[2] = {db, db2};
+        float* dup[2] = {s0.dupart, s1.dupart};
+        float* dus[2] = {s0.du, s1.du};
+        rev_pn<2>(lam, cc, bb, uu, dd, dbs, dup, dus, pl, Np);
+        rev_post(f, t, R0, lam, db, s0.du, Z, first);
+        rev_post(f, t - 1, R1, lam, db2, s1.du, Z, first);
+        f.P = renorm_head(lam, pl * Np, R1 * f.a[t - 1]);
+        t -= 2;
+        continue;
+      }
+    }
+    const float d = f.dtp[t];
+    const float* Bt = f.B + t * f.bs;
+    const float* Ct = f.C + t * f.bs;
+    if (per_n) {
+      for (int64_t n0 = 0; n0 < Np; n0 += 16) {
+        vstore(cr + n0, row_at(Ct, n0, N) / vload(Rv + n0));
+        vstore(bh + n0, row_at(Bt, n0, N) * vload(Rv + n0));
+      }
+    } else {
+      rev_pre(f, t, f.P, cr, bh);
+    }
+    stage_rows(f, t, s0);
+    {
+      const float* cc[1] = {cr};
+      const float* bb[1] = {bh};
+      const float* uu[1] = {s0.uv};
+      const float* dd[1] = {s0.dyv};
+      float* dbs[1] = {db};
+      float* dup[1] = {s0.dupart};
+      float* dus[1] = {s0.du};
+      rev_pn<1>(lam, cc, bb, uu, dd, dbs, dup, dus, pl, Np);
+    }
+    if (!per_n) {
+      rev_post(f, t, f.P, lam, db, s0.du, Z, first);
+      f.P = renorm_head(lam, pl * Np, f.P * f.a[t]);
+      t -= 1;
+      continue;
+    }
+    // One decay per state: the same steps with per-state R.
+    const float* xt = f.x + t * f.xs;
+    float* dBt = f.dB + t * f.bs;
+    float* dxt = f.dx + t * f.xs;
+    float dd = 0.0f;
+    for (int64_t p = 0; p < pl; ++p) {
+      dxt[p] = s0.du[p] * d;
+      dd += s0.du[p] * xt[p];
+    }
+    const bool anchor = is_anchor(t, K, T);
+    if (anchor) dot_pn(lam, f.anch + (t / K) * pl * Np, Z, pl, Np);  // Z_t exactly
+    vf gs = {};
+    for (int64_t n0 = 0; n0 < Np; n0 += 16) {
+      const vf rv = vload(Rv + n0);
+      const vf dbn = vload(db + n0) * rv;
+      row_put(dBt, n0, N, dbn, !first);
+      const vf z = anchor ? vload(Z + n0) * rv : vload(Z + n0);
+      const vf g = z - row_at(Bt, n0, N) * dbn;  // dL/d log a_t[n]
+      vstore(dAv + n0, vload(dAv + n0) + g * d);
+      gs += g * row_at(f.Ah, n0, N);
+      if (t > 0) vstore(Z + n0, g + vload(f.zc + (t - 1) * Np + n0));
+    }
+    dd += hsum(gs);
+    f.ddtp[t] = f.first_in_head ? dd : f.ddtp[t] + dd;
+    decay_pn(lam, Rv, f.Ah, d, an, N, Np, pl);
+    t -= 1;
+  }
+}
+
+// After the reverse sweep: d_s = lam (times R) and the unit's dA.
+void rows_bwd_end(const RowsBwd& f) {
+  const int64_t N = f.N, Np = (N + 15) / 16 * 16;
+  const bool per_n = f.a == nullptr;
+  const float* Rv = f.v;
+  const float* dAv = f.v + 7 * Np;
+  for (int64_t p = 0; p < f.pl; ++p)
+    for (int64_t n = 0; n < N; ++n) f.ds[p * N + n] = f.S[p * Np + n] * (per_n ? Rv[n] : f.P);
+  if (per_n) {
+    for (int64_t n = 0; n < N; ++n) f.dA[n] = f.first_in_head ? dAv[n] : f.dA[n] + dAv[n];
+  } else {
+    f.dA[0] = f.first_in_head ? f.dAs : f.dA[0] + f.dAs;
+  }
+}
+
+int64_t rows_bwd_block(const Dims& d) {
+  const int64_t Np = (d.N + 15) / 16 * 16;
+  return std::max<int64_t>(1, std::min<int64_t>(d.P, 4096 / Np));
+}
+
+}  // namespace
+
+void backward_rows(const Back& b, ThreadPool& pool, std::vector<Work>& work) {
+  const Dims& d = b.d;
+  const float *gy = b.gy, *gs = b.gs, *s = b.s, *x = b.x, *dt = b.dt, *A = b.A, *B = b.B, *C = b.C;
+  const int32_t* ids = b.ids;
+  const int64_t units = b.units, nsplit = b.nsplit;
+  const int64_t PB = rows_bwd_block(d), npb = (d.P + PB - 1) / PB;
+  int64_t K = 64;  // anchor interval: a power of two, at most 16 (+1) anchors
+  while (K * 16 < d.T) K *= 2;
+  const int64_t hpu = std::max<int64_t>(1, 4 / npb);          // heads advanced together
+  const size_t ufl = rows_bwd_unit_floats(d.T, d.N, PB, K, d.per_n);
+  pool.run(d.S * d.G * nsplit, [&](int64_t task, int tid) {
+    const int64_t i = task / (d.G * nsplit), g = task / nsplit % d.G, j = task % nsplit;
+    const int64_t hb = g * d.hpg + j * units / nsplit, he = g * d.hpg + (j + 1) * units / nsplit;
+    float* wk = work[tid].get(hpu * (npb * ufl + 4 * d.T));
+    std::vector<RowsBwd> fs;
+    for (int64_t h0 = hb; h0 < he; h0 += hpu) {
+      const int64_t nh = std::min(hpu, he - h0);
+      fs.clear();
+      for (int64_t hh = 0; hh < nh; ++hh) {
+        const int64_t h = h0 + hh;
+        float* hw = wk + hh * (npb * ufl + 4 * d.T);
+        float* dtp = hw + npb * ufl;
+        float* a = dtp + d.T;
+        float* sig = a + d.T;
+        float* ddtp = sig + d.T;  // dL/d softplus(dt) of this head, summed over its blocks
+        dt_column(dt + i * d.T * d.H + h, d.H, d.T, A[h * d.NA], dtp, d.per_n ? nullptr : a, sig);
+        for (int64_t pb = 0; pb < npb; ++pb) {
+          const int64_t p0 = pb * PB;
+          RowsBwd f;
+          f.s0 = s + ((ids[i] * d.H + h) * d.P + p0) * d.N;
+          f.x = x + (i * d.T * d.H + h) * d.P + p0;
+          f.dy = gy + (i * d.T * d.H + h) * d.P + p0;
+          f.dsf = gs + ((i * d.H + h) * d.P + p0) * d.N;
+          f.dtp = dtp;
+          f.a = d.per_n ? nullptr : a;
+          f.Ah = A + h * d.NA;
+          f.B = B + (i * d.T * d.G + g) * d.N;
+          f.C = C + (i * d.T * d.G + g) * d.N;
+          f.dx = b.o_dx + (i * d.T * d.H + h) * d.P + p0;
+          f.ddtp = ddtp;
+          f.ds = b.ds_of(i) + (h * d.P + p0) * d.N;
+          f.dA = b.dA_part + (i * d.H + h) * d.NA;
+          f.dB = b.slot_B(j) + (i * d.T * d.G + g) * d.N;
+          f.dC = b.slot_C(j) + (i * d.T * d.G + g) * d.N;
+          f.first_in_head = pb == 0;
+          f.T = d.T;
+          f.N = d.N;
+          f.pl = std::min(PB, d.P - p0);
+          f.xs = d.H * d.P;
+          f.bs = d.G * d.N;
+          f.K = K;
+          const int64_t Np = (d.N + 15) / 16 * 16, nanch = (d.T + K - 1) / K;
+          f.S = hw + pb * ufl;
+          f.anch = f.S + f.pl * Np;
+          f.zc = f.anch + nanch * f.pl * Np;
+          f.v = f.zc + d.T * (d.per_n ? Np : 1);
+          rows_bwd_begin(f);
+          fs.push_back(f);
+        }
+      }
+      const bool first_group = h0 == hb;
+      for (int64_t t0 = 0; t0 < d.T; t0 += kChunk)
+        for (size_t u = 0; u < fs.size(); ++u)
+          rows_bwd_fwd(fs[u], t0, std::min(d.T, t0 + kChunk), first_group && u == 0);
+      for (RowsBwd& f : fs) rows_bwd_mid(f);
+      for (int64_t t1 = d.T; t1 > 0; t1 -= kChunk)
+        for (size_t u = 0; u < fs.size(); ++u)
+          rows_bwd_rev(fs[u], std::max<int64_t>(0, t1 - kChunk), t1, first_group && u == 0);
+      for (const RowsBwd& f : fs) rows_bwd_end(f);
+      for (int64_t hh = 0; hh < nh; ++hh) {
+        const float* sig = wk + hh * (npb * ufl + 4 * d.T) + npb * ufl + 2 * d.T;
+        const float* ddtp = sig + d.T;
+        float* o = b.o_ddt + i * d.T * d.H + h0 + hh;
+        for (int64_t t = 0; t < d.T; ++t) o[t * d.H] = ddtp[t] * sig[t];
+      }
+    }
+  });
+}
+
+}  // namespace scan
+}  // namespace ssm
+}  // namespace recurra

@@ -1,0 +1,51 @@
+// What the scheduler's three parts share: placement (schedule.cpp), memory planning
+// (memory_plan.cpp) and running the splits (execute.cpp).
+#pragma once
+
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "graph.h"
+
+namespace recurra {
+namespace sched {
+
+constexpr size_t kAlign = 64;
+inline size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+// The dense descriptor of a node's shape (no buffer).
+inline recurra_tensor_desc shape_desc(const Node& n) {
+  recurra_tensor_desc d{};
+  d.dtype = n.dtype == DType::f32 ? RECURRA_F32 : RECURRA_I32;
+  d.ndim = n.shape.ndim;
+  for (int i = 0; i < kMaxDims; ++i) {
+    d.shape[i] = i < n.shape.ndim ? n.shape.d[i] : 1;
+    d.strides[i] = i < n.shape.ndim ? n.strides[i] : 1;
+  }
+  return d;
+}
+
+// ---- merged slice gradients ----------------------------------------------------------
+//
+// A tensor cut into pieces along its last axis (a projection split into its parts) gets the
+// gradient add(slice_grad(g_1), slice_grad(g_2)), add(that, slice_grad(g_3)), ...: every
+// slice_grad writes a whole zero-padded tensor and every add reads two. When all of it runs
+// on the CPU, plan() has each such add run instead as one scatter of the pieces' gradients
+// g_i (each output element written once), and the slice_grads and inner adds, now unread,
+// are not run. The graph's nodes stay as they are; the substitution lives here, per graph.
+
+struct Scatter {
+  std::vector<int> parts;      // the nodes written into the output, by begin
+  std::vector<int64_t> begin;  // their first column on the last axis
+  std::vector<int64_t> end;
+};
+
+// The merged adds of each planned graph, by add node: plan() writes them, compute() runs
+// them (memory_plan.cpp).
+extern std::mutex g_scatter_mu;
+extern std::unordered_map<const Graph*, std::unordered_map<int, Scatter>> g_scatters;
+
+
+}  // namespace sched
+}  // namespace recurra
