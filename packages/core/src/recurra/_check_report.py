@@ -134,16 +134,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(e.code) if isinstance(e.code, int) else cb.EXIT_USAGE
     if args.list:
         print(_format_list())
-        return cb.EXIT_OK
+        return int(cb.EXIT_OK)
     try:
         selected = cb.select_cases(args.op)
         devices = cb.resolve_backends(args.backend)
     except (cb.UnknownOpError, cb.UnknownBackendError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return cb.EXIT_USAGE
+        return int(cb.EXIT_USAGE)
     except cb.BackendUnavailableError as e:
         print(f"error: {e}", file=sys.stderr)
-        return cb.EXIT_NO_BACKEND
+        return int(cb.EXIT_NO_BACKEND)
     if not devices:
         msg = cb.no_device_message()
         code = cb.EXIT_OK if args.allow_cpu_only else cb.EXIT_NO_BACKEND
@@ -153,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps(doc))
         else:
             print(("note: " if code == cb.EXIT_OK else "error: ") + msg, file=sys.stderr)
-        return code
+        return int(code)
 
     ops_wanted = list(dict.fromkeys(c.op for c in selected))
 
@@ -177,4 +177,4 @@ def main(argv: Sequence[str] | None = None) -> int:
             ", ".join(f"{n} {v}" for v, n in counts.items())
             + f" -> {'PASS' if code == cb.EXIT_OK else 'FAIL'}"
         )
-    return code
+    return int(code)

@@ -427,9 +427,9 @@ def check_case(case: Case, backend: str) -> CaseResult:
     if case.grad and ref.grads:
         worst, worst_name = -1.0, ""
         for name, want in ref.grads.items():
-            e = compare(got.grads.get(name), want)
-            if e > worst or math.isnan(e):
-                worst, worst_name = e, name
+            err = compare(got.grads.get(name), want)
+            if err > worst or math.isnan(err):
+                worst, worst_name = err, name
         res.grad_nmse, res.worst_grad = worst, worst_name
     bad = []
     if not res.forward_nmse <= case.forward_tol:

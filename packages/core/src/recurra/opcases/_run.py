@@ -22,7 +22,9 @@ def _where(device: str | None) -> str:
     return device or "cpu"
 
 
-def _tensors(case: OpCase, data: dict[str, np.ndarray], device: str | None, grad: bool) -> list:
+def _tensors(
+    case: OpCase, data: dict[str, np.ndarray], device: str | None, grad: bool
+) -> list[Any]:
     import recurra as rc
 
     dev = None if device in (None, "cpu") else device

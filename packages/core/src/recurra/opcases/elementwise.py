@@ -42,16 +42,19 @@ NAN_FINITE_ROW = np.array([np.nan, -3.0, -1.0, 0.5, 2.0, 5.0], np.float32)
 
 
 def _erf(x: np.ndarray) -> np.ndarray:
-    return np.vectorize(math.erf, otypes=[np.float64])(x)
+    out: np.ndarray = np.vectorize(math.erf, otypes=[np.float64])(x)
+    return out
 
 
 def _softplus(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
-        return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))
+        out: np.ndarray = np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))
+    return out
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
-    return x / (1 + np.exp(-x))
+    out: np.ndarray = x / (1 + np.exp(-x))
+    return out
 
 
 def _pow15(x: np.ndarray) -> np.ndarray:
@@ -77,6 +80,9 @@ def unary(
     def inputs(shape: tuple[int, ...]) -> Callable[[np.random.Generator], dict[str, np.ndarray]]:
         return lambda rng: {"x": sample(rng, shape)}
 
+    def fixed(d: np.ndarray) -> Callable[[np.random.Generator], dict[str, np.ndarray]]:
+        return lambda rng: {"x": d.copy()}
+
     node = Node(op, (), fp) if fp is not None else None
     kw: dict[str, Any] = {"ref": ref, "ref_tol": ref_tol, "node": node}
     out = [OpCase(op, name, inputs(s), build, **kw) for name, s in UNARY_SHAPES.items()]
@@ -87,7 +93,7 @@ def unary(
             OpCase(
                 op,
                 name,
-                lambda rng, d=data: {"x": d.copy()},
+                fixed(data),
                 build,
                 nonfinite=True,
                 nan_grad=nan_grad,

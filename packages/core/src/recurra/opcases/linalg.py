@@ -22,7 +22,8 @@ def _tag(sa: tuple[int, ...], sb: tuple[int, ...]) -> str:
 
 
 def _out_prod_ref(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.swapaxes(a, -1, -2) @ b
+    out: np.ndarray = np.swapaxes(a, -1, -2) @ b
+    return out
 
 
 def matmul(name: str, sa: tuple[int, ...], sb: tuple[int, ...], note: str = "") -> OpCase:

@@ -25,22 +25,26 @@ def _tag(shape: tuple[int, ...]) -> str:
 
 def _softmax_ref(x: np.ndarray, axis: int = -1) -> np.ndarray:
     e = np.exp(x - x.max(axis=axis, keepdims=True))
-    return e / e.sum(axis=axis, keepdims=True)
+    out: np.ndarray = e / e.sum(axis=axis, keepdims=True)
+    return out
 
 
 def _log_softmax_ref(x: np.ndarray, axis: int = -1) -> np.ndarray:
     m = x.max(axis=axis, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=axis, keepdims=True))
+    out: np.ndarray = x - m - np.log(np.exp(x - m).sum(axis=axis, keepdims=True))
+    return out
 
 
 def _rms_norm_ref(x: np.ndarray, eps: float, w: np.ndarray | None = None) -> np.ndarray:
     y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
-    return y if w is None else y * w
+    out: np.ndarray = y if w is None else y * w
+    return out
 
 
 def _layer_norm_ref(x: np.ndarray, eps: float) -> np.ndarray:
     c = x - x.mean(axis=-1, keepdims=True)
-    return c / np.sqrt(np.mean(c * c, axis=-1, keepdims=True) + eps)
+    out: np.ndarray = c / np.sqrt(np.mean(c * c, axis=-1, keepdims=True) + eps)
+    return out
 
 
 def _cross_entropy_ref(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
