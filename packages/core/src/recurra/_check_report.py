@@ -153,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps(doc))
         else:
             print(("note: " if code == cb.EXIT_OK else "error: ") + msg, file=sys.stderr)
-        return code
+        return int(code)
 
     ops_wanted = list(dict.fromkeys(c.op for c in selected))
 
@@ -177,4 +177,4 @@ def main(argv: Sequence[str] | None = None) -> int:
             ", ".join(f"{n} {v}" for v, n in counts.items())
             + f" -> {'PASS' if code == cb.EXIT_OK else 'FAIL'}"
         )
-    return code
+    return int(code)

@@ -224,7 +224,8 @@ class RWKV6Block(RWKVBlock):
     def forward(self, x: Any, state: list[Any]) -> tuple[Any, list[Any]]:
         """x (B, T, C), state [att_shift, wkv, ffn_shift]. Returns (x, new state)."""
         dx, att_shift, wkv = self.att(self.ln1(x), state[0], state[1])
-        return self.channel_mix(x, dx, state, att_shift, wkv)
+        out: tuple[Any, list[Any]] = self.channel_mix(x, dx, state, att_shift, wkv)
+        return out
 
 
 class RWKV6LM(RWKVFamilyLM):

@@ -101,7 +101,8 @@ class RWKVFamilyLM(CausalLM):
             state = self.init_state(b)
         else:
             check_state(state, self.state_shapes(b), type(self).__name__, _LAYOUT)
-        x = self.blocks[0].ln0(self.emb(tok))
+        first: Any = self.blocks[0]  # block 0 holds ln0
+        x = first.ln0(self.emb(tok))
         x, new_state = self.run_blocks(x, [list(st) for st in state])
         return self.head(self.ln_out(x)), new_state
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from recurra import DeviceBuffer, Tensor
 from recurra.ops import FusedStep
-from recurra_optim.optimizer import _device_storage, _grad_buffer
+from recurra_optim._support import _device_storage, _grad_buffer
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_"]
 

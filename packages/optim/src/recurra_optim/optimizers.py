@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from recurra_optim.optimizer import Optimizer, ParamsT, _check_beta, _check_nonneg
+from recurra_optim._support import _check_beta, _check_nonneg
+from recurra_optim.optimizer import Optimizer, ParamsT
 
 __all__ = ["SGD", "Adam", "AdamW", "Lion"]
 
