@@ -151,19 +151,24 @@ def test_unary_strided(name):
     check(name, [sample((1000,))], fp=fp, src_offset=4)  # misaligned: no vec4 path
 
 
-# act_grad codes (the core's Act enum) and the forward op each belongs to.
-ACT = {
-    0: "abs",
-    1: "sqrt",
-    2: "log",
-    3: "clamp",
-    4: "relu",
-    5: "silu",
-    6: "gelu",
-    7: "sigmoid",
-    8: "tanh",
-    9: "softplus",
-}
+# act_grad codes (each activation's RECURRA_UNARY_* code in the op spec) and the forward op
+# each belongs to.
+ACT = {s.unary: name for name, s in rc.ops.spec().items() if s.backward == "act_grad"}
+
+
+def test_op_names_are_in_the_spec():
+    spec = rc.ops.spec()
+    names = recurra_vulkan.op_names()
+    assert names and set(names) <= set(spec)
+    # every elementwise unary op of the spec has a Vulkan kernel (registered from the spec)
+    assert {n for n, s in spec.items() if s.unary >= 0} <= set(names)
+
+
+@pytest.mark.parametrize("name", ["neg", "sqr", "exp", "scale"])
+def test_act_grad_refuses_an_op_without_act_grad(name):
+    x = randn(8)
+    with pytest.raises(NotImplementedError, match="act_grad"):
+        vk("act_grad", [x, x, x], ip=(rc.ops.spec()[name].unary,), out_shape=(8,))
 
 
 @pytest.mark.parametrize("code", sorted(ACT))

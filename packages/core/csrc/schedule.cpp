@@ -194,17 +194,6 @@ bool merge_scatters(const Scatter& a, const Scatter& b, Scatter* out) {
   return true;
 }
 
-recurra_tensor_desc shape_desc(const Node& n) {
-  recurra_tensor_desc d{};
-  d.dtype = n.dtype == DType::f32 ? RECURRA_F32 : RECURRA_I32;
-  d.ndim = n.shape.ndim;
-  for (int i = 0; i < kMaxDims; ++i) {
-    d.shape[i] = i < n.shape.ndim ? n.shape.d[i] : 1;
-    d.strides[i] = i < n.shape.ndim ? n.strides[i] : 1;
-  }
-  return d;
-}
-
 }  // namespace
 
 const DeviceLimits& Graph::limits_of(int b) {
@@ -251,27 +240,6 @@ void Graph::set_backends(std::vector<int> ids, bool strict) {
   if (ids != backends_ || strict != strict_) planned_ = false;
   backends_ = std::move(ids);
   strict_ = strict;
-}
-
-// Whether backend b (not the CPU, not closed) has a kernel for node j as it is shaped. Nodes
-// with more sources than the C table carries never reach a plugin.
-bool Graph::backend_supports(int b, int j) const {
-  const Node& nd = nodes_[j];
-  if (nd.src.size() > RECURRA_MAX_SRC) return false;
-  const BackendEntry& e = backend_entry(b);
-  recurra_node_desc desc{};
-  desc.op = OpTable::get().at(nd.op).name.c_str();
-  desc.dst = shape_desc(nd);
-  desc.n_src = static_cast<int32_t>(nd.src.size());
-  for (size_t i = 0; i < nd.src.size(); ++i) {
-    desc.src[i] = shape_desc(nodes_[nd.src[i]]);
-    desc.src[i].offset = static_cast<size_t>(nodes_[nd.src[i]].view_offset) * 4;
-  }
-  desc.n_ip = static_cast<int32_t>(nd.ip.size());
-  desc.ip = nd.ip.data();
-  desc.n_fp = static_cast<int32_t>(nd.fp.size());
-  desc.fp = nd.fp.data();
-  return e.table->supports_op(e.table->ctx, e.device, &desc) == 1;
 }
 
 // An op that updates its sources in place runs where the memory it writes lives: on a copy

@@ -36,7 +36,7 @@ RC_SIMD void gla_forward_task(const DecayIn& in, const Dims& d, int64_t q, int64
 void gla_forward(KernelCtx& c, const Dims& d) {
   // Sources: k, v, q, g, state; fp = [scale].
   const DecayIn in{c.src[2].f32(), c.src[0].f32(), c.src[1].f32(), c.src[3].f32(), nullptr,
-                   static_cast<float>(c.node.fp[0])};
+                   static_cast<float>(c.node.fp[RECURRA_P_SCALE])};
   decay_forward(c, d, in, c.src[4].f32(), gla_forward_task);
 }
 
@@ -153,7 +153,7 @@ void gla_backward(KernelCtx& c, const Dims& d) {
   const float* s0 = c.src[4].f32();
   const float* gy = c.src[5].f32();
   const float* gs = gy + d.ths();
-  const float scale = static_cast<float>(c.node.fp[0]);
+  const float scale = static_cast<float>(c.node.fp[RECURRA_P_SCALE]);
   const int64_t ths = d.ths();
   // Packed result, in source order: dk, dv, dq, dg, dstate.
   float* o = c.dst.f32();

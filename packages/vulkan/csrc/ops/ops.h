@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "../common.h"
+#include "recurra/op_spec.h"
 #include "../recorder.h"
 
 namespace recurra_vk {

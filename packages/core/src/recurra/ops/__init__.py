@@ -10,7 +10,7 @@ from recurra.ops._elementwise import __all__ as _ew_all
 __all__ = ["apply", "apply_multi", *_ew_all]
 
 # Areas written in their own modules; each exports its public names through __all__.
-for _mod in ("_reduce", "_linalg", "_nn", "_shape", "_ssm", "_rwkv", "_optim"):
+for _mod in ("_reduce", "_linalg", "_nn", "_shape", "_ssm", "_rwkv", "_optim", "_spec"):
     try:
         _m = __import__(f"recurra.ops.{_mod}", fromlist=["__all__"])
     except ModuleNotFoundError as _e:  # an area not written yet
