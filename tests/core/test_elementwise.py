@@ -29,6 +29,10 @@ UNARY = {
     "relu": (lambda x: np.maximum(x, 0), lambda s: RNG.standard_normal(s)),
     "silu": (lambda x: x / (1 + np.exp(-x)), lambda s: RNG.standard_normal(s) * 3),
     "gelu": (lambda x: 0.5 * x * (1 + erf64(x / np.sqrt(2))), lambda s: RNG.standard_normal(s) * 2),
+    "gelu_tanh": (
+        lambda x: 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3))),
+        lambda s: RNG.standard_normal(s) * 2,
+    ),
     "sigmoid": (lambda x: 1 / (1 + np.exp(-x)), lambda s: RNG.standard_normal(s) * 3),
     "tanh": (np.tanh, lambda s: RNG.standard_normal(s) * 2),
     "softplus": (

@@ -129,6 +129,7 @@ UNARY = {
     "relu": ((), lambda s: randn(*s)),
     "silu": ((), lambda s: randn(*s, scale=3)),
     "gelu": ((), lambda s: randn(*s, scale=2)),
+    "gelu_tanh": ((), lambda s: randn(*s, scale=2)),
     "sigmoid": ((), lambda s: randn(*s, scale=3)),
     "tanh": ((), lambda s: randn(*s, scale=2)),
     "softplus": ((), lambda s: randn(*s, scale=8)),
@@ -694,3 +695,21 @@ def test_profile_dispatches_times_each_dispatch_of_a_node():
     assert all(sec > 0 for _, sec in recs)
     # after profiling the node still computes silu (and no profiling mode is left on)
     np.testing.assert_allclose(vk("silu", [a], out_shape=a.shape), a / (1 + np.exp(-a)), rtol=1e-5)
+
+
+def test_gelu_tanh_on_the_device_against_float64():
+    # The activation and its gradient through a device graph (act_grad on Vulkan) against
+    # float64 numpy and central differences of it.
+    def f64(v):
+        return 0.5 * v * (1 + np.tanh(np.sqrt(2 / np.pi) * (v + 0.044715 * v**3)))
+
+    x = randn(1000, scale=2)
+    r = randn(1000)
+    p = rc.param(x, device="vulkan")
+    y = rc.ops.gelu_tanh(p)
+    (y * rc.tensor(r, device="vulkan")).sum().backward()
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(y.numpy(), f64(x64), rtol=2e-6, atol=2e-6)
+    h = 1e-5
+    want = r * (f64(x64 + h) - f64(x64 - h)) / (2 * h)
+    np.testing.assert_allclose(p.grad.numpy(), want, rtol=1e-4, atol=1e-5)

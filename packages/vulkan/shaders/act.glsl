@@ -54,6 +54,9 @@ float act(int code, bool deriv, float x, float y, float p0, float p1) {
   ACT(RECURRA_UNARY_SIGMOID, sigmoid_f(x), y * (1.0 - y))
   ACT(RECURRA_UNARY_TANH, tanh_f(x), 1.0 - y * y)
   ACT(RECURRA_UNARY_SOFTPLUS, softplus_f(x), x > 20.0 ? 1.0 : sigmoid_f(x))
+#define GELU_T tanh_f(0.7978845608 * (x + 0.044715 * x * x * x))  // GELU's tanh approximation
+  ACT(RECURRA_UNARY_GELU_TANH, 0.5 * x * (1.0 + GELU_T),
+      0.5 * (1.0 + GELU_T) + 0.5 * x * (1.0 - GELU_T * GELU_T) * 0.7978845608 * (1.0 + 0.134145 * x * x))
   return x;  // not an activation (act_grad's check refuses such a code)
 }
 #undef ACT

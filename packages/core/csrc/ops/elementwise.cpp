@@ -156,6 +156,11 @@ RC_ACT(SIGMOID, sigmoid, sigmoid_lane(x), y * (1.0f - y))
 RC_ACT(TANH, tanh, tanh_lane(x), 1.0f - y * y)
 RC_ACT(SOFTPLUS, softplus, softplus_lane(x),
        sigmoid_lane(x))  // softplus is x above 20, where sigmoid(x) is 1.0f
+// GELU's tanh approximation: t = tanh(u), u = sqrt(2/pi) (x + 0.044715 x^3);
+// f' = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2).
+inline float gelu_t(float x) { return tanh_lane(0.7978845608f * (x + 0.044715f * x * x * x)); }
+RC_ACT(GELU_TANH, gelu_tanh, 0.5f * x * (1.0f + gelu_t(x)),
+       0.5f * (1.0f + gelu_t(x)) + 0.5f * x * (1.0f - gelu_t(x) * gelu_t(x)) * 0.7978845608f * (1.0f + 0.134145f * x * x))
 
 #undef RC_ACT
 #undef RC_UNARY

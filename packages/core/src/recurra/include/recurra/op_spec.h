@@ -33,7 +33,8 @@
 #define RECURRA_UNARY_SIGMOID 11
 #define RECURRA_UNARY_TANH 12
 #define RECURRA_UNARY_SOFTPLUS 13
-#define RECURRA_UNARY_COUNT 14
+#define RECURRA_UNARY_GELU_TANH 14 /* 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) */
+#define RECURRA_UNARY_COUNT 15
 
 /* ---- parameter indexes (ip: integer parameters, fp: float parameters) ------------------ */
 #define RECURRA_P_ACT 0           /* act_grad ip: the RECURRA_UNARY_* code */
@@ -145,6 +146,8 @@ typedef struct recurra_op_spec {
   X(tanh, 1, 1, 0, 0, 0, 0, RECURRA_UNARY_TANH, "x", "", "", "tanh(x)", "act_grad", "")         \
   X(softplus, 1, 1, 0, 0, 0, 0, RECURRA_UNARY_SOFTPLUS, "x", "", "", "log(1 + exp(x))",         \
     "act_grad", "")                                                                             \
+  X(gelu_tanh, 1, 1, 0, 0, 0, 0, RECURRA_UNARY_GELU_TANH, "x", "", "",                          \
+    "0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))", "act_grad", "")                        \
   X(act_grad, 3, 3, 1, 1, 0, 2, -1, "grad, x, y = f(x) (dense)",                                \
     "the activation's RECURRA_UNARY_* code", "the activation's own (clamp: min, max)",          \
     "grad * f'(x)", "", "")                                                                     \
