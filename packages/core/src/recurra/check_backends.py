@@ -273,6 +273,7 @@ def _build_cases() -> list[Case]:
         ("relu", ops.relu, lambda r: _away_from_zero(r, 3, 17)),
         ("silu", ops.silu, lambda r: _normal(r, 3, 17, scale=2.0)),
         ("gelu", ops.gelu, lambda r: _normal(r, 3, 17, scale=2.0)),
+        ("gelu_tanh", ops.gelu_tanh, lambda r: _normal(r, 3, 17, scale=2.0)),
         ("sigmoid", ops.sigmoid, lambda r: _normal(r, 3, 17, scale=2.0)),
         ("tanh", ops.tanh, lambda r: _normal(r, 3, 17, scale=2.0)),
         # Scale 10 reaches the x > 20 branch of softplus.
