@@ -84,8 +84,13 @@ class _Base(torch.nn.Module):
 
     def _head_norm(self, y: torch.Tensor, key: str) -> torch.Tensor:
         b, t, a = y.shape
-        yn = F.group_norm(y.reshape(b * t, a), self.n_head, self.w(key + ".weight"),
-                          self.w(key + ".bias"), eps=LN_X_EPS)
+        yn = F.group_norm(
+            y.reshape(b * t, a),
+            self.n_head,
+            self.w(key + ".weight"),
+            self.w(key + ".bias"),
+            eps=LN_X_EPS,
+        )
         return yn.reshape(b, t, a)
 
     @staticmethod
@@ -114,8 +119,14 @@ class _Base(torch.nn.Module):
         x = self._ln(x, "ln_out")
         return x @ self.w("head.weight").T, new_state
 
-    def _att(self, i: int, x: torch.Tensor, prev: torch.Tensor, wkv: torch.Tensor,
-             v_first: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def _att(
+        self,
+        i: int,
+        x: torch.Tensor,
+        prev: torch.Tensor,
+        wkv: torch.Tensor,
+        v_first: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         raise NotImplementedError
 
     def _ffn(self, i: int, x: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
@@ -127,8 +138,9 @@ class TorchRWKV6(_Base):
 
     head_key = "blocks.0.att.time_faaaa"
 
-    def _att(self, i: int, x: torch.Tensor, prev: torch.Tensor, wkv: torch.Tensor,
-             v_first: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def _att(
+        self, i: int, x: torch.Tensor, prev: torch.Tensor, wkv: torch.Tensor, v_first: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         p = f"blocks.{i}.att."
         b, t, c = x.shape
         h, s = self.n_head, self.head_size
@@ -146,8 +158,9 @@ class TorchRWKV6(_Base):
         k = xk @ self.w(p + "key.weight").T
         v = xv @ self.w(p + "value.weight").T
         g = F.silu(xg @ self.w(p + "gate.weight").T)
-        wlog = self.vec(p + "time_decay") + torch.tanh(
-            xw @ self.w(p + "time_decay_w1")) @ self.w(p + "time_decay_w2")
+        wlog = self.vec(p + "time_decay") + torch.tanh(xw @ self.w(p + "time_decay_w1")) @ self.w(
+            p + "time_decay_w2"
+        )
         decay = torch.exp(-torch.exp(wlog))
         u = self.w(p + "time_faaaa").reshape(1, h, s, 1)
         r4, k4, v4, d4 = (z.reshape(b, t, h, s) for z in (r, k, v, decay))
@@ -173,8 +186,14 @@ class TorchRWKV7(_Base):
 
     head_key = "blocks.0.att.r_k"
 
-    def _att(self, i: int, x: torch.Tensor, prev: torch.Tensor, wkv: torch.Tensor,
-             v_first: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def _att(
+        self,
+        i: int,
+        x: torch.Tensor,
+        prev: torch.Tensor,
+        wkv: torch.Tensor,
+        v_first: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         p = f"blocks.{i}.att."
         b, t, c = x.shape
         h, s = self.n_head, self.head_size
@@ -198,8 +217,11 @@ class TorchRWKV7(_Base):
         ys = []
         for j in range(t):  # S = S diag(w) + (S (-kk)) (kk a)^T + v k^T;  y = S r
             sa = torch.einsum("bhij,bhj->bhi", wkv, -kk[:, j])
-            wkv = (wkv * w4[:, j, :, None, :] + sa[..., None] * (kk[:, j] * a4[:, j])[:, :, None]
-                   + v4[:, j, :, :, None] * k4[:, j, :, None, :])
+            wkv = (
+                wkv * w4[:, j, :, None, :]
+                + sa[..., None] * (kk[:, j] * a4[:, j])[:, :, None]
+                + v4[:, j, :, :, None] * k4[:, j, :, None, :]
+            )
             ys.append(torch.einsum("bhij,bhj->bhi", wkv, r4[:, j]))
         y = self._head_norm(torch.stack(ys, 1).reshape(b, t, c), p + "ln_x")
         bonus = (r4 * k4 * self.w(p + "r_k").reshape(h, s)).sum(-1, keepdim=True) * v4

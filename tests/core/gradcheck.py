@@ -11,10 +11,12 @@ still catching any wrong term of a gradient.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
+import pytest
 
 import recurra as rc
 
@@ -116,3 +118,41 @@ def assert_grads_thread_independent(
     for g in grads[1:]:
         for u, v in zip(grads[0], g):
             np.testing.assert_array_equal(u, v)
+
+
+@contextlib.contextmanager
+def cpu_refuses(*names: str) -> Iterator[None]:
+    """Within: the CPU kernels of ops ``names`` refuse every node, so the graphs built here
+    use the ops' decompositions (recurra/op_spec.h) as a backend without them would. The
+    lazy frontend's cached plans are dropped on the way in and out."""
+    from recurra import _core
+    from recurra._tensor import LAZY
+
+    _core.set_cpu_refused_ops(list(names))
+    LAZY.clear()
+    try:
+        yield
+    finally:
+        _core.set_cpu_refused_ops([])
+        LAZY.clear()
+
+
+def fused_and_decomposed(op: str, fn: Callable[..., Any]) -> Any:
+    """A pytest fixture ``impl`` giving ``fn`` (which calls op ``op``) twice: as the CPU runs
+    it (the fused kernel), and with the CPU refusing ``op``, so that ``fn`` runs the
+    decomposition a backend without the fused kernel gets."""
+
+    @pytest.fixture(params=["fused", "decomposed"])
+    def impl(request: Any) -> Iterator[Callable[..., Any]]:
+        if request.param == "fused":
+            yield fn
+        else:
+            with cpu_refuses(op):
+                yield fn
+
+    return impl
+
+
+def graph_ops(g: Any) -> list[str]:
+    """The op of every node of explicit graph ``g`` (leaves: "leaf"), in order."""
+    return [g._g.info(i)["op"] for i in range(len(g._g))]

@@ -1,17 +1,22 @@
 """causal_conv_silu (Mamba's causal depthwise conv + bias + SiLU of a training step): the
-fused CPU op and the decomposition device backends get, forward against float64 numpy,
-gradients against finite differences, strided inputs, thread independence, errors."""
+fused CPU op and the decomposition the scheduler builds for a backend without it (here: the
+CPU made to refuse the fused op), forward against float64 numpy, gradients against finite
+differences, strided inputs, thread independence, errors."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from gradcheck import assert_grads_thread_independent, check_grads
+from gradcheck import (
+    assert_grads_thread_independent,
+    check_grads,
+    cpu_refuses,
+    fused_and_decomposed,
+    graph_ops,
+)
 
 import recurra as rc
 from recurra import ops
-from recurra.ops._apply import coerce
-from recurra.ops._nn import _causal_conv_silu_ops
 
 RNG = np.random.default_rng(5)
 
@@ -31,14 +36,12 @@ def fused(*a):
     return ops.causal_conv_silu(*a)
 
 
-def decomposed(*a):
-    return _causal_conv_silu_ops(coerce(list(a))[1])
+impl = fused_and_decomposed("causal_conv_silu", fused)
 
 
 SIZES = [(1, 1, 1, 1), (2, 3, 5, 4), (2, 9, 17, 4), (3, 20, 70, 3), (1, 40, 130, 2)]
 
 
-@pytest.mark.parametrize("impl", [fused, decomposed], ids=["fused", "decomposed"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
 @pytest.mark.parametrize("s,t,d,k", SIZES, ids=str)
 def test_forward(impl, bias, s, t, d, k):
@@ -49,7 +52,6 @@ def test_forward(impl, bias, s, t, d, k):
     np.testing.assert_allclose(impl(*args).numpy(), ref(x, w, b), rtol=2e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("impl", [fused, decomposed], ids=["fused", "decomposed"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
 def test_grads(impl, bias):
     s, t, d, k = 2, 6, 5, 4
@@ -66,15 +68,43 @@ def test_wide_channels_gradient_matches_decomposition():
     b = RNG.standard_normal(130).astype(np.float32)
     g = RNG.standard_normal((2, 33, 130)).astype(np.float32)
     grads = []
-    for impl in (fused, decomposed):
-        ps = [rc.param(proj), rc.param(w), rc.param(b)]
-        out = impl(ps[0][:, :, 7:137], ps[1], ps[2])
-        np.testing.assert_allclose(out.numpy(), ref(proj[:, :, 7:137], w, b), rtol=2e-5, atol=2e-6)
-        (out * rc.tensor(g)).sum().backward()
-        grads.append([p.grad.numpy() for p in ps])
+    for refused in ([], ["causal_conv_silu"]):
+        with cpu_refuses(*refused):
+            ps = [rc.param(proj), rc.param(w), rc.param(b)]
+            out = fused(ps[0][:, :, 7:137], ps[1], ps[2])
+            want = ref(proj[:, :, 7:137], w, b)
+            np.testing.assert_allclose(out.numpy(), want, rtol=2e-5, atol=2e-6)
+            (out * rc.tensor(g)).sum().backward()
+            grads.append([p.grad.numpy() for p in ps])
     for u, v in zip(*grads):
         np.testing.assert_allclose(u, v, rtol=1e-4, atol=1e-4)
     assert np.all(grads[0][0][:, :, :7] == 0) and np.all(grads[0][0][:, :, 137:] == 0)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+def test_decomposition_where_the_op_is_refused(bias):
+    # One op in Python; the core keeps it where the backend takes it and otherwise builds
+    # the ops the spec names (the node counts the Python decomposition had).
+    spec = ops.spec()["causal_conv_silu"]
+    pieces = (
+        ["permute", "pad", "ssm_conv", "add", "silu"]
+        if bias
+        else ["permute", "pad", "ssm_conv", "silu"]
+    )
+    assert [p.strip() for p in spec.decomposition.split(",")] == [
+        "permute",
+        "pad",
+        "ssm_conv",
+        "add",
+        "silu",
+    ]
+    for refused in (False, True):
+        with cpu_refuses(*(["causal_conv_silu"] if refused else [])):
+            g = rc.Graph()
+            ts = [g.input((2, 7, 5)), g.input((5, 3))] + ([g.input((5,))] if bias else [])
+            n = len(graph_ops(g))
+            g.apply("causal_conv_silu", ts, (), ())
+            assert graph_ops(g)[n:] == (pieces if refused else ["causal_conv_silu"])
 
 
 def test_results_do_not_depend_on_threads():

@@ -1,17 +1,22 @@
 """gated_rms_norm (Mamba-2's gated output norm with the D skip): the fused CPU op and the
-decomposition that device backends get, forward against float64 numpy, gradients against
-finite differences, strided inputs, errors."""
+decomposition the scheduler builds for a backend without it (here: the CPU made to refuse
+the fused op), forward against float64 numpy, gradients against finite differences, strided
+inputs, errors."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from gradcheck import assert_grads_thread_independent, check_grads
+from gradcheck import (
+    assert_grads_thread_independent,
+    check_grads,
+    cpu_refuses,
+    fused_and_decomposed,
+    graph_ops,
+)
 
 import recurra as rc
 from recurra import ops
-from recurra.ops._apply import coerce
-from recurra.ops._nn import _gated_rms_norm_ops
 
 RNG = np.random.default_rng(77)
 
@@ -32,9 +37,7 @@ def fused(y, z, w, eps, gs, x=None, d=None):
     return ops.gated_rms_norm(y, z, w, eps, gs, x=x, d=d)
 
 
-def decomposed(y, z, w, eps, gs, x=None, d=None):
-    _, srcs = coerce([y, z, w] if x is None else [y, z, w, x, d])
-    return _gated_rms_norm_ops(srcs, eps, gs)
+impl = fused_and_decomposed("gated_rms_norm", fused)
 
 
 def inputs(lead, c, heads, skip):
@@ -54,7 +57,6 @@ CASES = [  # (leading axes, C, heads, group size)
 ]
 
 
-@pytest.mark.parametrize("impl", [fused, decomposed], ids=["fused", "decomposed"])
 @pytest.mark.parametrize("skip", [False, True], ids=["plain", "skip"])
 @pytest.mark.parametrize("lead,c,heads,gs", CASES, ids=str)
 def test_forward(impl, skip, lead, c, heads, gs):
@@ -64,7 +66,6 @@ def test_forward(impl, skip, lead, c, heads, gs):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("impl", [fused, decomposed], ids=["fused", "decomposed"])
 @pytest.mark.parametrize("skip", [False, True], ids=["plain", "skip"])
 @pytest.mark.parametrize("lead,c,heads,gs", [((3,), 6, 3, 3), ((2, 2), 8, 2, 8)], ids=str)
 def test_grads(impl, skip, lead, c, heads, gs):
@@ -90,9 +91,52 @@ def test_strided_inputs_match_dense():
     gw = RNG.standard_normal(out.shape).astype(np.float32)
     (out * rc.tensor(gw)).sum().backward()
     q = rc.param(proj)
-    ref_out = decomposed(y, q[:, :, c : 2 * c], w, 1e-5, c, q[:, :, 5 : 5 + c], d)
-    (ref_out * rc.tensor(gw)).sum().backward()
+    with cpu_refuses("gated_rms_norm"):
+        ref_out = fused(y, q[:, :, c : 2 * c], w, 1e-5, c, q[:, :, 5 : 5 + c], d)
+        (ref_out * rc.tensor(gw)).sum().backward()
     np.testing.assert_allclose(p.grad.numpy(), q.grad.numpy(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "n_src,gs,ops_of_decomposition",
+    [
+        (2, 8, ["rms_norm", "mul"]),  # rms_norm with a weight
+        (3, 8, ["silu", "mul", "rms_norm", "mul"]),
+        (3, 4, ["silu", "mul", "reshape", "rms_norm", "reshape", "mul"]),
+        (5, 8, ["reshape", "reshape", "mul", "reshape", "add", "silu", "mul", "rms_norm", "mul"]),
+    ],
+)
+def test_decomposition_where_the_op_is_refused(n_src, gs, ops_of_decomposition):
+    # One op in Python; the core keeps it where the backend takes it and otherwise builds
+    # the decomposition (the ops the spec names), with the same values and gradients.
+    spec = ops.spec()["gated_rms_norm"]
+    arrays = inputs((2, 3), 8, 2, n_src == 5)
+    if n_src == 2:
+        arrays = [arrays[0], arrays[2]]
+    assert set(ops_of_decomposition) <= {p.strip() for p in spec.decomposition.split(",")}
+
+    results = []
+    for refused in (False, True):
+        with cpu_refuses(*(["gated_rms_norm"] if refused else [])):
+            g = rc.Graph()
+            ts = [g.param(a.shape) for a in arrays]
+            n_leaves = len(graph_ops(g))
+            out = g.apply("gated_rms_norm", ts, ip=(gs,), fp=(1e-5,))
+            built = graph_ops(g)[n_leaves:]
+            g.set_output(out)
+            loss = ops.apply("sum_to", [ops.mul(out, out)], ip=())
+            g.set_loss(loss)
+            g.build_backward(loss)
+        if refused:
+            assert built == ops_of_decomposition
+        else:
+            assert built == ["gated_rms_norm"]
+        for t, a in zip(ts, arrays):
+            g.set_data(t, a)
+        g.compute()
+        results.append([g.get_data(out)] + [g.get_data(g.grad(t)) for t in ts])
+    for u, v in zip(*results):
+        np.testing.assert_allclose(v, u, rtol=1e-4, atol=1e-5)
 
 
 def test_results_do_not_depend_on_threads():

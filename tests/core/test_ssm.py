@@ -275,12 +275,9 @@ def test_ssm_scan_saved_checkpoints_match_recompute(
         n_seqs, n_tok, n_head, 1, d_state, n_group, per_state=True, n_rows=n_rows, ids=ids
     )
     xs, ss = args[1].shape, args[0].shape
-    seg = max(32, (n_tok + 63) // 64)
-    assert _ssm._checkpoint_floats(xs, ss, [rc.param(f32(args[1]))]) == (
-        n_seqs * -(-n_tok // seg) * n_head * d_state
-    )
+    assert _ssm._wants_checkpoints(xs, ss, args[3], [rc.param(f32(args[1]))])
     saved = _grads(args, rc.get_num_threads())
-    monkeypatch.setattr(_ssm, "_checkpoint_floats", lambda *a: 0)
+    monkeypatch.setattr(_ssm, "_wants_checkpoints", lambda *a: False)
     recomputed = _grads(args, rc.get_num_threads())
     for a, b in zip(recomputed, saved):
         np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6 * np.abs(a).max())
@@ -289,18 +286,33 @@ def test_ssm_scan_saved_checkpoints_match_recompute(
     np.testing.assert_allclose(saved[1], st, rtol=1e-4, atol=1e-4 * np.abs(st).max())
 
 
-def test_ssm_scan_checkpoints_only_where_a_cpu_gradient_follows():
+def test_ssm_scan_checkpoints_only_where_a_gradient_follows_and_the_cpu_reads_them():
     from recurra.ops import _ssm
 
     x = np.zeros((2, 100, 4, 1), np.float32)
     s = np.zeros((2, 4, 1, 16), np.float32)
-    assert _ssm._checkpoint_floats(x.shape, s.shape, [x]) == 0  # nothing requires a gradient
+    a1, a_head = np.zeros((4, 16), np.float32), np.zeros((4, 1), np.float32)
+    assert not _ssm._wants_checkpoints(x.shape, s.shape, a1, [x])  # nothing requires a gradient
     p = rc.param(x)
-    assert _ssm._checkpoint_floats(x.shape, s.shape, [p]) > 0
+    assert _ssm._wants_checkpoints(x.shape, s.shape, a1, [p])
     with rc.no_grad():
-        assert _ssm._checkpoint_floats(x.shape, s.shape, [p]) == 0
-    x2 = np.zeros((2, 100, 4, 2), np.float32)  # head_dim 2: the rows kernel needs none
-    assert _ssm._checkpoint_floats(x2.shape, (2, 4, 2, 16), [rc.param(x2)]) == 0
+        assert not _ssm._wants_checkpoints(x.shape, s.shape, a1, [p])
+    x2 = np.zeros((2, 100, 4, 2), np.float32)  # head_dim 2, one decay per state: no layout
+    assert not _ssm._wants_checkpoints(x2.shape, (2, 4, 2, 16), a1, [rc.param(x2)])
+    # One decay per head: asked for (a device's chunked backward reads them), but the CPU
+    # backward would not, so on the CPU the scheduler builds the scan without them.
+    assert _ssm._wants_checkpoints(x2.shape, (2, 4, 2, 16), a_head, [rc.param(x2)])
+    flag = ops.op_codes()["SSM_SCAN_CHECKPOINTS_AUTO"]
+    for head_dim, a, kept in ((1, a1, True), (2, a_head, False)):
+        g = rc.Graph()
+        srcs = [g.input((2, 4, head_dim, 16)), g.input((2, 100, 4, head_dim))]
+        srcs += [g.input((2, 100, 4)), g.input(a.shape), g.input((2, 100, 1, 16))]
+        srcs += [g.input((2, 100, 1, 16)), g.input((2,), "int32")]
+        out = g.apply("ssm_scan", srcs, (flag,), ())
+        packed = 2 * 100 * 4 * head_dim + 2 * 4 * head_dim * 16
+        info = g._g.info(out.id)
+        assert info["op"] == "ssm_scan"
+        assert (info["shape"][0] > packed) == kept, head_dim
 
 
 @pytest.mark.parametrize("n_tok", [1, 64, 150])

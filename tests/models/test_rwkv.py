@@ -135,7 +135,14 @@ def test_config_inferred_from_official_keys() -> None:
     assert (c6.vocab_size, c6.n_embd, c6.n_layer, c6.head_size, c6.n_head) == (40, 32, 3, 16, 2)
     assert (c6.ffn_dim, c6.d_mix_lora, c6.d_decay_lora) == (96, 4, 6)
     sd7 = ref.random_rwkv7_state_dict(
-        vocab=40, n_embd=32, head_size=8, n_layer=3, d_decay=4, d_aaa=5, d_mv=6, d_gate=7,
+        vocab=40,
+        n_embd=32,
+        head_size=8,
+        n_layer=3,
+        d_decay=4,
+        d_aaa=5,
+        d_mv=6,
+        d_gate=7,
         layer0_v_lora=False,
     )
     c7 = RWKV7LM.from_official(sd7).config
@@ -147,8 +154,7 @@ def test_config_inferred_from_official_keys() -> None:
 def test_squeezed_vectors_are_accepted() -> None:
     sd = ref.random_rwkv7_state_dict(seed=4)
     squeezed = {
-        k: (v.reshape(-1) if v.ndim == 3 or k.endswith("r_k") else v)
-        for k, v in sd.items()
+        k: (v.reshape(-1) if v.ndim == 3 or k.endswith("r_k") else v) for k, v in sd.items()
     }
     with pytest.raises(ValueError, match="r_k"):  # flat r_k: the default head size 64 misfits
         RWKV7LM.from_official(squeezed)
@@ -224,12 +230,22 @@ def _set(module: Any, name: str, value: Any) -> None:
 def test_block_gradients_match_finite_differences(version: int) -> None:
     b, t, c, s = 1, 3, 8, 4
     if version == 6:
-        cfg = RWKV6Config(vocab_size=8, n_embd=c, n_layer=2, head_size=s, dim_ffn=8,
-                          d_mix_lora=2, d_decay_lora=2)
+        cfg = RWKV6Config(
+            vocab_size=8, n_embd=c, n_layer=2, head_size=s, dim_ffn=8, d_mix_lora=2, d_decay_lora=2
+        )
         block = RWKV6Block(cfg, 1, np.random.default_rng(0))
     else:
-        cfg = RWKV7Config(vocab_size=8, n_embd=c, n_layer=2, head_size=s, dim_ffn=8,
-                          d_decay_lora=2, d_aaa_lora=2, d_mv_lora=2, d_gate_lora=2)
+        cfg = RWKV7Config(
+            vocab_size=8,
+            n_embd=c,
+            n_layer=2,
+            head_size=s,
+            dim_ffn=8,
+            d_decay_lora=2,
+            d_aaa_lora=2,
+            d_mv_lora=2,
+            d_gate_lora=2,
+        )
         block = RWKV7Block(cfg, 1, np.random.default_rng(0))
     rng = np.random.default_rng(5)
     names = [n for n, _ in block.named_parameters()]

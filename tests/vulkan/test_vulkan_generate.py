@@ -50,9 +50,7 @@ def test_generation_on_vulkan_decodes_like_the_cpu(vulkan: str, arch: str) -> No
 
 def test_resident_step_keeps_the_state_on_the_device(vulkan: str) -> None:
     model = _model("mamba2", seed=1).to(vulkan)
-    state_bytes = sum(
-        int(np.prod(t.shape)) * 4 for layer in model.init_state(1) for t in layer
-    )
+    state_bytes = sum(int(np.prod(t.shape)) * 4 for layer in model.init_state(1) for t in layer)
     moved = []
     for n in (4, 12):
         rm.generate(model, [1, 2, 3], max_tokens=n, temperature=0.0)  # plans, warms caches

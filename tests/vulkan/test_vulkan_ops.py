@@ -154,6 +154,21 @@ def test_case_node_on_the_kernel(case, vulkan):
             assert node.op in DENSE_ONLY and relaid and "dense" in str(e), (layout, e)
 
 
+def test_op_names_are_in_the_spec():
+    spec = rc.ops.spec()
+    names = recurra_vulkan.op_names()
+    assert names and set(names) <= set(spec)
+    # every elementwise unary op of the spec has a Vulkan kernel (registered from the spec)
+    assert {n for n, s in spec.items() if s.unary >= 0} <= set(names)
+
+
+@pytest.mark.parametrize("name", ["neg", "sqr", "exp", "scale"])
+def test_act_grad_refuses_an_op_without_act_grad(name):
+    x = randn(8)
+    with pytest.raises(NotImplementedError, match="act_grad"):
+        vk("act_grad", [x, x, x], ip=(rc.ops.spec()[name].unary,), out_shape=(8,))
+
+
 @pytest.mark.parametrize("name", ["add", "sub", "mul", "div"])
 def test_binary_stride_zero_source(name):
     """A broadcast numpy view (stride 0) as a source: a layout no case's values can take."""

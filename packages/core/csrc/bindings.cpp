@@ -277,6 +277,52 @@ PYBIND11_MODULE(_core, m) {
     for (int i = 0; i < t.size(); ++i) names.push_back(t.at(i).name);
     return names;
   });
+  m.def("op_spec", [] {
+    // recurra/op_spec.h as Python data (recurra.ops.spec() wraps it read-only).
+    int32_t n = 0;
+    const recurra_op_spec* t = recurra_op_specs(&n);
+    py::list out;
+    for (int32_t i = 0; i < n; ++i) {
+      py::dict e;
+      e["name"] = t[i].name;
+      e["srcs"] = py::make_tuple(t[i].src_min, t[i].src_max);
+      e["n_ip"] = py::make_tuple(t[i].ip_min, t[i].ip_max);
+      e["n_fp"] = py::make_tuple(t[i].fp_min, t[i].fp_max);
+      e["unary"] = t[i].unary;
+      e["sources"] = t[i].srcs;
+      e["ip"] = t[i].ip;
+      e["fp"] = t[i].fp;
+      e["output"] = t[i].output;
+      e["backward"] = t[i].backward;
+      e["decomposition"] = t[i].decomposition;
+      out.append(e);
+    }
+    return out;
+  });
+  m.def("set_cpu_refused_ops", &set_cpu_refused_ops, py::arg("names"),
+        "For tests: the CPU kernels of these ops refuse every node, so graphs built from now "
+        "on use their decompositions (recurra/op_spec.h); [] restores them.");
+  m.def("op_codes", [] {
+    // The named codes of recurra/op_spec.h that Python packs into parameters and sources
+    // (the unary codes are each unary op's "unary" in op_spec()).
+    py::dict d;
+#define RC_CODE(name) d[#name] = static_cast<int64_t>(RECURRA_##name)
+    RC_CODE(SSM_SCAN_SAVE_CHECKPOINTS);
+    RC_CODE(SSM_SCAN_CHECKPOINTS_AUTO);
+    RC_CODE(HYPER_LR);
+    RC_CODE(HYPER_GRAD_SCALE);
+    RC_CODE(HYPER_CLIP_VALUE);
+    RC_CODE(HYPER_MAX_NORM);
+    RC_CODE(HYPER_WEIGHT_DECAY);
+    RC_CODE(HYPER_A);
+    RC_CODE(HYPER_B);
+    RC_CODE(HYPER_C);
+    RC_CODE(HYPER_MAXIMIZE);
+    RC_CODE(HYPER_SLOTS);
+    RC_CODE(UNARY_COUNT);
+#undef RC_CODE
+    return d;
+  });
   m.def("memory_stats", [] {
     py::dict d;
     for (auto [name, pool] : {std::pair{"persistent", Pool::persistent}, std::pair{"transient", Pool::transient}}) {

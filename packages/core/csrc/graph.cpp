@@ -29,6 +29,19 @@ static void check_size(const std::string& what, const Shape& s, DType dtype) {
   throw ValueError(std::string(what) + ": shape " + s.str() + " has " + counts + ", more than a 64-bit size can hold");
 }
 
+// A node its op's infer accepted must also fit the op's spec (recurra/op_spec.h): the
+// counts a backend plugin relies on. A mismatch is a bug of the core, not of the caller.
+static void check_counts(const recurra_op_spec& sp, const Node& n) {
+  auto in = [](size_t v, int32_t lo, int32_t hi) {
+    return static_cast<int64_t>(v) >= lo && (hi < 0 || static_cast<int64_t>(v) <= hi);
+  };
+  if (!in(n.src.size(), sp.src_min, sp.src_max) || !in(n.ip.size(), sp.ip_min, sp.ip_max) ||
+      !in(n.fp.size(), sp.fp_min, sp.fp_max))
+    throw StateError(std::string("internal: a ") + sp.name + " node with " + std::to_string(n.src.size()) +
+                     " sources, " + std::to_string(n.ip.size()) + " ip and " + std::to_string(n.fp.size()) +
+                     " fp disagrees with recurra/op_spec.h");
+}
+
 bool TensorView::is_contiguous() const {
   int64_t expect = 1;
   for (int i = shape.ndim - 1; i >= 0; --i) {
@@ -91,9 +104,30 @@ OpTable& OpTable::get() {
   static OpTable* t = [] {
     auto* tab = new OpTable();
     register_all_ops(*tab);
+    check_against_spec(*tab);
+    check_decompositions_against_spec(*tab);  // decompose.cpp
     return tab;
   }();
   return *t;
+}
+
+// The op table and recurra/op_spec.h list the same ops in the same order (so an op's id is
+// its index in the spec), each unary kernel registered under its spec's code.
+void OpTable::check_against_spec(const OpTable& t) {
+  int32_t n = 0;
+  const recurra_op_spec* spec = recurra_op_specs(&n);
+  for (int i = 0; i < std::max<int>(n, t.size()); ++i) {
+    const std::string have = i < t.size() ? t.at(i).name : "(none)";
+    const std::string want = i < n ? spec[i].name : "(none)";
+    if (have != want)
+      throw StateError("internal: op table entry " + std::to_string(i) + " is " + have +
+                       " but recurra/op_spec.h lists " + want);
+  }
+}
+
+const recurra_op_spec& OpTable::spec(int id) const {
+  int32_t n = 0;
+  return recurra_op_specs(&n)[id];
 }
 
 int OpTable::add(OpDef def) {
@@ -179,13 +213,15 @@ int Graph::op(const std::string& name, std::vector<int> src, std::vector<int64_t
   n.ip = std::move(ip);
   n.fp = std::move(fp);
   def.infer(*this, n);
+  check_counts(tab.spec(id), n);
   if (n.shape.ndim > kMaxDims) throw ValueError(name + ": result would have more than 4 axes");
   check_size(name, n.shape, n.dtype);
   if (!def.is_view) {
     contiguous_strides(n.shape, n.strides);
     n.view_base = -1;
   }
-  return push(std::move(n));
+  const int pieces = decompose_unless_taken(n);  // decompose.cpp
+  return pieces >= 0 ? pieces : push(std::move(n));
 }
 
 int Graph::reduce_to(int a, Shape target) {

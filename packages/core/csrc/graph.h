@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "backend_registry.h"
+#include "recurra/op_spec.h"
 #include "common.h"
 #include "threadpool.h"
 
@@ -115,6 +116,10 @@ struct OpDef {
   uint32_t contiguous_srcs = 0;
   // Set for reshape/permute/slice/broadcast_to: infer also sets strides and the view.
   bool is_view = false;
+  // Null: the CPU kernel takes every node infer accepts. Else whether it takes node n (one
+  // it refuses is decomposed, see decompose.cpp; e.g. ssm_scan refuses to save checkpoints
+  // its CPU backward would not read).
+  std::function<bool(const Graph& g, const Node& n)> cpu_supports;
   // Null for ordinary ops. For ops that update sources in place (the optimizer steps):
   // whether source i is written. The scheduler runs such a node where the written memory
   // lives, never on a copy of it.
@@ -122,7 +127,7 @@ struct OpDef {
 };
 
 // The op table. Each ops/*.cpp file has a register_*_ops(OpTable&) function; ops.cpp
-// calls them all once.
+// calls them all once, in the order of recurra/op_spec.h (checked at start-up).
 class OpTable {
  public:
   static OpTable& get();
@@ -130,6 +135,10 @@ class OpTable {
   int find(const std::string& name) const;  // -1 when unknown
   const OpDef& at(int id) const { return ops_[id]; }
   int size() const { return static_cast<int>(ops_.size()); }
+  // The op's declaration in recurra/op_spec.h (its id is its index there).
+  const recurra_op_spec& spec(int id) const;
+  // Raises StateError unless `t` holds exactly the ops of the spec, in its order.
+  static void check_against_spec(const OpTable& t);
 
  private:
   std::vector<OpDef> ops_;
@@ -252,6 +261,11 @@ class Graph {
   // Runs every non-leaf node on the CPU, in order. Raises if a leaf is unbound.
   void compute();
 
+  // Whether node n (inferred, need not be in the graph yet) runs as it is where it would be
+  // placed: on the first open backend of set_backends() that takes it, or, with none
+  // listed, on the CPU when its kernel takes it (OpDef::cpu_supports). See decompose.cpp.
+  bool runs_as_is(const Node& n) const;
+
   // --- inspection ---------------------------------------------------------------
   Node& node(int id);
   const Node& node(int id) const;
@@ -268,6 +282,12 @@ class Graph {
   void assign_backends();
   int place_in_place_op(int j) const;
   bool backend_supports(int backend, int j) const;
+  bool backend_supports(int backend, const Node& n) const;  // n need not be in the graph yet
+  bool cpu_supports(const Node& n) const;
+  // decompose.cpp: if node n (inferred, not yet added) does not run as it is where it would
+  // be placed and its op has a decomposition, builds that and returns its result's id (else
+  // -1).
+  int decompose_unless_taken(const Node& n);
   recurra_tensor_desc desc_on(int id, int backend) const;  // node id as seen from backend
   const DeviceLimits& limits_of(int backend);
   // Raises MemoryError when node j (or its mirror, `mirror`) cannot be one buffer of backend b.
@@ -306,5 +326,12 @@ void require_f32(const Graph& g, const Node& n, int i);
 void broadcast_strides(const TensorView& src, const Shape& shape, int64_t* out);
 
 void register_all_ops(OpTable& t);
+
+// decompose.cpp: a node's shapes as a backend sees them (no buffer); the start-up check that
+// the decompositions are those recurra/op_spec.h declares; the test knob making the CPU
+// refuse ops (so that their decompositions run on the CPU).
+recurra_tensor_desc shape_desc(const Node& n);
+void check_decompositions_against_spec(const OpTable& t);
+void set_cpu_refused_ops(const std::vector<std::string>& names);
 
 }  // namespace recurra

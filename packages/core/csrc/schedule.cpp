@@ -70,27 +70,6 @@ void Graph::set_backends(std::vector<int> ids, bool strict) {
   strict_ = strict;
 }
 
-// Whether backend b (not the CPU, not closed) has a kernel for node j as it is shaped. Nodes
-// with more sources than the C table carries never reach a plugin.
-bool Graph::backend_supports(int b, int j) const {
-  const Node& nd = nodes_[j];
-  if (nd.src.size() > RECURRA_MAX_SRC) return false;
-  const BackendEntry& e = backend_entry(b);
-  recurra_node_desc desc{};
-  desc.op = OpTable::get().at(nd.op).name.c_str();
-  desc.dst = shape_desc(nd);
-  desc.n_src = static_cast<int32_t>(nd.src.size());
-  for (size_t i = 0; i < nd.src.size(); ++i) {
-    desc.src[i] = shape_desc(nodes_[nd.src[i]]);
-    desc.src[i].offset = static_cast<size_t>(nodes_[nd.src[i]].view_offset) * 4;
-  }
-  desc.n_ip = static_cast<int32_t>(nd.ip.size());
-  desc.ip = nd.ip.data();
-  desc.n_fp = static_cast<int32_t>(nd.fp.size());
-  desc.fp = nd.fp.data();
-  return e.table->supports_op(e.table->ctx, e.device, &desc) == 1;
-}
-
 // An op that updates its sources in place runs where the memory it writes lives: on a copy
 // (a mirror) the update would be lost. Every written source must live on one backend, and
 // that backend must have a kernel for the op; otherwise this raises rather than fall back.

@@ -14,17 +14,7 @@ namespace sched {
 constexpr size_t kAlign = 64;
 inline size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-// The dense descriptor of a node's shape (no buffer).
-inline recurra_tensor_desc shape_desc(const Node& n) {
-  recurra_tensor_desc d{};
-  d.dtype = n.dtype == DType::f32 ? RECURRA_F32 : RECURRA_I32;
-  d.ndim = n.shape.ndim;
-  for (int i = 0; i < kMaxDims; ++i) {
-    d.shape[i] = i < n.shape.ndim ? n.shape.d[i] : 1;
-    d.strides[i] = i < n.shape.ndim ? n.strides[i] : 1;
-  }
-  return d;
-}
+// shape_desc (a node's dense descriptor): graph.h, defined in decompose.cpp.
 
 // ---- merged slice gradients ----------------------------------------------------------
 //

@@ -6,6 +6,8 @@
 //   PASS 1: one workgroup sums partial[0 .. count) and writes [norm, coef] to out.
 #version 450
 #include "common.glsl"
+#define RECURRA_GLSL
+#include "recurra/op_spec.h"
 
 layout(local_size_x = 256) in;
 layout(constant_id = 0) const int PASS = 0;
@@ -43,8 +45,8 @@ void main() {
     if (pc.raw != 0u) {
       if (gl_GlobalInvocationID.x == 0u) acc = x.v[0] * x.v[0];
     } else {
-      const float pre = hyp(1);
-      const float cv = hyp(2);
+      const float pre = hyp(RECURRA_HYPER_GRAD_SCALE);
+      const float cv = hyp(RECURRA_HYPER_CLIP_VALUE);
       const float clip = cv > 0.0 ? cv : uintBitsToFloat(0x7f800000u);
       const uint stride = gl_NumWorkGroups.x * 256u;
       for (uint i = gl_GlobalInvocationID.x; i < pc.n; i += stride) {
@@ -61,7 +63,7 @@ void main() {
   const float s = tree(acc);
   if (gl_LocalInvocationID.x == 0u) {
     const float norm = sqrt(s);
-    const float max_norm = hyp(3);
+    const float max_norm = hyp(RECURRA_HYPER_MAX_NORM);
     float coef = 1.0;
     if (max_norm > 0.0) coef = min(1.0, max_norm / (norm + 1e-6));
     FBuf o = FBuf(pc.out_);

@@ -11,6 +11,8 @@
 // device (whose log() may have 2^-21 absolute error near 1).
 #version 450
 #include "common.glsl"
+#define RECURRA_GLSL
+#include "recurra/op_spec.h"
 
 layout(local_size_x = 256) in;
 layout(constant_id = 0) const int OP = 0;
@@ -21,7 +23,10 @@ layout(push_constant) uniform PC {
   uint flags;  // bit 0: gstat present; bit 1: sgd has a momentum buffer
 } pc;
 
-const int LR = 0, GRAD_SCALE = 1, CLIP_VALUE = 2, WEIGHT_DECAY = 4, A = 5, B = 6, C = 7, MAXIMIZE = 8;
+// The slots (recurra/op_spec.h).
+const int LR = RECURRA_HYPER_LR, GRAD_SCALE = RECURRA_HYPER_GRAD_SCALE, CLIP_VALUE = RECURRA_HYPER_CLIP_VALUE,
+          WEIGHT_DECAY = RECURRA_HYPER_WEIGHT_DECAY, A = RECURRA_HYPER_A, B = RECURRA_HYPER_B, C = RECURRA_HYPER_C,
+          MAXIMIZE = RECURRA_HYPER_MAXIMIZE;
 
 float hyp(int slot) {
   FBuf h = FBuf(pc.hyper);

@@ -1,8 +1,7 @@
 // Unary maths and activations on a strided source; the output is dense.
 //
 //   x: any strides (collapsed shape `shape`, strides `sx`), y: dense, n elements
-//   OP: 0 neg, 1 abs, 2 sqr, 3 sqrt, 4 exp, 5 log, 6 scale (p0), 7 clamp (p0, p1), 8 relu,
-//       9 silu, 10 gelu, 11 sigmoid, 12 tanh, 13 softplus
+//   OP: the op's RECURRA_UNARY_* code (recurra/op_spec.h); scale reads p0, clamp p0, p1
 //   MODE 0: general, 1: dense source, 2: dense with vec4 access
 #version 450
 #include "common.glsl"
@@ -22,20 +21,11 @@ layout(push_constant) uniform PC {
 } pc;
 
 float f(float x) {
-  if (OP == 0) return -x;
-  if (OP == 1) return abs(x);
-  if (OP == 2) return x * x;
-  if (OP == 3) return sqrt(x);
-  if (OP == 4) return exp(x);
-  if (OP == 5) return log(x);
-  if (OP == 6) return x * pc.p0;
-  if (OP == 7) return isnan(x) ? x : min(max(x, pc.p0), pc.p1);  // GLSL's min/max may drop a NaN
-  if (OP == 8) return x < 0.0 ? 0.0 : x;  // NaN stays NaN
-  if (OP == 9) return x * sigmoid_f(x);
-  if (OP == 10) return 0.5 * x * (1.0 + erf_f(x * INV_SQRT2));
-  if (OP == 11) return sigmoid_f(x);
-  if (OP == 12) return tanh_f(x);
-  return softplus_f(x);
+  if (OP == RECURRA_UNARY_NEG) return -x;
+  if (OP == RECURRA_UNARY_SQR) return x * x;
+  if (OP == RECURRA_UNARY_EXP) return exp(x);
+  if (OP == RECURRA_UNARY_SCALE) return x * pc.p0;
+  return act(OP, false, x, 0.0, pc.p0, pc.p1);
 }
 
 void main() {

@@ -1,7 +1,10 @@
 // Elementwise ops: binary with numpy broadcasting (add sub mul div), unary maths and
 // activations, and act_grad (the backward of the unary ops that need more than a mul).
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <string>
+#include <utility>
 
 #include "../graph.h"
 #include "kernel_util.h"
@@ -81,14 +84,20 @@ void add_binary(OpTable& t, const char* name, BinRow row, std::function<void(Gra
 
 // ---- unary ------------------------------------------------------------------------
 
-// Activation codes shared by the unary forward and act_grad.
-enum Act : int64_t { kAbs, kSqrt, kLog, kClamp, kRelu, kSilu, kGelu, kSigmoid, kTanh, kSoftplus };
+// The kernels of the elementwise unary ops, one per RECURRA_UNARY_* code of
+// recurra/op_spec.h (the spec names each op, its parameters and its backward).
 
 constexpr float kInvSqrt2 = 0.70710678118654752f;
 constexpr float kInvSqrt2Pi = 0.39894228040143268f;
 
 // o[i] = f(a[i]) over a dense row; p0, p1 are the op's float parameters (scale, clamp).
 using UnRow = void (*)(float*, const float*, int64_t, float, float);
+// o[i] = g[i] * f'(x[i]) over dense rows, y = f(x) (act_grad).
+using GradRow = void (*)(float*, const float*, const float*, const float*, int64_t, float, float);
+
+// The kernels of code CODE: `row`, and `grad` (null unless the op's backward is act_grad).
+template <int64_t CODE>
+struct UnaryKernel;
 
 #define RC_UN_ROW(NAME, EXPR)                                                                  \
   RC_SIMD void NAME##_row(float* __restrict o, const float* __restrict a, int64_t n,           \
@@ -99,22 +108,76 @@ using UnRow = void (*)(float*, const float*, int64_t, float, float);
     }                                                                                          \
   }
 
-RC_UN_ROW(neg, -x)
-RC_UN_ROW(abs, std::fabs(x))
-RC_UN_ROW(sqr, x * x)
-RC_UN_ROW(sqrt, std::sqrt(x))
-RC_UN_ROW(exp, exp_lane(x))
-RC_UN_ROW(log, std::log(x))
-RC_UN_ROW(scale, x * p0)
-RC_UN_ROW(clamp, x != x ? x : std::min(std::max(x, p0), p1))
-RC_UN_ROW(relu, x < 0.0f ? 0.0f : x)  // NaN stays NaN, as numpy's maximum(x, 0)
-RC_UN_ROW(silu, x * sigmoid_lane(x))
-RC_UN_ROW(gelu, 0.5f * x * (1.0f + std::erf(x * kInvSqrt2)))
-RC_UN_ROW(sigmoid, sigmoid_lane(x))
-RC_UN_ROW(tanh, tanh_lane(x))
-RC_UN_ROW(softplus, softplus_lane(x))
+#define RC_GRAD_ROW(NAME, EXPR)                                                                \
+  RC_SIMD void NAME##_grad_row(float* __restrict o, const float* __restrict gp,                \
+                               const float* __restrict xp, const float* __restrict yp,         \
+                               int64_t n, [[maybe_unused]] float p0, [[maybe_unused]] float p1) { \
+    for (int64_t i = 0; i < n; ++i) {                                                          \
+      [[maybe_unused]] const float x = xp[i], y = yp[i];                                       \
+      o[i] = gp[i] * (EXPR);                                                                   \
+    }                                                                                          \
+  }
 
+// A unary op whose backward is built from other ops: y = EXPR(x).
+#define RC_UNARY(CODE, NAME, EXPR)                                                             \
+  RC_UN_ROW(NAME, EXPR)                                                                        \
+  template <>                                                                                  \
+  struct UnaryKernel<RECURRA_UNARY_##CODE> {                                                   \
+    static constexpr UnRow row = NAME##_row;                                                   \
+    static constexpr GradRow grad = nullptr;                                                   \
+  };
+
+// An activation: y = EXPR(x) and its derivative DERIV(x, y) for act_grad.
+#define RC_ACT(CODE, NAME, EXPR, DERIV)                                                        \
+  RC_UN_ROW(NAME, EXPR)                                                                        \
+  RC_GRAD_ROW(NAME, DERIV)                                                                     \
+  template <>                                                                                  \
+  struct UnaryKernel<RECURRA_UNARY_##CODE> {                                                   \
+    static constexpr UnRow row = NAME##_row;                                                   \
+    static constexpr GradRow grad = NAME##_grad_row;                                           \
+  };
+
+// At a NaN input a derivative is NaN (x itself): a NaN is never hidden by a gradient of 0.
+RC_UNARY(NEG, neg, -x)
+RC_ACT(ABS, abs, std::fabs(x), x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : (x == 0.0f ? 0.0f : x)))
+RC_UNARY(SQR, sqr, x * x)
+RC_ACT(SQRT, sqrt, std::sqrt(x), 0.5f / y)
+RC_UNARY(EXP, exp, exp_lane(x))
+RC_ACT(LOG, log, std::log(x), 1.0f / x)
+RC_UNARY(SCALE, scale, x * p0)
+RC_ACT(CLAMP, clamp, x != x ? x : std::min(std::max(x, p0), p1),
+       (x >= p0 && x <= p1) ? 1.0f : (x != x ? x : 0.0f))
+RC_ACT(RELU, relu, x < 0.0f ? 0.0f : x,  // NaN stays NaN, as numpy's maximum(x, 0)
+       x > 0.0f ? 1.0f : (x <= 0.0f ? 0.0f : x))
+RC_ACT(SILU, silu, x * sigmoid_lane(x), sigmoid_lane(x) * (1.0f + x * (1.0f - sigmoid_lane(x))))
+RC_ACT(GELU, gelu, 0.5f * x * (1.0f + std::erf(x * kInvSqrt2)),
+       0.5f * (1.0f + std::erf(x * kInvSqrt2)) + x * kInvSqrt2Pi * exp_lane(-0.5f * x * x))
+RC_ACT(SIGMOID, sigmoid, sigmoid_lane(x), y * (1.0f - y))
+RC_ACT(TANH, tanh, tanh_lane(x), 1.0f - y * y)
+RC_ACT(SOFTPLUS, softplus, softplus_lane(x),
+       sigmoid_lane(x))  // softplus is x above 20, where sigmoid(x) is 1.0f
+// GELU's tanh approximation: t = tanh(u), u = sqrt(2/pi) (x + 0.044715 x^3);
+// f' = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2).
+inline float gelu_t(float x) { return tanh_lane(0.7978845608f * (x + 0.044715f * x * x * x)); }
+RC_ACT(GELU_TANH, gelu_tanh, 0.5f * x * (1.0f + gelu_t(x)),
+       0.5f * (1.0f + gelu_t(x)) + 0.5f * x * (1.0f - gelu_t(x) * gelu_t(x)) * 0.7978845608f * (1.0f + 0.134145f * x * x))
+
+#undef RC_ACT
+#undef RC_UNARY
+#undef RC_GRAD_ROW
 #undef RC_UN_ROW
+
+// The kernels by code (a code without a UnaryKernel does not compile).
+template <size_t... C>
+constexpr std::array<UnRow, sizeof...(C)> unary_rows(std::index_sequence<C...>) {
+  return {UnaryKernel<C>::row...};
+}
+template <size_t... C>
+constexpr std::array<GradRow, sizeof...(C)> grad_rows(std::index_sequence<C...>) {
+  return {UnaryKernel<C>::grad...};
+}
+constexpr auto kUnaryRows = unary_rows(std::make_index_sequence<RECURRA_UNARY_COUNT>{});
+constexpr auto kGradRows = grad_rows(std::make_index_sequence<RECURRA_UNARY_COUNT>{});
 
 void unary_forward(KernelCtx& c, UnRow row) {
   const TensorView& s = c.src[0];
@@ -152,59 +215,46 @@ void unary_infer(Graph& g, Node& n) {
   n.shape = g.node(n.src.at(0)).shape;
 }
 
-void add_unary(OpTable& t, const char* name, UnRow row, std::function<void(GradSink&)> bw, size_t n_fp = 0) {
-  OpDef d;
-  d.name = name;
-  d.infer = [n_fp](Graph& g, Node& n) {
-    if (n.fp.size() != n_fp) fail_shape(g, n, "takes " + std::to_string(n_fp) + " float parameter(s)");
-    if (n_fp == 2 && n.fp.at(0) > n.fp.at(1)) fail_shape(g, n, "min must not exceed max");
-    unary_infer(g, n);
-  };
-  d.forward = [row](KernelCtx& c) { unary_forward(c, row); };
-  d.backward = std::move(bw);
-  t.add(std::move(d));
-}
-
 // Backward through act_grad(g, x, y): g * f'(x) for activation `code`.
-std::function<void(GradSink&)> act_backward(Act code) {
+std::function<void(GradSink&)> act_backward(int64_t code) {
   return [code](GradSink& k) {
     std::vector<double> fp = k.node.fp;
     k.add(0, k.g.op("act_grad", {k.grad_out, k.node.src[0], k.node.id}, {code}, fp));
   };
 }
 
-// o[i] = g[i] * f'(x[i]) over dense rows, y = f(x); one row function per activation, in
-// the order of Act.
-using GradRow = void (*)(float*, const float*, const float*, const float*, int64_t, float, float);
-
-#define RC_GRAD_ROW(NAME, EXPR)                                                                \
-  RC_SIMD void NAME##_grad_row(float* __restrict o, const float* __restrict gp,                \
-                               const float* __restrict xp, const float* __restrict yp,         \
-                               int64_t n, [[maybe_unused]] float p0, [[maybe_unused]] float p1) { \
-    for (int64_t i = 0; i < n; ++i) {                                                          \
-      [[maybe_unused]] const float x = xp[i], y = yp[i];                                       \
-      o[i] = gp[i] * (EXPR);                                                                   \
-    }                                                                                          \
+// The backward of a unary op: act_grad where the spec says so, else built from other ops.
+std::function<void(GradSink&)> unary_backward(const recurra_op_spec& sp) {
+  const int64_t code = sp.unary;
+  if (std::string(sp.backward) == "act_grad") {
+    if (!kGradRows[code]) throw StateError(std::string("internal: ") + sp.name + " has no act_grad kernel");
+    return act_backward(code);
   }
+  switch (code) {
+    case RECURRA_UNARY_NEG: return [](GradSink& k) { k.add(0, k.g.neg(k.grad_out)); };
+    case RECURRA_UNARY_SQR:
+      return [](GradSink& k) { k.add(0, k.g.mul(k.grad_out, k.g.scale(k.node.src[0], 2.0))); };
+    case RECURRA_UNARY_EXP: return [](GradSink& k) { k.add(0, k.g.mul(k.grad_out, k.node.id)); };
+    case RECURRA_UNARY_SCALE:
+      return [](GradSink& k) { k.add(0, k.g.scale(k.grad_out, k.node.fp[RECURRA_P_SCALE])); };
+    default: throw StateError(std::string("internal: no backward for unary op ") + sp.name);
+  }
+}
 
-// At a NaN input the derivative is NaN (x itself): a NaN is never hidden by a gradient of 0.
-RC_GRAD_ROW(abs, x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : (x == 0.0f ? 0.0f : x)))
-RC_GRAD_ROW(sqrt, 0.5f / y)
-RC_GRAD_ROW(log, 1.0f / x)
-RC_GRAD_ROW(clamp, (x >= p0 && x <= p1) ? 1.0f : (x != x ? x : 0.0f))
-RC_GRAD_ROW(relu, x > 0.0f ? 1.0f : (x <= 0.0f ? 0.0f : x))
-RC_GRAD_ROW(silu, sigmoid_lane(x) * (1.0f + x * (1.0f - sigmoid_lane(x))))
-RC_GRAD_ROW(gelu, 0.5f * (1.0f + std::erf(x * kInvSqrt2)) + x * kInvSqrt2Pi * exp_lane(-0.5f * x * x))
-RC_GRAD_ROW(sigmoid, y * (1.0f - y))
-RC_GRAD_ROW(tanh, 1.0f - y * y)
-RC_GRAD_ROW(softplus, sigmoid_lane(x))  // softplus is x above 20, where sigmoid(x) is 1.0f
-
-#undef RC_GRAD_ROW
-
-constexpr GradRow kGradRows[] = {abs_grad_row,  sqrt_grad_row,    log_grad_row,     clamp_grad_row,
-                                 relu_grad_row, silu_grad_row,    gelu_grad_row,    sigmoid_grad_row,
-                                 tanh_grad_row, softplus_grad_row};
-static_assert(sizeof(kGradRows) / sizeof(kGradRows[0]) == kSoftplus + 1, "one row per Act code");
+void add_unary(OpTable& t, const recurra_op_spec& sp) {
+  const size_t n_fp = static_cast<size_t>(sp.fp_max);
+  OpDef d;
+  d.name = sp.name;
+  d.infer = [n_fp](Graph& g, Node& n) {
+    if (n.fp.size() != n_fp) fail_shape(g, n, "takes " + std::to_string(n_fp) + " float parameter(s)");
+    if (n_fp == 2 && n.fp.at(RECURRA_P_MIN) > n.fp.at(RECURRA_P_MAX)) fail_shape(g, n, "min must not exceed max");
+    unary_infer(g, n);
+  };
+  const UnRow row = kUnaryRows[sp.unary];
+  d.forward = [row](KernelCtx& c) { unary_forward(c, row); };
+  d.backward = unary_backward(sp);
+  t.add(std::move(d));
+}
 
 }  // namespace
 
@@ -237,20 +287,10 @@ void register_elementwise_ops(OpTable& t) {
     }
   });
 
-  add_unary(t, "neg", neg_row, [](GradSink& k) { k.add(0, k.g.neg(k.grad_out)); });
-  add_unary(t, "abs", abs_row, act_backward(kAbs));
-  add_unary(t, "sqr", sqr_row, [](GradSink& k) { k.add(0, k.g.mul(k.grad_out, k.g.scale(k.node.src[0], 2.0))); });
-  add_unary(t, "sqrt", sqrt_row, act_backward(kSqrt));
-  add_unary(t, "exp", exp_row, [](GradSink& k) { k.add(0, k.g.mul(k.grad_out, k.node.id)); });
-  add_unary(t, "log", log_row, act_backward(kLog));
-  add_unary(t, "scale", scale_row, [](GradSink& k) { k.add(0, k.g.scale(k.grad_out, k.node.fp[0])); }, 1);
-  add_unary(t, "clamp", clamp_row, act_backward(kClamp), 2);
-  add_unary(t, "relu", relu_row, act_backward(kRelu));
-  add_unary(t, "silu", silu_row, act_backward(kSilu));
-  add_unary(t, "gelu", gelu_row, act_backward(kGelu));
-  add_unary(t, "sigmoid", sigmoid_row, act_backward(kSigmoid));
-  add_unary(t, "tanh", tanh_row, act_backward(kTanh));
-  add_unary(t, "softplus", softplus_row, act_backward(kSoftplus));
+  int32_t n_spec = 0;
+  const recurra_op_spec* spec = recurra_op_specs(&n_spec);
+  for (int32_t i = 0; i < n_spec; ++i)
+    if (spec[i].unary >= 0) add_unary(t, spec[i]);
 
   {
     // act_grad(g, x, y): g * f'(x) (y = f(x), used where cheaper). Dense inputs.
@@ -262,8 +302,10 @@ void register_elementwise_ops(OpTable& t) {
       for (int i = 0; i < 3; ++i) require_f32(g, n, i);
       if (g.node(n.src[0]).shape != g.node(n.src[1]).shape || g.node(n.src[2]).shape != g.node(n.src[1]).shape)
         fail_shape(g, n, "grad, x and y must have one shape");
-      if (n.ip[0] < kAbs || n.ip[0] > kSoftplus) fail_shape(g, n, "unknown activation code");
-      if (n.ip[0] == kClamp && n.fp.size() != 2) fail_shape(g, n, "clamp needs (min, max)");
+      const int64_t code = n.ip[RECURRA_P_ACT];
+      if (code < 0 || code >= RECURRA_UNARY_COUNT || !kGradRows[code]) fail_shape(g, n, "unknown activation code");
+      if (n.fp.size() != static_cast<size_t>(recurra_unary_op(code)->fp_max))
+        fail_shape(g, n, std::string(recurra_unary_op(code)->name) + " needs " + recurra_unary_op(code)->fp);
       n.dtype = DType::f32;
       n.shape = g.node(n.src.at(1)).shape;
     };
@@ -272,7 +314,7 @@ void register_elementwise_ops(OpTable& t) {
       const float* x = c.src[1].f32();
       const float* y = c.src[2].f32();
       float* o = c.dst.f32();
-      const GradRow row = kGradRows[c.node.ip[0]];
+      const GradRow row = kGradRows[c.node.ip[RECURRA_P_ACT]];
       const auto& fp = c.node.fp;
       const float p0 = fp.size() == 2 ? static_cast<float>(fp[0]) : 0.0f;
       const float p1 = fp.size() == 2 ? static_cast<float>(fp[1]) : 0.0f;

@@ -32,7 +32,7 @@ RC_SIMD void gla_forward_task(const DecayIn& in, const Dims& d, int64_t q, int64
 void gla_forward(KernelCtx& c, const Dims& d) {
   // Sources: k, v, q, g, state; fp = [scale].
   const DecayIn in{c.src[2].f32(), c.src[0].f32(), c.src[1].f32(), c.src[3].f32(), nullptr,
-                   static_cast<float>(c.node.fp[0])};
+                   static_cast<float>(c.node.fp[RECURRA_P_SCALE])};
   decay_forward(c, d, in, c.src[4].f32(), gla_forward_task);
 }
 
@@ -41,7 +41,7 @@ void gla_backward(KernelCtx& c, const Dims& d) {
   // dstate.
   const int64_t ths = d.ths();
   const DecayBackIn in{c.src[0].f32(), c.src[1].f32(), c.src[2].f32(), c.src[3].f32(), nullptr,
-                       static_cast<float>(c.node.fp[0]), c.src[4].f32(), c.src[5].f32()};
+                       static_cast<float>(c.node.fp[RECURRA_P_SCALE]), c.src[4].f32(), c.src[5].f32()};
   float* o = c.dst.f32();
   const DecayGrad out{o, o + ths, o + 2 * ths, o + 3 * ths, nullptr, o + 4 * ths};
   decay_backward(c, d, in, out);

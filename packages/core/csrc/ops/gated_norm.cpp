@@ -151,7 +151,7 @@ int64_t gated_infer(Graph& g, Node& n, size_t first) {
   if (ns != 2 && ns != 3 && ns != 5) fail_shape(g, n, "takes (y, w), (y, z, w) or (y, z, w, x, D)");
   for (size_t i = 0; i < n.src.size(); ++i) require_f32(g, n, static_cast<int>(i));
   if (n.ip.size() != 1 || n.fp.size() != 1) fail_shape(g, n, "takes ip [group_size] and fp [eps]");
-  if (!(n.fp[0] >= 0.0) || !std::isfinite(n.fp[0])) fail_shape(g, n, "eps must be finite and >= 0");
+  if (!(n.fp[RECURRA_P_EPS] >= 0.0) || !std::isfinite(n.fp[RECURRA_P_EPS])) fail_shape(g, n, "eps must be finite and >= 0");
   const Layout l = layout_of(n.src.size(), first);
   const Shape ys = g.node(n.src[l.y]).shape;
   if (ys.ndim < 1) fail_shape(g, n, "y needs at least one axis");
@@ -159,7 +159,7 @@ int64_t gated_infer(Graph& g, Node& n, size_t first) {
   if (l.z >= 0 && g.node(n.src[l.z]).shape != ys) fail_shape(g, n, "z must have y's shape");
   const Shape ws = g.node(n.src[l.w]).shape;
   if (ws.ndim != 1 || ws.d[0] != C) fail_shape(g, n, "w must be (C,) for y (..., C)");
-  if (n.ip[0] < 1 || C % n.ip[0] != 0) fail_shape(g, n, "group_size must divide the channels");
+  if (n.ip[RECURRA_P_GROUP_SIZE] < 1 || C % n.ip[RECURRA_P_GROUP_SIZE] != 0) fail_shape(g, n, "group_size must divide the channels");
   if (l.x >= 0) {
     if (g.node(n.src[l.x]).shape != ys) fail_shape(g, n, "x must have y's shape");
     const Shape ds = g.node(n.src[l.d]).shape;

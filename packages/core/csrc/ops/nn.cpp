@@ -139,9 +139,9 @@ void require_srcs(const Graph& g, const Node& n, size_t count, const char* what)
 // fp = [eps] with eps >= 0.
 float eps_param(const Graph& g, const Node& n) {
   if (n.fp.size() != 1) fail_shape(g, n, "takes one float parameter (eps)");
-  if (!(n.fp.at(0) >= 0.0) || !std::isfinite(n.fp.at(0)))
-    fail_shape(g, n, "eps must be finite and >= 0, got " + std::to_string(n.fp.at(0)));
-  return static_cast<float>(n.fp.at(0));
+  if (!(n.fp.at(RECURRA_P_EPS) >= 0.0) || !std::isfinite(n.fp.at(RECURRA_P_EPS)))
+    fail_shape(g, n, "eps must be finite and >= 0, got " + std::to_string(n.fp.at(RECURRA_P_EPS)));
+  return static_cast<float>(n.fp.at(RECURRA_P_EPS));
 }
 
 // Backward ops (grad, x_or_y) -> the shape of x: both f32 and of one shape.
@@ -302,7 +302,7 @@ void cross_entropy_back_forward(KernelCtx& c) {
 // ---- rms_norm -----------------------------------------------------------------------
 
 void rms_norm_forward(KernelCtx& c) {
-  const float eps = static_cast<float>(c.node.fp[0]);
+  const float eps = static_cast<float>(c.node.fp[RECURRA_P_EPS]);
   const float* x = c.src[0].f32();
   float* y = c.dst.f32();
   for_rows(c, c.dst.shape, [&](int64_t r, int64_t len) {
@@ -314,7 +314,7 @@ void rms_norm_forward(KernelCtx& c) {
 
 // (grad, x): with r = 1/sqrt(mean(x^2) + eps), dx = r g - x r^3 sum(g x) / C
 void rms_norm_back_forward(KernelCtx& c) {
-  const float eps = static_cast<float>(c.node.fp[0]);
+  const float eps = static_cast<float>(c.node.fp[RECURRA_P_EPS]);
   const float* gp = c.src[0].f32();
   const float* x = c.src[1].f32();
   float* dx = c.dst.f32();
@@ -342,7 +342,7 @@ RowMoments row_moments(const float* x, int64_t len, float eps) {
 }
 
 void layer_norm_forward(KernelCtx& c) {
-  const float eps = static_cast<float>(c.node.fp[0]);
+  const float eps = static_cast<float>(c.node.fp[RECURRA_P_EPS]);
   const float* x = c.src[0].f32();
   float* y = c.dst.f32();
   for_rows(c, c.dst.shape, [&](int64_t r, int64_t len) {
@@ -354,7 +354,7 @@ void layer_norm_forward(KernelCtx& c) {
 
 // (grad, x): with xhat = (x - mu) r, dx = r (g - mean(g) - xhat mean(g xhat))
 void layer_norm_back_forward(KernelCtx& c) {
-  const float eps = static_cast<float>(c.node.fp[0]);
+  const float eps = static_cast<float>(c.node.fp[RECURRA_P_EPS]);
   const float* gp = c.src[0].f32();
   const float* x = c.src[1].f32();
   float* dx = c.dst.f32();
@@ -400,14 +400,14 @@ void get_rows_back_infer(Graph& g, Node& n) {
   require_srcs(g, n, 2, "(grad, idx)");
   require_f32(g, n, 0);
   require_i32(g, n, 1, "indices");
-  if (n.ip.size() != 1 || n.ip.at(0) < 0) fail_shape(g, n, "takes one int parameter: the table's row count V >= 0");
+  if (n.ip.size() != 1 || n.ip.at(RECURRA_P_N_ROWS) < 0) fail_shape(g, n, "takes one int parameter: the table's row count V >= 0");
   const Shape& gs = g.node(n.src.at(0)).shape;
   const Shape& ix = g.node(n.src.at(1)).shape;
   bool ok = ix.ndim >= 1 && gs.ndim == ix.ndim + 1;
   for (int i = 0; ok && i < ix.ndim; ++i) ok = gs.d[i] == ix.d[i];
   if (!ok) fail_shape(g, n, "grad must have the indices' shape plus one axis (D)");
   n.dtype = DType::f32;
-  n.shape = Shape{n.ip.at(0), gs.d[gs.ndim - 1]};
+  n.shape = Shape{n.ip.at(RECURRA_P_N_ROWS), gs.d[gs.ndim - 1]};
 }
 
 // Scatter-add without races or atomics: a task owns a block of table rows x a block of

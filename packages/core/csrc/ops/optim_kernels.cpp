@@ -5,12 +5,12 @@
 // the work of all of them is cut into equal ranges of one flat index space, so a step over
 // a hundred small tensors costs one parallel region, not a hundred.
 //
-// Sources (n = ip[0] tensors, has_gstat = ip[1]):
+// Sources (n = ip[RECURRA_P_N_TENSORS] tensors, has_gstat = ip[RECURRA_P_HAS_GSTAT]):
 //   hyper  (2*kSlots,) f32   the scalars, each slot a float pair (hi, lo) holding the
 //                            double hi + lo (so lr and betas keep ~48 bits, GPU-friendly)
 //   gstat  (2,) f32          optional: [global gradient norm, clip coefficient] (grad_norm)
 //   then per tensor, all of one shape S (p, m, v, buf: leaves; g: any dense node):
-//     sgd_step       p, g, [buf if ip[2]], step
+//     sgd_step       p, g, [buf if ip[RECURRA_P_HAS_BUF]], step
 //     adam_step      p, g, m, v, step        (L2 weight decay added to the gradient)
 //     adamw_step     p, g, m, v, step        (decoupled weight decay)
 //     lion_step      p, g, m, step
@@ -36,18 +36,19 @@ namespace recurra {
 
 namespace {
 
-// Hyper-parameter slots shared by every update op (the Python side packs them).
+// Hyper-parameter slots shared by every update op (the Python side packs them; the
+// slots are RECURRA_HYPER_* of recurra/op_spec.h).
 enum Slot : int {
-  kLr = 0,
-  kGradScale = 1,  // multiplies the gradient first (1/k when averaging k accumulated steps)
-  kClipValue = 2,  // <= 0: no clipping by value
-  kMaxNorm = 3,    // <= 0: no clipping by norm (grad_norm's coefficient is then 1)
-  kWeightDecay = 4,
-  kA = 5,          // beta1 (adam, lion) or momentum (sgd)
-  kB = 6,          // beta2 (adam, lion) or dampening (sgd)
-  kC = 7,          // eps (adam) or nesterov 0/1 (sgd)
-  kMaximize = 8,   // 0/1
-  kSlots = 10,
+  kLr = RECURRA_HYPER_LR,
+  kGradScale = RECURRA_HYPER_GRAD_SCALE,
+  kClipValue = RECURRA_HYPER_CLIP_VALUE,
+  kMaxNorm = RECURRA_HYPER_MAX_NORM,
+  kWeightDecay = RECURRA_HYPER_WEIGHT_DECAY,
+  kA = RECURRA_HYPER_A,
+  kB = RECURRA_HYPER_B,
+  kC = RECURRA_HYPER_C,
+  kMaximize = RECURRA_HYPER_MAXIMIZE,
+  kSlots = RECURRA_HYPER_SLOTS,
 };
 
 constexpr int64_t kChunk = 1 << 16;  // elements per task: large enough to stream, small to balance
@@ -132,12 +133,12 @@ Layout layout(const Graph& g, const Node& n, size_t n_ip, int per) {
     fail(n, "takes " + std::to_string(n_ip) + " integer parameters, got " + std::to_string(n.ip.size()));
   if (!n.fp.empty()) fail(n, "takes no float parameters (they live in the hyper-parameter tensor)");
   Layout L;
-  L.n = n.ip.at(0);
-  L.gstat = n.ip.at(1) != 0;
+  L.n = n.ip.at(RECURRA_P_N_TENSORS);
+  L.gstat = n.ip.at(RECURRA_P_HAS_GSTAT) != 0;
   L.per = per;
   L.first = 1 + (L.gstat ? 1 : 0);
   if (L.n < 1) fail(n, "needs at least one tensor, got " + std::to_string(L.n));
-  if (n.ip.at(1) != 0 && n.ip.at(1) != 1) fail(n, "has_gstat must be 0 or 1");
+  if (n.ip.at(RECURRA_P_HAS_GSTAT) != 0 && n.ip.at(RECURRA_P_HAS_GSTAT) != 1) fail(n, "has_gstat must be 0 or 1");
   const int64_t want = L.first + L.n * per;
   if (static_cast<int64_t>(n.src.size()) != want)
     fail(n, "expected " + std::to_string(want) + " sources for " + std::to_string(L.n) +
@@ -151,9 +152,9 @@ Layout layout(const Graph& g, const Node& n, size_t n_ip, int per) {
 // grad_at < 0 (grad_clip), every per-tensor source. ip = {n, has_gstat, ...} (checked by infer).
 std::function<bool(const Node&, size_t)> writes_per_tensor(int per, int grad_at) {
   return [per, grad_at](const Node& n, size_t i) {
-    const int64_t first = 1 + (n.ip.size() > 1 && n.ip[1] != 0 ? 1 : 0);
+    const int64_t first = 1 + (n.ip.size() > 1 && n.ip[RECURRA_P_HAS_GSTAT] != 0 ? 1 : 0);
     const int64_t k = static_cast<int64_t>(i) - first;
-    const int64_t per_n = per > 0 ? per : 3 + (n.ip.size() > 2 && n.ip[2] != 0 ? 1 : 0);
+    const int64_t per_n = per > 0 ? per : 3 + (n.ip.size() > 2 && n.ip[RECURRA_P_HAS_BUF] != 0 ? 1 : 0);
     return k >= 0 && k % per_n != grad_at;
   };
 }
@@ -328,10 +329,10 @@ RC_SIMD void clip_range(float* __restrict g, int64_t n, float pre, float clip, f
 void sgd_forward(KernelCtx& c) {
   const Node& n = c.node;
   Layout L;
-  L.n = n.ip.at(0);
-  L.gstat = n.ip.at(1) != 0;
+  L.n = n.ip.at(RECURRA_P_N_TENSORS);
+  L.gstat = n.ip.at(RECURRA_P_HAS_GSTAT) != 0;
   L.first = 1 + (L.gstat ? 1 : 0);
-  const bool has_buf = n.ip.at(2) != 0;
+  const bool has_buf = n.ip.at(RECURRA_P_HAS_BUF) != 0;
   L.per = has_buf ? 4 : 3;
   const GradXform x = grad_xform(c, L, true);
   const TensorView& h = c.src[0];
@@ -361,8 +362,8 @@ void sgd_forward(KernelCtx& c) {
 void adam_forward(KernelCtx& c, bool decoupled) {
   const Node& n = c.node;
   Layout L;
-  L.n = n.ip.at(0);
-  L.gstat = n.ip.at(1) != 0;
+  L.n = n.ip.at(RECURRA_P_N_TENSORS);
+  L.gstat = n.ip.at(RECURRA_P_HAS_GSTAT) != 0;
   L.first = 1 + (L.gstat ? 1 : 0);
   L.per = 5;
   const GradXform x = grad_xform(c, L, true);
@@ -394,8 +395,8 @@ void adam_forward(KernelCtx& c, bool decoupled) {
 void lion_forward(KernelCtx& c) {
   const Node& n = c.node;
   Layout L;
-  L.n = n.ip.at(0);
-  L.gstat = n.ip.at(1) != 0;
+  L.n = n.ip.at(RECURRA_P_N_TENSORS);
+  L.gstat = n.ip.at(RECURRA_P_HAS_GSTAT) != 0;
   L.first = 1 + (L.gstat ? 1 : 0);
   L.per = 4;
   const GradXform x = grad_xform(c, L, true);
@@ -421,7 +422,7 @@ void lion_forward(KernelCtx& c) {
 void grad_norm_forward(KernelCtx& c) {
   const Node& n = c.node;
   double sum = 0.0;
-  if (!n.ip.empty() && n.ip[0] == 1) {  // combine partial results, in source order
+  if (!n.ip.empty() && n.ip[RECURRA_P_COMBINE] == 1) {  // combine partial results, in source order
     for (size_t i = 1; i < n.src.size(); ++i) {
       const double v = c.src[i].f32()[0];
       sum += v * v;
@@ -453,8 +454,8 @@ void grad_norm_forward(KernelCtx& c) {
 void grad_clip_forward(KernelCtx& c) {
   const Node& n = c.node;
   Layout L;
-  L.n = n.ip.at(0);
-  L.gstat = n.ip.at(1) != 0;
+  L.n = n.ip.at(RECURRA_P_N_TENSORS);
+  L.gstat = n.ip.at(RECURRA_P_HAS_GSTAT) != 0;
   L.first = 1 + (L.gstat ? 1 : 0);
   L.per = 1;
   const GradXform x = grad_xform(c, L, false);
@@ -479,8 +480,8 @@ void register_optim_ops(OpTable& t) {
     d.name = "sgd_step";
     d.infer = [](Graph& g, Node& n) {
       if (n.ip.size() != 3) fail(n, "takes 3 integer parameters (n, has_gstat, has_buf)");
-      if (n.ip.at(2) != 0 && n.ip.at(2) != 1) fail(n, "has_buf must be 0 or 1");
-      const bool buf = n.ip.at(2) != 0;
+      if (n.ip.at(RECURRA_P_HAS_BUF) != 0 && n.ip.at(RECURRA_P_HAS_BUF) != 1) fail(n, "has_buf must be 0 or 1");
+      const bool buf = n.ip.at(RECURRA_P_HAS_BUF) != 0;
       const Layout L = layout(g, n, 3, buf ? 4 : 3);
       for (int64_t i = 0; i < L.n; ++i) {
         if (buf) check_tensor(g, n, L, i, {"param", "gradient", "momentum buffer", "step"});
@@ -525,9 +526,9 @@ void register_optim_ops(OpTable& t) {
     d.infer = [](Graph& g, Node& n) {
       // ip = {} or {0}: the norm of the gradients; {1}: combine the (2,) results of earlier
       // grad_norm nodes (a norm over more gradients than one node can take).
-      if (n.ip.size() > 1 || (n.ip.size() == 1 && n.ip[0] != 0 && n.ip[0] != 1) || !n.fp.empty())
+      if (n.ip.size() > 1 || (n.ip.size() == 1 && n.ip[RECURRA_P_COMBINE] != 0 && n.ip[RECURRA_P_COMBINE] != 1) || !n.fp.empty())
         fail(n, "takes one optional integer parameter (0: gradients, 1: partial norms)");
-      const bool combine = n.ip.size() == 1 && n.ip[0] == 1;
+      const bool combine = n.ip.size() == 1 && n.ip[RECURRA_P_COMBINE] == 1;
       if (n.src.size() < 2) fail(n, "takes the hyper-parameter tensor and at least one gradient");
       check_hyper(g, n);
       for (size_t i = 1; i < n.src.size(); ++i) {

@@ -162,7 +162,7 @@ float max_line(const float* x, int64_t n, int64_t s) {
 template <class Acc, class Ops>
 void reduce_forward(KernelCtx& c, const Ops& ops) {
   const TensorView& x = c.src[0];
-  const Layout lo = make_layout(x, static_cast<int>(c.node.ip[0]));
+  const Layout lo = make_layout(x, static_cast<int>(c.node.ip[RECURRA_P_AXIS]));
   const int64_t K = lo.K(), L = lo.L, V = lo.V;
   float* out = c.dst.f32();
   const float* xp = x.f32();
@@ -267,7 +267,7 @@ struct MaxOps {
 // NaN when the max is NaN), zero elsewhere. All three sources are dense.
 void max_grad_forward(KernelCtx& c) {
   const TensorView& x = c.src[1];
-  const Layout lo = make_layout(x, static_cast<int>(c.node.ip[0]));
+  const Layout lo = make_layout(x, static_cast<int>(c.node.ip[RECURRA_P_AXIS]));
   const int64_t K = lo.K(), L = lo.L, V = lo.V;
   float* dx = c.dst.f32();
   const float* gp = c.src[0].f32();
@@ -310,13 +310,13 @@ void reduce_infer(Graph& g, Node& n, bool allow_empty) {
   require_f32(g, n, 0);
   const Shape& s = g.node(n.src.at(0)).shape;
   if (n.ip.size() != 1) fail_shape(g, n, "takes one axis");
-  if (n.ip.at(0) < 0 || n.ip.at(0) >= s.ndim)
-    fail_shape(g, n, "axis " + std::to_string(n.ip.at(0)) + " is out of range for a tensor of " +
+  if (n.ip.at(RECURRA_P_AXIS) < 0 || n.ip.at(RECURRA_P_AXIS) >= s.ndim)
+    fail_shape(g, n, "axis " + std::to_string(n.ip.at(RECURRA_P_AXIS)) + " is out of range for a tensor of " +
                          std::to_string(s.ndim) + " axes");
-  if (!allow_empty && s.d[n.ip.at(0)] == 0) fail_shape(g, n, "cannot reduce an axis of length 0");
+  if (!allow_empty && s.d[n.ip.at(RECURRA_P_AXIS)] == 0) fail_shape(g, n, "cannot reduce an axis of length 0");
   n.dtype = DType::f32;
   n.shape = s;
-  n.shape.d[n.ip.at(0)] = 1;
+  n.shape.d[n.ip.at(RECURRA_P_AXIS)] = 1;
 }
 
 }  // namespace
@@ -351,9 +351,9 @@ void register_reduce_ops(OpTable& t) {
       if (n.src.size() != 3 || n.ip.size() != 1) fail_shape(g, n, "takes (grad, x, out) and an axis");
       for (int i = 0; i < 3; ++i) require_f32(g, n, i);
       const Shape& xs = g.node(n.src.at(1)).shape;
-      if (n.ip.at(0) < 0 || n.ip.at(0) >= xs.ndim) fail_shape(g, n, "axis out of range");
+      if (n.ip.at(RECURRA_P_AXIS) < 0 || n.ip.at(RECURRA_P_AXIS) >= xs.ndim) fail_shape(g, n, "axis out of range");
       Shape r = xs;
-      r.d[n.ip.at(0)] = 1;
+      r.d[n.ip.at(RECURRA_P_AXIS)] = 1;
       if (g.node(n.src.at(0)).shape != r || g.node(n.src.at(2)).shape != r)
         fail_shape(g, n, "grad and out must have x's shape with the axis reduced to 1");
       n.dtype = DType::f32;

@@ -83,18 +83,18 @@ void concat_infer(Graph& g, Node& n) {
     throw TypeError(std::string("concat: inputs must have one dtype, got ") + dtype_name(a.dtype) + " and " +
                     dtype_name(b.dtype));
   if (a.shape.ndim != b.shape.ndim || a.shape.ndim == 0) fail_shape(g, n, "inputs must have the same number of axes (>= 1)");
-  const int ax = norm_axis("concat", n.ip.at(0), a.shape.ndim);
+  const int ax = norm_axis("concat", n.ip.at(RECURRA_P_AXIS), a.shape.ndim);
   for (int i = 0; i < a.shape.ndim; ++i)
     if (i != ax && a.shape.d[i] != b.shape.d[i])
       fail_shape(g, n, "inputs must agree on every axis but " + std::to_string(ax));
-  n.ip.at(0) = ax;
+  n.ip.at(RECURRA_P_AXIS) = ax;
   n.dtype = a.dtype;
   n.shape = a.shape;
   n.shape.d[ax] += b.shape.d[ax];
 }
 
 void concat_forward(KernelCtx& c) {
-  const int ax = static_cast<int>(c.node.ip[0]);
+  const int ax = static_cast<int>(c.node.ip[RECURRA_P_AXIS]);
   const size_t esz = dtype_size(c.dst.dtype);
   TensorView part = c.dst;
   part.shape = c.src[0].shape;
@@ -105,7 +105,7 @@ void concat_forward(KernelCtx& c) {
 }
 
 void concat_backward(GradSink& k) {
-  const int ax = static_cast<int>(k.node.ip[0]);
+  const int ax = static_cast<int>(k.node.ip[RECURRA_P_AXIS]);
   const Shape sa = k.g.node(k.node.src[0]).shape;
   const Shape sb = k.g.node(k.node.src[1]).shape;
   int64_t start[kMaxDims] = {0, 0, 0, 0};
@@ -139,10 +139,10 @@ void pad_forward(KernelCtx& c) {
   const int64_t* pw = c.node.ip.data();
   uint32_t fill_bits;
   if (c.dst.dtype == DType::f32) {
-    const float v = static_cast<float>(c.node.fp[0]);
+    const float v = static_cast<float>(c.node.fp[RECURRA_P_VALUE]);
     std::memcpy(&fill_bits, &v, sizeof fill_bits);
   } else {
-    const int32_t v = static_cast<int32_t>(c.node.fp[0]);
+    const int32_t v = static_cast<int32_t>(c.node.fp[RECURRA_P_VALUE]);
     std::memcpy(&fill_bits, &v, sizeof fill_bits);
   }
   const int64_t before = nd ? pw[2 * (nd - 1)] : 0;
@@ -186,7 +186,7 @@ void cumsum_infer(Graph& g, Node& n) {
   require_f32(g, n, 0);
   if (n.ip.size() != 2) fail_shape(g, n, "takes two int parameters (axis, reverse)");
   const Node& x = g.node(n.src.at(0));
-  n.ip.at(0) = norm_axis("cumsum", n.ip.at(0), x.shape.ndim);
+  n.ip.at(RECURRA_P_AXIS) = norm_axis("cumsum", n.ip.at(RECURRA_P_AXIS), x.shape.ndim);
   if (n.ip.at(1) != 0 && n.ip.at(1) != 1) fail_shape(g, n, "reverse must be 0 or 1, got " + std::to_string(n.ip.at(1)));
   n.dtype = DType::f32;
   n.shape = x.shape;
@@ -194,8 +194,8 @@ void cumsum_infer(Graph& g, Node& n) {
 
 void cumsum_forward(KernelCtx& c) {
   const Shape& s = c.dst.shape;
-  const int ax = static_cast<int>(c.node.ip[0]);
-  const bool reverse = c.node.ip[1] != 0;
+  const int ax = static_cast<int>(c.node.ip[RECURRA_P_AXIS]);
+  const bool reverse = c.node.ip[RECURRA_P_REVERSE] != 0;
   int64_t outer = 1, inner = 1;
   for (int i = 0; i < ax; ++i) outer *= s.d[i];
   for (int i = ax + 1; i < s.ndim; ++i) inner *= s.d[i];
@@ -253,7 +253,7 @@ void register_shape_ops(OpTable& t) {
     d.forward = cumsum_forward;
     d.contiguous_srcs = 0b1;
     d.backward = [](GradSink& k) {
-      k.add(0, k.g.op("cumsum", {k.grad_out}, {k.node.ip[0], 1 - k.node.ip[1]}));
+      k.add(0, k.g.op("cumsum", {k.grad_out}, {k.node.ip[RECURRA_P_AXIS], 1 - k.node.ip[RECURRA_P_REVERSE]}));
     };
     t.add(std::move(d));
   }

@@ -21,6 +21,11 @@ namespace recurra {
 
 void register_ssm_conv_ops(OpTable& t);  // ssm_conv.cpp
 
+// Whether an ssm_scan node with integer parameters `ip` saves the backward's checkpoints.
+inline bool saves_checkpoints(const std::vector<int64_t>& ip) {
+  return !ip.empty() && (ip[RECURRA_P_SCAN_FLAGS] & RECURRA_SSM_SCAN_SAVE_CHECKPOINTS) != 0;
+}
+
 namespace ssm {
 
 typedef float vf __attribute__((vector_size(64)));

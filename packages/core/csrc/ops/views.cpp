@@ -453,17 +453,17 @@ void register_view_ops(OpTable& t) {
     d.name = "fill";
     d.infer = [](Graph& g, Node& n) {
       if (!n.src.empty() || n.fp.size() != 2) fail_shape(g, n, "takes no inputs and (value, dtype)");
-      if (n.fp[1] != 0.0 && n.fp[1] != 1.0) fail_shape(g, n, "dtype code must be 0 (float32) or 1 (int32)");
+      if (n.fp[RECURRA_P_DTYPE] != 0.0 && n.fp[RECURRA_P_DTYPE] != 1.0) fail_shape(g, n, "dtype code must be 0 (float32) or 1 (int32)");
       n.shape = Shape::from(n.ip);
       n.dtype = static_cast<DType>(static_cast<int>(n.fp.at(1)));
     };
     d.forward = [](KernelCtx& c) {
       int64_t n = c.dst.numel();
       if (c.dst.dtype == DType::f32) {
-        float v = static_cast<float>(c.node.fp[0]);
+        float v = static_cast<float>(c.node.fp[RECURRA_P_VALUE]);
         std::fill(c.dst.f32(), c.dst.f32() + n, v);
       } else {
-        std::fill(c.dst.i32(), c.dst.i32() + n, static_cast<int32_t>(c.node.fp[0]));
+        std::fill(c.dst.i32(), c.dst.i32() + n, static_cast<int32_t>(c.node.fp[RECURRA_P_VALUE]));
       }
     };
     t.add(std::move(d));

@@ -189,7 +189,7 @@ def causal_conv(x: Any, state: Any | None, weight: Any, bias: Any | None) -> tup
     the new state (B, C, K-1))."""
     b, t, c = x.shape
     k = weight.shape[-1]
-    if state is None:  # one fused op (on the CPU)
+    if state is None:  # one op (fused where the backend has the kernel)
         return ops.causal_conv_silu(x, weight, bias), conv_state_after(x, k)
     xt = x.permute(0, 2, 1)  # (B, C, T)
     sx = ops.concat([state, xt], axis=2)

@@ -29,7 +29,6 @@ from recurra_models.lm import (
     ConfigBase,
     _positive,
     causal_conv,
-    conv_state_after,
     init_dt_bias,
 )
 from recurra_models.mamba import MambaBlock, MambaFamilyLM, _Conv1d, _zeros
@@ -165,21 +164,9 @@ class Mamba2Mixer(nn.Module):
             # The op applies softplus itself: hand it softplus^-1(clamp(softplus(dt))).
             sp = ops.clamp(ops.softplus(dt), max(lo, 1e-30), hi)
             dt = ops.log(ops.exp(sp) - 1.0)
-        if state is None and h.device.backend == "cpu":
-            # The conv is per channel: x, B and C each from their slice give dense results
-            # (no copy of x for the scan; their gradients merge with z's and dt's).
-            w, bias, cuts = self.conv1d.w2d(), self.conv1d.bias, (0, di, di + g * n, cd)
-            x, bm, cm = (
-                ops.causal_conv_silu(
-                    zxbcdt[:, :, di + a : di + e], w[a:e], None if bias is None else bias[a:e]
-                )
-                for a, e in zip(cuts, cuts[1:])
-            )
-            conv_state = conv_state_after(xbc, c.d_conv)
-        else:
-            conv_state = state[0] if state is not None else None
-            xbc, conv_state = causal_conv(xbc, conv_state, self.conv1d.w2d(), self.conv1d.bias)
-            x, bm, cm = xbc[:, :, :di], xbc[:, :, di : di + g * n], xbc[:, :, di + g * n :]
+        conv_state = state[0] if state is not None else None
+        xbc, conv_state = causal_conv(xbc, conv_state, self.conv1d.w2d(), self.conv1d.bias)
+        x, bm, cm = xbc[:, :, :di], xbc[:, :, di : di + g * n], xbc[:, :, di + g * n :]
         x = x.reshape(b, t, nh, p)
         bm = bm.reshape(b, t, g, n)
         cm = cm.reshape(b, t, g, n)

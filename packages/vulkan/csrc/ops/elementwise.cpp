@@ -1,6 +1,6 @@
 // Elementwise ops: add sub mul div (numpy broadcasting, strided sources), the unary maths
-// and activations (strided source), act_grad (dense sources). Shaders: binary.comp,
-// unary.comp, act_grad.comp.
+// and activations (strided source), act_grad (dense sources), every unary op of
+// recurra/op_spec.h by its code. Shaders: binary.comp, unary.comp, act_grad.comp.
 #include <algorithm>
 #include <cstring>
 
@@ -76,21 +76,21 @@ struct UnaryPC {
   int32_t shape[4], sx[4];
 };
 
-enum Unary { kNeg, kAbs, kSqr, kSqrt, kExp, kLog, kScale, kClamp, kRelu, kSilu, kGelu, kSigmoid, kTanh, kSoftplus };
-
-template <int OP, int NFP>
+// The op's RECURRA_UNARY_* code and float parameter count come from recurra/op_spec.h;
+// unary.comp switches on the code.
 std::string unary_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 1);
   if (why.empty()) why = require_f32(n, 1);
   if (!why.empty()) return why;
-  if (n.n_fp != NFP) return std::string(n.op) + " takes " + std::to_string(NFP) + " float parameter(s)";
+  const recurra_op_spec* sp = recurra_op_find(n.op);
+  if (!sp || sp->unary < 0) return std::string(n.op) + " is not an elementwise unary op";
+  if (n.n_fp != sp->fp_max) return std::string(n.op) + " takes " + std::to_string(sp->fp_max) + " float parameter(s)";
   if (numel(n.src[0]) != numel(n.dst) || n.src[0].ndim != n.dst.ndim) return "output and source shapes differ";
   for (int i = 0; i < n.dst.ndim; ++i)
     if (n.src[0].shape[i] != n.dst.shape[i]) return "output and source shapes differ";
   return "";
 }
 
-template <int OP, int NFP>
 void unary_record(NodeCall& c) {
   const recurra_tensor_desc& d = *c.dst.d;
   const int64_t n = numel(d);
@@ -103,14 +103,15 @@ void unary_record(NodeCall& c) {
   pc.x = addr(c.src[0]);
   pc.y = addr(c.dst);
   pc.n = static_cast<uint32_t>(n);
-  pc.p0 = static_cast<float>(fp(c.node, 0));
-  pc.p1 = static_cast<float>(fp(c.node, 1));
+  pc.p0 = static_cast<float>(fp(c.node, RECURRA_P_MIN));  // scale: RECURRA_P_SCALE, the same 0
+  pc.p1 = static_cast<float>(fp(c.node, RECURRA_P_MAX));
   std::memcpy(pc.shape, col.shape, sizeof pc.shape);
   std::memcpy(pc.sx, col.strides[1], sizeof pc.sx);
   const uint64_t addrs[2] = {pc.x, pc.y};
   const int mode = flat_mode(col, 2, addrs, n);
   const uint32_t groups = grid_groups(mode == 2 ? (n + 3) / 4 : n, 256);
-  c.rec.dispatch("unary", {OP, mode, std::max(col.nd, 1)}, pc, groups, 1, 1, {c.src[0].range}, {c.dst.range});
+  const int32_t code = recurra_op_find(c.node.op)->unary;
+  c.rec.dispatch("unary", {code, mode, std::max(col.nd, 1)}, pc, groups, 1, 1, {c.src[0].range}, {c.dst.range});
 }
 
 // ---- act_grad -----------------------------------------------------------------------
@@ -125,8 +126,10 @@ std::string act_grad_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 3);
   if (why.empty()) why = require_f32(n, 3);
   if (!why.empty()) return why;
-  if (n.n_ip != 1 || n.ip[0] < 0 || n.ip[0] > 9) return "act_grad takes one activation code in [0, 9]";
-  if (n.ip[0] == 3 && n.n_fp != 2) return "act_grad of clamp takes (min, max)";
+  const recurra_op_spec* act = n.n_ip == 1 ? recurra_unary_op(n.ip[RECURRA_P_ACT]) : nullptr;
+  if (!act || std::strcmp(act->backward, "act_grad") != 0)
+    return "act_grad takes the RECURRA_UNARY_* code of an op whose backward is act_grad";
+  if (n.n_fp != act->fp_max) return std::string("act_grad of ") + act->name + " takes " + act->fp;
   const int64_t total = numel(n.dst);
   for (int i = 0; i < 3; ++i)
     if (!is_dense(n.src[i]) || numel(n.src[i]) != total) return "act_grad needs dense sources of the output's size";
@@ -142,9 +145,9 @@ void act_grad_record(NodeCall& c) {
   pc.y = addr(c.src[2]);
   pc.d = addr(c.dst);
   pc.n = static_cast<uint32_t>(n);
-  pc.p0 = static_cast<float>(fp(c.node, 0));
-  pc.p1 = static_cast<float>(fp(c.node, 1));
-  c.rec.dispatch("act_grad", {static_cast<int32_t>(c.node.ip[0])}, pc, grid_groups(n, 256), 1, 1,
+  pc.p0 = static_cast<float>(fp(c.node, RECURRA_P_MIN));  // scale: RECURRA_P_SCALE, the same 0
+  pc.p1 = static_cast<float>(fp(c.node, RECURRA_P_MAX));
+  c.rec.dispatch("act_grad", {static_cast<int32_t>(c.node.ip[RECURRA_P_ACT])}, pc, grid_groups(n, 256), 1, 1,
                  {c.src[0].range, c.src[1].range, c.src[2].range}, {c.dst.range});
 }
 
@@ -155,20 +158,10 @@ void register_elementwise_ops() {
   add_op("sub", {binary_check<1>, binary_record<1>});
   add_op("mul", {binary_check<2>, binary_record<2>});
   add_op("div", {binary_check<3>, binary_record<3>});
-  add_op("neg", {unary_check<kNeg, 0>, unary_record<kNeg, 0>});
-  add_op("abs", {unary_check<kAbs, 0>, unary_record<kAbs, 0>});
-  add_op("sqr", {unary_check<kSqr, 0>, unary_record<kSqr, 0>});
-  add_op("sqrt", {unary_check<kSqrt, 0>, unary_record<kSqrt, 0>});
-  add_op("exp", {unary_check<kExp, 0>, unary_record<kExp, 0>});
-  add_op("log", {unary_check<kLog, 0>, unary_record<kLog, 0>});
-  add_op("scale", {unary_check<kScale, 1>, unary_record<kScale, 1>});
-  add_op("clamp", {unary_check<kClamp, 2>, unary_record<kClamp, 2>});
-  add_op("relu", {unary_check<kRelu, 0>, unary_record<kRelu, 0>});
-  add_op("silu", {unary_check<kSilu, 0>, unary_record<kSilu, 0>});
-  add_op("gelu", {unary_check<kGelu, 0>, unary_record<kGelu, 0>});
-  add_op("sigmoid", {unary_check<kSigmoid, 0>, unary_record<kSigmoid, 0>});
-  add_op("tanh", {unary_check<kTanh, 0>, unary_record<kTanh, 0>});
-  add_op("softplus", {unary_check<kSoftplus, 0>, unary_record<kSoftplus, 0>});
+  int32_t n_spec = 0;
+  const recurra_op_spec* spec = recurra_op_specs(&n_spec);
+  for (int32_t i = 0; i < n_spec; ++i)
+    if (spec[i].unary >= 0) add_op(spec[i].name, {unary_check, unary_record});
   add_op("act_grad", {act_grad_check, act_grad_record});
 }
 

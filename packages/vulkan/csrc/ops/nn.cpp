@@ -49,7 +49,7 @@ std::string row_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, NSRC);
   if (why.empty()) why = require_f32(n, NSRC);
   if (!why.empty()) return why;
-  if (EPS && (n.n_fp != 1 || !(n.fp[0] >= 0.0))) return "takes eps >= 0";
+  if (EPS && (n.n_fp != 1 || !(n.fp[RECURRA_P_EPS] >= 0.0))) return "takes eps >= 0";
   for (int i = 0; i < NSRC; ++i)
     if (!is_dense(n.src[i]) || !same_shape(n.src[i], n.dst)) return "needs dense sources of the output's shape";
   return "";
@@ -67,7 +67,7 @@ void row_record(NodeCall& c) {
   pc.y = addr(c.dst);
   pc.rows = static_cast<uint32_t>(rows);
   pc.C = static_cast<uint32_t>(C);
-  pc.eps = static_cast<float>(fp(c.node, 0));
+  pc.eps = static_cast<float>(fp(c.node, RECURRA_P_EPS));
   uint32_t gx, gy;
   grid_2d(rows, gx, gy);
   if (NSRC == 1)
@@ -185,7 +185,7 @@ std::string get_rows_back_check(const recurra_node_desc& n) {
   const recurra_tensor_desc &g = n.src[0], &ix = n.src[1], &d = n.dst;
   if (g.dtype != RECURRA_F32 || ix.dtype != RECURRA_I32 || d.dtype != RECURRA_F32)
     return "get_rows_back takes float32 grad and int32 indices";
-  if (n.n_ip != 1 || n.ip[0] < 0 || d.ndim != 2 || d.shape[0] != n.ip[0]) return "takes the row count V";
+  if (n.n_ip != 1 || n.ip[RECURRA_P_N_ROWS] < 0 || d.ndim != 2 || d.shape[0] != n.ip[RECURRA_P_N_ROWS]) return "takes the row count V";
   if (ix.ndim < 1 || g.ndim != ix.ndim + 1 || g.shape[g.ndim - 1] != d.shape[1]) return "wrong shapes";
   for (int i = 0; i < ix.ndim; ++i)
     if (g.shape[i] != ix.shape[i]) return "wrong shapes";

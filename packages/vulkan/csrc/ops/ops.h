@@ -11,6 +11,7 @@
 
 #include "../common.h"
 #include "../device.h"
+#include "recurra/op_spec.h"
 #include "../recorder.h"
 
 namespace recurra_vk {

@@ -3,8 +3,9 @@
 // write a 1-element dummy; grad_norm -> (2,) [norm, clip coefficient]. Semantics, source
 // layout and hyper-parameter slots are the core's (packages/core/csrc/ops/optim_kernels.cpp):
 //
-//   sources: hyper (20,) f32, [gstat (2,) if ip[1]], then per tensor (n = ip[0]):
-//     sgd_step p, g, [buf if ip[2]], step     adam_step / adamw_step p, g, m, v, step
+//   sources: hyper (2 * RECURRA_HYPER_SLOTS,) f32, [gstat (2,) if ip[RECURRA_P_HAS_GSTAT]], then per
+//   tensor (n = ip[RECURRA_P_N_TENSORS]):
+//     sgd_step p, g, [buf if ip[RECURRA_P_HAS_BUF]], step     adam_step / adamw_step p, g, m, v, step
 //     lion_step p, g, m, step                 grad_clip g
 //   grad_norm: hyper, g... (ip {} or {0}); hyper, earlier grad_norm results... (ip {1})
 //
@@ -22,7 +23,7 @@ namespace recurra_vk {
 namespace {
 
 enum UpdateOp { kSgd = 0, kAdam = 1, kAdamW = 2, kLion = 3, kClip = 4, kBump = 5 };
-constexpr int64_t kHyperLen = 20;
+constexpr int64_t kHyperLen = 2 * RECURRA_HYPER_SLOTS;
 
 struct OptimPC {
   uint64_t hyper, gstat, p, g, s1, s2, step;
@@ -41,7 +42,7 @@ struct FillPC {
 
 int per_tensor(const recurra_node_desc& n, int op) {
   switch (op) {
-    case kSgd: return ip(n, 2) != 0 ? 4 : 3;
+    case kSgd: return ip(n, RECURRA_P_HAS_BUF) != 0 ? 4 : 3;
     case kAdam:
     case kAdamW: return 5;
     case kLion: return 4;
@@ -55,9 +56,9 @@ template <int OP>
 std::string update_check(const recurra_node_desc& n) {
   const int64_t want_ip = OP == kSgd ? 3 : 2;
   if (n.n_ip != want_ip || n.n_fp != 0) return std::string(n.op) + ": unexpected parameters";
-  const int64_t count = ip(n, 0), has_gstat = ip(n, 1);
+  const int64_t count = ip(n, RECURRA_P_N_TENSORS), has_gstat = ip(n, RECURRA_P_HAS_GSTAT);
   if (count < 1 || (has_gstat != 0 && has_gstat != 1)) return std::string(n.op) + ": bad (n, has_gstat)";
-  if (OP == kSgd && ip(n, 2) != 0 && ip(n, 2) != 1) return "sgd_step: has_buf must be 0 or 1";
+  if (OP == kSgd && ip(n, RECURRA_P_HAS_BUF) != 0 && ip(n, RECURRA_P_HAS_BUF) != 1) return "sgd_step: has_buf must be 0 or 1";
   const int per = per_tensor(n, OP), first = 1 + static_cast<int>(has_gstat);
   if (n.n_src != first + count * per) return std::string(n.op) + ": source count does not match n";
   if (n.src[0].dtype != RECURRA_F32 || !is_vector(n.src[0], kHyperLen)) return "bad hyper-parameter tensor";
@@ -82,8 +83,8 @@ std::string update_check(const recurra_node_desc& n) {
 template <int OP>
 void update_record(NodeCall& c) {
   const recurra_node_desc& n = c.node;
-  const int64_t count = ip(n, 0);
-  const bool has_gstat = ip(n, 1) != 0;
+  const int64_t count = ip(n, RECURRA_P_N_TENSORS);
+  const bool has_gstat = ip(n, RECURRA_P_HAS_GSTAT) != 0;
   const int per = per_tensor(n, OP), first = 1 + (has_gstat ? 1 : 0);
   for (int64_t t = 0; t < count; ++t) {
     const int base = first + static_cast<int>(t) * per;
@@ -120,11 +121,12 @@ void update_record(NodeCall& c) {
 }
 
 std::string norm_check(const recurra_node_desc& n) {
-  if (n.n_fp != 0 || n.n_ip > 1 || (n.n_ip == 1 && n.ip[0] != 0 && n.ip[0] != 1)) return "grad_norm: bad parameters";
+  if (n.n_fp != 0 || n.n_ip > 1 || (n.n_ip == 1 && n.ip[RECURRA_P_COMBINE] != 0 && n.ip[RECURRA_P_COMBINE] != 1))
+    return "grad_norm: bad parameters";
   if (n.n_src < 2) return "grad_norm takes hyper and at least one gradient";
   if (n.src[0].dtype != RECURRA_F32 || !is_vector(n.src[0], kHyperLen)) return "bad hyper-parameter tensor";
   if (n.dst.dtype != RECURRA_F32 || numel(n.dst) != 2) return "grad_norm writes (2,)";
-  const bool combine = ip(n, 0) == 1;
+  const bool combine = ip(n, RECURRA_P_COMBINE) == 1;
   for (int i = 1; i < n.n_src; ++i) {
     const recurra_tensor_desc& s = n.src[i];
     if (s.dtype != RECURRA_F32 || !is_dense(s)) return "grad_norm: sources must be dense float32";
@@ -136,7 +138,7 @@ std::string norm_check(const recurra_node_desc& n) {
 
 void norm_record(NodeCall& c) {
   const recurra_node_desc& n = c.node;
-  const bool combine = ip(n, 0) == 1;
+  const bool combine = ip(n, RECURRA_P_COMBINE) == 1;
   // Workgroups per gradient fixed by its size: the summation order depends on shapes only.
   std::vector<uint32_t> groups(n.n_src, 0);
   uint32_t total = 0;

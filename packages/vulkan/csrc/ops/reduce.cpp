@@ -110,18 +110,18 @@ std::string axis_reduce_check(const recurra_node_desc& n) {
   if (why.empty()) why = require_f32(n, 1);
   if (!why.empty()) return why;
   const recurra_tensor_desc &x = n.src[0], &d = n.dst;
-  if (n.n_ip != 1 || n.ip[0] < 0 || n.ip[0] >= x.ndim) return "takes one axis in range";
+  if (n.n_ip != 1 || n.ip[RECURRA_P_AXIS] < 0 || n.ip[RECURRA_P_AXIS] >= x.ndim) return "takes one axis in range";
   if (d.ndim != x.ndim) return "the output keeps the reduced axis";
   for (int i = 0; i < x.ndim; ++i)
-    if (d.shape[i] != (i == n.ip[0] ? 1 : x.shape[i])) return "the output must be x's shape with the axis set to 1";
-  if (std::strcmp(n.op, "max") == 0 && x.shape[n.ip[0]] == 0) return "max of an empty axis";
+    if (d.shape[i] != (i == n.ip[RECURRA_P_AXIS] ? 1 : x.shape[i])) return "the output must be x's shape with the axis set to 1";
+  if (std::strcmp(n.op, "max") == 0 && x.shape[n.ip[RECURRA_P_AXIS]] == 0) return "max of an empty axis";
   return "";
 }
 
 template <int OP>
 void axis_reduce_record(NodeCall& c) {
   const recurra_tensor_desc& x = *c.src[0].d;
-  const int ax = static_cast<int>(c.node.ip[0]);
+  const int ax = static_cast<int>(c.node.ip[RECURRA_P_AXIS]);
   ReduceSpec r;
   r.op = OP;
   for (int i = 0; i < x.ndim; ++i) {
@@ -179,10 +179,10 @@ std::string max_grad_check(const recurra_node_desc& n) {
   if (why.empty()) why = require_f32(n, 3);
   if (!why.empty()) return why;
   const recurra_tensor_desc& x = n.src[1];
-  if (n.n_ip != 1 || n.ip[0] < 0 || n.ip[0] >= x.ndim) return "max_grad takes an axis";
+  if (n.n_ip != 1 || n.ip[RECURRA_P_AXIS] < 0 || n.ip[RECURRA_P_AXIS] >= x.ndim) return "max_grad takes an axis";
   for (int i = 0; i < 3; ++i)
     if (!is_dense(n.src[i])) return "max_grad needs dense sources";
-  if (numel(n.dst) != numel(x) || numel(n.src[0]) * std::max<int64_t>(1, x.shape[n.ip[0]]) != numel(x) ||
+  if (numel(n.dst) != numel(x) || numel(n.src[0]) * std::max<int64_t>(1, x.shape[n.ip[RECURRA_P_AXIS]]) != numel(x) ||
       numel(n.src[2]) != numel(n.src[0]))
     return "max_grad: shapes do not fit";
   return "";
@@ -190,7 +190,7 @@ std::string max_grad_check(const recurra_node_desc& n) {
 
 void max_grad_record(NodeCall& c) {
   const recurra_tensor_desc& x = *c.src[1].d;
-  const int ax = static_cast<int>(c.node.ip[0]);
+  const int ax = static_cast<int>(c.node.ip[RECURRA_P_AXIS]);
   int64_t O = 1, I = 1;
   for (int i = 0; i < ax; ++i) O *= x.shape[i];
   for (int i = ax + 1; i < x.ndim; ++i) I *= x.shape[i];

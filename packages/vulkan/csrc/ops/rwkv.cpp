@@ -270,7 +270,7 @@ void record_fwd(NodeCall& c) {
   pc.n = static_cast<uint32_t>(d.n);
   pc.NB = static_cast<uint32_t>(t.NB);
   pc.K = 1;
-  pc.scale = op.n_fp ? static_cast<float>(fp(c.node, 0)) : 1.0f;
+  pc.scale = op.n_fp ? static_cast<float>(fp(c.node, RECURRA_P_SCALE)) : 1.0f;
   uint32_t gx, gy;
   grid_2d(d.N * d.H * t.NB, gx, gy);
   c.rec.dispatch(op.fwd_module, t.spec(), pc, gx, gy, 1,
@@ -315,7 +315,7 @@ void record_back(NodeCall& c) {
   pc.NB = static_cast<uint32_t>(t.NB);
   pc.K = static_cast<uint32_t>(K);
   pc.nck = static_cast<uint32_t>(nck);
-  pc.scale = op.n_fp ? static_cast<float>(fp(c.node, 0)) : 1.0f;
+  pc.scale = op.n_fp ? static_cast<float>(fp(c.node, RECURRA_P_SCALE)) : 1.0f;
   const std::initializer_list<Range> srcs = {src_range(c, 0), src_range(c, 1), src_range(c, 2), src_range(c, 3),
                                              src_range(c, 4), src_range(c, 5), src_range(c, 6), src_range(c, 7)};
   uint32_t gx, gy;

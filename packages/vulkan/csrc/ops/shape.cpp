@@ -113,12 +113,12 @@ std::string fill_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 0);
   if (!why.empty()) return why;
   if (n.n_fp != 2) return "fill takes (value, dtype)";
-  if (static_cast<int>(n.fp[1]) != static_cast<int>(n.dst.dtype)) return "fill: dtype code and output dtype differ";
+  if (static_cast<int>(n.fp[RECURRA_P_DTYPE]) != static_cast<int>(n.dst.dtype)) return "fill: dtype code and output dtype differ";
   return "";
 }
 
 void fill_record(NodeCall& c) {
-  fill_words(c.rec, addr(c.dst), numel(*c.dst.d), value_bits(c.dst.d->dtype, c.node.fp[0]), c.dst.range);
+  fill_words(c.rec, addr(c.dst), numel(*c.dst.d), value_bits(c.dst.d->dtype, c.node.fp[RECURRA_P_VALUE]), c.dst.range);
 }
 
 // ---- slice_grad -----------------------------------------------------------------------
@@ -160,7 +160,7 @@ std::string concat_check(const recurra_node_desc& n) {
   const recurra_tensor_desc &a = n.src[0], &b = n.src[1], &d = n.dst;
   if (a.dtype != d.dtype || b.dtype != d.dtype) return "concat: sources and output must share one dtype";
   if (n.n_ip != 1 || a.ndim != d.ndim || b.ndim != d.ndim || d.ndim == 0) return "concat takes an axis and equal ranks";
-  const int64_t ax = n.ip[0];
+  const int64_t ax = n.ip[RECURRA_P_AXIS];
   if (ax < 0 || ax >= d.ndim) return "concat: axis out of range";
   for (int i = 0; i < d.ndim; ++i) {
     const int64_t want = i == ax ? a.shape[i] + b.shape[i] : a.shape[i];
@@ -171,7 +171,7 @@ std::string concat_check(const recurra_node_desc& n) {
 
 void concat_record(NodeCall& c) {
   const recurra_tensor_desc& d = *c.dst.d;
-  const int ax = static_cast<int>(c.node.ip[0]);
+  const int ax = static_cast<int>(c.node.ip[RECURRA_P_AXIS]);
   int64_t dense[4];
   dense_strides(d, dense);
   copy_view(c.rec, d.ndim, c.src[0].d->shape, addr(c.src[0]), c.src[0].d->strides, c.src[0].range, addr(c.dst),
@@ -210,7 +210,7 @@ void pad_record(NodeCall& c) {
   pc.x = addr(c.src[0]);
   pc.y = addr(c.dst);
   pc.n = static_cast<uint32_t>(n);
-  pc.bits = value_bits(d.dtype, c.node.fp[0]);
+  pc.bits = value_bits(d.dtype, c.node.fp[RECURRA_P_VALUE]);
   for (int j = 0; j < 4; ++j) pc.shape[j] = 1, pc.xshape[j] = 1, pc.sx[j] = 0, pc.before[j] = 0;
   for (int i = 0; i < d.ndim; ++i) {
     const int j = 4 - d.ndim + i;
@@ -233,7 +233,8 @@ std::string cumsum_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 1);
   if (why.empty()) why = require_f32(n, 1);
   if (!why.empty()) return why;
-  if (n.n_ip != 2 || n.ip[0] < 0 || n.ip[0] >= n.dst.ndim || (n.ip[1] != 0 && n.ip[1] != 1))
+  if (n.n_ip != 2 || n.ip[RECURRA_P_AXIS] < 0 || n.ip[RECURRA_P_AXIS] >= n.dst.ndim ||
+      (n.ip[RECURRA_P_REVERSE] != 0 && n.ip[RECURRA_P_REVERSE] != 1))
     return "cumsum takes (axis, reverse)";
   if (!is_dense(n.src[0]) || !same_shape(n.src[0], n.dst)) return "cumsum needs a dense source of the output's shape";
   return "";
@@ -241,14 +242,14 @@ std::string cumsum_check(const recurra_node_desc& n) {
 
 void cumsum_record(NodeCall& c) {
   const recurra_tensor_desc& d = *c.dst.d;
-  const int ax = static_cast<int>(c.node.ip[0]);
+  const int ax = static_cast<int>(c.node.ip[RECURRA_P_AXIS]);
   int64_t O = 1, I = 1;
   for (int i = 0; i < ax; ++i) O *= d.shape[i];
   for (int i = ax + 1; i < d.ndim; ++i) I *= d.shape[i];
   const int64_t L = d.shape[ax];
   if (O * I * L == 0) return;
   CumsumPC pc{addr(c.src[0]), addr(c.dst), static_cast<uint32_t>(O), static_cast<uint32_t>(L), static_cast<uint32_t>(I)};
-  const int32_t rev = static_cast<int32_t>(c.node.ip[1]);
+  const int32_t rev = static_cast<int32_t>(c.node.ip[RECURRA_P_REVERSE]);
   if (I == 1) {
     uint32_t gx, gy;
     grid_2d(O, gx, gy);

@@ -59,7 +59,7 @@
 //   backward  prep 2048 | CB 64 | [chunk states 4096 | state pass 4096] | chunk state
 //             grads 4096 | reverse pass 4096 | dC,dB 1024 (2 heads each) | du 2048 | decay
 //             2048 | fin: dB,dC 2048, dA 1, ds 4096
-// Checkpoints: a forward asked to save them (ip[0] = 1: the Python API does when a gradient
+// Checkpoints: a forward asked to save them (flag RECURRA_SSM_SCAN_SAVE_CHECKPOINTS: the Python API does when a gradient
 // follows and an input is on a device) writes the states entering each chunk (nc*nst floats,
 // the core's layout (S, H, nc, P, N)) after (y, final states) in its output instead of
 // scratch; the backward given that output as a 9th source reads them and skips the two
@@ -248,7 +248,7 @@ std::string scan_dims(const recurra_node_desc& n, int off, ScanDims* d) {
 // Floats of (y, final states), the packed forward result without checkpoints.
 int64_t scan_packed(const ScanDims& d) { return d.S * d.T * d.H * d.P + d.S * d.H * d.P * d.N; }
 
-// Checkpoints a forward asked to save (ip[0] = 1) for the backward: with one decay per head
+// Checkpoints a forward asked to save (RECURRA_SSM_SCAN_SAVE_CHECKPOINTS) for the backward: with one decay per head
 // and head_dim > 1, the state entering each 64-token chunk, (S, H, ceil(T/64), P, N), after
 // (y, final states) in the packed result (the core's layout; its CPU kernels write the same).
 // The core's other checkpoint layout (head_dim 1, Mamba-1) is a CPU-kernel format: refused.
@@ -259,9 +259,9 @@ std::string scan_check(const recurra_node_desc& n) {
   ScanDims d;
   if (why.empty()) why = scan_dims(n, 0, &d);
   if (!why.empty()) return why;
-  if (n.n_fp != 0 || n.n_ip > 1 || (n.n_ip == 1 && n.ip[0] != 0 && n.ip[0] != 1))
+  if (n.n_fp != 0 || n.n_ip > 1 || (n.n_ip == 1 && (n.ip[RECURRA_P_SCAN_FLAGS] & ~int64_t{RECURRA_SSM_SCAN_SAVE_CHECKPOINTS}) != 0))
     return "ssm_scan: the only parameter is save_checkpoints (0 or 1)";
-  const bool ck = n.n_ip == 1 && n.ip[0] == 1;
+  const bool ck = n.n_ip == 1 && (n.ip[RECURRA_P_SCAN_FLAGS] & RECURRA_SSM_SCAN_SAVE_CHECKPOINTS) != 0;
   if (ck && (d.P == 1 || d.NA != 1))
     return "ssm_scan: checkpoints for head_dim 1 or one decay per state are a CPU-kernel layout";
   if (n.dst.ndim != 1 || n.dst.shape[0] != scan_packed(d) + (ck ? ck_floats(d) : 0))
@@ -551,7 +551,7 @@ void scan_record(NodeCall& c) {
   scan_dims(c.node, 0, &d);
   if (d.S == 0) return;
   Recorder& rec = c.rec;
-  const bool ck = c.node.n_ip == 1 && c.node.ip[0] == 1;
+  const bool ck = c.node.n_ip == 1 && (c.node.ip[RECURRA_P_SCAN_FLAGS] & RECURRA_SSM_SCAN_SAVE_CHECKPOINTS) != 0;
   if (use_chunked(d, rec.device(), ck)) return ssd_record(c, d, ck);
   const Limits lim = limits_of(rec.device());
   const ScanLayout l = scan_layout(d, false, lim);

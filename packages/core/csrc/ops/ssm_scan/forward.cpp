@@ -331,7 +331,7 @@ void scan_forward(KernelCtx& c) {
   check_ids(ids, d, "ssm_scan");
   float* y = c.dst.f32();
   float* sout = y + d.S * d.T * d.H * d.P;
-  float* ck = !c.node.ip.empty() && c.node.ip[0] != 0 ? sout + d.S * d.H * d.P * d.N : nullptr;
+  float* ck = saves_checkpoints(c.node.ip) ? sout + d.S * d.H * d.P * d.N : nullptr;
   const int64_t Np = (d.N + 15) / 16 * 16;
   std::vector<Work> work(c.pool.size());
   if (d.T == 1 && d.P > 1) {  // one token: see step_row

@@ -110,8 +110,8 @@ void scan_backward(KernelCtx& c) {
 // Validates (s, x, dt, A, B, C, ids) starting at source `off`; returns the dims.
 int64_t scan_packed(const Dims& d) { return d.S * d.T * d.H * d.P + d.S * d.H * d.P * d.N; }
 
-// Floats of the checkpoints a forward saves when asked (ip[0] = 1): head_dim 1 (heads
-// layout), or one decay per head (rows layout; see kCkChunk).
+// Floats of the checkpoints a forward saves when asked (RECURRA_SSM_SCAN_SAVE_CHECKPOINTS):
+// head_dim 1 (heads layout), or one decay per head (rows layout; see kCkChunk).
 int64_t ck_floats(const Dims& d) {
   if (d.P == 1) return d.S * heads_n_seg(d.T) * d.H * d.N;
   return d.S * d.H * ((d.T + kCkChunk - 1) / kCkChunk) * d.P * d.N;
@@ -166,22 +166,29 @@ void register_ssm_ops(OpTable& t) {
     d.infer = [](Graph& g, Node& n) {
       if (n.src.size() != 7) fail_shape(g, n, "takes (s, x, dt, A, B, C, ids)");
       const Dims dm = scan_check(g, n, 0);
-      if (n.ip.size() > 1 || (n.ip.size() == 1 && n.ip[0] != 0 && n.ip[0] != 1))
+      constexpr int64_t kFlags = RECURRA_SSM_SCAN_SAVE_CHECKPOINTS | RECURRA_SSM_SCAN_CHECKPOINTS_AUTO;
+      if (n.ip.size() > 1 || (n.ip.size() == 1 && (n.ip[RECURRA_P_SCAN_FLAGS] & ~kFlags) != 0))
         throw ValueError("ssm_scan: the only parameter is save_checkpoints (0 or 1)");
-      const bool ck = n.ip.size() == 1 && n.ip[0] == 1;
+      const bool ck = saves_checkpoints(n.ip);
       if (ck && dm.P != 1 && dm.per_n)
         throw ValueError("ssm_scan: checkpoints are saved for head_dim 1 or one decay per head only");
       n.dtype = DType::f32;
       n.shape = Shape{scan_packed(dm) + (ck ? ck_floats(dm) : 0)};
     };
     d.forward = scan_forward;
+    // CHECKPOINTS_AUTO is resolved before placement (decompose.cpp); of the checkpoint
+    // layouts, the CPU backward reads those of head_dim 1 only (see kCkChunk).
+    d.cpu_supports = [](const Graph& g, const Node& n) {
+      if (n.ip.size() == 1 && (n.ip[RECURRA_P_SCAN_FLAGS] & RECURRA_SSM_SCAN_CHECKPOINTS_AUTO)) return false;
+      return !saves_checkpoints(n.ip) || g.node(n.src[1]).shape[3] == 1;
+    };
     d.backward = [](GradSink& k) {
       bool any = false;
       for (int i = 0; i < 6; ++i) any |= k.needs(i);
       if (!any) return;
       std::vector<int> src{k.grad_out};
       src.insert(src.end(), k.node.src.begin(), k.node.src.end());
-      if (!k.node.ip.empty() && k.node.ip[0] == 1) src.push_back(k.node.id);  // its checkpoints
+      if (saves_checkpoints(k.node.ip)) src.push_back(k.node.id);  // its checkpoints
       const int back = k.g.op("ssm_scan_back", src);
       int64_t off = 0;
       for (int i = 0; i < 6; ++i) {

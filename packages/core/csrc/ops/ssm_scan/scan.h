@@ -213,7 +213,7 @@ struct Dims {
 
 // Heads layout (P == 1): the backward recomputes the states segment by segment from
 // checkpoints taken every heads_seg_len(T) tokens (at most 64 segments). A forward asked to
-// (ssm_scan's ip[0] = 1, set by the Python API when a gradient will follow on the CPU) saves
+// (flag RECURRA_SSM_SCAN_SAVE_CHECKPOINTS, set when a gradient will follow) saves
 // them after its outputs, as (S, n_seg, H, N), and the backward then skips its own forward
 // sweep: a third less work for a training step.
 inline int64_t heads_seg_len(int64_t T) { return std::max<int64_t>(32, (T + 63) / 64); }

@@ -50,6 +50,10 @@ def _softplus(x: np.ndarray) -> np.ndarray:
         return np.asarray(np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20)))))
 
 
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return np.asarray(0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3))))
+
+
 def _silu(x: np.ndarray) -> np.ndarray:
     return np.asarray(x / (1 + np.exp(-x)))
 
@@ -151,6 +155,7 @@ def unary_cases() -> list[OpCase]:
         *unary("relu", ops.relu, lambda x: np.maximum(x, 0), _kinked),
         *unary("silu", ops.silu, _silu, _n(2.0)),
         *unary("gelu", ops.gelu, lambda x: 0.5 * x * (1 + _erf(x / np.sqrt(2))), _n(2.0)),
+        *unary("gelu_tanh", ops.gelu_tanh, _gelu_tanh, _n(2.0)),
         *unary("sigmoid", ops.sigmoid, lambda x: 1 / (1 + np.exp(-x)), _n(2.0)),
         *unary("tanh", ops.tanh, np.tanh, _n(2.0)),
         # Scale 10 reaches the x > 20 branch of softplus.

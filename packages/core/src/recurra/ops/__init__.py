@@ -17,6 +17,7 @@ from recurra.ops._elementwise import (
     div,
     exp,
     gelu,
+    gelu_tanh,
     getitem,
     log,
     mul,
@@ -62,6 +63,7 @@ from recurra.ops._optim import (
 from recurra.ops._reduce import max, mean, sum
 from recurra.ops._rwkv import gated_linear_attn, rwkv_wkv6, rwkv_wkv7
 from recurra.ops._shape import concat, cumsum, pad
+from recurra.ops._spec import OpSpec, op_codes, spec
 from recurra.ops._ssm import ssm_conv, ssm_scan
 
 __all__ = [
@@ -84,6 +86,7 @@ __all__ = [
     "relu",
     "silu",
     "gelu",
+    "gelu_tanh",
     "sigmoid",
     "tanh",
     "softplus",
@@ -132,4 +135,8 @@ __all__ = [
     "lion_step",
     "pack_hyper",
     "sgd_step",
+    # the op spec (read-only)
+    "OpSpec",
+    "op_codes",
+    "spec",
 ]

@@ -27,6 +27,7 @@ __all__ = [
     "relu",
     "silu",
     "gelu",
+    "gelu_tanh",
     "sigmoid",
     "tanh",
     "softplus",
@@ -147,6 +148,12 @@ def silu(x: Any) -> Any:
 def gelu(x: Any) -> Any:
     """The exact GELU, x * Phi(x) (erf form, like torch's default)."""
     return _unary("gelu", x)
+
+
+def gelu_tanh(x: Any) -> Any:
+    """GELU's tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (GPT-2's,
+    torch's approximate="tanh")."""
+    return _unary("gelu_tanh", x)
 
 
 def sigmoid(x: Any) -> Any:

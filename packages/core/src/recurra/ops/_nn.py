@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from recurra.ops._apply import all_on_cpu, apply, coerce
+from recurra.ops._apply import apply, coerce
 
 __all__ = [
     "softmax",
@@ -96,14 +96,15 @@ def mse_loss(a: Any, b: Any) -> Any:
 def rms_norm(x: Any, eps: float = 1e-6, weight: Any = None) -> Any:
     """x / sqrt(mean(x**2) + eps) along the last axis, times ``weight`` (C,) when given.
 
-    With a weight on the CPU this is one fused op (the norm, the product and, backward, the
-    weight's gradient in one pass); elsewhere rms_norm then mul. Returns a float32 tensor of
-    x's shape. Raises ValueError for a negative eps or a weight that is not (C,).
+    With a weight this is one op, gated_rms_norm without a gate (the norm, the product and,
+    backward, the weight's gradient in one pass where the backend has the fused kernel;
+    elsewhere the scheduler builds rms_norm then mul). Returns a float32 tensor of x's
+    shape. Raises ValueError for a negative eps or a weight that is not (C,).
     """
     if weight is None:
         return apply("rms_norm", [x], fp=(float(eps),))
     _, srcs = coerce([x, weight])
-    if all_on_cpu(srcs) and srcs[0].ndim:
+    if srcs[0].ndim:
         return apply("gated_rms_norm", srcs, ip=(int(srcs[0].shape[-1]),), fp=(float(eps),))
     from recurra.ops._elementwise import mul
 
@@ -125,45 +126,18 @@ def gated_rms_norm(
 
     ``y``, ``z`` (and ``x``) have one shape (..., C); ``weight`` is (C,); ``d`` is (H,) with
     H dividing C, one value per block of C / H channels (the D skip of Mamba-2; give both
-    ``x`` and ``d`` or neither). On the CPU this is one fused op (one pass forward and one
-    backward); elsewhere it is built from elementwise ops and rms_norm, with the same result.
-    Returns a float32 tensor of y's shape. Raises ValueError for mismatched shapes, a group
-    size that does not divide C, or only one of x and d; TypeError for non-float32 inputs.
+    ``x`` and ``d`` or neither). One op: one pass forward and one backward where the backend
+    has the fused kernel; elsewhere the scheduler builds it from elementwise ops and
+    rms_norm, with the same result. Returns a float32 tensor of y's shape. Raises ValueError
+    for mismatched shapes, a group size that does not divide C, or only one of x and d;
+    TypeError for non-float32 inputs.
     """
     if (x is None) != (d is None):
         raise ValueError("gated_rms_norm: give both x and d (the D skip) or neither")
     _, srcs = coerce([y, z, weight] if x is None else [y, z, weight, x, d])
-    y, z, weight = srcs[:3]
-    c = int(y.shape[-1]) if y.ndim else 0
+    c = int(srcs[0].shape[-1]) if srcs[0].ndim else 0
     gs = c if group_size is None else int(group_size)
-    if all_on_cpu(srcs):
-        return apply("gated_rms_norm", srcs, ip=(gs,), fp=(float(eps),))
-    return _gated_rms_norm_ops(srcs, eps, gs)
-
-
-def _gated_rms_norm_ops(srcs: Sequence[Any], eps: float, gs: int) -> Any:
-    """gated_rms_norm built from elementwise ops and rms_norm (for device backends, which
-    have no fused kernel); srcs as in gated_rms_norm, already coerced."""
-    from recurra.ops._elementwise import add, mul, silu
-
-    y, z, weight = srcs[:3]
-    c = int(y.shape[-1])
-    u = y
-    if len(srcs) == 5:
-        xs, ds = srcs[3], srcs[4]
-        if ds.ndim != 1 or ds.shape[0] < 1 or c % ds.shape[0]:
-            raise ValueError(f"gated_rms_norm: d must be (H,) with H dividing {c}")
-        heads = (*y.shape[:-1], ds.shape[0], c // ds.shape[0])
-        skip = mul(_reshape(xs, heads), _reshape(ds, (ds.shape[0], 1)))
-        u = add(y, _reshape(skip, y.shape))
-    h = mul(u, silu(z))
-    if gs < 1 or c % gs:
-        raise ValueError(f"gated_rms_norm: group_size {gs} must divide the channels ({c})")
-    if gs != c:
-        h = _reshape(rms_norm(_reshape(h, (*y.shape[:-1], c // gs, gs)), eps), y.shape)
-    else:
-        h = rms_norm(h, eps)
-    return mul(h, weight)
+    return apply("gated_rms_norm", srcs, ip=(gs,), fp=(float(eps),))
 
 
 def causal_conv_silu(x: Any, weight: Any, bias: Any = None) -> Any:
@@ -172,33 +146,13 @@ def causal_conv_silu(x: Any, weight: Any, bias: Any = None) -> Any:
     weight[ch, k])`` with x = 0 before t = 0.
 
     ``x`` is (n_seqs, n_tok, channels) (a slice of a wider projection is read in place),
-    ``weight`` (channels, K), ``bias`` (channels,) or None. On the CPU this is one fused op
-    (no transposed or padded copies); elsewhere pad + ssm_conv + bias + silu, with the
-    same result. Returns a float32 tensor of x's shape. Raises ValueError for inconsistent
-    shapes, TypeError for non-float32 inputs.
+    ``weight`` (channels, K), ``bias`` (channels,) or None. One op (no transposed or padded
+    copies where the backend has the fused kernel; elsewhere the scheduler builds pad +
+    ssm_conv + bias + silu, with the same result). Returns a float32 tensor of x's shape.
+    Raises ValueError for inconsistent shapes, TypeError for non-float32 inputs.
     """
     _, srcs = coerce([x, weight] if bias is None else [x, weight, bias])
-    if all_on_cpu(srcs):
-        return apply("causal_conv_silu", srcs)
-    return _causal_conv_silu_ops(srcs)
-
-
-def _causal_conv_silu_ops(srcs: Sequence[Any]) -> Any:
-    """causal_conv_silu built from pad, ssm_conv, add and silu (for device backends);
-    srcs as in causal_conv_silu, already coerced."""
-    from recurra.ops._elementwise import add, permute, silu
-    from recurra.ops._shape import pad
-    from recurra.ops._ssm import ssm_conv
-
-    x, weight = srcs[:2]
-    if x.ndim != 3 or weight.ndim != 2:
-        raise ValueError(
-            f"causal_conv_silu: x must be (n_seqs, n_tok, channels) and weight (channels, K), "
-            f"got {tuple(x.shape)} and {tuple(weight.shape)}"
-        )
-    k = int(weight.shape[-1])
-    y = ssm_conv(pad(permute(x, (0, 2, 1)), ((0, 0), (0, 0), (k - 1, 0))), weight)
-    return silu(add(y, srcs[2]) if len(srcs) == 3 else y)
+    return apply("causal_conv_silu", srcs)
 
 
 def layer_norm(x: Any, eps: float = 1e-5) -> Any:

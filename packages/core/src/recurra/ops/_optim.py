@@ -43,21 +43,21 @@ __all__ = [
     "sgd_step",
 ]
 
-#: Slot names of the hyper-parameter tensor, in order (csrc/ops/optim_kernels.cpp). Slots
-#: a, b, c mean beta1, beta2, eps (Adam, AdamW), beta1, beta2 (Lion), or momentum,
-#: dampening, nesterov (SGD). clip_value <= 0 and max_norm <= 0 mean "off".
-HYPER_SLOTS: tuple[str, ...] = (
-    "lr",
-    "grad_scale",
-    "clip_value",
-    "max_norm",
-    "weight_decay",
-    "a",
-    "b",
-    "c",
-    "maximize",
-    "reserved",
-)
+
+def _slot_names() -> tuple[str, ...]:
+    codes = _core.op_codes()
+    names = ["reserved"] * int(codes["HYPER_SLOTS"])
+    for key, slot in codes.items():
+        if key.startswith("HYPER_") and key != "HYPER_SLOTS":
+            names[int(slot)] = key.removeprefix("HYPER_").lower()
+    return tuple(names)
+
+
+#: Slot names of the hyper-parameter tensor, in order (RECURRA_HYPER_* of recurra/op_spec.h,
+#: lowercased; "reserved" where no slot is named). Slots a, b, c mean beta1, beta2, eps
+#: (Adam, AdamW), beta1, beta2 (Lion), or momentum, dampening, nesterov (SGD).
+#: clip_value <= 0 and max_norm <= 0 mean "off".
+HYPER_SLOTS: tuple[str, ...] = _slot_names()
 HYPER_LEN = 2 * len(HYPER_SLOTS)
 _SLOT = {name: i for i, name in enumerate(HYPER_SLOTS)}
 _DEFAULTS = {"grad_scale": 1.0}

@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 
 from recurra._tensor import is_grad_enabled
-from recurra.ops._apply import all_on_cpu, apply, apply_multi
+from recurra.ops._apply import apply, apply_multi
+from recurra.ops._spec import op_codes
 
 __all__ = ["ssm_conv", "ssm_scan"]
 
@@ -54,44 +55,26 @@ def ssm_scan(s: Any, x: Any, dt: Any, A: Any, B: Any, C: Any, ids: Any) -> tuple
         if arr.dtype.kind not in "iu":
             raise TypeError(f"ssm_scan: ids must be integers, got dtype {arr.dtype}")
         ids = arr
+    srcs = [s, x, dt, A, B, C, ids]
     xs, ss = _shape_of(x), _shape_of(s)
     n_seqs = xs[0] if xs else 0
-    state_shape = (n_seqs, *ss[1:4])
-    shapes = [xs, state_shape]
-    ckpt = _checkpoint_floats(xs, ss, [s, x, dt, A, B, C])
-    if ckpt:  # the forward also saves the backward's checkpoints (cut off here)
-        shapes.append((ckpt,))
-    y, state, *_ = apply_multi(
-        "ssm_scan", [s, x, dt, A, B, C, ids], shapes=shapes, ip=(1,) if ckpt else ()
-    )
+    shapes = [xs, (n_seqs, *ss[1:4])]
+    # Asks for the backward's checkpoints when a gradient will be taken; the core saves them
+    # where the backend placing the scan reads them. They follow y and the states in the
+    # packed result (cut off here).
+    save = _wants_checkpoints(xs, ss, A, srcs)
+    flags = (op_codes()["SSM_SCAN_CHECKPOINTS_AUTO"],) if save else ()
+    y, state, *_ = apply_multi("ssm_scan", srcs, shapes=shapes, ip=flags, tail=True)
     return y, state
 
 
-def _checkpoint_floats(xs: tuple[int, ...], ss: tuple[int, ...], srcs: list[Any]) -> int:
-    """How many floats of checkpoints the forward should save for the backward (0: none),
-    when a gradient will be taken:
-
-    - Mamba-1 (head_dim 1) with every input on the CPU: the CPU backward then reads the
-      states every K tokens instead of recomputing them; saved as (n_seqs, n_seg, n_head,
-      d_state), K = max(32, ceil(T / 64)).
-    - one decay per head (Mamba-2, A of shape (n_head, 1)) with an input on another device:
-      the chunked backward of the Vulkan backend then reads the state entering each
-      64-token chunk instead of recomputing it; saved as (n_seqs, n_head, ceil(T / 64),
-      head_dim, d_state). (The CPU kernels write the same when the node runs there.)"""
+def _wants_checkpoints(xs: tuple[int, ...], ss: tuple[int, ...], A: Any, srcs: list[Any]) -> bool:
+    """Whether the forward should save checkpoints for the backward: when a gradient will be
+    taken, for the layouts that have them (head_dim 1, Mamba-1: the states every K tokens;
+    one decay per head, Mamba-2: the state entering each 64-token chunk)."""
     if len(xs) != 4 or len(ss) != 4 or xs[1] == 0:
-        return 0
-    if not is_grad_enabled() or not any(getattr(t, "requires_grad", False) for t in srcs):
-        return 0
-    on_cpu = all_on_cpu(srcs)
-    n_seqs, n_tok, n_head, head_dim = xs
-    if head_dim == 1:
-        if not on_cpu:
-            return 0
-        seg = max(32, (n_tok + 63) // 64)
-        return n_seqs * (-(-n_tok // seg)) * n_head * ss[3]
-    if on_cpu:
-        return 0
-    a_shape = _shape_of(srcs[3])
-    if len(a_shape) != 2 or a_shape[1] != 1:
-        return 0
-    return n_seqs * n_head * (-(-n_tok // 64)) * head_dim * ss[3]
+        return False
+    if not is_grad_enabled() or not any(getattr(t, "requires_grad", False) for t in srcs[:6]):
+        return False
+    a_shape = _shape_of(A)
+    return xs[3] == 1 or (len(a_shape) == 2 and a_shape[1] == 1)

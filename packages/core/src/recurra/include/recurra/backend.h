@@ -23,8 +23,10 @@ extern "C" {
 /* 2: RECURRA_MAX_SRC 8 -> 12 (ssm_scan_back with the forward's checkpoints takes 9)
  * 3: recurra_device_info gains max_buffer_bytes, max_tensor_elements and free_bytes (the
  *    planner splits a device's arena into buffers no larger than max_buffer_bytes and
- *    refuses a tensor that one buffer cannot hold) */
-#define RECURRA_BACKEND_ABI_VERSION 3
+ *    refuses a tensor that one buffer cannot hold)
+ * 4: recurra/op_spec.h declares every op (sources, parameters, codes); act_grad's code is
+ *    now the activation's RECURRA_UNARY_* code (was 0 abs .. 9 softplus) */
+#define RECURRA_BACKEND_ABI_VERSION 4
 #define RECURRA_MAX_DIMS 4
 #define RECURRA_MAX_SRC 12
 
@@ -64,7 +66,7 @@ typedef struct recurra_node_desc {
   int32_t n_src;
   recurra_tensor_desc src[RECURRA_MAX_SRC];
   int32_t n_ip;
-  const int64_t* ip; /* integer parameters, as in the core's op table */
+  const int64_t* ip; /* integer parameters, as recurra/op_spec.h declares them */
   int32_t n_fp;
   const double* fp; /* float parameters */
 } recurra_node_desc;

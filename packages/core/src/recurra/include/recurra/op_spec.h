@@ -1,0 +1,279 @@
+/* recurra op spec: one declaration per op of the core's op table (plain C).
+ *
+ * What a node of each op carries across the backend ABI (recurra_node_desc in backend.h):
+ * how many sources, how many integer (ip) and float (fp) parameters and what each means,
+ * what the output is (multi-output ops pack their results into one flat f32 output, in the
+ * order listed), the op(s) its gradient is built from, and the ops it decomposes into when
+ * a backend has no kernel for it (the scheduler then builds the decomposition instead).
+ *
+ * The core checks at start-up that its op table and this spec agree; a backend plugin
+ * builds against this header (the codes below are part of RECURRA_BACKEND_ABI_VERSION).
+ *
+ * The first part (codes and parameter indexes) is plain #defines so that GLSL shaders can
+ * include it too: a shader defines RECURRA_GLSL before including this file.
+ */
+#ifndef RECURRA_OP_SPEC_H
+#define RECURRA_OP_SPEC_H
+
+/* ---- elementwise unary functions ------------------------------------------------------
+ * The code of each elementwise unary op; act_grad's ip[RECURRA_P_ACT] is one of these (an
+ * op whose backward is "act_grad" below). A new activation: a code here, its entry in
+ * RECURRA_OPS, its CPU and device kernels. */
+#define RECURRA_UNARY_NEG 0
+#define RECURRA_UNARY_ABS 1
+#define RECURRA_UNARY_SQR 2
+#define RECURRA_UNARY_SQRT 3
+#define RECURRA_UNARY_EXP 4
+#define RECURRA_UNARY_LOG 5
+#define RECURRA_UNARY_SCALE 6 /* fp: factor */
+#define RECURRA_UNARY_CLAMP 7 /* fp: min, max */
+#define RECURRA_UNARY_RELU 8
+#define RECURRA_UNARY_SILU 9
+#define RECURRA_UNARY_GELU 10 /* exact: 0.5 x (1 + erf(x / sqrt 2)) */
+#define RECURRA_UNARY_SIGMOID 11
+#define RECURRA_UNARY_TANH 12
+#define RECURRA_UNARY_SOFTPLUS 13
+#define RECURRA_UNARY_GELU_TANH 14 /* 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) */
+#define RECURRA_UNARY_COUNT 15
+
+/* ---- parameter indexes (ip: integer parameters, fp: float parameters) ------------------ */
+#define RECURRA_P_ACT 0           /* act_grad ip: the RECURRA_UNARY_* code */
+#define RECURRA_P_SCALE 0         /* scale fp, gated_linear_attn(_back) fp: the factor */
+#define RECURRA_P_MIN 0           /* clamp (and act_grad of clamp) fp */
+#define RECURRA_P_MAX 1           /* clamp (and act_grad of clamp) fp */
+#define RECURRA_P_AXIS 0          /* sum, max, max_grad, concat, cumsum ip */
+#define RECURRA_P_REVERSE 1       /* cumsum ip: 0 from the start, 1 from the end */
+#define RECURRA_P_EPS 0           /* rms_norm, layer_norm, gated_rms_norm (and _back) fp */
+#define RECURRA_P_GROUP_SIZE 0    /* gated_rms_norm(_back) ip: channels per normalized group */
+#define RECURRA_P_N_ROWS 0        /* get_rows_back ip: the table's row count V */
+#define RECURRA_P_VALUE 0         /* fill, pad fp: the value */
+#define RECURRA_P_DTYPE 1         /* fill fp: the output's recurra_dtype code (0 f32, 1 i32) */
+#define RECURRA_P_SCAN_FLAGS 0    /* ssm_scan ip (optional): RECURRA_SSM_SCAN_* flags */
+#define RECURRA_P_N_TENSORS 0     /* sgd/adam/adamw/lion_step, grad_clip ip: tensors updated */
+#define RECURRA_P_HAS_GSTAT 1     /* the same: 1 when a grad_norm result follows `hyper` */
+#define RECURRA_P_HAS_BUF 2       /* sgd_step ip: 1 with a momentum buffer per tensor */
+#define RECURRA_P_COMBINE 0       /* grad_norm ip (optional): 1 combines earlier results */
+
+/* ssm_scan flags (ip[RECURRA_P_SCAN_FLAGS]). */
+#define RECURRA_SSM_SCAN_SAVE_CHECKPOINTS 1 /* the packed output ends with the states the
+                                               backward reads (head_dim 1 or one decay per
+                                               head only); ssm_scan_back then takes the
+                                               forward's packed output as a 9th source */
+#define RECURRA_SSM_SCAN_CHECKPOINTS_AUTO 2 /* the core replaces it by SAVE_CHECKPOINTS where
+                                               the backend placing the scan reads them (the
+                                               CPU: head_dim 1), else by no flag: no backend
+                                               sees it */
+
+/* The optimizer ops' hyper-parameter slots: source 0 is a (2 * RECURRA_HYPER_SLOTS,) f32
+ * tensor, slot i the float pair (hi, lo) at [2i, 2i + 1] holding the double hi + lo. */
+#define RECURRA_HYPER_LR 0
+#define RECURRA_HYPER_GRAD_SCALE 1 /* multiplies the gradient first (1/k of k accumulated) */
+#define RECURRA_HYPER_CLIP_VALUE 2 /* <= 0: no clipping by value */
+#define RECURRA_HYPER_MAX_NORM 3   /* <= 0: no clipping by norm */
+#define RECURRA_HYPER_WEIGHT_DECAY 4
+#define RECURRA_HYPER_A 5 /* beta1 (adam, lion) or momentum (sgd) */
+#define RECURRA_HYPER_B 6 /* beta2 (adam, lion) or dampening (sgd) */
+#define RECURRA_HYPER_C 7 /* eps (adam) or nesterov 0/1 (sgd) */
+#define RECURRA_HYPER_MAXIMIZE 8
+#define RECURRA_HYPER_SLOTS 10
+
+#ifndef RECURRA_GLSL
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Source and parameter counts: [min, max]; max -1: no limit (the optimizer ops take any
+ * number of tensors; a device node holds at most RECURRA_MAX_SRC). */
+typedef struct recurra_op_spec {
+  const char* name;
+  int32_t src_min, src_max;
+  int32_t ip_min, ip_max;
+  int32_t fp_min, fp_max;
+  int32_t unary;             /* RECURRA_UNARY_* for an elementwise unary op, else -1 */
+  const char* srcs;          /* the sources, in order */
+  const char* ip;            /* the meaning of the integer parameters ("" none) */
+  const char* fp;            /* the meaning of the float parameters ("" none) */
+  const char* output;        /* "packed: a, b": one flat f32 output holding a then b */
+  const char* backward;      /* the op(s) its gradient is built from ("" none) */
+  const char* decomposition; /* the ops it becomes where a backend lacks it ("" none) */
+} recurra_op_spec;
+
+/* X(name, src_min, src_max, ip_min, ip_max, fp_min, fp_max, unary, srcs, ip, fp, output,
+ *   backward, decomposition) for every op, in the core's op table order. */
+#define RECURRA_OPS(X)                                                                          \
+  /* views (no kernel: they look into their base) and memory ops */                             \
+  X(reshape, 1, 1, 0, 4, 0, 0, -1, "x", "the new shape", "", "x's elements in the new shape",   \
+    "reshape", "")                                                                              \
+  X(permute, 1, 1, 0, 4, 0, 0, -1, "x", "the axis order (a permutation)", "",                   \
+    "x with axes permuted", "permute", "")                                                      \
+  X(slice, 1, 1, 0, 12, 0, 0, -1, "x", "(start, stop, step) per axis, clipped", "",             \
+    "a strided window of x", "slice_grad", "")                                                  \
+  X(slice_grad, 1, 1, 0, 16, 0, 0, -1, "grad", "the full shape, then (start, stop, step) per axis",\
+    "", "zeros of the full shape with grad scattered into the window", "", "")                  \
+  X(broadcast_to, 1, 1, 0, 4, 0, 0, -1, "x", "the target shape", "", "x broadcast (a view)",    \
+    "sum_to", "")                                                                               \
+  X(contiguous, 1, 1, 0, 0, 0, 0, -1, "x", "", "", "a dense copy of x", "contiguous", "")       \
+  X(assign, 2, 2, 0, 0, 0, 0, -1, "dst (a leaf), src", "", "",                                  \
+    "a (1,) dummy; writes src into dst in place", "", "")                                       \
+  X(fill, 0, 0, 0, 4, 2, 2, -1, "", "the shape", "value, dtype code", "a constant tensor", "",  \
+    "")                                                                                         \
+  X(sum_to, 1, 1, 0, 4, 0, 0, -1, "x", "the target shape", "",                                  \
+    "x summed down to the shape (broadcasting in reverse)", "broadcast_to", "")                 \
+  /* elementwise */                                                                             \
+  X(add, 2, 2, 0, 0, 0, 0, -1, "a, b", "", "", "a + b (numpy broadcasting)", "sum_to", "")      \
+  X(sub, 2, 2, 0, 0, 0, 0, -1, "a, b", "", "", "a - b (numpy broadcasting)", "neg, sum_to", "") \
+  X(mul, 2, 2, 0, 0, 0, 0, -1, "a, b", "", "", "a * b (numpy broadcasting)", "mul, sum_to", "") \
+  X(div, 2, 2, 0, 0, 0, 0, -1, "a, b", "", "", "a / b (numpy broadcasting)",                    \
+    "div, mul, neg, sum_to", "")                                                                \
+  X(neg, 1, 1, 0, 0, 0, 0, RECURRA_UNARY_NEG, "x", "", "", "-x", "neg", "")                     \
+  X(abs, 1, 1, 0, 0, 0, 0, RECURRA_UNARY_ABS, "x", "", "", "|x|", "act_grad", "")               \
+  X(sqr, 1, 1, 0, 0, 0, 0, RECURRA_UNARY_SQR, "x", "", "", "x * x", "mul, scale", "")           \
+  X(sqrt, 1, 1, 0, 0, 0, 0, RECURRA_UNARY_SQRT, "x", "", "", "sqrt(x)", "act_grad", "")         \
+  X(exp, 1, 1, 0, 0, 0, 0, RECURRA_UNARY_EXP, "x", "", "", "exp(x)", "mul", "")                 \
+  X(log, 1, 1, 0, 0, 0, 0, RECURRA_UNARY_LOG, "x", "", "", "log(x)", "act_grad", "")            \
+  X(scale, 1, 1, 0, 0, 1, 1, RECURRA_UNARY_SCALE, "x", "", "factor", "x * factor", "scale", "") \
+  X(clamp, 1, 1, 0, 0, 2, 2, RECURRA_UNARY_CLAMP, "x", "", "min, max", "min(max(x, min), max)", \
+    "act_grad", "")                                                                             \
+  X(relu, 1, 1, 0, 0, 0, 0, RECURRA_UNARY_RELU, "x", "", "", "max(x, 0)", "act_grad", "")       \
+  X(silu, 1, 1, 0, 0, 0, 0, RECURRA_UNARY_SILU, "x", "", "", "x * sigmoid(x)", "act_grad", "")  \
+  X(gelu, 1, 1, 0, 0, 0, 0, RECURRA_UNARY_GELU, "x", "", "", "0.5 x (1 + erf(x / sqrt(2)))",    \
+    "act_grad", "")                                                                             \
+  X(sigmoid, 1, 1, 0, 0, 0, 0, RECURRA_UNARY_SIGMOID, "x", "", "", "1 / (1 + exp(-x))",         \
+    "act_grad", "")                                                                             \
+  X(tanh, 1, 1, 0, 0, 0, 0, RECURRA_UNARY_TANH, "x", "", "", "tanh(x)", "act_grad", "")         \
+  X(softplus, 1, 1, 0, 0, 0, 0, RECURRA_UNARY_SOFTPLUS, "x", "", "", "log(1 + exp(x))",         \
+    "act_grad", "")                                                                             \
+  X(gelu_tanh, 1, 1, 0, 0, 0, 0, RECURRA_UNARY_GELU_TANH, "x", "", "",                          \
+    "0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))", "act_grad", "")                        \
+  X(act_grad, 3, 3, 1, 1, 0, 2, -1, "grad, x, y = f(x) (dense)",                                \
+    "the activation's RECURRA_UNARY_* code", "the activation's own (clamp: min, max)",          \
+    "grad * f'(x)", "", "")                                                                     \
+  /* reductions */                                                                              \
+  X(sum, 1, 1, 1, 1, 0, 0, -1, "x", "axis", "", "x summed over the axis (kept as 1)",           \
+    "broadcast_to, contiguous", "")                                                             \
+  X(max, 1, 1, 1, 1, 0, 0, -1, "x", "axis", "", "the max over the axis (kept as 1)",            \
+    "max_grad", "")                                                                             \
+  X(max_grad, 3, 3, 1, 1, 0, 0, -1, "grad, x, out (dense)", "axis", "",                         \
+    "grad routed to the first max of each line", "", "")                                        \
+  /* products */                                                                                \
+  X(matmul, 2, 2, 0, 0, 0, 0, -1, "a (B..., m, k), b (B..., k, n)", "", "", "a @ b (B..., m, n)", \
+    "matmul", "")                                                                               \
+  X(out_prod, 2, 2, 0, 0, 0, 0, -1, "a (B..., k, m), b (B..., k, n)", "", "",                   \
+    "a^T @ b (B..., m, n)", "matmul", "")                                                       \
+  /* nn */                                                                                      \
+  X(gated_rms_norm, 2, 5, 1, 1, 1, 1, -1, "y, [z], w (C,), [x, D (H,)]", "group_size", "eps",   \
+    "rms_norm over groups of (y + x D) silu(z), times w", "gated_rms_norm_back",                \
+    "mul, add, silu, reshape, rms_norm")                                                        \
+  X(gated_rms_norm_back, 3, 6, 1, 1, 1, 1, -1, "grad, then gated_rms_norm's sources",           \
+    "group_size", "eps", "packed: dy, [dz], dw, [dx, dD]", "", "")                              \
+  X(softmax, 1, 1, 0, 0, 0, 0, -1, "x", "", "", "softmax over the last axis", "softmax_back", "") \
+  X(softmax_back, 2, 2, 0, 0, 0, 0, -1, "grad, y", "", "", "the gradient of x", "", "")         \
+  X(log_softmax, 1, 1, 0, 0, 0, 0, -1, "x", "", "", "log_softmax over the last axis",           \
+    "log_softmax_back", "")                                                                     \
+  X(log_softmax_back, 2, 2, 0, 0, 0, 0, -1, "grad, y", "", "", "the gradient of x", "", "")     \
+  X(cross_entropy, 2, 2, 0, 0, 0, 0, -1, "logits (N, V), targets (N,) i32", "", "",             \
+    "the mean cross-entropy, shape ()", "cross_entropy_back", "")                               \
+  X(cross_entropy_back, 3, 3, 0, 0, 0, 0, -1, "grad, logits, targets", "", "",                  \
+    "the gradient of the logits", "", "")                                                       \
+  X(rms_norm, 1, 1, 0, 0, 1, 1, -1, "x", "", "eps", "x / sqrt(mean(x^2) + eps), last axis",     \
+    "rms_norm_back", "")                                                                        \
+  X(rms_norm_back, 2, 2, 0, 0, 1, 1, -1, "grad, x", "", "eps", "the gradient of x", "", "")     \
+  X(layer_norm, 1, 1, 0, 0, 1, 1, -1, "x", "", "eps", "(x - mean) / sqrt(var + eps), last axis",\
+    "layer_norm_back", "")                                                                      \
+  X(layer_norm_back, 2, 2, 0, 0, 1, 1, -1, "grad, x", "", "eps", "the gradient of x", "", "")   \
+  X(get_rows, 2, 2, 0, 0, 0, 0, -1, "table (V, D), idx i32", "", "", "table[idx]",              \
+    "get_rows_back", "")                                                                        \
+  X(get_rows_back, 2, 2, 1, 1, 0, 0, -1, "grad, idx", "V", "", "the table's gradient (V, D)",   \
+    "", "")                                                                                     \
+  /* shape */                                                                                   \
+  X(concat, 2, 2, 1, 1, 0, 0, -1, "a, b", "axis", "", "a and b joined on the axis", "slice", "") \
+  X(pad, 1, 1, 0, 8, 1, 1, -1, "x", "(before, after) per axis", "value", "x padded",            \
+    "slice", "")                                                                                \
+  X(cumsum, 1, 1, 2, 2, 0, 0, -1, "x", "axis, reverse", "", "the running sum along the axis",   \
+    "cumsum", "")                                                                               \
+  /* state-space models */                                                                      \
+  X(ssm_conv, 2, 2, 0, 0, 0, 0, -1, "sx (S, D, L), c (D, W)", "", "",                           \
+    "y (S, L - W + 1, D), the depthwise causal convolution", "ssm_conv_back", "")               \
+  X(ssm_conv_back, 3, 3, 0, 0, 0, 0, -1, "dy, sx, c", "", "", "packed: dsx, dc", "", "")        \
+  X(causal_conv_silu, 2, 3, 0, 0, 0, 0, -1, "x (S, T, D), c (D, K), [bias (D,)]", "", "",       \
+    "silu(bias + causal conv of x from zeros), x's shape", "causal_conv_silu_back",             \
+    "permute, pad, ssm_conv, add, silu")                                                        \
+  X(causal_conv_silu_back, 3, 4, 0, 0, 0, 0, -1, "dy, x, c, [bias]", "", "",                    \
+    "packed: dx, dc, [dbias]", "", "")                                                          \
+  X(ssm_scan, 7, 7, 0, 1, 0, 0, -1, "s, x, dt, A, B, C, ids", "[flags: RECURRA_SSM_SCAN_*]", "",\
+    "packed: y (x's shape), final states (S, H, P, N), [checkpoints]", "ssm_scan_back",         \
+    "ssm_scan")                                                                                 \
+  X(ssm_scan_back, 8, 9, 0, 0, 0, 0, -1,                                                        \
+    "grad, s, x, dt, A, B, C, ids, [the forward's packed output with checkpoints]", "", "",     \
+    "packed: ds, dx, ddt, dA, dB, dC", "", "")                                                  \
+  /* linear-attention recurrences */                                                           \
+  X(rwkv_wkv6, 6, 6, 0, 0, 0, 0, -1, "k, v, r, tf, td, state", "", "",                          \
+    "packed: y, final states", "rwkv_wkv6_back", "")                                            \
+  X(rwkv_wkv6_back, 7, 7, 0, 0, 0, 0, -1, "k, v, r, tf, td, state, grad", "", "",               \
+    "packed: the sources' gradients", "", "")                                                   \
+  X(rwkv_wkv7, 7, 7, 0, 0, 0, 0, -1, "r, w, k, v, a, b, state", "", "",                         \
+    "packed: y, final states", "rwkv_wkv7_back", "")                                            \
+  X(rwkv_wkv7_back, 8, 8, 0, 0, 0, 0, -1, "r, w, k, v, a, b, state, grad", "", "",              \
+    "packed: the sources' gradients", "", "")                                                   \
+  X(gated_linear_attn, 5, 5, 0, 0, 1, 1, -1, "k, v, q, g, state", "", "scale",                  \
+    "packed: y, final states", "gated_linear_attn_back", "")                                    \
+  X(gated_linear_attn_back, 6, 6, 0, 0, 1, 1, -1, "k, v, q, g, state, grad", "", "scale",       \
+    "packed: the sources' gradients", "", "")                                                   \
+  /* optimizer steps: update their sources in place, return a (1,) dummy */                    \
+  X(sgd_step, 4, -1, 3, 3, 0, 0, -1, "hyper, [gstat], then per tensor p, g, [buf], step",       \
+    "n_tensors, has_gstat, has_buf", "", "a (1,) dummy", "", "")                                \
+  X(adam_step, 6, -1, 2, 2, 0, 0, -1, "hyper, [gstat], then per tensor p, g, m, v, step",       \
+    "n_tensors, has_gstat", "", "a (1,) dummy", "", "")                                         \
+  X(adamw_step, 6, -1, 2, 2, 0, 0, -1, "hyper, [gstat], then per tensor p, g, m, v, step",      \
+    "n_tensors, has_gstat", "", "a (1,) dummy", "", "")                                         \
+  X(lion_step, 5, -1, 2, 2, 0, 0, -1, "hyper, [gstat], then per tensor p, g, m, step",          \
+    "n_tensors, has_gstat", "", "a (1,) dummy", "", "")                                         \
+  X(grad_norm, 2, -1, 0, 1, 0, 0, -1, "hyper, gradients (or earlier grad_norm results)",        \
+    "[combine]", "", "(2,): the global norm, the clip coefficient", "", "")                     \
+  X(grad_clip, 2, -1, 2, 2, 0, 0, -1, "hyper, [gstat], gradients (leaves)",                     \
+    "n_tensors, has_gstat", "", "a (1,) dummy; clips the gradients in place", "", "")
+
+/* The spec as a table, in RECURRA_OPS order; *count gets its length. */
+#define RECURRA_OP_SPEC_ROW_(name, s0, s1, i0, i1, f0, f1, un, srcs, ip, fp, out, bw, dec) \
+  {#name, s0, s1, i0, i1, f0, f1, un, srcs, ip, fp, out, bw, dec},
+static inline const recurra_op_spec* recurra_op_specs(int32_t* count) {
+  static const recurra_op_spec table[] = {RECURRA_OPS(RECURRA_OP_SPEC_ROW_)};
+  *count = (int32_t)(sizeof table / sizeof table[0]);
+  return table;
+}
+
+/* The spec of op `name` (name not NULL), else of the elementwise unary op of code `unary`
+ * (RECURRA_UNARY_*); NULL when there is none. */
+static inline const recurra_op_spec* recurra_op_lookup(const char* name, int64_t unary) {
+  int32_t n = 0, i;
+  const recurra_op_spec* t = recurra_op_specs(&n);
+  for (i = 0; i < n; ++i) {
+    const char *a = t[i].name, *b = name;
+    if (!name) {
+      if (t[i].unary >= 0 && t[i].unary == unary) return &t[i];
+      continue;
+    }
+    while (*a && *a == *b) ++a, ++b;
+    if (*a == *b) return &t[i];
+  }
+  return (const recurra_op_spec*)0;
+}
+
+static inline const recurra_op_spec* recurra_op_find(const char* name) {
+  return name ? recurra_op_lookup(name, -1) : (const recurra_op_spec*)0;
+}
+
+static inline const recurra_op_spec* recurra_unary_op(int64_t code) {
+  return recurra_op_lookup((const char*)0, code);
+}
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* RECURRA_GLSL */
+
+#endif /* RECURRA_OP_SPEC_H */

@@ -1,0 +1,52 @@
+"""The op spec (recurra/op_spec.h, the declaration of every op) as read-only Python data."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+__all__ = ["OpSpec", "op_codes", "spec"]
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One op of the core's op table.
+
+    ``srcs``, ``n_ip`` and ``n_fp`` are (min, max) counts of sources, integer and float
+    parameters (max -1: any number). ``unary`` is the op's RECURRA_UNARY_* code for an
+    elementwise unary op (act_grad's parameter), else -1. ``sources``, ``ip``, ``fp`` and
+    ``output`` say what each means (``"packed: a, b"``: one flat output holding a then b);
+    ``backward`` names the op(s) its gradient is built from ("" when not differentiable);
+    ``decomposition`` the ops it becomes on a backend without a kernel for it ("" none).
+    """
+
+    name: str
+    srcs: tuple[int, int]
+    n_ip: tuple[int, int]
+    n_fp: tuple[int, int]
+    unary: int
+    sources: str
+    ip: str
+    fp: str
+    output: str
+    backward: str
+    decomposition: str
+
+
+@functools.cache
+def spec() -> Mapping[str, OpSpec]:
+    """Every op's :class:`OpSpec` by name, in the op table's order (a read-only mapping)."""
+    from recurra import _core
+
+    return MappingProxyType({e["name"]: OpSpec(**e) for e in _core.op_spec()})
+
+
+@functools.cache
+def op_codes() -> Mapping[str, int]:
+    """The named codes of recurra/op_spec.h that Python packs into op parameters and
+    sources (``SSM_SCAN_SAVE_CHECKPOINTS``, ``HYPER_LR``...), read-only."""
+    from recurra import _core
+
+    return MappingProxyType(dict(_core.op_codes()))
