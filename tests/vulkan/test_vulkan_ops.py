@@ -330,6 +330,19 @@ def test_get_rows_back_unused_rows():
     assert np.all(got[[1, 2, 3, 5, 6, 7, 8]] == 0)
 
 
+def test_get_rows_back_past_65535_indices():
+    """The rank pass walked every earlier index in one thread: past 65535 of them lavapipe's
+    loop limit cut the walk, ranks collided and rows got wrong sums. Slow on lavapipe (the
+    rank pass is quadratic in N: about 40 s)."""
+    n, v = 70_000, 3
+    idx = RNG.integers(0, v, n).astype(np.int32)
+    g = randn(n, 2)
+    got = check("get_rows_back", [g, idx], ip=(v,))
+    want = np.zeros((v, 2))
+    np.add.at(want, idx, g.astype(np.float64))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-2)
+
+
 def test_bad_indices_raise():
     table = randn(5, 3)
     with pytest.raises(ValueError, match="get_rows"):
