@@ -263,6 +263,51 @@ def test_max_grad(shape, axis):
     check("max_grad", [g, x, m], ip=(axis,))
 
 
+# lavapipe (Mesa 22.3) ends the loops of one shader invocation after 65535 iterations in all,
+# silently: max_grad, which walked the axis in one thread per (o, i), lost the maximum or put
+# the gradient on garbage past that.
+@pytest.mark.parametrize("n,at", [(65_537, 40_000), (65_537, 65_536), (100_003, 99_999)])
+def test_max_grad_long_axis_one_hot(n, at):
+    x = np.zeros(n, np.float32)
+    x[at] = 1.0
+    g = np.asarray([2.5], np.float32)
+    got = vk("max_grad", [g, x, np.ones(1, np.float32)], ip=(0,), out_shape=(n,))
+    want = np.zeros(n, np.float32)
+    want[at] = 2.5
+    np.testing.assert_array_equal(got, want)
+
+
+def test_max_grad_long_axis_against_the_cpu():
+    x = randn(70_001, 3)
+    x[[3, 69_000, 65_535], [0, 1, 2]] = 9.0
+    x[69_500, 1] = 9.0  # a later tie: the first maximum takes the gradient
+    m = cpu("max", [x], ip=(0,))
+    check("max_grad", [randn(1, 3), x, m], ip=(0,))
+
+
+@pytest.mark.parametrize("reverse", [0, 1])
+def test_cumsum_of_a_long_inner_axis(reverse):
+    """cumsum along a non-last axis walked each column in one thread: past 65535 rows the
+    rest of the column was left unwritten (lavapipe's loop limit, as for max_grad)."""
+    x = randn(70_001, 3)
+    got = check("cumsum", [x], ip=(0, reverse))
+    x64 = np.flip(x, 0) if reverse else x
+    want = np.cumsum(x64.astype(np.float64), 0)
+    want = np.flip(want, 0) if reverse else want
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-2)
+
+
+def test_max_backward_of_a_long_axis_through_the_tensor_api(vulkan):
+    n = 100_003
+    x = np.zeros(n)
+    x[40_000] = 1.0
+    p = rc.param(x, device=vulkan)
+    rc.ops.sum(rc.ops.max(p, axis=0) * 3.0).backward()
+    want = np.zeros(n, np.float32)
+    want[40_000] = 3.0
+    np.testing.assert_array_equal(p.grad.numpy(), want)
+
+
 # ---- matrix products --------------------------------------------------------------------
 
 
@@ -298,6 +343,19 @@ def test_get_rows_back_unused_rows():
     idx = np.array([4, 4, 0, 4], np.int32)
     got = check("get_rows_back", [randn(4, 3), idx], ip=(9,))
     assert np.all(got[[1, 2, 3, 5, 6, 7, 8]] == 0)
+
+
+def test_get_rows_back_past_65535_indices():
+    """The rank pass walked every earlier index in one thread: past 65535 of them lavapipe's
+    loop limit cut the walk, ranks collided and rows got wrong sums. Slow on lavapipe (the
+    rank pass is quadratic in N: about 40 s)."""
+    n, v = 70_000, 3
+    idx = RNG.integers(0, v, n).astype(np.int32)
+    g = randn(n, 2)
+    got = check("get_rows_back", [g, idx], ip=(v,))
+    want = np.zeros((v, 2))
+    np.add.at(want, idx, g.astype(np.float64))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-2)
 
 
 def test_bad_indices_raise():

@@ -1,7 +1,9 @@
 // Inclusive prefix sums along one axis of a dense tensor seen as (O, L, I).
-//   MODE 0 (I == 1, the last axis): one workgroup per row, a shared-memory scan per chunk of
-//          256 elements carried across chunks
-//   MODE 1 (I > 1): one thread per (o, i) column walking L in order (the CPU's order)
+//   MODE 0 (I == 1, the last axis, or a long axis): one workgroup per (o, i) line, a
+//          shared-memory scan per chunk of 256 elements carried across chunks
+//   MODE 1 (I > 1, a short axis): one thread per (o, i) column walking L in order (the
+//          CPU's order). Not for long axes: lavapipe ends the loops of one invocation after
+//          65535 iterations in all, silently (the host picks MODE 0 past 16384).
 //   REVERSE: sums from the end of the axis
 #version 450
 #include "common.glsl"
@@ -34,15 +36,15 @@ void main() {
     }
     return;
   }
-  const uint row = group_index();
-  if (row >= pc.O) return;
+  const uint line = group_index();
+  if (line >= pc.O * pc.I) return;
   const uint t = gl_LocalInvocationID.x;
-  const uint base = row * pc.L;
+  const uint base = (line / pc.I) * pc.L * pc.I + line % pc.I;
   float carry = 0.0;
   for (uint c0 = 0u; c0 < pc.L; c0 += 256u) {
     const uint k = c0 + t;
     const uint l = REVERSE != 0 ? pc.L - 1u - k : k;
-    sh[t] = k < pc.L ? x.v[base + l] : 0.0;
+    sh[t] = k < pc.L ? x.v[base + l * pc.I] : 0.0;
     barrier();
     [[unroll]] for (uint off = 1u; off < 256u; off <<= 1) {
       const float add = t >= off ? sh[t - off] : 0.0;
@@ -50,7 +52,7 @@ void main() {
       sh[t] += add;
       barrier();
     }
-    if (k < pc.L) y.v[base + l] = carry + sh[t];
+    if (k < pc.L) y.v[base + l * pc.I] = carry + sh[t];
     carry += sh[255];
     barrier();
   }

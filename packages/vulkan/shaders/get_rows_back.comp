@@ -1,16 +1,20 @@
 // get_rows_back: out (V, D) = scatter-add of grad rows (N, D) to rows idx (N), summed per
 // table row in increasing n (the CPU's order): deterministic, no float atomics.
-//   PASS 0 rank:    rank[n] = #{j < n : idx[j] == idx[n]}, counts[v] += 1 (integer atomics)
+//   PASS 0 rank:    rank[n] = #{j < n : idx[j] == idx[n]}, counts[v] += 1 (integer atomics);
+//                   the j < n walk split in blocks of RANK_BLOCK (the z of the grid), each
+//                   adding its count: lavapipe ends one invocation's loops after 65535
+//                   iterations in all, silently
 //   PASS 1 scan:    start = exclusive prefix sum of counts (one workgroup)
 //   PASS 2 scatter: pos[start[v] + rank[n]] = n
 //   PASS 3 sum:     out[v, d] = sum over p in [start[v], start[v] + counts[v]) of grad[pos[p], d]
-// counts must be zeroed before PASS 0. Indices outside [0, V) set the error flag and are
+// counts and rank must be zeroed before PASS 0. Indices outside [0, V) set the error flag and are
 // skipped.
 #version 450
 #include "common.glsl"
 
 layout(local_size_x = 256) in;
 layout(constant_id = 0) const int PASS = 0;
+const uint RANK_BLOCK = 16384u;  // must match kRankBlock in ops/nn.cpp
 
 layout(push_constant) uniform PC {
   uvec2 g, idx, out_, err, counts, start, rank, pos;
@@ -31,17 +35,19 @@ void main() {
     const bool valid = v >= 0 && uint(v) < pc.V;
     if (i < pc.N && !valid) set_error(pc.err, ERR_GET_ROWS_BACK);
     const uint last = min(pc.N, g0 + 256u);  // every thread of the group walks j < last
+    const uint jb = gl_WorkGroupID.z * RANK_BLOCK, je = min(last, jb + RANK_BLOCK);
+    if (jb >= last) return;  // the whole workgroup: no barrier is left waiting
     uint r = 0u;
-    for (uint j0 = 0u; j0 < last; j0 += 256u) {
+    for (uint j0 = jb; j0 < je; j0 += 256u) {
       tile[t] = j0 + t < pc.N ? idx.v[j0 + t] : -1;
       barrier();
-      const uint jn = min(256u, last - j0);
+      const uint jn = min(256u, je - j0);
       for (uint j = 0u; j < jn; ++j) r += (j0 + j < i && tile[j] == v) ? 1u : 0u;
       barrier();
     }
     if (valid) {
-      rank.v[i] = r;
-      atomicAdd(counts.v[uint(v)], 1u);
+      if (r != 0u) atomicAdd(rank.v[i], r);
+      if (gl_WorkGroupID.z == 0u) atomicAdd(counts.v[uint(v)], 1u);
     }
   } else if (PASS == 1) {
     if (gl_WorkGroupID.x != 0u) return;

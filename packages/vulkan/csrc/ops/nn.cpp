@@ -207,6 +207,9 @@ void get_rows_back_record(NodeCall& c) {
     uint32_t n, bits;
   } zero{counts.addr, static_cast<uint32_t>(V), 0u};
   rec.dispatch("fill", {}, zero, grid_groups(V, 256), 1, 1, {}, {counts.range});
+  zero.d = rank.addr;
+  zero.n = static_cast<uint32_t>(N);
+  if (N > 0) rec.dispatch("fill", {}, zero, grid_groups(N, 256), 1, 1, {}, {rank.range});
   GetRowsBackPC pc{addr(c.src[0]), addr(c.src[1]), addr(c.dst), rec.device().error_flags_address(),
                    counts.addr, start.addr, rank.addr, pos.addr,
                    static_cast<uint32_t>(N), static_cast<uint32_t>(V), static_cast<uint32_t>(D)};
@@ -215,7 +218,10 @@ void get_rows_back_record(NodeCall& c) {
   if (N > 0) {
     uint32_t gx, gy;
     grid_2d((N + 255) / 256, gx, gy);
-    rec.dispatch("get_rows_back", {0}, pc, gx, gy, 1, {ir}, {rank.range, counts.range});
+    // The rank walk in blocks of j (get_rows_back.comp's RANK_BLOCK): lavapipe's loop limit.
+    constexpr int64_t kRankBlock = 16384;
+    const auto gz = static_cast<uint32_t>((N + kRankBlock - 1) / kRankBlock);
+    rec.dispatch("get_rows_back", {0}, pc, gx, gy, gz, {ir}, {rank.range, counts.range});
   }
   rec.dispatch("get_rows_back", {1}, pc, 1, 1, 1, {counts.range}, {start.range});
   if (N > 0) rec.dispatch("get_rows_back", {2}, pc, grid_groups(N, 256), 1, 1, {ir, start.range, rank.range}, {pos.range});

@@ -170,7 +170,7 @@ void sum_to_record(NodeCall& c) {
 // ---- max_grad -------------------------------------------------------------------------
 
 struct MaxGradPC {
-  uint64_t g, x, m, d;
+  uint64_t g, x, m, d, first;
   uint32_t O, L, I;
 };
 
@@ -196,9 +196,15 @@ void max_grad_record(NodeCall& c) {
   for (int i = ax + 1; i < x.ndim; ++i) I *= x.shape[i];
   const int64_t L = x.shape[ax];
   if (O * I * L == 0) return;
-  MaxGradPC pc{addr(c.src[0]), addr(c.src[1]), addr(c.src[2]), addr(c.dst), static_cast<uint32_t>(O),
-               static_cast<uint32_t>(L), static_cast<uint32_t>(I)};
-  c.rec.dispatch("max_grad", {}, pc, grid_groups(O * I, 256), 1, 1, {c.src[0].range, c.src[1].range, c.src[2].range},
+  // The first matching position of each (o, i), found by all elements at once (see
+  // max_grad.comp: no thread walks the axis).
+  const Recorder::Scratch first = c.rec.scratch(static_cast<size_t>(O * I) * 4);
+  const MaxGradPC pc{addr(c.src[0]), addr(c.src[1]), addr(c.src[2]), addr(c.dst), first.addr,
+                     static_cast<uint32_t>(O), static_cast<uint32_t>(L), static_cast<uint32_t>(I)};
+  c.rec.dispatch("max_grad", {0}, pc, grid_groups(O * I, 256), 1, 1, {}, {first.range});
+  c.rec.dispatch("max_grad", {1}, pc, grid_groups(O * L * I, 256), 1, 1, {c.src[1].range, c.src[2].range},
+                 {first.range});
+  c.rec.dispatch("max_grad", {2}, pc, grid_groups(O * L * I, 256), 1, 1, {c.src[0].range, first.range},
                  {c.dst.range});
 }
 

@@ -250,9 +250,11 @@ void cumsum_record(NodeCall& c) {
   if (O * I * L == 0) return;
   CumsumPC pc{addr(c.src[0]), addr(c.dst), static_cast<uint32_t>(O), static_cast<uint32_t>(L), static_cast<uint32_t>(I)};
   const int32_t rev = static_cast<int32_t>(c.node.ip[RECURRA_P_REVERSE]);
-  if (I == 1) {
+  // A thread walking a long axis would pass lavapipe's 65535 loop iterations per invocation.
+  constexpr int64_t kLongAxis = 16384;
+  if (I == 1 || L > kLongAxis) {
     uint32_t gx, gy;
-    grid_2d(O, gx, gy);
+    grid_2d(O * I, gx, gy);
     c.rec.dispatch("cumsum", {0, rev}, pc, gx, gy, 1, {c.src[0].range}, {c.dst.range});
   } else {
     c.rec.dispatch("cumsum", {1, rev}, pc, grid_groups(O * I, 256), 1, 1, {c.src[0].range}, {c.dst.range});
