@@ -308,6 +308,18 @@ void check_ids(const int32_t* ids, const Dims& d, const char* op) {
 // while each unit's state stays in L1/L2 during its chunk.
 constexpr int64_t kChunk = 16;
 
+// Whether the CPU has 32 vector registers of 16 floats (AVX-512). The token loops below
+// keep up to ~28 16-float vectors live; with AVX2 (16 registers of 8 floats) they must
+// work on fewer at a time or every step spills to the stack.
+bool wide_registers() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool wide = __builtin_cpu_supports("avx512f");
+#else
+  static const bool wide = true;
+#endif
+  return wide;
+}
+
 RC_INLINE float hsum(vf v) {
   const vi s8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
   const vi s4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
@@ -649,8 +661,11 @@ RC_SIMD void heads_fwd_run(const HeadsFwd& f, int64_t t0, int64_t t1, float* abu
   }
 }
 
-// Rows layout: channels per unit (the state block stays within L1/L2).
-int64_t rows_lanes(const Dims& d) { return d.P <= 16 ? 16 : 32; }
+// Rows layout: channels per unit (the state block stays within L1/L2). 32 lanes are two
+// 16-float vectors per row of the state: one register each with AVX-512's 32 registers;
+// with AVX2's 16 (each vector two registers) the token loops of 32 lanes spill to the
+// stack on every element, so there a unit is 16 lanes (5x faster on an AVX2 CPU).
+int64_t rows_lanes(const Dims& d) { return d.P <= 16 || !wide_registers() ? 16 : 32; }
 
 void scan_forward(KernelCtx& c) {
   const Dims d = dims_of(c.src, 0);
@@ -896,9 +911,10 @@ RC_INLINE void fwd_pn_chunk(float* __restrict S, const float* const* b, const fl
 template <int M>
 RC_INLINE void fwd_pn(float* S, const float* const* b, const float* const* u, const float* const* dy,
                       float* const* dc, int64_t pl, int64_t Np) {
-  constexpr int NV = 4;
+  constexpr int NV = 4;  // with AVX2 1 (wide_registers)
   int64_t n = 0;
-  for (; n + 16 * NV <= Np; n += 16 * NV) fwd_pn_chunk<NV, M>(S, b, u, dy, dc, n, pl, Np);
+  if (wide_registers())
+    for (; n + 16 * NV <= Np; n += 16 * NV) fwd_pn_chunk<NV, M>(S, b, u, dy, dc, n, pl, Np);
   for (; n < Np; n += 16) fwd_pn_chunk<1, M>(S, b, u, dy, dc, n, pl, Np);
 }
 
@@ -940,16 +956,18 @@ template <int M>
 RC_INLINE void rev_pn(float* lam, const float* const* c, const float* const* bh, const float* const* u,
                       const float* const* dy, float* const* db, float* const* dupart, float* const* du,
                       int64_t pl, int64_t Np) {
-  constexpr int NV = 4;
+  constexpr int NV = 4;  // with AVX2 1 (wide_registers)
   int64_t n = 0;
-  if (Np >= 16 * NV) {
+  const bool wide = wide_registers();
+  if (wide && Np >= 16 * NV) {
     rev_pn_chunk<NV, M, true>(lam, c, bh, u, dy, db, dupart, 0, pl, Np);
     n = 16 * NV;
   } else {
     rev_pn_chunk<1, M, true>(lam, c, bh, u, dy, db, dupart, 0, pl, Np);
     n = 16;
   }
-  for (; n + 16 * NV <= Np; n += 16 * NV) rev_pn_chunk<NV, M, false>(lam, c, bh, u, dy, db, dupart, n, pl, Np);
+  if (wide)
+    for (; n + 16 * NV <= Np; n += 16 * NV) rev_pn_chunk<NV, M, false>(lam, c, bh, u, dy, db, dupart, n, pl, Np);
   for (; n < Np; n += 16) rev_pn_chunk<1, M, false>(lam, c, bh, u, dy, db, dupart, n, pl, Np);
   for (int m = 0; m < M; ++m)
     for (int64_t p0 = 0; p0 < pl; p0 += 16) {

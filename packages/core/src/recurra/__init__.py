@@ -17,6 +17,7 @@ from recurra import backends as backends
 from recurra import ops as ops
 from recurra._devices import Device, parse_device
 from recurra._files import write_atomic
+from recurra._profile import OpTime, Profile, _profile_from_env, profile
 from recurra._tensor import (
     Tensor,
     is_grad_enabled,
@@ -38,6 +39,8 @@ except _metadata.PackageNotFoundError:  # running from a source tree
 __all__ = [
     "Device",
     "Graph",
+    "OpTime",
+    "Profile",
     "GraphTensor",
     "Tensor",
     "__version__",
@@ -53,6 +56,7 @@ __all__ = [
     "param",
     "parse_device",
     "plan_cache_info",
+    "profile",
     "recompute",
     "reset_peak_memory",
     "set_num_threads",
@@ -150,3 +154,5 @@ def _load_blas() -> None:
 _load_blas()
 if "RECURRA_NUM_THREADS" in _os.environ:
     set_num_threads(int(_os.environ["RECURRA_NUM_THREADS"]))
+
+_profile_from_env()
