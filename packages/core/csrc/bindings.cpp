@@ -10,6 +10,7 @@
 #include "blas.h"
 #include "graph.h"
 #include "memory.h"
+#include "profile.h"
 #include "threadpool.h"
 
 namespace py = pybind11;
@@ -265,6 +266,14 @@ PYBIND11_MODULE(_core, m) {
     return d;
   });
   m.def("reset_transfer_stats", &transfer_stats_reset);
+  m.def("profile_enable", &profile_enable, py::arg("on"), py::arg("by_shape") = false);
+  m.def("profile_enabled", &profile_enabled);
+  m.def("profile_stats", [] {
+    py::list out;
+    for (const ProfileEntry& e : profile_snapshot()) out.append(py::make_tuple(e.key, e.calls, e.ns));
+    return out;
+  });
+  m.def("profile_reset", &profile_reset);
   m.def("set_num_threads", [](int n) {
     py::gil_scoped_release nogil;  // it waits for computations in other threads
     return set_num_threads(n);

@@ -1,6 +1,7 @@
 // The executor: binding leaves, host views of node results, mirrors across backends, and
 // running the splits of a planned graph (see schedule.cpp for the placement).
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
@@ -10,6 +11,7 @@
 #include <unordered_map>
 
 #include "graph.h"
+#include "profile.h"
 #include "memory.h"
 #include "schedule.h"
 
@@ -158,6 +160,31 @@ void Graph::check_ready() const {
                        " has no data; set it before computing");
 }
 
+namespace {
+
+int64_t elapsed_ns(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// The profiler's key of a CPU node: its op, and with by_shape the shapes of its sources
+// (marked T when its last two axes are stored transposed, * when otherwise strided) and
+// of its result.
+std::string profile_key(const Node& n, const std::string& op, const std::vector<TensorView>& src) {
+  if (!profile_by_shape()) return op;
+  std::string k = op + " ";
+  for (size_t i = 0; i < src.size(); ++i) {
+    const TensorView& v = src[i];
+    k += (i ? ", " : "") + v.shape.str();
+    if (!v.is_contiguous()) {
+      const int nd = v.shape.ndim;
+      k += nd >= 2 && v.strides[nd - 2] == 1 && v.shape.d[nd - 2] > 1 ? "T" : "*";
+    }
+  }
+  return k + " -> " + n.shape.str();
+}
+
+}  // namespace
+
 void Graph::compute() {
   plan();
   check_ready();
@@ -172,7 +199,9 @@ void Graph::compute() {
       mr.filled = (nodes_[mr.base].flags & kConst) != 0;
     }
     if (sp.backend != kCpuBackend) {
+      const auto t0 = std::chrono::steady_clock::now();
       run_device_split(sp);
+      if (profile_enabled()) profile_record(backend_name(sp.backend) + " split", elapsed_ns(t0));
       continue;
     }
     const std::unordered_map<int, Scatter>* merged = nullptr;
@@ -183,17 +212,21 @@ void Graph::compute() {
     }
     for (int j : sp.nodes) {
       const Node& n = nodes_[j];
+      const bool prof = profile_enabled();
+      const auto t0 = std::chrono::steady_clock::now();
       if (merged && merged->count(j)) {
         const Scatter& sc = merged->at(j);
         std::vector<TensorView> parts;
         for (int q : sc.parts) parts.push_back(host_view(q, kCpuBackend));
         scatter_last_axis(host_view(j, kCpuBackend), parts, sc.begin, tp);
+        if (prof) profile_record(profile_key(n, "scatter", parts), elapsed_ns(t0));
         continue;
       }
       KernelCtx ctx{n, host_view(j, kCpuBackend), {}, tp};
       ctx.src.reserve(n.src.size());
       for (int s : n.src) ctx.src.push_back(host_view(s, kCpuBackend));
       tab.at(n.op).forward(ctx);
+      if (prof) profile_record(profile_key(n, tab.at(n.op).name, ctx.src), elapsed_ns(t0));
     }
   }
 }

@@ -18,6 +18,7 @@ from recurra import ops as ops
 from recurra._core import DeviceBuffer
 from recurra._devices import Device, parse_device
 from recurra._files import write_atomic
+from recurra._profile import OpTime, Profile, _profile_from_env, profile
 from recurra._tensor import (
     Tensor,
     is_grad_enabled,
@@ -40,6 +41,8 @@ __all__ = [
     "Device",
     "DeviceBuffer",
     "Graph",
+    "OpTime",
+    "Profile",
     "GraphTensor",
     "Tensor",
     "__version__",
@@ -55,6 +58,7 @@ __all__ = [
     "param",
     "parse_device",
     "plan_cache_info",
+    "profile",
     "recompute",
     "reset_peak_memory",
     "set_num_threads",
@@ -152,3 +156,5 @@ def _load_blas() -> None:
 _load_blas()
 if "RECURRA_NUM_THREADS" in _os.environ:
     set_num_threads(int(_os.environ["RECURRA_NUM_THREADS"]))
+
+_profile_from_env()

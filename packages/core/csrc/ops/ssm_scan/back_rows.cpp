@@ -93,9 +93,10 @@ RC_INLINE void fwd_pn_chunk(float* __restrict S, const float* const* b, const fl
 template <int M>
 RC_INLINE void fwd_pn(float* S, const float* const* b, const float* const* u, const float* const* dy,
                       float* const* dc, int64_t pl, int64_t Np) {
-  constexpr int NV = 4;
+  constexpr int NV = 4;  // with AVX2 1 (wide_registers)
   int64_t n = 0;
-  for (; n + 16 * NV <= Np; n += 16 * NV) fwd_pn_chunk<NV, M>(S, b, u, dy, dc, n, pl, Np);
+  if (wide_registers())
+    for (; n + 16 * NV <= Np; n += 16 * NV) fwd_pn_chunk<NV, M>(S, b, u, dy, dc, n, pl, Np);
   for (; n < Np; n += 16) fwd_pn_chunk<1, M>(S, b, u, dy, dc, n, pl, Np);
 }
 
@@ -137,16 +138,18 @@ template <int M>
 RC_INLINE void rev_pn(float* lam, const float* const* c, const float* const* bh, const float* const* u,
                       const float* const* dy, float* const* db, float* const* dupart, float* const* du,
                       int64_t pl, int64_t Np) {
-  constexpr int NV = 4;
+  constexpr int NV = 4;  // with AVX2 1 (wide_registers)
   int64_t n = 0;
-  if (Np >= 16 * NV) {
+  const bool wide = wide_registers();
+  if (wide && Np >= 16 * NV) {
     rev_pn_chunk<NV, M, true>(lam, c, bh, u, dy, db, dupart, 0, pl, Np);
     n = 16 * NV;
   } else {
     rev_pn_chunk<1, M, true>(lam, c, bh, u, dy, db, dupart, 0, pl, Np);
     n = 16;
   }
-  for (; n + 16 * NV <= Np; n += 16 * NV) rev_pn_chunk<NV, M, false>(lam, c, bh, u, dy, db, dupart, n, pl, Np);
+  if (wide)
+    for (; n + 16 * NV <= Np; n += 16 * NV) rev_pn_chunk<NV, M, false>(lam, c, bh, u, dy, db, dupart, n, pl, Np);
   for (; n < Np; n += 16) rev_pn_chunk<1, M, false>(lam, c, bh, u, dy, db, dupart, n, pl, Np);
   for (int m = 0; m < M; ++m)
     for (int64_t p0 = 0; p0 < pl; p0 += 16) {

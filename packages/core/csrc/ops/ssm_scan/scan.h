@@ -156,6 +156,18 @@ RC_INLINE float hsum(vf v) {
 // while each unit's state stays in L1/L2 during its chunk.
 constexpr int64_t kChunk = 16;
 
+// Whether the CPU has 32 vector registers of 16 floats (AVX-512). The token loops of the
+// rows layout keep up to ~28 16-float vectors live; with AVX2 (16 registers of 8 floats)
+// they must work on fewer at a time or every step spills to the stack.
+inline bool wide_registers() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool wide = __builtin_cpu_supports("avx512f");
+#else
+  static const bool wide = true;
+#endif
+  return wide;
+}
+
 constexpr int64_t kPrefetch = 4;  // tokens ahead: rows of x, y, dt are far apart in memory
 
 // Prefetches the `len` floats at p (for writing when w).
