@@ -2,7 +2,7 @@
 // Shaders: ssm_conv.comp, ssm_scan.comp, ssm_scan_back_sum.comp, ssm_scan_chunked.comp.
 //
 // Shapes (numpy order) and packed results exactly as the core's CPU kernels
-// (packages/core/csrc/ops/ssm_conv.cpp, ssm_scan.cpp; docs/ops.md, "ssm_conv" and "ssm_scan"):
+// (packages/core/csrc/ops/ssm_conv.cpp, ssm_scan/; docs/ops.md, "ssm_conv" and "ssm_scan"):
 //   ssm_conv       (sx (S, D, W-1+T), c (D, W)) -> y (S, T, D)
 //   ssm_conv_back  (dy, sx, c) -> packed d_sx (S, D, W-1+T), d_c (D, W)
 //   ssm_scan       (s (R, H, P, N), x (S, T, H, P), dt (S, T, H), A (H, N) or (H, 1),
