@@ -325,19 +325,16 @@ bool DeviceMemory::release_empty_blocks(bool all) {
   // keeps. Shared blocks first (any pool takes them), then dedicated ones.
   VkDeviceSize kept = 0;
   bool released = false;
+  std::vector<char> keep(blocks_.size(), 0);
   for (int pass = 0; pass < 2 && !all; ++pass)
     for (size_t k = blocks_.size(); k-- > 0;) {
-      Block& b = blocks_[k];
-      if (!b.memory || b.used != 0 || b.dedicated != (pass == 1) || b.keep) continue;
-      if (kept + b.size <= keep_bytes_) kept += b.size, b.keep = true;
+      const Block& b = blocks_[k];
+      if (!b.memory || b.used != 0 || b.dedicated != (pass == 1)) continue;
+      if (kept + b.size <= keep_bytes_) kept += b.size, keep[k] = 1;
     }
   for (size_t k = blocks_.size(); k-- > 0;) {
     Block& b = blocks_[k];
-    if (!b.memory || b.used != 0) continue;
-    if (b.keep && !all) {
-      b.keep = false;
-      continue;
-    }
+    if (!b.memory || b.used != 0 || keep[k]) continue;
     destroy_block(b);
     released = true;
   }

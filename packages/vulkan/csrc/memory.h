@@ -104,7 +104,6 @@ class DeviceMemory {
     VkDeviceSize size = 0, used = 0;
     int pool = kTransient;
     bool dedicated = false;  // made for one large buffer
-    bool keep = false;       // release_empty_blocks: chosen to stay
     std::map<VkDeviceSize, VkDeviceSize> free;  // offset -> size, coalesced
   };
   struct Slot {
