@@ -176,3 +176,17 @@ def test_fit_prints_progress_and_checkpoints_periodically_by_default(tmp_path: P
     assert [p.name for p in (tmp_path / "quiet").glob("ckpt-*")] == ["ckpt-00000003"]
     long = _trainer(*_setup(), None, 100_000)
     assert (long.checkpoint_every, long.log_every) == (1000, 100)
+
+
+def test_presets_stays_the_function_after_its_module_is_imported() -> None:
+    # The package's presets() shares its name with the module recurra_models.presets:
+    # importing that module must not rebind the package's name to it.
+    import subprocess
+    import sys
+
+    code = (
+        "import recurra_models as rm, recurra_models.presets; "
+        "assert 'mamba2-130m' in rm.presets(), rm.presets"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr

@@ -20,6 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 from recurra_models import nn as nn
 
+# Imported now, not lazily: the function has its module's name, and importing the module
+# later (``import recurra_models.presets``) would otherwise bind the package's ``presets``
+# to the module.
+from recurra_models.presets import presets as presets
+
 if TYPE_CHECKING:  # what _LAZY loads on first use, for type checkers and readers
     from recurra_models.evaluation import evaluate_tokens
     from recurra_models.export import save_pretrained
@@ -27,7 +32,6 @@ if TYPE_CHECKING:  # what _LAZY loads on first use, for type checkers and reader
     from recurra_models.loading import load_pretrained, load_safetensors
     from recurra_models.mamba import MambaConfig, MambaLM
     from recurra_models.mamba2 import Mamba2Config, Mamba2LM
-    from recurra_models.presets import presets
     from recurra_models.rwkv6 import RWKV6LM, RWKV6Config
     from recurra_models.rwkv7 import RWKV7LM, RWKV7Config
     from recurra_models.textdata import tokenize_files
@@ -74,7 +78,6 @@ _LAZY = {
     "RWKV7LM": "recurra_models.rwkv7",
     "RWKV7Config": "recurra_models.rwkv7",
     "load_pretrained": "recurra_models.loading",
-    "presets": "recurra_models.presets",
     "load_safetensors": "recurra_models.loading",
     "ByteTokenizer": "recurra_models.tokenizer",
     "HFTokenizer": "recurra_models.tokenizers",
