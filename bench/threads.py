@@ -2,6 +2,7 @@
 the default thread count, on an idle machine and beside a competing busy process.
 
     python bench/threads.py [--reps 5] [--steps 3] [--d-model 128] [--n-layer 2]
+    python bench/threads.py --preset mamba2-130m --reps 3 --steps 1   # the size
 
 One training step = forward, backward and an AdamW update on a (batch 4, seq_len 256) batch
 of random byte tokens. For each condition (idle; one busy process that this script starts,
@@ -30,7 +31,7 @@ def build(args: argparse.Namespace):
     from models import ours_train
 
     size = {
-        "vocab": 256,
+        "vocab": args.vocab,
         "d_model": args.d_model,
         "n_layer": args.n_layer,
         "d_state2": args.d_state,
@@ -93,7 +94,17 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--preset", help="take the sizes of a Mamba-2 preset (e.g. mamba2-130m)")
     args = ap.parse_args()
+    if args.preset:
+        from recurra_models.presets import resolve
+
+        arch, cfg = resolve(args.preset, {})
+        if arch != "mamba2":
+            ap.error(f"--preset takes a Mamba-2 preset, not {args.preset} ({arch})")
+        args.d_model, args.n_layer = cfg["d_model"], cfg["n_layer"]
+        args.d_state, args.head_dim, args.vocab = cfg["d_state"], cfg["head_dim"], cfg["vocab_size"]
 
     import recurra as rc
 
@@ -101,7 +112,7 @@ def main() -> int:
     n_params, step = build(args)
     step()  # plans the graphs
     print(
-        f"mamba2 d_model {args.d_model}, {args.n_layer} layers, {n_params} "
+        f"mamba2 d_model {args.d_model}, {args.n_layer} layers, vocab {args.vocab}, {n_params} "
         f"parameters; batch {args.batch} x {args.seq_len}; default threads {default} "
         f"(CPUs available: {len(os.sched_getaffinity(0))}, load average "
         f"{os.getloadavg()[0]:.1f})"
