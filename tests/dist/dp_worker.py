@@ -119,7 +119,7 @@ def main(argv: list[str]) -> None:
                     raise RuntimeError(f"boom on rank {ctx.rank}")
                 if how == "exit":
                     os._exit(3)
-                if how == "sysexit":  # exits through MPI_Finalize: the others must time out
+                if how == "sysexit":  # ends the job with status 4 (recurra_dist's exit hook)
                     sys.exit(4)
                 if how == "hang":
                     time.sleep(600)

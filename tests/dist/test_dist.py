@@ -95,7 +95,10 @@ def test_failing_rank_ends_the_job(mpiexec, tmp_path, how):
         assert "[rank 1/2]" in text and "boom on rank 1" in text, text
     elif how == "kill":  # the launcher names the signal
         assert "Killed" in text or "signal 9" in text, text
-    elif how in ("sysexit", "hang"):  # rank 0 gives up waiting after the 5 s timeout
+    elif how == "sysexit":  # the exiting rank ends the job with its status, at once
+        assert r.returncode == 4 and "[rank 1/2] sys.exit(4)" in text, text
+        assert "ExchangeTimeout" not in text, text
+    elif how == "hang":  # rank 0 gives up waiting after the 5 s timeout
         assert "[rank 0/2]" in text and "ExchangeTimeout" in text, text
     else:
         assert r.returncode == 3, text  # os._exit(3): its status is the job's

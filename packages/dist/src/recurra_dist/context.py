@@ -7,8 +7,10 @@ Nothing here starts MPI at import: :func:`init` does (through mpi4py), and
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from types import TracebackType
@@ -117,9 +119,17 @@ def abort(ctx: Context, message: str, code: int = 1) -> None:
     os._exit(code)  # Abort returned (it should not), or a job of one process
 
 
-def install_abort_hook(ctx: Context) -> None:
+def install_abort_hook(ctx: Context, grace: float = 3.0) -> None:
     """Replaces ``sys.excepthook`` (and ``threading.excepthook``) so that an uncaught
-    exception on this rank prints its traceback and aborts the whole job (:func:`abort`)."""
+    exception on this rank prints its traceback and aborts the whole job (:func:`abort`).
+
+    A rank that leaves through ``sys.exit(status)`` with a nonzero status while other
+    ranks still run ends the job too, with that status: at exit every rank meets the others
+    (a non-blocking barrier on a communicator of its own); a rank exiting with an error
+    waits ``grace`` seconds for them, then aborts. Without this the others would wait in
+    their next collective until DataParallel's timeout. (``raise SystemExit(n)`` is not
+    seen: use ``sys.exit``; ``os._exit`` leaves without a word, and the launcher ends the
+    job with that status.)"""
     import threading
 
     def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
@@ -133,6 +143,43 @@ def install_abort_hook(ctx: Context) -> None:
 
     sys.excepthook = hook
     threading.excepthook = thread_hook
+    if ctx.world_size == 1:
+        return
+    leaving: dict[str, Any] = {"code": 0, "call": ""}
+    real_exit = sys.exit
+
+    def exit_(status: str | int | None = None) -> None:
+        leaving["code"] = _exit_status(status)
+        leaving["call"] = f"sys.exit({status!r})"
+        real_exit(status)
+
+    sys.exit = exit_  # type: ignore[assignment]
+    atexit.register(_meet_at_exit, ctx, ctx.comm.Dup(), leaving, grace)
+
+
+def _exit_status(status: object) -> int:
+    """The process status Python gives for ``sys.exit(status)``."""
+    if status is None:
+        return 0
+    if isinstance(status, int):
+        return status & 0xFF
+    return 1  # a message: printed, status 1
+
+
+def _meet_at_exit(ctx: Context, comm: Any, leaving: dict[str, Any], grace: float) -> None:
+    req = comm.Ibarrier()
+    if leaving["code"] == 0:
+        req.Wait()  # as MPI_Finalize would: the job ends when every rank has
+        return
+    deadline = time.monotonic() + grace
+    while not req.Test():
+        if time.monotonic() > deadline:
+            abort(
+                ctx,
+                f"{leaving['call']} while other ranks still run: ending the job",
+                leaving["code"] or 1,
+            )
+        time.sleep(0.01)
 
 
 def device_for(local_rank: int, backend: str = "auto") -> str:
