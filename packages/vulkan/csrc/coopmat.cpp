@@ -212,6 +212,12 @@ double coopmat_matmul(int index, const uint16_t* a, const uint16_t* b, float* c,
                                         d.info().name + "': " + why);
     if (!d.coopmat_enabled(bf16))
       fail(RECURRA_ERR_UNSUPPORTED, "the cooperative-matrix features were not enabled on '" + d.info().name + "'");
+    // The shader splits the workgroup into NW subgroups of the device's (fixed) subgroup size
+    // and sizes its register arrays for subgroups of at least 8.
+    if (caps.subgroup_size < 8 || d.limits().min_subgroup_size != caps.subgroup_size)
+      fail(RECURRA_ERR_UNSUPPORTED, "the coopmat shaders need a fixed subgroup size of at least 8; '" +
+                                        d.info().name + "' has " + std::to_string(d.limits().min_subgroup_size) +
+                                        " to " + std::to_string(caps.subgroup_size));
     const int64_t nw = (v->bm / v->wm) * (v->bn / v->wn);
     const int64_t wg = nw * caps.subgroup_size;
     const int64_t shared = (2 * v->bm * ((v->bk + 8) / 8) + 2 * v->bk * ((v->bn + 8) / 8)) * 16;

@@ -20,8 +20,8 @@
 // with zeros), A, B, C 16-byte aligned.
 //
 // Build-time defines: BM BN BK WM WN (WM, WN, BK multiples of 16; BM/WM * BN/WN = NW
-// subgroups). Specialization constant 0 (csrc/coopmat.cpp): WG = NW * the subgroup size, the
-// workgroup size (BM * BK / 8 and BK * BN / 8 must be multiples of it).
+// subgroups). Specialization constant 0 (csrc/coopmat.cpp): the workgroup size WG = NW * the
+// subgroup size (8 to 32; BM * BK / 8 and BK * BN / 8 must be multiples of it).
 #version 450
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
@@ -42,10 +42,16 @@
 #error "matmul_coopmat.comp: BM*BK and BK*BN must be multiples of 8*NW*32; WM, WN, BK multiples of 16"
 #endif
 
-layout(constant_id = 0) const uint WG = NW * 32;
-layout(local_size_x_id = 0) in;
+layout(local_size_x_id = 0) in;  // NW * the subgroup size (csrc/coopmat.cpp)
+const uint WG = gl_WorkGroupSize.x;
 const uint NA = BM * BK / 8 / WG;  // uvec4 of the A slab per invocation and step
 const uint NB = BK * BN / 8 / WG;
+// The register arrays are sized for the smallest subgroup (8) and every loop over them runs to
+// that constant bound, skipping s >= NA: unrolled at build time, every index is a constant and
+// the arrays stay in registers (a loop bound of the specialization constant NA would keep them
+// in Function storage: local memory on NVIDIA, unless the driver unrolls after specializing).
+#define NA_MAX (BM * BK / 8 / (NW * 8))
+#define NB_MAX (BK * BN / 8 / (NW * 8))
 
 layout(buffer_reference, std430, buffer_reference_align = 16) readonly buffer U4Buf { uvec4 v[]; };
 layout(buffer_reference, std430, buffer_reference_align = 16) writeonly buffer FBuf { float v[]; };
@@ -82,23 +88,23 @@ void main() {
     [[unroll]] for (int j = 0; j < TN; ++j)
       acc[i][j] = coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
 
-  uvec4 ra[NA], rb[NB];
-  // Slab loads: invocation t takes items q = s * WG + t (row q / (cols/8), uvec4 column q % (cols/8)).
-  [[unroll]] for (uint s = 0; s < NA; ++s) {
+  uvec4 ra[NA_MAX], rb[NB_MAX];
+  // Slab loads: invocation t takes items q = s * WG + t: row q / (cols/8), uvec4 column q % (cols/8).
+  [[unroll]] for (uint s = 0; s < NA_MAX; ++s) {
     const uint q = s * WG + t;
-    ra[s] = a.v[(m0 + q / (BK / 8)) * k8 + q % (BK / 8)];
+    if (s < NA) ra[s] = a.v[(m0 + q / (BK / 8)) * k8 + q % (BK / 8)];
   }
-  [[unroll]] for (uint s = 0; s < NB; ++s) {
+  [[unroll]] for (uint s = 0; s < NB_MAX; ++s) {
     const uint q = s * WG + t;
-    rb[s] = b.v[(q / (BN / 8)) * n8 + n0 / 8 + q % (BN / 8)];
+    if (s < NB) rb[s] = b.v[(q / (BN / 8)) * n8 + n0 / 8 + q % (BN / 8)];
   }
-  [[unroll]] for (uint s = 0; s < NA; ++s) {
+  [[unroll]] for (uint s = 0; s < NA_MAX; ++s) {
     const uint q = s * WG + t;
-    As[(q / (BK / 8)) * SA + q % (BK / 8)] = ra[s];
+    if (s < NA) As[(q / (BK / 8)) * SA + q % (BK / 8)] = ra[s];
   }
-  [[unroll]] for (uint s = 0; s < NB; ++s) {
+  [[unroll]] for (uint s = 0; s < NB_MAX; ++s) {
     const uint q = s * WG + t;
-    Bs[(q / (BN / 8)) * SB + q % (BN / 8)] = rb[s];
+    if (s < NB) Bs[(q / (BN / 8)) * SB + q % (BN / 8)] = rb[s];
   }
   barrier();
 
@@ -108,13 +114,13 @@ void main() {
     const bool more = step + 1 < steps;
     if (more) {
       const uint k0 = (step + 1) * BK;
-      [[unroll]] for (uint s = 0; s < NA; ++s) {
+      [[unroll]] for (uint s = 0; s < NA_MAX; ++s) {
         const uint q = s * WG + t;
-        ra[s] = a.v[(m0 + q / (BK / 8)) * k8 + k0 / 8 + q % (BK / 8)];
+        if (s < NA) ra[s] = a.v[(m0 + q / (BK / 8)) * k8 + k0 / 8 + q % (BK / 8)];
       }
-      [[unroll]] for (uint s = 0; s < NB; ++s) {
+      [[unroll]] for (uint s = 0; s < NB_MAX; ++s) {
         const uint q = s * WG + t;
-        rb[s] = b.v[(k0 + q / (BN / 8)) * n8 + n0 / 8 + q % (BN / 8)];
+        if (s < NB) rb[s] = b.v[(k0 + q / (BN / 8)) * n8 + n0 / 8 + q % (BN / 8)];
       }
     }
     const uint abase = cur * (BM * SA), bbase = cur * (BK * SB);
@@ -131,13 +137,13 @@ void main() {
     }
     if (more) {
       const uint nxt = (cur ^ 1u);
-      [[unroll]] for (uint s = 0; s < NA; ++s) {
+      [[unroll]] for (uint s = 0; s < NA_MAX; ++s) {
         const uint q = s * WG + t;
-        As[nxt * (BM * SA) + (q / (BK / 8)) * SA + q % (BK / 8)] = ra[s];
+        if (s < NA) As[nxt * (BM * SA) + (q / (BK / 8)) * SA + q % (BK / 8)] = ra[s];
       }
-      [[unroll]] for (uint s = 0; s < NB; ++s) {
+      [[unroll]] for (uint s = 0; s < NB_MAX; ++s) {
         const uint q = s * WG + t;
-        Bs[nxt * (BK * SB) + (q / (BN / 8)) * SB + q % (BN / 8)] = rb[s];
+        if (s < NB) Bs[nxt * (BK * SB) + (q / (BN / 8)) * SB + q % (BN / 8)] = rb[s];
       }
     }
     barrier();
