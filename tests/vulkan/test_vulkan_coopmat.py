@@ -153,8 +153,12 @@ def test_every_variant_compiles_where_a_compiler_is_found(dtype: str, tmp_path: 
         assert p.returncode == 0, p.stderr
         words = out.read_bytes()
         assert struct.unpack_from("<I", words)[0] == 0x07230203
-        floats16 = [i for i in _parse(words) if i[0] & 0xFFFF == TYPE_FLOAT and i[2] == 16]
+        insts = _parse(words)
+        floats16 = [i for i in insts if i[0] & 0xFFFF == TYPE_FLOAT and i[2] == 16]
         assert floats16 and all(len(i) == (4 if dtype == "bf16" else 3) for i in floats16)
+        if opt:  # unrolled: accumulators, fragments and staging registers out of Function storage
+            assert not [i for i in insts if i[0] & 0xFFFF == 59 and i[3] == 7], name  # OpVariable
+            assert sum(i[0] & 0xFFFF == 246 for i in insts) == 1, name  # OpLoopMerge: the K loop
 
 
 def test_a_build_with_the_shaders_embeds_every_variant() -> None:
