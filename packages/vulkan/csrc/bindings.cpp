@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "backend.h"
+#include "coopmat.h"
 #include "ops/ops.h"
 
 namespace py = pybind11;
@@ -152,6 +153,7 @@ py::dict backend_info() {
     e["driver"] = d.driver;
     e["api_version"] = version_str(d.api_version);
     e["vk_index"] = d.vk_index;
+    e["coopmat"] = d.coopmat.summary();
     devices.append(e);
   }
   py::dict out;
@@ -202,6 +204,15 @@ PYBIND11_MODULE(_vk, m) {
   m.doc() = "recurra's Vulkan backend (native part)";
   m.attr("ABI_VERSION") = RECURRA_BACKEND_ABI_VERSION;
   m.attr("MAX_SRC") = RECURRA_MAX_SRC;
+  {
+    py::dict tiles;
+    for (const std::string& v : coopmat_variants()) {
+      int64_t bm = 0, bn = 0, bk = 0;
+      coopmat_tile(v, bm, bn, bk);
+      tiles[py::str(v)] = py::make_tuple(bm, bn, bk);
+    }
+    m.attr("COOPMAT_TILES") = tiles;
+  }
   m.def("backend_info", &backend_info,
         "Returns {'devices': [...], 'reason': str, 'table': PyCapsule} ('table' only when there are devices).");
   m.def("op_names", &op_names, "Names of the ops with a Vulkan kernel.");
@@ -280,6 +291,68 @@ PYBIND11_MODULE(_vk, m) {
       "Device memory recurra holds on one device: per pool (persistent, transient, internal: op scratch) the bytes "
       "in use and their peak; reserved_bytes (all blocks) and its peak; idle_bytes (empty blocks kept for reuse); "
       "blocks; blocks_made (driver allocations since the start). reset_peaks: set the peaks to what is held now (after reading them).");
+  m.def(
+      "coopmat_info",
+      [](int device) {
+        BackendSummary s = backend_summary();
+        if (device < 0 || static_cast<size_t>(device) >= s.devices.size())
+          throw py::value_error("no Vulkan device " + std::to_string(device) + " (there are " +
+                                std::to_string(s.devices.size()) + ")");
+        const CoopMatCaps& c = s.devices[device].coopmat;
+        py::dict out;
+        out["built"] = coopmat_built();
+        out["build_note"] = std::string(coopmat_build_note());
+        out["extension"] = c.extension;
+        out["feature"] = c.feature;
+        out["bf16_extension"] = c.bf16_extension;
+        out["bf16_type"] = c.bf16_type;
+        out["bf16_coopmat"] = c.bf16_coopmat;
+        out["float16"] = c.float16;
+        out["memory_model"] = c.memory_model;
+        out["subgroup_size"] = c.subgroup_size;
+        out["max_shared_bytes"] = c.max_shared_bytes;
+        py::list shapes;
+        for (const CoopMatShape& sh : c.shapes) shapes.append(sh.str());
+        out["shapes"] = shapes;
+        out["f16"] = c.why_not(false).empty();
+        out["bf16"] = c.why_not(true).empty();
+        out["f16_reason"] = c.why_not(false);
+        out["bf16_reason"] = c.why_not(true);
+        out["summary"] = c.summary();
+        out["variants"] = coopmat_variants();
+        return out;
+      },
+      py::arg("device") = 0,
+      "What device `device` offers for the tensor-core (VK_KHR_cooperative_matrix) matmul: the build's "
+      "shaders and note, the extensions and features, the cooperative matrix shapes, and per dtype whether it "
+      "runs ('f16', 'bf16') or why not ('f16_reason', 'bf16_reason').");
+  m.def(
+      "coopmat_matmul",
+      [](const py::array_t<uint16_t, py::array::c_style>& a, const py::array_t<uint16_t, py::array::c_style>& b,
+         const std::string& dtype, int reps, const std::string& variant, int device) {
+        if (dtype != "bf16" && dtype != "f16") throw py::value_error("dtype must be 'bf16' or 'f16', got '" + dtype + "'");
+        if (a.ndim() != 2 || b.ndim() != 2) throw py::value_error("a and b must be 2-D");
+        if (a.shape(1) != b.shape(0))
+          throw py::value_error("a is " + std::to_string(a.shape(0)) + "x" + std::to_string(a.shape(1)) + " and b " +
+                                std::to_string(b.shape(0)) + "x" + std::to_string(b.shape(1)) +
+                                ": the inner dimensions differ");
+        const int64_t m = a.shape(0), k = a.shape(1), n = b.shape(1);
+        py::array_t<float> c({m, n});
+        double sec = 0.0;
+        {
+          const uint16_t* pa = a.data();
+          const uint16_t* pb = b.data();
+          float* pc = c.mutable_data();
+          py::gil_scoped_release nogil;
+          sec = coopmat_matmul(device, pa, pb, pc, m, n, k, dtype == "bf16", variant, reps);
+        }
+        return py::make_tuple(c, sec);
+      },
+      py::arg("a"), py::arg("b"), py::arg("dtype") = "bf16", py::arg("reps") = 1, py::arg("variant") = "cm128",
+      py::arg("device") = 0,
+      "C (float32) = A @ B on the tensor cores: a (M, K) and b (K, N) uint16 arrays holding bf16 or f16 bits, "
+      "M, N, K multiples of the variant's tile. Runs once untimed, then reps times; returns (c, GPU seconds of "
+      "one run). NotImplementedError where the device or build lacks it.");
   m.def("shutdown", [] { backend_table()->shutdown(nullptr); },
         "Releases every device; the backend cannot be used afterwards.");
 

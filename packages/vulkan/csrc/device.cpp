@@ -214,6 +214,7 @@ Instance::Instance() {
     vkEnumerateDeviceExtensionProperties(h, nullptr, &n_dext, dext.data());
     for (const auto& e : dext)
       if (std::strcmp(e.extensionName, VK_EXT_MEMORY_BUDGET_EXTENSION_NAME) == 0) d.memory_budget = true;
+    d.coopmat = query_coopmat(instance_, h);
     usable.push_back(d);
   }
   std::stable_sort(usable.begin(), usable.end(),
@@ -304,10 +305,32 @@ Device::Device(const PhysicalDevice& pd) : info_(pd) {
   f12.bufferDeviceAddress = VK_TRUE;
   VkPhysicalDeviceFeatures2 f2{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2};
   f2.pNext = &f12;
+  // Tensor cores: the features the coopmat shaders need, only where the device offers them
+  // all (and the build has the shaders).
+  std::vector<const char*> exts;
+  VkPhysicalDeviceCooperativeMatrixFeaturesKHR cm{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR};
+  VkPhysicalDeviceShaderBfloat16FeaturesKHR bf{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_BFLOAT16_FEATURES_KHR};
+  coopmat_f16_ = info_.coopmat.why_not(false).empty();
+  coopmat_bf16_ = info_.coopmat.why_not(true).empty();
+  if (coopmat_f16_ || coopmat_bf16_) {
+    exts.push_back(VK_KHR_COOPERATIVE_MATRIX_EXTENSION_NAME);
+    cm.cooperativeMatrix = VK_TRUE;
+    f12.vulkanMemoryModel = VK_TRUE;
+    f12.shaderFloat16 = coopmat_f16_ ? VK_TRUE : VK_FALSE;
+    f12.pNext = &cm;
+  }
+  if (coopmat_bf16_) {
+    exts.push_back(VK_KHR_SHADER_BFLOAT16_EXTENSION_NAME);
+    bf.shaderBFloat16Type = VK_TRUE;
+    bf.shaderBFloat16CooperativeMatrix = VK_TRUE;
+    cm.pNext = &bf;
+  }
   VkDeviceCreateInfo ci{VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO};
   ci.pNext = &f2;
   ci.queueCreateInfoCount = 1;
   ci.pQueueCreateInfos = &qi;
+  ci.enabledExtensionCount = static_cast<uint32_t>(exts.size());
+  ci.ppEnabledExtensionNames = exts.empty() ? nullptr : exts.data();
   vk_check(vkCreateDevice(info_.handle, &ci, nullptr, &dev_), "vkCreateDevice");
   vkGetDeviceQueue(dev_, info_.queue_family, 0, &queue_);
   try {

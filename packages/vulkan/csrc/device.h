@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "common.h"
+#include "coopmat.h"
 #include "memory.h"
 #include "pipelines.h"
 
@@ -40,6 +41,7 @@ struct PhysicalDevice {
   float timestamp_period_ns = 1.0f;
   uint32_t vk_index = 0;  // position among usable devices (what RECURRA_VULKAN_DEVICE counts)
   VkDeviceSize max_allocation = 0;
+  CoopMatCaps coopmat;  // tensor cores through VK_KHR_cooperative_matrix (coopmat.h)
 
   // The largest buffer the core may ask for (recurra_device_info::max_buffer_bytes): the
   // device's largest allocation, at most its heap, at most RECURRA_VK_MAX_BUFFER_MB (which
@@ -122,6 +124,9 @@ class Device {
 
   const PhysicalDevice& info() const { return info_; }
   const DeviceLimits& limits() const { return limits_; }
+  // Whether the cooperative-matrix features for the f16 (bf16) shaders were enabled: exactly
+  // when the build has the shaders and the device offers what they need (CoopMatCaps::why_not).
+  bool coopmat_enabled(bool bf16) const { return bf16 ? coopmat_bf16_ : coopmat_f16_; }
 
   // --- the table's operations ------------------------------------------------------------
   recurra_buffer alloc(size_t nbytes, bool persistent);
@@ -184,6 +189,7 @@ class Device {
   std::deque<std::unique_ptr<Submission>> subs_;
   uint64_t next_serial_ = 1;
   bool lost_ = false;
+  bool coopmat_f16_ = false, coopmat_bf16_ = false;
   bool blocks_to_release_ = false;
   bool profile_env_ = false;
   bool profile_dispatch_ = false;

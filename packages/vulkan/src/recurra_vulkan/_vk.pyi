@@ -15,6 +15,8 @@ _R_co = TypeVar("_R_co", covariant=True)
 
 ABI_VERSION: int
 MAX_SRC: int
+# Tensor-core matmul variants: name -> (BM, BN, BK), the multiples M, N, K must be of.
+COOPMAT_TILES: dict[str, tuple[int, int, int]]
 
 def backend_info() -> dict[str, Any]: ...
 def op_names() -> list[str]: ...
@@ -51,4 +53,13 @@ profile_node: _Profiler[list[float]]
 profile_dispatches: _Profiler[list[tuple[str, float]]]
 
 def memory_info(device: int = 0, reset_peaks: bool = False) -> dict[str, Any]: ...
+def coopmat_info(device: int = 0) -> dict[str, Any]: ...
+def coopmat_matmul(
+    a: np.ndarray,
+    b: np.ndarray,
+    dtype: str = "bf16",
+    reps: int = 1,
+    variant: str = "cm128",
+    device: int = 0,
+) -> tuple[np.ndarray, float]: ...
 def shutdown() -> None: ...

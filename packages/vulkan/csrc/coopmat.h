@@ -1,0 +1,137 @@
+// Tensor cores through VK_KHR_cooperative_matrix: what a device offers (queried when the
+// instance lists its devices), the features enabled at device creation, and the standalone
+// bf16/f16 matmul (shaders/matmul_coopmat.comp) for benchmarks until the core has 16-bit
+// tensors.
+//
+// The Vulkan headers of Debian bookworm (1.3.239) predate VK_KHR_cooperative_matrix (1.3.255)
+// and VK_KHR_shader_bfloat16 (1.4.311): their types are declared here when missing, with the
+// values of the Vulkan registry.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "common.h"
+
+#ifndef VK_KHR_cooperative_matrix
+#define VK_KHR_cooperative_matrix 1
+#define VK_KHR_COOPERATIVE_MATRIX_EXTENSION_NAME "VK_KHR_cooperative_matrix"
+typedef enum VkComponentTypeKHR {
+  VK_COMPONENT_TYPE_FLOAT16_KHR = 0,
+  VK_COMPONENT_TYPE_FLOAT32_KHR = 1,
+  VK_COMPONENT_TYPE_FLOAT64_KHR = 2,
+  VK_COMPONENT_TYPE_SINT8_KHR = 3,
+  VK_COMPONENT_TYPE_SINT16_KHR = 4,
+  VK_COMPONENT_TYPE_SINT32_KHR = 5,
+  VK_COMPONENT_TYPE_SINT64_KHR = 6,
+  VK_COMPONENT_TYPE_UINT8_KHR = 7,
+  VK_COMPONENT_TYPE_UINT16_KHR = 8,
+  VK_COMPONENT_TYPE_UINT32_KHR = 9,
+  VK_COMPONENT_TYPE_UINT64_KHR = 10,
+  VK_COMPONENT_TYPE_MAX_ENUM_KHR = 0x7FFFFFFF
+} VkComponentTypeKHR;
+typedef enum VkScopeKHR {
+  VK_SCOPE_DEVICE_KHR = 1,
+  VK_SCOPE_WORKGROUP_KHR = 2,
+  VK_SCOPE_SUBGROUP_KHR = 3,
+  VK_SCOPE_QUEUE_FAMILY_KHR = 5,
+  VK_SCOPE_MAX_ENUM_KHR = 0x7FFFFFFF
+} VkScopeKHR;
+typedef struct VkCooperativeMatrixPropertiesKHR {
+  VkStructureType sType;
+  void* pNext;
+  uint32_t MSize;
+  uint32_t NSize;
+  uint32_t KSize;
+  VkComponentTypeKHR AType;
+  VkComponentTypeKHR BType;
+  VkComponentTypeKHR CType;
+  VkComponentTypeKHR ResultType;
+  VkBool32 saturatingAccumulation;
+  VkScopeKHR scope;
+} VkCooperativeMatrixPropertiesKHR;
+typedef struct VkPhysicalDeviceCooperativeMatrixFeaturesKHR {
+  VkStructureType sType;
+  void* pNext;
+  VkBool32 cooperativeMatrix;
+  VkBool32 cooperativeMatrixRobustBufferAccess;
+} VkPhysicalDeviceCooperativeMatrixFeaturesKHR;
+typedef VkResult(VKAPI_PTR* PFN_vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR)(
+    VkPhysicalDevice physicalDevice, uint32_t* pPropertyCount, VkCooperativeMatrixPropertiesKHR* pProperties);
+#define VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR ((VkStructureType)1000506000)
+#define VK_STRUCTURE_TYPE_COOPERATIVE_MATRIX_PROPERTIES_KHR ((VkStructureType)1000506001)
+#endif
+
+#ifndef VK_KHR_shader_bfloat16
+#define VK_KHR_shader_bfloat16 1
+#define VK_KHR_SHADER_BFLOAT16_EXTENSION_NAME "VK_KHR_shader_bfloat16"
+typedef struct VkPhysicalDeviceShaderBfloat16FeaturesKHR {
+  VkStructureType sType;
+  void* pNext;
+  VkBool32 shaderBFloat16Type;
+  VkBool32 shaderBFloat16DotProduct;
+  VkBool32 shaderBFloat16CooperativeMatrix;
+} VkPhysicalDeviceShaderBfloat16FeaturesKHR;
+#define VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_BFLOAT16_FEATURES_KHR ((VkStructureType)1000141000)
+#define VK_COMPONENT_TYPE_BFLOAT16_KHR ((VkComponentTypeKHR)1000141000)
+#endif
+
+namespace recurra_vk {
+
+class Device;
+struct PhysicalDevice;
+
+// One entry of vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR.
+struct CoopMatShape {
+  uint32_t m = 0, n = 0, k = 0;
+  uint32_t a = 0, b = 0, c = 0, result = 0;  // VkComponentTypeKHR
+  uint32_t scope = 0;                        // VkScopeKHR
+  bool saturating = false;
+  std::string str() const;  // e.g. "16x16x16 f16*f16+f32->f32 subgroup"
+};
+
+// What a physical device offers for the coopmat shaders.
+struct CoopMatCaps {
+  bool extension = false;       // VK_KHR_cooperative_matrix listed
+  bool feature = false;         // cooperativeMatrix
+  bool compute_stage = false;   // cooperativeMatrixSupportedStages has compute
+  bool bf16_extension = false;  // VK_KHR_shader_bfloat16 listed
+  bool bf16_type = false;       // shaderBFloat16Type
+  bool bf16_coopmat = false;    // shaderBFloat16CooperativeMatrix
+  bool float16 = false;         // shaderFloat16
+  bool memory_model = false;    // vulkanMemoryModel (glslang's coopmat SPIR-V uses it)
+  bool subgroup_basic = false;  // gl_SubgroupID in compute shaders
+  uint32_t subgroup_size = 0;
+  uint32_t max_shared_bytes = 0;
+  uint32_t max_workgroup_invocations = 0;
+  std::vector<CoopMatShape> shapes;
+
+  // "" when the f16 (bf16) shaders can run on the device, else why not (the build's reason
+  // first when the shaders were left out).
+  std::string why_not(bool bf16) const;
+  // A one-line summary for device info ("f16, bf16 (16x16x16, f32 accumulators)", "no: ...").
+  std::string summary() const;
+};
+
+// Queried for one physical device (instance-level calls only; never throws).
+CoopMatCaps query_coopmat(VkInstance instance, VkPhysicalDevice pd);
+
+// Whether the coopmat SPIR-V modules are in this build, and the build's note (the compiler
+// used, or why they were left out).
+bool coopmat_built();
+const char* coopmat_build_note();
+
+// Standalone tensor-core matmul: C (m x n, f32) = A (m x k) @ B (k x n), A and B 16-bit
+// floats (raw bits: bf16 or f16), row-major, M, N, K multiples of the variant's tile (see
+// coopmat_tile). Runs the shader `reps` times on device `index` (after one untimed
+// run) and returns the GPU seconds of one run (timestamps; wall clock around a fence when the
+// queue has none). Throws Error(RECURRA_ERR_UNSUPPORTED) when the device or build lacks it,
+// RECURRA_ERR_INVALID for bad shapes.
+double coopmat_matmul(int index, const uint16_t* a, const uint16_t* b, float* c, int64_t m, int64_t n, int64_t k,
+                      bool bf16, const std::string& variant, int reps);
+
+// The variants built ("cm128", ...): their C tile and K step, or false for an unknown name.
+bool coopmat_tile(const std::string& variant, int64_t& bm, int64_t& bn, int64_t& bk);
+std::vector<std::string> coopmat_variants();
+
+}  // namespace recurra_vk

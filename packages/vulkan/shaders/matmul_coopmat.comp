@@ -1,0 +1,157 @@
+// Tensor-core matmul through VK_KHR_cooperative_matrix: C (M x N, f32, row-major) =
+// A (M x K, 16-bit floats, row-major) @ B (K x N, 16-bit floats, row-major), fp32
+// accumulation.
+//
+// The 16-bit element type is float16_t here. The bf16 variant is this module with the
+// 16-bit float type rewritten to bfloat16 after compilation (tools/spirv_bf16.py): the
+// shader never does arithmetic on 16-bit values, it only moves their bits (uvec4 global
+// loads, uvec4 shared stores) and hands them to coopMatLoad, so the one f16 type left in the
+// SPIR-V is the component type of the A and B matrices.
+//
+// Tiling: a workgroup of NW subgroups (of the device's subgroup size: 32 on NVIDIA) owns a
+// BM x BN tile of C; subgroup w owns a WM x WN sub-tile, kept as
+// (WM/16) x (WN/16) 16x16x16 f32 accumulator matrices. K advances BK at a time: the next
+// BM x BK slab of A and BK x BN slab of B are read into registers (uvec4: 8 elements) while
+// the current ones are multiplied out of shared memory, then stored into the other shared
+// buffer; one barrier per step. Shared rows are padded by 8 elements (16 bytes), which
+// spreads the 16-byte row segments of a 16x16 load over all banks.
+//
+// Shapes (the host checks): M % BM == 0, N % BN == 0, K % BK == 0 (the standalone entry pads
+// with zeros), A, B, C 16-byte aligned.
+//
+// Build-time defines: BM BN BK WM WN (WM, WN, BK multiples of 16; BM/WM * BN/WN = NW
+// subgroups). Specialization constant 0 (csrc/coopmat.cpp): the workgroup size WG = NW * the
+// subgroup size (8 to 32; BM * BK / 8 and BK * BN / 8 must be multiples of it).
+#version 450
+#extension GL_KHR_cooperative_matrix : require
+#extension GL_KHR_memory_scope_semantics : require
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+#extension GL_EXT_buffer_reference : require
+#extension GL_EXT_buffer_reference_uvec2 : require
+#extension GL_EXT_control_flow_attributes : require
+
+#define NW ((BM / WM) * (BN / WN))  // subgroups per workgroup
+#define SA ((BK + 8) / 8)  // padded shared row of A, in uvec4
+#define SB ((BN + 8) / 8)  // padded shared row of B, in uvec4
+#define TM (WM / 16)
+#define TN (WN / 16)
+#define GROUP_M 8  // workgroups walk C in bands of 8 tile rows (L2 reuse of B)
+
+#if (BM * BK) % (8 * NW * 32) != 0 || (BK * BN) % (8 * NW * 32) != 0 || WM % 16 != 0 || WN % 16 != 0 || BK % 16 != 0
+#error "matmul_coopmat.comp: BM*BK and BK*BN must be multiples of 8*NW*32; WM, WN, BK multiples of 16"
+#endif
+
+layout(local_size_x_id = 0) in;  // NW * the subgroup size (csrc/coopmat.cpp)
+const uint WG = gl_WorkGroupSize.x;
+const uint NA = BM * BK / 8 / WG;  // uvec4 of the A slab per invocation and step
+const uint NB = BK * BN / 8 / WG;
+// The register arrays are sized for the smallest subgroup (8) and every loop over them runs to
+// that constant bound, skipping s >= NA: unrolled at build time, every index is a constant and
+// the arrays stay in registers (a loop bound of the specialization constant NA would keep them
+// in Function storage: local memory on NVIDIA, unless the driver unrolls after specializing).
+#define NA_MAX (BM * BK / 8 / (NW * 8))
+#define NB_MAX (BK * BN / 8 / (NW * 8))
+
+layout(buffer_reference, std430, buffer_reference_align = 16) readonly buffer U4Buf { uvec4 v[]; };
+layout(buffer_reference, std430, buffer_reference_align = 16) writeonly buffer FBuf { float v[]; };
+
+layout(push_constant) uniform PC {
+  uvec2 a, b, c;
+  uint M, N, K;
+} pc;
+
+shared uvec4 As[2 * BM * SA];
+shared uvec4 Bs[2 * BK * SB];
+
+void main() {
+  // Grouped order of the output tiles: consecutive workgroups share B columns.
+  const uint tiles_n = pc.N / BN, tiles_m = pc.M / BM;
+  const uint pid = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
+  const uint per_group = GROUP_M * tiles_n;
+  const uint first_m = (pid / per_group) * GROUP_M;
+  const uint group_m = min(tiles_m - first_m, uint(GROUP_M));
+  const uint tm = first_m + (pid % per_group) % group_m;
+  const uint tn = (pid % per_group) / group_m;
+  const uint m0 = tm * BM, n0 = tn * BN;
+
+  const uint t = gl_LocalInvocationID.x;
+  const uint w = gl_SubgroupID;
+  const uint wm = (w / (BN / WN)) * WM, wn = (w % (BN / WN)) * WN;
+  const uint k8 = pc.K / 8, n8 = pc.N / 8;
+
+  U4Buf a = U4Buf(pc.a);
+  U4Buf b = U4Buf(pc.b);
+
+  coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> acc[TM][TN];
+  [[unroll]] for (int i = 0; i < TM; ++i)
+    [[unroll]] for (int j = 0; j < TN; ++j)
+      acc[i][j] = coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
+
+  uvec4 ra[NA_MAX], rb[NB_MAX];
+  // Slab loads: invocation t takes items q = s * WG + t: row q / (cols/8), uvec4 column q % (cols/8).
+  [[unroll]] for (uint s = 0; s < NA_MAX; ++s) {
+    const uint q = s * WG + t;
+    if (s < NA) ra[s] = a.v[(m0 + q / (BK / 8)) * k8 + q % (BK / 8)];
+  }
+  [[unroll]] for (uint s = 0; s < NB_MAX; ++s) {
+    const uint q = s * WG + t;
+    if (s < NB) rb[s] = b.v[(q / (BN / 8)) * n8 + n0 / 8 + q % (BN / 8)];
+  }
+  [[unroll]] for (uint s = 0; s < NA_MAX; ++s) {
+    const uint q = s * WG + t;
+    if (s < NA) As[(q / (BK / 8)) * SA + q % (BK / 8)] = ra[s];
+  }
+  [[unroll]] for (uint s = 0; s < NB_MAX; ++s) {
+    const uint q = s * WG + t;
+    if (s < NB) Bs[(q / (BN / 8)) * SB + q % (BN / 8)] = rb[s];
+  }
+  barrier();
+
+  const uint steps = pc.K / BK;
+  for (uint step = 0; step < steps; ++step) {
+    const uint cur = step & 1u;
+    const bool more = step + 1 < steps;
+    if (more) {
+      const uint k0 = (step + 1) * BK;
+      [[unroll]] for (uint s = 0; s < NA_MAX; ++s) {
+        const uint q = s * WG + t;
+        if (s < NA) ra[s] = a.v[(m0 + q / (BK / 8)) * k8 + k0 / 8 + q % (BK / 8)];
+      }
+      [[unroll]] for (uint s = 0; s < NB_MAX; ++s) {
+        const uint q = s * WG + t;
+        if (s < NB) rb[s] = b.v[(k0 + q / (BN / 8)) * n8 + n0 / 8 + q % (BN / 8)];
+      }
+    }
+    const uint abase = cur * (BM * SA), bbase = cur * (BK * SB);
+    [[unroll]] for (int kk = 0; kk < BK; kk += 16) {
+      coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> fa[TM];
+      coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> fb[TN];
+      [[unroll]] for (int i = 0; i < TM; ++i)
+        coopMatLoad(fa[i], As, abase + (wm + i * 16) * SA + kk / 8, SA, gl_CooperativeMatrixLayoutRowMajor);
+      [[unroll]] for (int j = 0; j < TN; ++j)
+        coopMatLoad(fb[j], Bs, bbase + kk * SB + (wn + j * 16) / 8, SB, gl_CooperativeMatrixLayoutRowMajor);
+      [[unroll]] for (int i = 0; i < TM; ++i)
+        [[unroll]] for (int j = 0; j < TN; ++j)
+          acc[i][j] = coopMatMulAdd(fa[i], fb[j], acc[i][j]);
+    }
+    if (more) {
+      const uint nxt = (cur ^ 1u);
+      [[unroll]] for (uint s = 0; s < NA_MAX; ++s) {
+        const uint q = s * WG + t;
+        if (s < NA) As[nxt * (BM * SA) + (q / (BK / 8)) * SA + q % (BK / 8)] = ra[s];
+      }
+      [[unroll]] for (uint s = 0; s < NB_MAX; ++s) {
+        const uint q = s * WG + t;
+        if (s < NB) Bs[nxt * (BK * SB) + (q / (BN / 8)) * SB + q % (BN / 8)] = rb[s];
+      }
+    }
+    barrier();
+  }
+
+  FBuf c = FBuf(pc.c);
+  [[unroll]] for (int i = 0; i < TM; ++i)
+    [[unroll]] for (int j = 0; j < TN; ++j)
+      coopMatStore(acc[i][j], c.v, (m0 + wm + i * 16) * pc.N + n0 + wn + j * 16, pc.N,
+                   gl_CooperativeMatrixLayoutRowMajor);
+}
