@@ -31,7 +31,7 @@ def test_2_byte_nodes_fall_back_to_the_cpu(vulkan: str, dtype: np.dtype) -> None
     g.set_output(h)
     g.set_data(x, a)
     g.compute()
-    assert g.backend_of(y) == "cpu" and g.backend_of(h) == vulkan
+    assert g.backend_of(y) == "cpu" and g.backend_of(h).startswith("vulkan")
     got = g.get_data(y)
     assert got.dtype == dtype
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
