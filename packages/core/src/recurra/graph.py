@@ -37,7 +37,7 @@ class GraphTensor(TensorOps):
         self.graph = graph
         self.id = node_id
         self.shape = shape
-        self.dtype = dtype
+        self.dtype = as_dtype(dtype)
         self.name = name
 
     @property
