@@ -115,8 +115,18 @@ def test_dtype_objects_numpy_round_trip_and_storage():
         assert rc.tensor([x], dtype=name).numpy()[0] == np.array([x]).astype(NP[name])[0]
     assert rc.tensor(np.ones(3)).dtype == rc.float32  # float64 still becomes float32
     assert rc.tensor([1, 2]).to(rc.int32).dtype == rc.int32  # same dtype: the same tensor
-    with pytest.raises(TypeError, match="casts convert between float32"):
+    with pytest.raises(TypeError, match="cast: converts between float32"):
         rc.tensor([1, 2]).to(rc.bfloat16)
+    # the graph API casts with ops.cast (Tensor.to is the same op)
+    g = rc.Graph()
+    x = g.input((3,))
+    y = ops.cast(x, rc.float16)
+    g.set_output(y)
+    g.set_data(x, np.array([1 + 2.0**-11, 65520.0, -0.1], np.float32))
+    g.compute()
+    got = g.get_data(y)
+    assert y.dtype == rc.float16 and got.dtype == F16
+    np.testing.assert_array_equal(got, np.array([1.0, np.inf, -0.1], np.float16))
 
 
 @pytest.mark.parametrize("name", DTYPES)

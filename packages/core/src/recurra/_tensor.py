@@ -315,14 +315,10 @@ class Tensor(TensorOps):
         return t
 
     def _cast(self, dtype: DType) -> Tensor:
-        if dtype == self.dtype:
-            return self
-        if not dtype.is_floating or not self.dtype.is_floating:
-            raise TypeError(
-                f"to({dtype}): casts convert between float32, bfloat16 and float16, "
-                f"not {self.dtype} -> {dtype}"
-            )
-        return LAZY.apply("cast", [self], (dtype.code,), ())
+        from recurra.ops import cast
+
+        out: Tensor = cast(self, dtype)
+        return out
 
     # In-place update of a leaf's data (used by optimizers and users alike).
     def assign_(self, value: Any) -> Tensor:

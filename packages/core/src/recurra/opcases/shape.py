@@ -164,6 +164,26 @@ def data_cases() -> list[OpCase]:
         shape_b[axis] = 2
         out.append(_concat_case(f"3x4x5_axis{axis}", axis, (3, 4, 5), tuple(shape_b)))
     out += [
+        OpCase(
+            "cast",
+            "to_bfloat16",
+            _x(3, 4, 5),
+            lambda x: ops.cast(x, "bfloat16"),
+            ref=lambda x: x,
+            ref_tol=(2.0**-8, 0.0),  # half an ulp of bfloat16 (tests/core/test_dtypes.py: bits)
+            grad=False,
+            node=Node("cast", (2,)),
+        ),
+        OpCase(
+            "cast",
+            "to_float16",
+            _x(3, 4, 5),
+            lambda x: ops.cast(x, "float16"),
+            ref=lambda x: x,
+            ref_tol=(2.0**-11, 0.0),
+            grad=False,
+            node=Node("cast", (3,)),
+        ),
         _pad_case("2d", (3, 4), ((1, 2), (0, 3)), 0.5),
         _pad_case("3d_uniform", (3, 4, 5), 1, 0.0),
         _pad_case("17", (17,), (2, 3), 0.0),
