@@ -53,7 +53,13 @@ MYPY = "mypy==2.4.1"
 # The third-party packages whose types the sources use, pinned so that a new release of
 # their stubs cannot turn a green run red by itself. Optional ones (torch, tokenizers,
 # matplotlib) are left out: mypy.ini treats them as untyped.
-TYPE_DEPS = ["numpy==2.4.6", "typer==0.29.2", "rich==15.0.0", "safetensors==0.8.0"]
+TYPE_DEPS = [
+    "numpy==2.4.6",
+    "ml_dtypes==0.7.0",
+    "typer==0.29.2",
+    "rich==15.0.0",
+    "safetensors==0.8.0",
+]
 PEERS = ["torch==2.13.0", "ggml-python==0.0.45"]
 MODEL_PEERS = ["torch==2.13.0", "transformers>=5,<6", "tokenizers>=0.20"]
 

@@ -1,4 +1,5 @@
-"""Random shapes, dtypes and parameters thrown at every op of the native op table.
+"""Random shapes, dtypes (bfloat16 and float16 too) and parameters thrown at every op of
+the native op table.
 
 Whatever comes in, only Python exceptions may come out (ValueError, TypeError,
 IndexError, MemoryError, RuntimeError): never a crash or an abort. When an op accepts its
@@ -18,13 +19,14 @@ OPS = sorted(_core.op_names())
 ALLOWED = (ValueError, TypeError, IndexError, MemoryError, RuntimeError)
 
 shapes = st.lists(st.integers(0, 5), min_size=0, max_size=4).map(tuple)
-dtypes = st.sampled_from(["float32", "float32", "float32", "int32"])
+dtypes = st.sampled_from(["float32", "float32", "float32", "int32", "bfloat16", "float16"])
 
 
 @st.composite
 def arrays(draw):
     shape = draw(shapes)
-    if draw(dtypes) == "int32":
+    dtype = draw(dtypes)
+    if dtype == "int32":
         return np.asarray(
             draw(
                 st.lists(
@@ -33,9 +35,8 @@ def arrays(draw):
             ),
             np.int32,
         ).reshape(shape)
-    return (
-        np.random.default_rng(draw(st.integers(0, 2**16))).standard_normal(shape).astype(np.float32)
-    )
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    return rng.standard_normal(shape).astype(rc.DType(dtype).numpy)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

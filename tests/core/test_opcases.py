@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from recurra import opcases
-from recurra.ops import apply
+from recurra.ops import apply, spec
 
 CASES = opcases.cases()
 
@@ -96,3 +96,60 @@ def test_a_wrong_gradient_is_reported(monkeypatch):
     monkeypatch.setattr(_run, "_grads", off)
     errs = opcases.fd_errors(case)
     assert errs and "gradient of x" in errs[0]
+
+
+# ---- bfloat16 / float16: every one-node case per dtype ------------------------------------
+_SPEC = spec()
+HALF_DTYPES = ["bfloat16", "float16"]
+NODE_CASES = [c for c in CASES if c.node is not None and c.update is None]
+HALF_CASES = [
+    c
+    for c in NODE_CASES
+    if "bfloat16" in _SPEC[c.node.op].dtypes
+    and c.op != "cast"  # its result's dtype is its own: tests/core/test_dtypes.py
+    and any(v.dtype == np.float32 for v in c.make_inputs().values())
+]
+FLOAT32_ONLY = [c for c in NODE_CASES if "bfloat16" not in _SPEC[c.node.op].dtypes]
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("case", HALF_CASES, ids=_ids(HALF_CASES))
+def test_forward_in_2_byte_floats_matches_the_float64_reference(case, dtype):
+    """Inputs rounded to the dtype, the op in float32, its result rounded once: within half
+    an ulp of the float64 reference on the same inputs (plus the case's float32 tolerance)."""
+    assert opcases.half_errors(case, dtype) == []
+
+
+GRAD_HALF = [c for c in HALF_CASES if c.grad and not c.nonfinite]
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("case", GRAD_HALF, ids=_ids(GRAD_HALF))
+def test_gradient_in_2_byte_floats_matches_float32(case, dtype):
+    assert opcases.half_grad_errors(case, dtype) == []
+
+
+@pytest.mark.parametrize("case", FLOAT32_ONLY, ids=_ids(FLOAT32_ONLY))
+def test_float32_only_ops_refuse_bfloat16_when_the_node_is_made(case):
+    import ml_dtypes
+
+    data = case.make_inputs()
+    srcs = [v.astype(ml_dtypes.bfloat16) if v.dtype == np.float32 else v for v in data.values()]
+    with pytest.raises(TypeError, match=rf"^{case.node.op}: input \d+ is bfloat16.*float32 only"):
+        apply(case.node.op, srcs, ip=case.node.ip, fp=case.node.fp)
+
+
+def test_every_op_case_family_has_2_byte_cases():
+    assert len(HALF_CASES) > 300 and FLOAT32_ONLY
+    assert {c.node.op for c in HALF_CASES} >= {"matmul", "add", "silu", "sum", "softmax"}
+
+
+def test_a_reference_off_by_an_ulp_is_reported_in_2_byte_floats():
+    """The per-dtype harness can fail: one ulp (2^-7 for bfloat16) is beyond its bound."""
+    import dataclasses
+
+    case = next(c for c in HALF_CASES if c.id == "exp/17")
+    assert opcases.half_errors(case, "bfloat16") == []
+    bad = dataclasses.replace(case, ref=lambda x: np.exp(x) * (1 + 2.0**-7))
+    errs = opcases.half_errors(bad, "bfloat16")
+    assert len(errs) == 1 and "exp/17 in bfloat16" in errs[0]

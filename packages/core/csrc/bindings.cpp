@@ -21,10 +21,20 @@ namespace {
 DType parse_dtype(const std::string& s) {
   if (s == "float32" || s == "f32") return DType::f32;
   if (s == "int32" || s == "i32") return DType::i32;
-  throw TypeError("unsupported dtype '" + s + "': recurra tensors are float32 or int32");
+  if (s == "bfloat16" || s == "bf16") return DType::bf16;
+  if (s == "float16" || s == "f16") return DType::f16;
+  throw TypeError("unsupported dtype '" + s + "': recurra tensors are float32, bfloat16, float16 or int32");
 }
 
-py::dtype np_dtype(DType t) { return t == DType::f32 ? py::dtype::of<float>() : py::dtype::of<int32_t>(); }
+// numpy's dtype for t; bfloat16 is ml_dtypes' (a dependency of recurra-core).
+py::dtype np_dtype(DType t) {
+  switch (t) {
+    case DType::i32: return py::dtype::of<int32_t>();
+    case DType::bf16: return py::dtype::from_args(py::module_::import("ml_dtypes").attr("bfloat16"));
+    case DType::f16: return py::dtype("float16");
+    default: return py::dtype::of<float>();
+  }
+}
 
 // A Graph plus the Python objects whose memory its leaves point into.
 class PyGraph {
@@ -54,7 +64,10 @@ class PyGraph {
     py::buffer_info info = obj.request();
     const bool is_f32 = info.format == py::format_descriptor<float>::format();
     const bool is_i32 = info.itemsize == 4 && (info.format == "i" || info.format == "l" || info.format == "=i");
-    if ((n.dtype == DType::f32 && !is_f32) || (n.dtype == DType::i32 && !is_i32))
+    // bfloat16 and float16 arrive as their 2-byte patterns (numpy float16 or uint16: a
+    // buffer of ml_dtypes' bfloat16 has no format Python's buffer protocol knows).
+    const bool is_16 = info.itemsize == 2 && (info.format == "e" || info.format == "H" || info.format == "=H");
+    if ((n.dtype == DType::f32 && !is_f32) || (n.dtype == DType::i32 && !is_i32) || (is_half(n.dtype) && !is_16))
       throw TypeError("set_data: leaf " + std::to_string(id) + " is " + dtype_name(n.dtype) +
                       ", got buffer of format '" + info.format + "'");
     if (info.size != n.numel())
@@ -304,6 +317,11 @@ PYBIND11_MODULE(_core, m) {
       e["output"] = t[i].output;
       e["backward"] = t[i].backward;
       e["decomposition"] = t[i].decomposition;
+      // RECURRA_OPS_HALF: the float dtypes the op takes
+      if (recurra_op_takes_half(t[i].name))
+        e["dtypes"] = py::make_tuple("float32", "bfloat16", "float16");
+      else
+        e["dtypes"] = py::make_tuple("float32");
       out.append(e);
     }
     return out;

@@ -13,10 +13,23 @@ namespace recurra {
 
 constexpr int kMaxDims = 4;
 
-enum class DType : int32_t { f32 = 0, i32 = 1 };
+// The codes are recurra_dtype's (backend.h).
+enum class DType : int32_t { f32 = 0, i32 = 1, bf16 = 2, f16 = 3 };
+constexpr int kNumDTypes = 4;
 
-inline const char* dtype_name(DType t) { return t == DType::f32 ? "float32" : "int32"; }
-inline size_t dtype_size(DType) { return 4; }
+inline const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::f32: return "float32";
+    case DType::i32: return "int32";
+    case DType::bf16: return "bfloat16";
+    case DType::f16: return "float16";
+  }
+  return "unknown";
+}
+inline size_t dtype_size(DType t) { return t == DType::bf16 || t == DType::f16 ? 2 : 4; }
+// bfloat16 or float16: stored in 2 bytes, computed in float32 (see half.h).
+inline bool is_half(DType t) { return t == DType::bf16 || t == DType::f16; }
+inline bool is_float(DType t) { return t != DType::i32; }
 
 // Errors. bindings.cpp maps them onto Python's ValueError, TypeError, MemoryError and
 // RuntimeError; nothing in the core aborts the process.

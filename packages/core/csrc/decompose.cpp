@@ -111,9 +111,13 @@ bool cpu_refuses(const std::string& name) {
 
 }  // namespace
 
+static_assert(RECURRA_F32 == static_cast<int>(DType::f32) && RECURRA_I32 == static_cast<int>(DType::i32) &&
+                  RECURRA_BF16 == static_cast<int>(DType::bf16) && RECURRA_F16 == static_cast<int>(DType::f16),
+              "DType and recurra_dtype share their codes");
+
 recurra_tensor_desc shape_desc(const Node& n) {
   recurra_tensor_desc d{};
-  d.dtype = n.dtype == DType::f32 ? RECURRA_F32 : RECURRA_I32;
+  d.dtype = static_cast<recurra_dtype>(static_cast<int>(n.dtype));  // the same codes
   d.ndim = n.shape.ndim;
   for (int i = 0; i < kMaxDims; ++i) {
     d.shape[i] = i < n.shape.ndim ? n.shape.d[i] : 1;
@@ -133,7 +137,7 @@ bool Graph::backend_supports(int b, const Node& nd) const {
   desc.n_src = static_cast<int32_t>(nd.src.size());
   for (size_t i = 0; i < nd.src.size(); ++i) {
     desc.src[i] = shape_desc(nodes_[nd.src[i]]);
-    desc.src[i].offset = static_cast<size_t>(nodes_[nd.src[i]].view_offset) * 4;
+    desc.src[i].offset = static_cast<size_t>(nodes_[nd.src[i]].view_offset) * dtype_size(nodes_[nd.src[i]].dtype);
   }
   desc.n_ip = static_cast<int32_t>(nd.ip.size());
   desc.ip = nd.ip.data();

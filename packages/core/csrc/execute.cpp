@@ -11,6 +11,8 @@
 #include <unordered_map>
 
 #include "graph.h"
+#include "half.h"
+#include "ops/kernel_util.h"
 #include "profile.h"
 #include "memory.h"
 #include "schedule.h"
@@ -23,6 +25,65 @@ void scatter_last_axis(const TensorView& dst, const std::vector<TensorView>& par
                        const std::vector<int64_t>& begin, ThreadPool& tp);  // ops/views.cpp
 
 void Graph::AlignedFree::operator()(void* p) const { host_free(p); }
+
+namespace {
+
+bool touches_half(const KernelCtx& c) {
+  if (is_half(c.dst.dtype)) return true;
+  for (const auto& v : c.src)
+    if (is_half(v.dtype)) return true;
+  return false;
+}
+
+// Host scratch of float32, given back when it goes out of scope.
+struct F32Scratch {
+  float* p = nullptr;
+  explicit F32Scratch(int64_t n) : p(static_cast<float*>(host_alloc(std::max<int64_t>(n, 1) * sizeof(float)))) {}
+  ~F32Scratch() { host_free(p); }
+  F32Scratch(const F32Scratch&) = delete;
+  F32Scratch& operator=(const F32Scratch&) = delete;
+};
+
+// Runs a float32 kernel on a node with bfloat16/float16 tensors: each such source is
+// converted to float32 over the span of memory its view reaches (so its strides, broadcast
+// axes included, stay as they are), the kernel writes a float32 output, which is rounded to
+// the output's dtype (to nearest even). Accumulation inside the kernel is float32.
+void run_in_f32(KernelCtx& ctx, const std::function<void(KernelCtx&)>& kernel) {
+  std::vector<std::unique_ptr<F32Scratch>> scratch;
+  auto widen = [&](TensorView& v) {
+    if (!is_half(v.dtype)) return;
+    int64_t lo = 0, hi = 0;  // element offsets the view reaches, relative to v.data
+    for (int i = 0; i < v.shape.ndim; ++i) {
+      if (v.shape.d[i] == 0) return;  // empty: nothing to read
+      const int64_t reach = (v.shape.d[i] - 1) * v.strides[i];
+      (reach < 0 ? lo : hi) += reach;
+    }
+    const int64_t n = hi - lo + 1;
+    scratch.push_back(std::make_unique<F32Scratch>(n));
+    float* f = scratch.back()->p;
+    const uint16_t* h = static_cast<const uint16_t*>(v.data) + lo;
+    const DType t = v.dtype;
+    ctx.pool.parallel_for(n, kGrainElems, [&](int64_t b, int64_t e, int) { half_to_f32(t, h + b, f + b, e - b); });
+    v.data = f - lo;
+    v.dtype = DType::f32;
+  };
+  for (auto& v : ctx.src) widen(v);
+  TensorView out = ctx.dst;  // dense: a node's own memory
+  if (is_half(out.dtype)) {
+    scratch.push_back(std::make_unique<F32Scratch>(out.numel()));
+    ctx.dst.data = scratch.back()->p;
+    ctx.dst.dtype = DType::f32;
+  }
+  kernel(ctx);
+  if (is_half(out.dtype)) {
+    const float* f = ctx.dst.f32();
+    auto* h = static_cast<uint16_t*>(out.data);
+    ctx.pool.parallel_for(out.numel(), kGrainElems,
+                          [&](int64_t b, int64_t e, int) { f32_to_half(out.dtype, f + b, h + b, e - b); });
+  }
+}
+
+}  // namespace
 
 void Graph::bind(int id, void* data) {
   Node& n = node(id);
@@ -191,6 +252,7 @@ void Graph::compute() {
   const OpTable& tab = OpTable::get();
   const PoolLease lease;  // set_num_threads waits for this computation to end
   ThreadPool& tp = lease.pool();
+  const int cast_op = tab.find("cast");
   for (const auto& sp : place_.splits) {
     for (int m : sp.mirrors) {
       Placement::Mirror& mr = place_.mirrors[m];
@@ -225,7 +287,10 @@ void Graph::compute() {
       KernelCtx ctx{n, host_view(j, kCpuBackend), {}, tp};
       ctx.src.reserve(n.src.size());
       for (int s : n.src) ctx.src.push_back(host_view(s, kCpuBackend));
-      tab.at(n.op).forward(ctx);
+      if (n.op != cast_op && touches_half(ctx))
+        run_in_f32(ctx, tab.at(n.op).forward);
+      else
+        tab.at(n.op).forward(ctx);
       if (prof) profile_record(profile_key(n, tab.at(n.op).name, ctx.src), elapsed_ns(t0));
     }
   }

@@ -93,7 +93,8 @@ void require_f32(const Graph& g, const Node& n, int i) {
     throw ValueError(OpTable::get().at(n.op).name + ": expected at least " + std::to_string(i + 1) +
                      " inputs, got " + std::to_string(n.src.size()));
   const Node& s = g.node(n.src[i]);
-  if (s.dtype != DType::f32)
+  // bfloat16/float16 reach an op's infer only when the op takes them (Graph::op checks).
+  if (!is_float(s.dtype))
     throw TypeError(OpTable::get().at(n.op).name + ": input " + std::to_string(i) +
                     " must be float32, got " + dtype_name(s.dtype));
 }
@@ -180,7 +181,8 @@ int Graph::push(Node n) {
 int Graph::leaf(DType dtype, Shape shape, uint32_t flags, const std::string& name) {
   if (shape.ndim > kMaxDims) throw ValueError("at most 4 axes are supported");
   check_size(name.empty() ? std::string("leaf") : "leaf '" + name + "'", shape, dtype);
-  if ((flags & kParam) && dtype != DType::f32) throw TypeError("parameters must be float32");
+  if ((flags & kParam) && !is_float(dtype))
+    throw TypeError("parameters must be float32, bfloat16 or float16");
   Node n;
   n.dtype = dtype;
   n.shape = shape;
@@ -188,6 +190,36 @@ int Graph::leaf(DType dtype, Shape shape, uint32_t flags, const std::string& nam
   n.flags = flags;
   n.name = name;
   return push(std::move(n));
+}
+
+// The bfloat16/float16 dtype of op `name`'s float sources (f32 when none has one). Raises
+// TypeError when the op does not take them (RECURRA_OPS_HALF in recurra/op_spec.h) or the
+// sources mix float dtypes: there is no implicit promotion.
+DType Graph::half_dtype_of(const std::string& name, const std::vector<int>& src) const {
+  DType half = DType::f32;
+  int first = -1, f32_src = -1;
+  for (size_t i = 0; i < src.size(); ++i) {
+    const DType t = nodes_[src[i]].dtype;
+    if (t == DType::f32 && f32_src < 0) f32_src = static_cast<int>(i);
+    if (!is_half(t)) continue;
+    if (first >= 0 && t != half)
+      throw TypeError(name + ": inputs " + std::to_string(first) + " and " + std::to_string(i) +
+                      " are " + dtype_name(half) + " and " + dtype_name(t) +
+                      "; recurra does not promote dtypes: cast one with .to()");
+    if (first < 0) first = static_cast<int>(i);
+    half = t;
+  }
+  if (!is_half(half)) return half;
+  if (!recurra_op_takes_half(name.c_str()))
+    throw TypeError(name + ": input " + std::to_string(first) + " is " + dtype_name(half) + ", but " +
+                    name + " takes float32 only; cast it with .to(recurra.float32) first");
+  if (f32_src >= 0 && name != "cast")
+    throw TypeError(name + ": inputs " + std::to_string(std::min(first, f32_src)) + " and " +
+                    std::to_string(std::max(first, f32_src)) + " are " +
+                    (first < f32_src ? std::string(dtype_name(half)) + " and float32" :
+                                       std::string("float32 and ") + dtype_name(half)) +
+                    "; recurra does not promote dtypes: cast one with .to()");
+  return half;
 }
 
 static bool node_contiguous(const Node& n) {
@@ -207,12 +239,16 @@ int Graph::op(const std::string& name, std::vector<int> src, std::vector<int64_t
   for (size_t i = 0; i < src.size() && i < 32; ++i)
     if ((def.contiguous_srcs >> i) & 1u)
       if (!node_contiguous(nodes_[src[i]])) src[i] = contiguous(src[i]);
+  const DType half = half_dtype_of(name, src);
   Node n;
   n.op = id;
   n.src = std::move(src);
   n.ip = std::move(ip);
   n.fp = std::move(fp);
   def.infer(*this, n);
+  // An op taking bfloat16/float16 computes in float32 on the CPU; its output has the
+  // sources' dtype (cast and fill set their own).
+  if (is_half(half) && n.dtype == DType::f32 && name != "cast") n.dtype = half;
   check_counts(tab.spec(id), n);
   if (n.shape.ndim > kMaxDims) throw ValueError(name + ": result would have more than 4 axes");
   check_size(name, n.shape, n.dtype);
@@ -256,7 +292,7 @@ void Graph::clone_segment(int seg, int end, std::vector<int>& clone_of) {
 
 void Graph::build_backward(int loss, int seed) {
   const Node& L = node(loss);
-  if (L.dtype != DType::f32) throw TypeError("backward: the loss must be float32");
+  if (!is_float(L.dtype)) throw TypeError("backward: the loss must be a float tensor");
   if (seed < 0 && L.numel() != 1)
     throw ValueError("backward: the loss must be a scalar (got shape " + L.shape.str() +
                      "); pass a gradient of that shape to differentiate a non-scalar");
@@ -296,7 +332,7 @@ void Graph::build_backward(int loss, int seed) {
                        "' updates memory in place and cannot run twice; build it outside the "
                        "recompute block");
   }
-  grads[loss] = seed >= 0 ? seed : fill(L.shape, 1.0);
+  grads[loss] = seed >= 0 ? seed : fill(L.shape, 1.0, L.dtype);
 
   std::vector<int> clone_of(loss + 1, -1);  // node of a segment -> its recomputed copy
   for (int i = loss; i >= 0; --i) {

@@ -276,6 +276,7 @@ class Graph {
 
  private:
   int push(Node n);
+  DType half_dtype_of(const std::string& name, const std::vector<int>& src) const;
   void clone_segment(int seg, int end, std::vector<int>& clone_of);
   void check_ready() const;
   int location(int id) const;  // backend holding node id's data (views: their base's)
@@ -319,7 +320,8 @@ Shape broadcast_shapes(const char* op, const Shape& a, const Shape& b);
 std::string shapes_str(const Graph& g, const Node& n);
 // Throws ValueError "<op>: <msg>; got shapes ..." for node n.
 [[noreturn]] void fail_shape(const Graph& g, const Node& n, const std::string& msg);
-// Requires source i to have dtype f32 (TypeError otherwise).
+// Requires source i to have a float dtype (TypeError otherwise): f32, or bf16/f16 for the
+// ops that take them (Graph::op refuses them for the others before infer runs).
 void require_f32(const Graph& g, const Node& n, int i);
 // Strides of `src` broadcast up to `shape` (0 on broadcast axes); the view's own strides
 // are aligned right like numpy.

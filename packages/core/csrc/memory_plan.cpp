@@ -191,7 +191,7 @@ const MemoryPlan& Graph::plan() {
     const int add_op = tab.find("add");
     for (int j = 0; j < n; ++j) {
       const Node& nd = nodes_[j];
-      if (nd.op != add_op || nd.src.size() != 2) continue;
+      if (nd.op != add_op || nd.src.size() != 2 || nd.dtype != DType::f32) continue;
       Scatter a, b, m;
       bool ok = true;
       for (int k = 0; k < 2 && ok; ++k) {

@@ -128,11 +128,17 @@ void Graph::assign_backends() {
     }
     if (chosen < 0) {
       if (strict_ && !backends_.empty()) {
-        std::string names;
-        for (int b : backends_) names += (names.empty() ? "" : ", ") + backend_name(b);
+        std::string names, why;
+        for (int b : backends_) {
+          names += (names.empty() ? "" : ", ") + backend_name(b);
+          const auto* t = backend_entry(b).table;
+          const char* m = t->get_last_error ? t->get_last_error(t->ctx) : nullptr;  // its supports_op's reason
+          if (m && *m) why += " (" + backend_name(b) + ": " + m + ")";
+        }
         throw StateError("strict placement: op '" + tab.at(nd.op).name + "' with shapes " +
-                         shapes_str(*this, nd) + " -> " + nd.shape.str() + " is not supported by " +
-                         names + "; allow CPU fallback (strict=False) or change the graph");
+                         shapes_str(*this, nd) + " -> " + nd.shape.str() + " " + dtype_name(nd.dtype) +
+                         " is not supported by " + names + why +
+                         "; allow CPU fallback (strict=False) or change the graph");
       }
       chosen = kCpuBackend;
     }

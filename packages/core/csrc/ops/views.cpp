@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "../graph.h"
+#include "../half.h"
 #include "kernel_util.h"
 
 namespace recurra {
@@ -453,7 +454,9 @@ void register_view_ops(OpTable& t) {
     d.name = "fill";
     d.infer = [](Graph& g, Node& n) {
       if (!n.src.empty() || n.fp.size() != 2) fail_shape(g, n, "takes no inputs and (value, dtype)");
-      if (n.fp[RECURRA_P_DTYPE] != 0.0 && n.fp[RECURRA_P_DTYPE] != 1.0) fail_shape(g, n, "dtype code must be 0 (float32) or 1 (int32)");
+      const double code = n.fp[RECURRA_P_DTYPE];
+      if (code != 0.0 && code != 1.0 && code != 2.0 && code != 3.0)
+        fail_shape(g, n, "dtype code must be 0 (float32), 1 (int32), 2 (bfloat16) or 3 (float16)");
       n.shape = Shape::from(n.ip);
       n.dtype = static_cast<DType>(static_cast<int>(n.fp.at(1)));
     };
@@ -484,6 +487,49 @@ void register_view_ops(OpTable& t) {
     d.forward = sum_to_forward;
     d.backward = [](GradSink& k) {
       k.add(0, k.g.contiguous(k.g.broadcast_to(k.grad_out, k.g.node(k.node.src[0]).shape)));
+    };
+    t.add(std::move(d));
+  }
+  {
+    // cast(x) to the float dtype ip[0]: f32 <-> bf16/f16 (through f32 between the two).
+    OpDef d;
+    d.name = "cast";
+    d.infer = [](Graph& g, Node& n) {
+      if (n.src.size() != 1 || n.ip.size() != 1) fail_shape(g, n, "takes one input and a dtype code");
+      const Node& s = g.node(n.src[0]);
+      const int64_t code = n.ip[RECURRA_P_TO_DTYPE];
+      if (code < 0 || code >= kNumDTypes || !is_float(static_cast<DType>(code)))
+        throw TypeError("cast: the target dtype code must be 0 (float32), 2 (bfloat16) or 3 (float16), got " +
+                        std::to_string(code));
+      if (!is_float(s.dtype)) throw TypeError(std::string("cast: converts float tensors, got ") + dtype_name(s.dtype));
+      n.dtype = static_cast<DType>(code);
+      n.shape = s.shape;
+    };
+    d.contiguous_srcs = 1u;
+    d.forward = [](KernelCtx& c) {
+      const DType from = c.src[0].dtype, to = c.dst.dtype;
+      const int64_t total = c.dst.numel();
+      const void* sp = c.src[0].data;
+      void* dp = c.dst.data;
+      c.pool.parallel_for(total, kGrainElems * 4, [&](int64_t b, int64_t e, int) {
+        float buf[256];
+        for (int64_t i = b; i < e; i += 256) {
+          const int64_t m = std::min<int64_t>(256, e - i);
+          const float* f = buf;
+          if (from == DType::f32)
+            f = static_cast<const float*>(sp) + i;
+          else
+            half_to_f32(from, static_cast<const uint16_t*>(sp) + i, buf, m);
+          if (to == DType::f32)
+            std::memcpy(static_cast<float*>(dp) + i, f, m * sizeof(float));
+          else
+            f32_to_half(to, f, static_cast<uint16_t*>(dp) + i, m);
+        }
+      });
+    };
+    d.backward = [](GradSink& k) {
+      const DType from = k.g.node(k.node.src[0]).dtype;
+      k.add(0, k.g.op("cast", {k.grad_out}, {static_cast<int64_t>(from)}));
     };
     t.add(std::move(d));
   }

@@ -17,6 +17,7 @@ from recurra import backends as backends
 from recurra import ops as ops
 from recurra._core import DeviceBuffer
 from recurra._devices import Device, parse_device
+from recurra._dtype import DType, bfloat16, float16, float32, int32
 from recurra._files import write_atomic
 from recurra._profile import OpTime, Profile, _profile_from_env, profile
 from recurra._tensor import (
@@ -38,6 +39,7 @@ except _metadata.PackageNotFoundError:  # running from a source tree
     __version__ = "0+unknown"
 
 __all__ = [
+    "DType",
     "Device",
     "DeviceBuffer",
     "Graph",
@@ -47,10 +49,14 @@ __all__ = [
     "Tensor",
     "__version__",
     "backends",
+    "bfloat16",
     "blas_info",
     "empty_cache",
+    "float16",
+    "float32",
     "get_include",
     "get_num_threads",
+    "int32",
     "is_grad_enabled",
     "memory_stats",
     "no_grad",

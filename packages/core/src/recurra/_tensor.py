@@ -20,6 +20,7 @@ import numpy as np
 
 from recurra import _core
 from recurra._devices import Device, parse_device
+from recurra._dtype import DType, as_dtype, bits_view, is_dtype
 from recurra._tensorbase import TensorOps
 from recurra.ops._apply import to_supported
 
@@ -90,13 +91,13 @@ def set_strict_placement(flag: bool) -> None:
 def _host_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """A numpy array whose memory is counted in recurra's persistent pool."""
     n = int(np.prod(shape, dtype=np.int64))
-    buf = _core.HostBuffer(max(n, 1) * 4)
+    buf = _core.HostBuffer(max(n, 1) * np.dtype(dtype).itemsize)
     arr: np.ndarray = np.frombuffer(memoryview(buf), dtype=dtype, count=n).reshape(shape)
     return arr
 
 
 class Tensor(TensorOps):
-    """A lazy tensor of the tensor API (float32 or int32, up to 4 axes)."""
+    """A lazy tensor of the tensor API (float32, bfloat16, float16 or int32; up to 4 axes)."""
 
     __slots__ = (
         "_op",
@@ -118,7 +119,8 @@ class Tensor(TensorOps):
     _ip: tuple[int, ...]
     _fp: tuple[float, ...]
     shape: tuple[int, ...]
-    dtype: str
+    #: The dtype: ``recurra.float32``, ``bfloat16``, ``float16`` or ``int32`` (a str subclass).
+    dtype: DType
     _value: np.ndarray | _core.DeviceBuffer | None
     requires_grad: bool
     #: The gradient ``backward()`` accumulated (a tensor on this tensor's device), or None.
@@ -149,7 +151,7 @@ class Tensor(TensorOps):
         t._ip = ip
         t._fp = fp
         t.shape = shape
-        t.dtype = dtype
+        t.dtype = as_dtype(dtype)
         t._value = value
         t.requires_grad = requires_grad
         t.grad = None
@@ -190,8 +192,8 @@ class Tensor(TensorOps):
             LAZY.run([self])
         v = self._value
         if isinstance(v, _core.DeviceBuffer):
-            host = np.empty(self.shape, np.float32 if self.dtype == "float32" else np.int32)
-            v.download(host)
+            host = np.empty(self.shape, self.dtype.numpy)
+            v.download(bits_view(host))
             return host
         assert v is not None
         return v
@@ -289,15 +291,22 @@ class Tensor(TensorOps):
     def requires_grad_(self, flag: bool = True) -> Tensor:
         if not self.is_leaf:
             raise RuntimeError("requires_grad_() works on leaf tensors only")
-        if flag and self.dtype != "float32":
-            raise TypeError("only float32 tensors can require gradients")
+        if flag and not self.dtype.is_floating:
+            raise TypeError("only float tensors (float32, bfloat16, float16) can require gradients")
         self.requires_grad = flag
         self._is_param = flag
         return self
 
-    def to(self, device: str | Device) -> Tensor:
-        """This tensor on ``device`` (the same object when it is already there)."""
-        dev = parse_device(device)
+    def to(self, target: str | Device | DType) -> Tensor:
+        """This tensor on a device, or cast to a dtype (the same object when it already is).
+
+        ``t.to("vulkan")`` moves the value (a new leaf); ``t.to(recurra.bfloat16)`` (or
+        ``recurra.float16``, ``recurra.float32``) is the op ``cast``: float32 -> 2-byte
+        floats rounds to nearest even, and its gradient is cast back to this tensor's dtype.
+        """
+        if not isinstance(target, Device) and is_dtype(target):
+            return self._cast(as_dtype(target))
+        dev = parse_device(target)
         if dev == self.device:
             return self
         t = _from_host(self._realized(), dev)
@@ -305,24 +314,30 @@ class Tensor(TensorOps):
         t._is_param = self._is_param
         return t
 
+    def _cast(self, dtype: DType) -> Tensor:
+        from recurra.ops import cast
+
+        out: Tensor = cast(self, dtype)
+        return out
+
     # In-place update of a leaf's data (used by optimizers and users alike).
     def assign_(self, value: Any) -> Tensor:
         """Overwrites this leaf's data in place with ``value`` (same shape)."""
         if not self.is_leaf:
             raise RuntimeError("assign_() works on leaf tensors only")
-        want = np.float32 if self.dtype == "float32" else np.int32
+        want = self.dtype.numpy
         arr = np.asarray(value._realized() if isinstance(value, Tensor) else value, dtype=want)
         if arr.shape != self.shape:
             arr = np.broadcast_to(arr, self.shape)
         if isinstance(self._value, _core.DeviceBuffer):
-            self._value.upload(np.ascontiguousarray(arr))
+            self._value.upload(bits_view(np.ascontiguousarray(arr)))
         else:
             self._realized()[...] = arr
         return self
 
 
 def _wrap_value(value: np.ndarray, requires_grad: bool, device: Device) -> Tensor:
-    dtype = "float32" if value.dtype == np.float32 else "int32"
+    dtype = as_dtype(value.dtype)
     return Tensor._new(None, (), (), (), tuple(value.shape), dtype, value, requires_grad, device)
 
 
@@ -340,8 +355,8 @@ def _results(g: Any, items: list[tuple[int, Device]]) -> list[Any]:
             on_device.append(k)
         else:  # computed elsewhere (CPU fallback): move it to the tensor's device
             host = g.read(nid)
-            buf = _core.DeviceBuffer(str(device), max(host.size, 1) * 4)
-            buf.upload(host)
+            buf = _core.DeviceBuffer(str(device), max(host.nbytes, 4))
+            buf.upload(bits_view(host))
             out[k] = buf
     if on_device:
         bufs = g.copy_to_device_buffers([items[k][0] for k in on_device])
@@ -351,7 +366,10 @@ def _results(g: Any, items: list[tuple[int, Device]]) -> list[Any]:
 
 
 def tensor(data: Any, device: str | Device | None = None, dtype: Any = None) -> Tensor:
-    """A tensor holding a copy of ``data`` (array-like; float -> float32, int -> int32).
+    """A tensor holding a copy of ``data`` (array-like; float -> float32, int -> int32;
+    numpy float16 and ml_dtypes.bfloat16 arrays keep their dtype). ``dtype`` (a recurra
+    dtype, its name or a numpy dtype) converts first (to 2-byte floats: round to nearest
+    even).
 
     Raises TypeError for unsupported dtypes and ValueError for more than 4 axes or an
     unknown device.
@@ -359,9 +377,14 @@ def tensor(data: Any, device: str | Device | None = None, dtype: Any = None) -> 
     dev = parse_device(device)
     if isinstance(data, Tensor):
         data = data._realized()
+    if dtype is not None and is_dtype(dtype):
+        dtype = as_dtype(dtype).numpy
     arr = np.asarray(data, dtype=dtype) if dtype is not None else np.asarray(data)
-    if arr.dtype.kind not in "fiub":
-        raise TypeError(f"unsupported dtype {arr.dtype}: recurra tensors are float32 or int32")
+    if arr.dtype.kind not in "fiub" and arr.dtype != as_dtype("bfloat16").numpy:
+        raise TypeError(
+            f"unsupported dtype {arr.dtype}: recurra tensors are float32, bfloat16, float16 "
+            "or int32"
+        )
     return _from_host(to_supported(arr), dev)
 
 
@@ -371,15 +394,19 @@ def _from_host(arr: np.ndarray, dev: Device) -> Tensor:
         value = _host_array(arr.shape, arr.dtype)
         value[...] = arr
         return _wrap_value(value, False, dev)
-    buf = _core.DeviceBuffer(str(dev), max(arr.size, 1) * 4)
-    buf.upload(np.ascontiguousarray(arr))
-    dtype = "float32" if arr.dtype == np.float32 else "int32"
+    buf = _core.DeviceBuffer(str(dev), max(arr.nbytes, 4))
+    buf.upload(bits_view(np.ascontiguousarray(arr)))
+    dtype = as_dtype(arr.dtype)
     return Tensor._new(None, (), (), (), tuple(arr.shape), dtype, buf, False, dev)
 
 
-def param(data: Any, device: str | Device | None = None) -> Tensor:
-    """A trainable float32 tensor (a leaf that receives ``.grad`` from ``backward()``)."""
-    t = tensor(data, device=device, dtype=np.float32)
+def param(data: Any, device: str | Device | None = None, dtype: Any = None) -> Tensor:
+    """A trainable tensor (a leaf that receives ``.grad`` from ``backward()``), float32
+    unless ``dtype`` says bfloat16 or float16 (its gradient then has that dtype too)."""
+    dt = as_dtype(dtype) if dtype is not None else as_dtype("float32")
+    if not dt.is_floating:
+        raise TypeError(f"param: parameters are float tensors, not {dt}")
+    t = tensor(data, device=device, dtype=dt)
     t.requires_grad = True
     t._is_param = True
     return t
@@ -506,7 +533,7 @@ class LazyFrontend:
                 g.bind_device(nid, value)
             else:
                 assert value is not None  # computed just above
-                g.bind(nid, value)
+                g.bind(nid, bits_view(value))
         g.compute()
         params = [t for t in leaves if t.requires_grad] if want_grad else []
         graded = [(gid, p) for gid, p in zip(plan.grad_ids, params) if gid >= 0]
@@ -520,13 +547,11 @@ class LazyFrontend:
         if want_grad:
             for (_, p), gval in zip(graded, values[len(outputs) :]):
                 if p.grad is None:
-                    p.grad = Tensor._new(
-                        None, (), (), (), p.shape, "float32", gval, False, p.device
-                    )
+                    p.grad = Tensor._new(None, (), (), (), p.shape, p.dtype, gval, False, p.device)
                 else:
                     p.grad = (
                         p.grad
-                        + Tensor._new(None, (), (), (), p.shape, "float32", gval, False, p.device)
+                        + Tensor._new(None, (), (), (), p.shape, p.dtype, gval, False, p.device)
                     ).detach()
             # Results of this run that nobody asked for stay pending: recomputing is cheap
             # and keeping them would pin memory.

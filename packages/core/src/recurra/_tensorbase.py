@@ -10,8 +10,9 @@ import numpy as np
 class TensorOps:
     """Mixin: numpy-like operators on top of :mod:`recurra.ops`.
 
-    Subclasses provide ``shape`` (tuple), ``dtype`` (``"float32"`` or ``"int32"``) and
-    ``_frontend``.
+    Subclasses provide ``shape`` (tuple), ``dtype`` (a :class:`recurra.DType`, which
+    compares equal to its name: ``"float32"``, ``"bfloat16"``, ``"float16"``, ``"int32"``)
+    and ``_frontend``.
     """
 
     __slots__ = ()

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from recurra import _core
+from recurra._dtype import as_dtype, bits_view
 from recurra._tensorbase import TensorOps
 from recurra.ops._apply import to_supported
 
@@ -36,7 +37,7 @@ class GraphTensor(TensorOps):
         self.graph = graph
         self.id = node_id
         self.shape = shape
-        self.dtype = dtype
+        self.dtype = as_dtype(dtype)
         self.name = name
 
     @property
@@ -101,8 +102,7 @@ class Graph:
         shape = (
             (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
         )
-        if dtype not in ("float32", "int32"):
-            raise TypeError(f"unsupported dtype {dtype!r}: use 'float32' or 'int32'")
+        dtype = as_dtype(dtype)
         nid = self._g.leaf(dtype, list(shape), flags, name)
         return GraphTensor(self, nid, shape, dtype, name)
 
@@ -121,10 +121,10 @@ class Graph:
     def constant(self, value: Any) -> GraphTensor:
         """A leaf holding a copy of ``value``."""
         arr = to_supported(np.array(value))
-        dtype = "float32" if arr.dtype == np.float32 else "int32"
+        dtype = as_dtype(arr.dtype)
         # its data is private to the graph: a device copy of it is made once, not per compute
         t = self._leaf(arr.shape, dtype, _core.FLAG_CONST, "")
-        self._g.bind(t.id, arr)
+        self._g.bind(t.id, bits_view(arr))
         return t
 
     # -- frontend protocol (used by recurra.ops) --------------------------------------------
@@ -178,13 +178,12 @@ class Graph:
     def set_data(self, t: GraphTensor, value: Any) -> None:
         """Copies ``value`` (same number of elements) into leaf ``t``."""
         self._check(t)
-        want = np.float32 if t.dtype == "float32" else np.int32
-        arr = np.array(value, dtype=want, copy=True, order="C")
+        arr = np.array(value, dtype=as_dtype(t.dtype).numpy, copy=True, order="C")
         if arr.size != t.size:
             raise ValueError(
                 f"set_data: {t!r} has shape {t.shape} ({t.size} elements), got {arr.size}"
             )
-        self._g.bind(t.id, arr.reshape(t.shape))
+        self._g.bind(t.id, bits_view(arr.reshape(t.shape)))
 
     def compute(self) -> None:
         """Runs the whole graph on the CPU. Raises RuntimeError if a leaf has no data."""

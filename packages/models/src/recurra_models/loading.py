@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+import recurra as rc
 from recurra import write_atomic
 
 __all__ = [
@@ -110,8 +111,9 @@ def load_safetensors(
     """Reads every tensor of a safetensors file.
 
     Returns (tensors, metadata): float tensors (F64/F32/F16/BF16) as float32 when
-    ``float32`` (else in their own dtype, BF16 widened to float32), integer tensors in
-    their dtype; metadata is the header's ``__metadata__`` (a str -> str dict).
+    ``float32`` (else in their own dtype: BF16 as ``ml_dtypes.bfloat16``, F16 as
+    ``np.float16``), integer tensors in their dtype; metadata is the header's
+    ``__metadata__`` (a str -> str dict).
 
     Raises FileNotFoundError for a missing file and ValueError naming the file and the
     tensor for anything damaged: a bad header, an unknown dtype, offsets outside the data
@@ -151,7 +153,9 @@ def load_safetensors(
         spans.append((lo, hi, name))
         buf = data[lo:hi]
         kind = _DTYPES[dtype]
-        if kind == "bf16":
+        if kind == "bf16" and not float32:
+            arr = np.frombuffer(buf, dtype="<u2").view(rc.bfloat16.numpy).reshape(shape)
+        elif kind == "bf16":
             bits = np.frombuffer(buf, dtype="<u2").astype(np.uint32) << 16
             arr = bits.view(np.float32).reshape(shape)
         else:
@@ -268,11 +272,11 @@ def _hf_config(arch: str, cfg: dict[str, Any], path: str) -> Any:
     return c
 
 
-def _hf_tensors(folder: Path) -> tuple[dict[str, np.ndarray], str]:
+def _hf_tensors(folder: Path, float32: bool = True) -> tuple[dict[str, np.ndarray], str]:
     single = folder / "model.safetensors"
     index = folder / "model.safetensors.index.json"
     if single.is_file():
-        return load_safetensors(single)[0], str(single)
+        return load_safetensors(single, float32=float32)[0], str(single)
     if index.is_file():
         idx = read_json(index, "safetensors index")
         wm = idx.get("weight_map") if isinstance(idx, dict) else None
@@ -284,7 +288,7 @@ def _hf_tensors(folder: Path) -> tuple[dict[str, np.ndarray], str]:
             sp = Path(shard)
             if not sp.is_file():
                 raise FileNotFoundError(f"{sp}: shard listed in {index} not found")
-            out.update(load_safetensors(sp)[0])
+            out.update(load_safetensors(sp, float32=float32)[0])
         return out, str(index)
     if (folder / "pytorch_model.bin").is_file():
         raise FileNotFoundError(
@@ -294,7 +298,7 @@ def _hf_tensors(folder: Path) -> tuple[dict[str, np.ndarray], str]:
     raise FileNotFoundError(f"{single}: not found (nor model.safetensors.index.json)")
 
 
-def _load_hf(folder: Path, device: Any) -> Any:
+def _load_hf(folder: Path, device: Any, dtype: Any = None) -> Any:
     from recurra_models import get_architecture
 
     cfg_path = folder / "config.json"
@@ -303,12 +307,17 @@ def _load_hf(folder: Path, device: Any) -> Any:
         raise ValueError(f"{cfg_path}: expected a JSON object")
     arch = _hf_arch(cfg, str(cfg_path))
     config = _hf_config(arch, cfg, str(cfg_path))
-    tensors, src = _hf_tensors(folder)
+    # In a 2-byte dtype the file's tensors are read as they are (no float32 copy of them) and
+    # copied into parameters of that dtype.
+    half = dtype is not None and rc.DType(dtype) != "float32"
+    tensors, src = _hf_tensors(folder, float32=not half)
     # Old checkpoints name the embeddings "embedding" (transformers renames them on load too).
     tensors = {
         k.replace("backbone.embedding.", "backbone.embeddings."): v for k, v in tensors.items()
     }
     model = get_architecture(arch)(config)
+    if half:
+        model.to(rc.DType(dtype))
     try:
         model.load_state_dict(tensors, strict=True)
     except ValueError as e:
@@ -355,7 +364,7 @@ def rwkv_version(keys: Any) -> int | None:
     return None
 
 
-def _load_rwkv(path: Path, device: Any) -> Any:
+def _load_rwkv(path: Path, device: Any, dtype: Any = None) -> Any:
     from recurra_models import get_architecture
 
     p = str(path)
@@ -374,17 +383,22 @@ def _load_rwkv(path: Path, device: Any) -> Any:
         model = cls.from_official(sd)  # type: ignore[attr-defined]
     except ValueError as e:
         raise ValueError(f"{p}: {e}") from None
+    if dtype is not None:
+        model.to(rc.DType(dtype))  # converted after loading in float32 (from_official's)
     return model.to(device) if device is not None else model
 
 
-def load_pretrained(path: str | os.PathLike[str], device: Any = None) -> Any:
+def load_pretrained(path: str | os.PathLike[str], device: Any = None, dtype: Any = None) -> Any:
     """A model with pretrained weights.
 
     ``path`` is a Hugging Face folder (``config.json`` with ``architectures`` /
     ``model_type`` of Mamba or Mamba2, plus ``model.safetensors`` or a sharded index), or an
     official RWKV-6/7 checkpoint file (``.pth``, read through torch; or ``.safetensors`` with
     the official key names), or a folder holding exactly one such file and no config.json.
-    Weights of any float dtype (bf16 included) load as float32. ``device`` moves the model.
+    Weights of any float dtype (bf16 included) load as float32, unless ``dtype``
+    (``recurra.bfloat16`` or ``recurra.float16``) asks for that dtype: a Hugging Face
+    folder's tensors are then read and kept in it without a float32 copy of the checkpoint
+    (an RWKV checkpoint is converted after loading). ``device`` moves the model.
     ``model.tokenizer`` is the tokenizer stored with it (``tokenizer.json`` with the folder's
     special tokens, or an RWKV World ``rwkv_vocab*.txt`` next to the file), or None.
 
@@ -395,28 +409,30 @@ def load_pretrained(path: str | os.PathLike[str], device: Any = None) -> Any:
     p = Path(os.fspath(path))
     if not p.exists():
         raise FileNotFoundError(f"{p}: no such file or folder")
-    model = _load_any(p, device)
+    if dtype is not None and rc.DType(dtype) not in ("float32", "bfloat16", "float16"):
+        raise TypeError(f"load_pretrained: dtype must be a float dtype, got {dtype!r}")
+    model = _load_any(p, device, dtype)
     from recurra_models.tokenizers import find_tokenizer
 
     model.tokenizer = find_tokenizer(p)
     return model
 
 
-def _load_any(p: Path, device: Any) -> Any:
+def _load_any(p: Path, device: Any, dtype: Any = None) -> Any:
     if p.is_dir():
         if (p / "config.json").is_file():
-            return _load_hf(p, device)
+            return _load_hf(p, device, dtype)
         cands = sorted(q for q in p.iterdir() if q.suffix in (".pth", ".safetensors"))
         if len(cands) == 1:
-            return _load_rwkv(cands[0], device)
+            return _load_rwkv(cands[0], device, dtype)
         raise FileNotFoundError(
             f"{p / 'config.json'}: not found (a Hugging Face folder needs config.json; an "
             f"RWKV folder needs exactly one .pth or .safetensors file, found {len(cands)})"
         )
     if p.suffix in (".pth", ".pt", ".safetensors"):
-        return _load_rwkv(p, device)
+        return _load_rwkv(p, device, dtype)
     if p.name == "config.json":
-        return _load_hf(p.parent, device)
+        return _load_hf(p.parent, device, dtype)
     raise ValueError(
         f"{p}: not a checkpoint this loader knows (expected a Hugging Face folder, a .pth or "
         f"a .safetensors file)"

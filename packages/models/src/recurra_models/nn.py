@@ -149,16 +149,18 @@ class Module:
 
     # -- state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, np.ndarray]:
-        """The parameters as float32 numpy arrays (copies), keyed by dotted name; a shared
-        parameter appears once, under its first name."""
-        return {name: np.array(p.numpy(), dtype=np.float32) for name, p in self.named_parameters()}
+        """The parameters as numpy arrays of their dtype (copies; float32 unless :meth:`to`
+        converted them), keyed by dotted name; a shared parameter appears once, under its
+        first name."""
+        return {name: p.numpy() for name, p in self.named_parameters()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """Copies the arrays of ``state_dict`` into the parameters, in place (tensors keep
         their identity, so an optimizer built on them stays valid).
 
         Keys may also use the second name of a shared (tied) parameter. Values are numpy
-        arrays, recurra tensors or anything ``np.asarray`` takes; they are cast to float32.
+        arrays, recurra tensors or anything ``np.asarray`` takes; they are cast to each
+        parameter's dtype (float32 unless :meth:`to` gave the model another).
 
         Raises:
             ValueError: (strict) a parameter with no entry, or an entry that names no
@@ -189,7 +191,7 @@ class Module:
         arrays: dict[str, np.ndarray] = {}
         for target, (key, value) in resolved.items():
             p = own[target]
-            arr = _as_float32(value, key)
+            arr = _as_dtype(value, key, p.dtype)
             if tuple(arr.shape) != tuple(p.shape):
                 raise ValueError(
                     f"load_state_dict of {type(self).__name__}: key {key!r} has shape "
@@ -231,24 +233,39 @@ class Module:
         return rc.parse_device("cpu")
 
     def to(self, device: Any) -> Module:
-        """Moves every parameter to ``device`` ("cpu", "vulkan", "vulkan:N"); returns self.
+        """Moves every parameter to ``device`` ("cpu", "vulkan", "vulkan:N"), or converts it
+        to a float dtype (``recurra.bfloat16``, ``float16``, ``float32``: rounded to
+        nearest even); returns self.
 
-        Parameters are replaced by tensors on the new device (shared ones stay shared);
-        build optimizers after moving. Raises ValueError for an unknown or unavailable
-        device."""
+        Parameters are replaced by tensors on the new device or of the new dtype (shared
+        ones stay shared); build optimizers after moving. Raises ValueError for an unknown
+        or unavailable device. A model in bfloat16/float16 holds its weights in 2 bytes;
+        the recurrent operators and norms take float32 only (they raise TypeError), so
+        running it waits on mixed precision (autocast)."""
+        if isinstance(device, rc.DType) or device in ("bfloat16", "float16", "float32"):
+            dt = rc.DType(device)
+
+            def convert(p: rc.Tensor) -> rc.Tensor:
+                return rc.param(p.numpy().astype(dt.numpy), device=p.device, dtype=dt)
+
+            self._replace_parameters(convert)
+            return self
         dev = rc.parse_device(device)
+        self._replace_parameters(lambda p: p.to(dev))
+        self._on_moved(dev)
+        return self
+
+    def _replace_parameters(self, make: Any) -> None:
         moved: dict[int, rc.Tensor] = {}
         for m in self.modules():
             table: dict[str, rc.Tensor] = m.__dict__["_parameters"]
             for name, p in list(table.items()):
                 if id(p) not in moved:
-                    q = p.to(dev)
+                    q = make(p)
                     if not q.requires_grad:  # Tensor.to keeps this for leaves; be explicit
                         q.requires_grad_(True)
                     moved[id(p)] = q
                 setattr(m, name, moved[id(p)])
-        self._on_moved(dev)
-        return self
 
     def _on_moved(self, device: Any) -> None:
         """Hook for subclasses holding non-parameter tensors (constants) to move them."""
@@ -445,13 +462,16 @@ def _short(keys: list[str], n: int = 8) -> str:
     return shown + (f" and {len(keys) - n} more" if len(keys) > n else "")
 
 
-def _as_float32(value: Any, key: str) -> np.ndarray:
+def _as_dtype(value: Any, key: str, dtype: Any) -> np.ndarray:
+    """``value`` as a C-contiguous array of the recurra dtype ``dtype`` (bfloat16 and float16
+    arrays convert straight, without a float32 copy)."""
+    want = rc.DType(dtype).numpy if isinstance(dtype, str) else np.float32
     if isinstance(value, rc.Tensor):
-        return np.asarray(value.numpy(), dtype=np.float32)
+        return np.ascontiguousarray(value.numpy(), dtype=want)
     try:
         arr = np.asarray(value)
     except Exception as e:  # noqa: BLE001 - report any conversion failure with the key
         raise ValueError(f"load_state_dict: key {key!r}: cannot convert to an array ({e})") from e
-    if arr.dtype.kind not in "fiub":
+    if arr.dtype.kind not in "fiub" and arr.dtype != rc.bfloat16.numpy:
         raise ValueError(f"load_state_dict: key {key!r} has non-numeric dtype {arr.dtype}")
-    return np.ascontiguousarray(arr, dtype=np.float32)
+    return np.ascontiguousarray(arr, dtype=want)

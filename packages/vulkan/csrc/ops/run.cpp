@@ -12,6 +12,8 @@ namespace {
 
 std::string check_tensor(const recurra_tensor_desc& d) {
   if (d.ndim < 0 || d.ndim > RECURRA_MAX_DIMS) return "bad ndim";
+  if (d.dtype == RECURRA_BF16 || d.dtype == RECURRA_F16)
+    return "bfloat16/float16 tensors have no Vulkan kernels yet (the core runs the node on the CPU)";
   if (d.dtype != RECURRA_F32 && d.dtype != RECURRA_I32) return "unknown dtype";
   for (int i = 0; i < d.ndim; ++i) {
     if (d.shape[i] < 0) return "negative dimension";

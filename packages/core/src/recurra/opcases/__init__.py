@@ -54,8 +54,11 @@ from recurra.opcases._case import (
     UpdateSpec,
 )
 from recurra.opcases._run import (
+    HALF_ULP,
     evaluate,
     fd_errors,
+    half_errors,
+    half_grad_errors,
     nan_grad_errors,
     reference,
     reference_errors,
@@ -65,6 +68,7 @@ __all__ = [
     "FAMILIES",
     "FORWARD_NMSE_MAX",
     "GRAD_NMSE_MAX",
+    "HALF_ULP",
     "NOT_COVERED",
     "REF_TOL",
     "FiniteDiff",
@@ -74,6 +78,8 @@ __all__ = [
     "cases",
     "evaluate",
     "fd_errors",
+    "half_errors",
+    "half_grad_errors",
     "nan_grad_errors",
     "op_names",
     "reference",

@@ -11,7 +11,16 @@ import numpy as np
 
 from recurra.opcases._case import OpCase
 
-__all__ = ["evaluate", "fd_errors", "nan_grad_errors", "reference", "reference_errors"]
+__all__ = [
+    "HALF_ULP",
+    "evaluate",
+    "fd_errors",
+    "half_errors",
+    "half_grad_errors",
+    "nan_grad_errors",
+    "reference",
+    "reference_errors",
+]
 
 
 def _as_list(res: Any) -> list[Any]:
@@ -23,15 +32,19 @@ def _where(device: str | None) -> str:
 
 
 def _tensors(
-    case: OpCase, data: dict[str, np.ndarray], device: str | None, grad: bool
+    case: OpCase,
+    data: dict[str, np.ndarray],
+    device: str | None,
+    grad: bool,
+    dtype: str | None = None,
 ) -> list[Any]:
     import recurra as rc
 
     dev = None if device in (None, "cpu") else device
     out = []
     for arr in data.values():
-        if grad and arr.dtype == np.float32:
-            out.append(rc.param(arr, device=dev))
+        if grad and arr.dtype.kind not in "iub":
+            out.append(rc.param(arr, device=dev, dtype=dtype))
         else:
             out.append(rc.tensor(arr, device=dev))
     return out
@@ -107,15 +120,19 @@ def _weights(outs: Sequence[Any], seed: int) -> list[np.ndarray]:
     return [rng.standard_normal(tuple(o.shape)).astype(np.float32) for o in outs]
 
 
-def _grads(case: OpCase, data: dict[str, np.ndarray], device: str | None) -> dict[str, Any]:
-    """The gradients of sum(out * R) for each float input (R fixed by the case's seed)."""
+def _grads(
+    case: OpCase, data: dict[str, np.ndarray], device: str | None, dtype: str | None = None
+) -> dict[str, Any]:
+    """The gradients of sum(out * R) for each float input (R fixed by the case's seed); with
+    ``dtype``, the float inputs are parameters of that dtype (R multiplies in float32)."""
+    import recurra as rc
     from recurra import ops
 
-    leaves = _tensors(case, data, device, True)
-    outs = [o for o in _as_list(case.build(*leaves)) if o.dtype == "float32"]
+    leaves = _tensors(case, data, device, True, dtype)
+    outs = [o for o in _as_list(case.build(*leaves)) if o.dtype == (dtype or "float32")]
     loss = None
     for o, w in zip(outs, _weights(outs, case.seed() + 1)):
-        term = ops.sum(ops.mul(o, w))
+        term = ops.sum(ops.mul(o if dtype is None else o.to(rc.float32), w))
         loss = term if loss is None else ops.add(loss, term)
     if loss is None:
         return {}
@@ -123,7 +140,7 @@ def _grads(case: OpCase, data: dict[str, np.ndarray], device: str | None) -> dic
     return {
         name: (None if t.grad is None else np.asarray(t.grad.numpy()))
         for (name, arr), t in zip(data.items(), leaves)
-        if arr.dtype == np.float32
+        if arr.dtype.kind not in "iub"
     }
 
 
@@ -181,5 +198,87 @@ def nan_grad_errors(case: OpCase, device: str | None = None) -> list[str]:
             out.append(
                 f"{case.id} on {_where(device)}: gradient of {name} at NaN inputs is "
                 f"{None if g is None else g[nan_in][:8]}"
+            )
+    return out
+
+
+# ---- bfloat16 / float16 -------------------------------------------------------------------
+#: Half a unit in the last place, relative: what rounding one float32 result to the dtype may
+#: cost (8 significant bits in bfloat16, 11 in float16).
+HALF_ULP = {"bfloat16": 2.0**-8, "float16": 2.0**-11}
+
+
+def _in_dtype(data: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
+    """The case's inputs with every float32 one rounded to ``dtype`` (int inputs as they are)."""
+    from recurra._dtype import as_dtype
+
+    want = as_dtype(dtype).numpy
+    return {k: v.astype(want) if v.dtype == np.float32 else v for k, v in data.items()}
+
+
+def _widened(data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """2-byte float inputs as float32 (exactly)."""
+    return {k: v if v.dtype.kind in "iub" else v.astype(np.float32) for k, v in data.items()}
+
+
+def half_errors(case: OpCase, dtype: str) -> list[str]:
+    """The case run in ``dtype`` ("bfloat16" or "float16") against its float64 reference on
+    the same (rounded) inputs: each result within half an ulp of the dtype plus the case's
+    own float32 tolerance, or equal to the reference rounded to the dtype (where that
+    overflows to infinity or underflows to zero)."""
+    from recurra._dtype import as_dtype
+
+    data = _in_dtype(case.make_inputs(), dtype)
+    want = reference(case, _widened(data))
+    got = evaluate(case, data)
+    rtol, atol = case.tol_for("cpu")
+    tol = HALF_ULP[dtype] + rtol
+    out = []
+    for k, (g, w) in enumerate(zip(got, want)):
+        if g.dtype != as_dtype(dtype).numpy:
+            out.append(f"{case.id} in {dtype}, result {k}: dtype {g.dtype}")
+            continue
+        g64 = g.astype(np.float64)
+        w_r = w.astype(as_dtype(dtype).numpy).astype(np.float64)
+        same = (g64 == w_r) | (np.isnan(g64) & np.isnan(w))
+        with np.errstate(invalid="ignore"):
+            near = np.abs(g64 - w) <= atol + tol * np.abs(w)
+        bad = ~(same | near)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            out.append(
+                f"{case.id} in {dtype}, result {k}: {int(bad.sum())} of {bad.size} elements "
+                f"beyond rtol {tol:.3g} (first: {g64.reshape(-1)[i]!r} vs {w.reshape(-1)[i]!r})"
+            )
+    return out
+
+
+def half_grad_errors(case: OpCase, dtype: str, ulps: float = 8.0) -> list[str]:
+    """The gradients of ``sum(out * R)`` computed in ``dtype`` (parameters of that dtype,
+    gradients of it) against the same computed in float32 from the same rounded inputs:
+    within ``ulps`` half-ulps of max(1, the gradient's largest magnitude). A backward rule
+    chains a few ops, each rounding its result, and may cancel: tanh's ``1 - y^2`` from a
+    rounded ``y`` is off by about 2^-8 absolute in bfloat16 (R is of order 1)."""
+    from recurra._dtype import as_dtype
+
+    half = _in_dtype(case.make_inputs(), dtype)
+    want = _grads(case, _widened(half), None)
+    got = _grads(case, half, None, dtype)
+    out = []
+    for name, w in want.items():
+        g = got.get(name)
+        if w is None or g is None:
+            if (w is None) != (g is None):
+                out.append(f"{case.id} in {dtype}: gradient of {name}: {g!r} vs {w!r}")
+            continue
+        if g.dtype != as_dtype(dtype).numpy:
+            out.append(f"{case.id} in {dtype}: gradient of {name} has dtype {g.dtype}")
+            continue
+        scale = max(1.0, float(np.max(np.abs(w))) if w.size else 0.0)
+        err = np.abs(g.astype(np.float64) - w.astype(np.float64))
+        if err.size and not np.all(err <= ulps * HALF_ULP[dtype] * scale + 1e-30):
+            out.append(
+                f"{case.id} in {dtype}: gradient of {name} off by {float(err.max()):.3g} "
+                f"(scale {scale:.3g}, bound {ulps * HALF_ULP[dtype] * scale:.3g})"
             )
     return out

@@ -144,6 +144,24 @@ def _cumsum_case(
     )
 
 
+#: (dtype, its recurra_dtype code, half an ulp relative): the casts' cases (the bits of the
+#: rounding are tested in tests/core/test_dtypes.py).
+_CASTS = (("bfloat16", 2, 2.0**-8), ("float16", 3, 2.0**-11))
+
+
+def _cast_case(dtype: str, code: int, half_ulp: float) -> OpCase:
+    return OpCase(
+        "cast",
+        f"to_{dtype}",
+        _x(3, 4, 5),
+        lambda x: ops.cast(x, dtype),
+        ref=lambda x: x,
+        ref_tol=(half_ulp, 0.0),
+        grad=False,
+        node=Node("cast", (code,)),
+    )
+
+
 def data_cases() -> list[OpCase]:
     out = [
         _concat_case("axis0", 0, (2, 3), (4, 3)),
@@ -164,6 +182,7 @@ def data_cases() -> list[OpCase]:
         shape_b[axis] = 2
         out.append(_concat_case(f"3x4x5_axis{axis}", axis, (3, 4, 5), tuple(shape_b)))
     out += [
+        *(_cast_case(dt, code, half_ulp) for dt, code, half_ulp in _CASTS),
         _pad_case("2d", (3, 4), ((1, 2), (0, 3)), 0.5),
         _pad_case("3d_uniform", (3, 4, 5), 1, 0.0),
         _pad_case("17", (17,), (2, 3), 0.0),

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from recurra._dtype import as_dtype, bfloat16
+
 
 def _frontend_of(srcs: Sequence[Any]) -> Any:
     from recurra._tensor import LAZY
@@ -39,14 +41,28 @@ def coerce(srcs: Sequence[Any]) -> tuple[Any, list[Any]]:
     device = next(
         (getattr(s, "device", None) for s in srcs if getattr(s, "_frontend", None) is fe), None
     )
+    # A Python number takes the dtype of the op's first bfloat16/float16 tensor (as in
+    # PyTorch, numbers do not promote): `x * 0.5` keeps x's dtype. Arrays keep their own.
+    half = next(
+        (
+            s.dtype
+            for s in srcs
+            if getattr(s, "_frontend", None) is fe and s.dtype in ("bfloat16", "float16")
+        ),
+        None,
+    )
     out = []
     for s in srcs:
         if getattr(s, "_frontend", None) is fe:
             out.append(s)
-        elif device is not None and device.backend != "cpu":
-            out.append(fe.constant(_as_array(s), device))
+            continue
+        arr = _as_array(s)
+        if half is not None and isinstance(s, (int, float)) and arr.dtype.kind == "f":
+            arr = arr.astype(as_dtype(half).numpy)
+        if device is not None and device.backend != "cpu":
+            out.append(fe.constant(arr, device))
         else:
-            out.append(fe.constant(_as_array(s)))
+            out.append(fe.constant(arr))
     return fe, out
 
 
@@ -64,8 +80,11 @@ def _as_array(x: Any) -> np.ndarray:
 
 
 def to_supported(arr: np.ndarray) -> np.ndarray:
-    """Converts an array to float32 or int32 (the dtypes of the core), C-contiguous."""
-    if arr.dtype.kind == "f":
+    """Converts an array to a dtype of the core, C-contiguous: float16 and bfloat16
+    (ml_dtypes) stay as they are, other floats become float32, integers and bools int32."""
+    if arr.dtype == np.float16 or arr.dtype == bfloat16.numpy:
+        pass
+    elif arr.dtype.kind == "f":
         arr = arr.astype(np.float32, copy=False)
     elif arr.dtype.kind in "iub":
         if arr.dtype.kind == "b" or arr.dtype != np.int32:
@@ -78,7 +97,10 @@ def to_supported(arr: np.ndarray) -> np.ndarray:
                 raise ValueError("integer values do not fit in int32")
         arr = arr.astype(np.int32, copy=False)
     else:
-        raise TypeError(f"unsupported dtype {arr.dtype}: recurra tensors are float32 or int32")
+        raise TypeError(
+            f"unsupported dtype {arr.dtype}: recurra tensors are float32, bfloat16, float16 "
+            "or int32"
+        )
     if arr.ndim > 4:
         raise ValueError(f"at most 4 axes are supported, got shape {arr.shape}")
     return np.require(arr, requirements="C")

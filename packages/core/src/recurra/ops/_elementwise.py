@@ -8,9 +8,11 @@ from typing import Any
 
 import numpy as np
 
+from recurra._dtype import as_dtype
 from recurra.ops._apply import apply, coerce
 
 __all__ = [
+    "cast",
     "add",
     "sub",
     "mul",
@@ -38,6 +40,25 @@ __all__ = [
     "broadcast_to",
     "getitem",
 ]
+
+
+def cast(x: Any, dtype: Any) -> Any:
+    """``x`` converted to the float dtype ``dtype`` (``recurra.float32``, ``bfloat16``,
+    ``float16``, or their names): to a 2-byte float it rounds to nearest, ties to even
+    (bit for bit as ml_dtypes and numpy); to float32 it is exact. ``x`` itself when it has
+    that dtype already. Differentiable: the gradient is cast back to ``x``'s dtype.
+    ``Tensor.to(dtype)`` is the same.
+
+    Raises TypeError for an int32 ``x`` or target."""
+    d = as_dtype(dtype)
+    _, (t,) = coerce([x])
+    if t.dtype == d:
+        return t
+    if not d.is_floating or t.dtype == "int32":
+        raise TypeError(
+            f"cast: converts between float32, bfloat16 and float16, not {t.dtype} -> {d}"
+        )
+    return apply("cast", [t], ip=(d.code,))
 
 
 def _binary(name: str, a: Any, b: Any) -> Any:

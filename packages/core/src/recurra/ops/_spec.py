@@ -20,6 +20,8 @@ class OpSpec:
     ``output`` say what each means (``"packed: a, b"``: one flat output holding a then b);
     ``backward`` names the op(s) its gradient is built from ("" when not differentiable);
     ``decomposition`` the ops it becomes on a backend without a kernel for it ("" none).
+    ``dtypes``: the float dtypes its float sources may have (one of them for all; see
+    RECURRA_OPS_HALF): ``("float32",)``, or also ``"bfloat16"`` and ``"float16"``.
     """
 
     name: str
@@ -33,6 +35,7 @@ class OpSpec:
     output: str
     backward: str
     decomposition: str
+    dtypes: tuple[str, ...]
 
 
 @functools.cache

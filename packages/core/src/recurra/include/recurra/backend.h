@@ -25,12 +25,21 @@ extern "C" {
  *    planner splits a device's arena into buffers no larger than max_buffer_bytes and
  *    refuses a tensor that one buffer cannot hold)
  * 4: recurra/op_spec.h declares every op (sources, parameters, codes); act_grad's code is
- *    now the activation's RECURRA_UNARY_* code (was 0 abs .. 9 softplus) */
-#define RECURRA_BACKEND_ABI_VERSION 4
+ *    now the activation's RECURRA_UNARY_* code (was 0 abs .. 9 softplus)
+ * 5: dtypes RECURRA_BF16 and RECURRA_F16 (2 bytes an element; strides still count
+ *    elements, offsets bytes); the op "cast"; RECURRA_OPS_HALF in op_spec.h lists the ops
+ *    that take them. A backend without kernels for them answers supports_op = 0 for a node
+ *    with such a tensor (the core then runs it on the CPU, or refuses under strict placement) */
+#define RECURRA_BACKEND_ABI_VERSION 5
 #define RECURRA_MAX_DIMS 4
 #define RECURRA_MAX_SRC 12
 
-typedef enum recurra_dtype { RECURRA_F32 = 0, RECURRA_I32 = 1 } recurra_dtype;
+typedef enum recurra_dtype {
+  RECURRA_F32 = 0,
+  RECURRA_I32 = 1,
+  RECURRA_BF16 = 2, /* bfloat16: float32's top 16 bits (8-bit exponent, 7-bit mantissa) */
+  RECURRA_F16 = 3   /* IEEE 754 binary16 (5-bit exponent, 10-bit mantissa) */
+} recurra_dtype;
 
 typedef enum recurra_status {
   RECURRA_OK = 0,

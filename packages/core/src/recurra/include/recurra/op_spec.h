@@ -47,7 +47,8 @@
 #define RECURRA_P_GROUP_SIZE 0    /* gated_rms_norm(_back) ip: channels per normalized group */
 #define RECURRA_P_N_ROWS 0        /* get_rows_back ip: the table's row count V */
 #define RECURRA_P_VALUE 0         /* fill, pad fp: the value */
-#define RECURRA_P_DTYPE 1         /* fill fp: the output's recurra_dtype code (0 f32, 1 i32) */
+#define RECURRA_P_DTYPE 1         /* fill fp: the output's recurra_dtype code */
+#define RECURRA_P_TO_DTYPE 0      /* cast ip: the output's recurra_dtype code */
 #define RECURRA_P_SCAN_FLAGS 0    /* ssm_scan ip (optional): RECURRA_SSM_SCAN_* flags */
 #define RECURRA_P_N_TENSORS 0     /* sgd/adam/adamw/lion_step, grad_clip ip: tensors updated */
 #define RECURRA_P_HAS_GSTAT 1     /* the same: 1 when a grad_norm result follows `hyper` */
@@ -79,6 +80,7 @@
 
 #ifndef RECURRA_GLSL
 
+#include <stddef.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -122,6 +124,8 @@ typedef struct recurra_op_spec {
     "")                                                                                         \
   X(sum_to, 1, 1, 0, 4, 0, 0, -1, "x", "the target shape", "",                                  \
     "x summed down to the shape (broadcasting in reverse)", "broadcast_to", "")                 \
+  X(cast, 1, 1, 1, 1, 0, 0, -1, "x (a float dtype)", "the target recurra_dtype (a float one)", "",\
+    "x converted (round to nearest even)", "cast", "")                                          \
   /* elementwise */                                                                             \
   X(add, 2, 2, 0, 0, 0, 0, -1, "a, b", "", "", "a + b (numpy broadcasting)", "sum_to", "")      \
   X(sub, 2, 2, 0, 0, 0, 0, -1, "a, b", "", "", "a - b (numpy broadcasting)", "neg, sum_to", "") \
@@ -235,6 +239,34 @@ typedef struct recurra_op_spec {
     "[combine]", "", "(2,): the global norm, the clip coefficient", "", "")                     \
   X(grad_clip, 2, -1, 2, 2, 0, 0, -1, "hyper, [gstat], gradients (leaves)",                     \
     "n_tensors, has_gstat", "", "a (1,) dummy; clips the gradients in place", "", "")
+
+/* ---- dtypes ----------------------------------------------------------------------------
+ * Every op takes float32 sources (int32 where its sources say so). The ops below also take
+ * bfloat16 and float16 ones: all float sources of a node then have one dtype (no implicit
+ * promotion: a mix is refused) and the output has it too (fill: its dtype code; cast: its
+ * target). The CPU computes them in float32 (float32 accumulation; the inputs converted,
+ * the output rounded to nearest even on store), a gradient has its tensor's dtype. Any other
+ * op refuses them when the node is made (TypeError: cast with .to(float32) first). */
+#define RECURRA_OPS_HALF(X)                                                                  \
+  X(reshape) X(permute) X(slice) X(slice_grad) X(broadcast_to) X(contiguous) X(fill)         \
+  X(sum_to) X(cast) X(add) X(sub) X(mul) X(div) X(neg) X(abs) X(sqr) X(sqrt) X(exp) X(log)  \
+  X(scale) X(clamp) X(relu) X(silu) X(gelu) X(sigmoid) X(tanh) X(softplus) X(gelu_tanh)     \
+  X(act_grad) X(sum) X(max) X(max_grad) X(matmul) X(out_prod) X(softmax) X(softmax_back)    \
+  X(log_softmax) X(log_softmax_back) X(rms_norm) X(rms_norm_back) X(layer_norm)             \
+  X(layer_norm_back) X(get_rows) X(get_rows_back) X(concat) X(pad) X(cumsum)
+
+/* Whether op `name` takes bfloat16 and float16 sources (RECURRA_OPS_HALF). */
+#define RECURRA_OP_HALF_NAME_(name) #name,
+static inline int recurra_op_takes_half(const char* name) {
+  static const char* const ops[] = {RECURRA_OPS_HALF(RECURRA_OP_HALF_NAME_)};
+  size_t i;
+  for (i = 0; name && i < sizeof ops / sizeof ops[0]; ++i) {
+    const char *a = ops[i], *b = name;
+    while (*a && *a == *b) ++a, ++b;
+    if (*a == *b) return 1;
+  }
+  return 0;
+}
 
 /* The spec as a table, in RECURRA_OPS order; *count gets its length. */
 #define RECURRA_OP_SPEC_ROW_(name, s0, s1, i0, i1, f0, f1, un, srcs, ip, fp, out, bw, dec) \
