@@ -24,6 +24,7 @@ void register_all() {
     register_optim_ops();
     register_ssm_ops();
     register_rwkv_ops();
+    register_fused_ops();
   });
 }
 

@@ -59,6 +59,7 @@ void register_shape_ops();
 void register_optim_ops();
 void register_ssm_ops();
 void register_rwkv_ops();
+void register_fused_ops();
 
 // ---- helpers ------------------------------------------------------------------------
 
