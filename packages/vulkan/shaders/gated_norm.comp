@@ -11,7 +11,7 @@
 //      3 reduce    dw[c] = sum_p pw[p, c]; pdc[c] = sum_p pd[p, c]  (fixed order)
 //      4 dD        dD[h] = sum over the head's P channels of pdc
 // OP 0/1: WIDE (gs >= 64) one workgroup per unit, its 256 threads stride over the group and
-// sum in shared memory; else one thread per unit. TB = max(64, ceil(R / 16384)) rows per
+// sum in shared memory; else one thread per unit. TB = max(32, ceil(R / 16384)) rows per
 // block (the host uses the same rule): every loop stays below lavapipe's 65535 iterations.
 #version 450
 #include "common.glsl"
@@ -32,7 +32,7 @@ layout(push_constant) uniform PC {
 shared float red_a[256], red_b[256];
 
 int n_units() { return pc.R * (pc.C / pc.gs); }
-int rows_per_block() { return max(64, (pc.R + 16383) / 16384); }
+int rows_per_block() { return max(32, (pc.R + 16383) / 16384); }
 int n_blocks() { return (pc.R + rows_per_block() - 1) / rows_per_block(); }
 
 // Offsets of row r's element c in y, z, x.

@@ -44,7 +44,7 @@ bool fits32(const recurra_tensor_desc& d) {
 
 // Rows per block of the partial sums: at most 16384 blocks and TB rows each (lavapipe ends
 // an invocation's loops after 65535 iterations). gated_norm.comp uses the same rule.
-int64_t rows_per_block(int64_t rows) { return std::max<int64_t>(64, (rows + 16383) / 16384); }
+int64_t rows_per_block(int64_t rows) { return std::max<int64_t>(32, (rows + 16383) / 16384); }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -222,13 +222,6 @@ bool row_axes(const recurra_tensor_desc* const* ops, int n_ops, RowAxes& out) {
     out.n0 = sh[1];
     for (int k = 0; k < n_ops; ++k) out.s0[k] = st[k][1];
   }
-  return true;
-}
-
-bool same_shape(const recurra_tensor_desc& a, const recurra_tensor_desc& b) {
-  if (a.ndim != b.ndim) return false;
-  for (int i = 0; i < a.ndim; ++i)
-    if (a.shape[i] != b.shape[i]) return false;
   return true;
 }
 

@@ -52,6 +52,13 @@ int64_t numel(const recurra_tensor_desc& d) {
   return n;
 }
 
+bool same_shape(const recurra_tensor_desc& a, const recurra_tensor_desc& b) {
+  if (a.ndim != b.ndim) return false;
+  for (int i = 0; i < a.ndim; ++i)
+    if (a.shape[i] != b.shape[i]) return false;
+  return true;
+}
+
 bool is_dense(const recurra_tensor_desc& d) {
   int64_t expect = 1;
   for (int i = d.ndim - 1; i >= 0; --i) {
