@@ -61,15 +61,18 @@ float h_at(int r, int c) {
   return h;
 }
 
-// Partial sums of h^2 and g w h over the channels first, first + step, ... of unit's group.
+// Partial sums of h^2 and g w h over the channels first, first + step, ... of unit's group;
+// the forward keeps h in its output row (finish_unit scales it in place: each invocation
+// rereads only what it wrote).
 void unit_sums(int unit, int first, int step, out float ss, out float gwh) {
   const int ng = pc.C / pc.gs, r = unit / ng, c0 = (unit % ng) * pc.gs;
-  FBuf w = FBuf(pc.w), g = FBuf(pc.g);
+  FBuf w = FBuf(pc.w), g = FBuf(pc.g), out_ = FBuf(pc.out_);
   ss = 0.0;
   gwh = 0.0;
   for (int j = first; j < pc.gs; j += step) {
     const float h = h_at(r, c0 + j);
     ss += h * h;
+    if (OP == 0) out_.v[r * pc.C + c0 + j] = h;
     if (OP == 1) gwh += g.v[r * pc.C + c0 + j] * w.v[(c0 + j) * pc.ws] * h;
   }
 }
@@ -89,7 +92,10 @@ void finish_unit(int unit, int first, int step, float ss, float gwh) {
   }
   const int ng = pc.C / pc.gs, r = unit / ng, c0 = (unit % ng) * pc.gs;
   FBuf w = FBuf(pc.w), out_ = FBuf(pc.out_);
-  for (int j = first; j < pc.gs; j += step) out_.v[r * pc.C + c0 + j] = h_at(r, c0 + j) * rr * w.v[(c0 + j) * pc.ws];
+  for (int j = first; j < pc.gs; j += step) {
+    const int e = r * pc.C + c0 + j;
+    out_.v[e] = out_.v[e] * rr * w.v[(c0 + j) * pc.ws];
+  }
 }
 
 void main() {
@@ -101,12 +107,12 @@ void main() {
       if (unit >= n_units()) return;  // uniform over the workgroup
       unit_sums(unit, lid, 256, ss, gwh);
       red_a[lid] = ss;
-      red_b[lid] = gwh;
+      if (OP == 1) red_b[lid] = gwh;
       barrier();
       [[unroll]] for (int h = 128; h > 0; h /= 2) {
         if (lid < h) {
           red_a[lid] += red_a[lid + h];
-          red_b[lid] += red_b[lid + h];
+          if (OP == 1) red_b[lid] += red_b[lid + h];
         }
         barrier();
       }
