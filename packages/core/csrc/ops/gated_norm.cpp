@@ -1,6 +1,6 @@
 // gated_rms_norm: Mamba-2's output norm, and an RMS norm with its weight, in one pass over
-// memory (CPU only; the Python side picks it when every input is on the CPU and otherwise
-// builds it from elementwise ops):
+// memory (here and on Vulkan, gated_norm.comp; on a backend without a kernel the scheduler
+// builds it from elementwise ops and rms_norm, csrc/decompose.cpp):
 //
 //   u   = y + x * D[c / P]            (the D skip; without x and D: u = y)
 //   h   = u * silu(z)                 (without z: h = u)

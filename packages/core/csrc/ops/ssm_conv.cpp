@@ -12,7 +12,8 @@
 //       d_bias (D,) when there is a bias
 // (the convolution of a training step, no initial state, in the tokens-major layout of the
 // projection that feeds it: x may be a view whose rows are further apart than D, and no
-// transposes or padded copies are needed; CPU only, the Python side picks it).
+// transposes or padded copies are needed; also on Vulkan, causal_conv.comp; elsewhere the
+// scheduler builds pad + ssm_conv + add + silu, csrc/decompose.cpp).
 //
 // ssm_conv's output is transposed relative to its input, so the kernels work on tiles of 16
 // channels: the input rows are transposed (16 x 16 blocks in registers) into a

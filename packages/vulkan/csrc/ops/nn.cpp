@@ -31,13 +31,6 @@ enum RowOp {
   kCrossEntropyRows, kCrossEntropyBack
 };
 
-bool same_shape(const recurra_tensor_desc& a, const recurra_tensor_desc& b) {
-  if (a.ndim != b.ndim) return false;
-  for (int i = 0; i < a.ndim; ++i)
-    if (a.shape[i] != b.shape[i]) return false;
-  return true;
-}
-
 // (rows, C) of a row op's output.
 void rows_of(const recurra_tensor_desc& d, int64_t& rows, int64_t& C) {
   C = d.ndim ? d.shape[d.ndim - 1] : 1;

@@ -24,6 +24,7 @@ void register_all() {
     register_optim_ops();
     register_ssm_ops();
     register_rwkv_ops();
+    register_fused_ops();
   });
 }
 
@@ -49,6 +50,13 @@ int64_t numel(const recurra_tensor_desc& d) {
   int64_t n = 1;
   for (int i = 0; i < d.ndim; ++i) n *= d.shape[i];
   return n;
+}
+
+bool same_shape(const recurra_tensor_desc& a, const recurra_tensor_desc& b) {
+  if (a.ndim != b.ndim) return false;
+  for (int i = 0; i < a.ndim; ++i)
+    if (a.shape[i] != b.shape[i]) return false;
+  return true;
 }
 
 bool is_dense(const recurra_tensor_desc& d) {

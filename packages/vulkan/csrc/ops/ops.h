@@ -59,10 +59,13 @@ void register_shape_ops();
 void register_optim_ops();
 void register_ssm_ops();
 void register_rwkv_ops();
+void register_fused_ops();
 
 // ---- helpers ------------------------------------------------------------------------
 
 int64_t numel(const recurra_tensor_desc& d);
+// The same shape (strides aside).
+bool same_shape(const recurra_tensor_desc& a, const recurra_tensor_desc& b);
 // Row-major dense (strides of size-1 axes do not matter).
 bool is_dense(const recurra_tensor_desc& d);
 // Largest element offset the view reaches (0 for an empty tensor).

@@ -66,13 +66,6 @@ uint32_t value_bits(recurra_dtype dt, double v) {
   return bits;
 }
 
-bool same_shape(const recurra_tensor_desc& a, const recurra_tensor_desc& b) {
-  if (a.ndim != b.ndim) return false;
-  for (int i = 0; i < a.ndim; ++i)
-    if (a.shape[i] != b.shape[i]) return false;
-  return true;
-}
-
 // ---- contiguous -----------------------------------------------------------------------
 
 std::string contiguous_check(const recurra_node_desc& n) {

@@ -11,6 +11,9 @@ Environment:
     RECURRA_VULKAN_PROFILE  1: print each node's GPU time to stderr
     RECURRA_VK_TRACE_BLOCKS 1: print each block of device memory made or freed to stderr
     RECURRA_VULKAN_VALIDATE 1: enable the Khronos validation layer (when installed)
+    RECURRA_VK_UNFUSED      1: decline causal_conv_silu and gated_rms_norm (and their
+                            backwards): the core builds them from other ops, as on a
+                            backend without their kernels (comparisons of memory, speed)
 
 Build: RECURRA_GLSLANG (or the meson option ``glslang``) names the GLSL compiler for the
 tensor-core matmul shaders (GL_KHR_cooperative_matrix); without it the build searches PATH and

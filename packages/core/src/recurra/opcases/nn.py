@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from recurra import ops
-from recurra.opcases._case import Node, OpCase, f32, normal
+from recurra.opcases._case import FiniteDiff, Node, OpCase, f32, normal
 
 NN_TOL = (1e-5, 1e-6)
 #: Row shapes of the row-wise ops: one element, odd rows, a long row, several axes.
@@ -161,41 +161,114 @@ def norm_cases() -> list[OpCase]:
     return out
 
 
+def _gated_ref(y, z, w, eps, gs, x=None, d=None):  # type: ignore[no-untyped-def]
+    """gated_rms_norm in float64 (z None: no gate; x, d None: no D skip)."""
+    u = y if x is None else y + x * np.repeat(d, y.shape[-1] // d.shape[0])
+    h = u if z is None else u * z / (1.0 + np.exp(-z))
+    g = h.reshape(*h.shape[:-1], -1, gs)
+    n = g / np.sqrt(np.mean(g * g, axis=-1, keepdims=True) + eps)
+    return np.asarray(n.reshape(h.shape) * w)
+
+
+def _conv_silu_ref(x, w, b=None):  # type: ignore[no-untyped-def]
+    """causal_conv_silu in float64: zeros before t = 0."""
+    s, t, d = x.shape
+    k = w.shape[1]
+    xp = np.concatenate([np.zeros((s, k - 1, d)), x], axis=1)
+    pre = sum(xp[:, j : j + t, :] * w[:, j] for j in range(k))
+    if b is not None:
+        pre = pre + b
+    return np.asarray(pre / (1.0 + np.exp(-pre)))
+
+
 def fused_cases() -> list[OpCase]:
-    def gated_inputs(skip: bool) -> Any:
+    """The fused ops of the Mamba blocks. On a device without their kernels the scheduler
+    builds them from other ops (recurra/op_spec.h); either way against float64 references,
+    and the small ones' CPU gradients against finite differences."""
+    fd = FiniteDiff()
+
+    def gated_inputs(lead: tuple[int, ...], c: int, heads: int, z: bool, skip: bool) -> Any:
         def make(rng: np.random.Generator) -> dict[str, np.ndarray]:
-            out = {
-                "y": normal(rng, 2, 3, 16),
-                "z": normal(rng, 2, 3, 16, scale=2.0),
-                "w": f32(1.0 + 0.3 * rng.standard_normal(16)),
-            }
+            out = {"y": normal(rng, *lead, c)}
+            if z:
+                out["z"] = normal(rng, *lead, c, scale=2.0)
+            out["w"] = f32(1.0 + 0.3 * rng.standard_normal(c))
             if skip:
-                out.update(x=normal(rng, 2, 3, 16), d=normal(rng, 4))
+                out.update(x=normal(rng, *lead, c), d=normal(rng, heads))
             return out
 
         return make
 
-    def conv_inputs(bias: bool) -> Any:
-        def make(rng: np.random.Generator) -> dict[str, np.ndarray]:
-            out = {"x": normal(rng, 2, 7, 20), "weight": normal(rng, 20, 4, scale=0.5)}
-            if bias:
-                out["bias"] = normal(rng, 20)
-            return out
-
-        return make
-
-    # On a device backend these ops are built from other ops: checked against the fused CPU
-    # op there; their float64 references live with the op's own tests (tests/core).
-    return [
-        OpCase(
+    def gated(
+        name: str,
+        lead: tuple[int, ...],
+        c: int,
+        gs: int,
+        heads: int = 0,
+        z: bool = True,
+        eps: float = 1e-5,
+    ) -> OpCase:
+        skip = heads > 0
+        small = c * int(np.prod(lead)) <= 256
+        if skip:
+            build: Any = lambda y, z, w, x, d: ops.gated_rms_norm(y, z, w, eps, gs, x=x, d=d)  # noqa: E731
+            ref: Any = lambda y, z, w, x, d: _gated_ref(y, z, w, eps, gs, x, d)  # noqa: E731
+        elif z:
+            build = lambda y, z, w: ops.gated_rms_norm(y, z, w, eps, gs)  # noqa: E731
+            ref = lambda y, z, w: _gated_ref(y, z, w, eps, gs)  # noqa: E731
+        else:  # rms_norm with a weight: gated_rms_norm(y, w), group_size C
+            build = lambda y, w: ops.rms_norm(y, eps, w)  # noqa: E731
+            ref = lambda y, w: _gated_ref(y, None, w, eps, c)  # noqa: E731
+        return OpCase(
             "gated_rms_norm",
-            "groups_of_8_skip",
-            gated_inputs(True),
-            lambda y, z, w, x, d: ops.gated_rms_norm(y, z, w, 1e-5, 8, x=x, d=d),
-        ),
-        OpCase("gated_rms_norm", "no_skip", gated_inputs(False), ops.gated_rms_norm),
-        OpCase("causal_conv_silu", "2x7x20_k4_bias", conv_inputs(True), ops.causal_conv_silu),
-        OpCase("causal_conv_silu", "no_bias", conv_inputs(False), ops.causal_conv_silu),
+            name,
+            gated_inputs(lead, c, heads, z, skip),
+            build,
+            ref=ref,
+            ref_tol=(2e-5, 1e-5),  # groups of 2: a few ulps of h near eps
+            fd=fd if small else None,
+            node=Node("gated_rms_norm", (gs,), (eps,)),
+        )
+
+    def conv_inputs(s: int, t: int, d: int, k: int, bias: bool) -> Any:
+        def make(rng: np.random.Generator) -> dict[str, np.ndarray]:
+            out = {"x": normal(rng, s, t, d), "weight": normal(rng, d, k, scale=0.5)}
+            if bias:
+                out["bias"] = normal(rng, d)
+            return out
+
+        return make
+
+    def conv(name: str, s: int, t: int, d: int, k: int, bias: bool = True) -> OpCase:
+        return OpCase(
+            "causal_conv_silu",
+            name,
+            conv_inputs(s, t, d, k, bias),
+            ops.causal_conv_silu,
+            ref=_conv_silu_ref,
+            ref_tol=(2e-5, 2e-6),
+            fd=fd if s * t * d <= 256 else None,
+            node=Node("causal_conv_silu"),
+        )
+
+    return [
+        gated("groups_of_8_skip", (2, 3), 16, 8, heads=4),
+        gated("no_skip", (2, 3), 16, 16),
+        gated("weight_only", (3, 33), 33, 33, z=False),
+        # groups of one: h / sqrt(h^2 + eps) is a step at 0 unless eps is large
+        gated("one_channel", (5,), 1, 1, heads=1, eps=0.5),
+        gated("groups_of_3_skip", (3,), 6, 3, heads=3),
+        gated("wide_groups_skip", (2, 17), 256, 128, heads=4),
+        gated("group_lt_c_no_skip", (2, 5), 48, 16),
+        gated("rows_70000", (70000,), 4, 2, heads=2),
+        gated("rows_70000_wide", (70001,), 64, 64, z=False),
+        conv("2x7x20_k4_bias", 2, 7, 20, 4),
+        conv("no_bias", 2, 7, 20, 4, bias=False),
+        conv("t_lt_k", 3, 2, 5, 4),
+        conv("t1_k4_no_bias", 2, 1, 3, 4, bias=False),
+        conv("k1", 2, 5, 3, 1),
+        conv("wide_70ch_k3", 2, 40, 70, 3),
+        conv("rows_70000", 7, 10000, 3, 4),
     ]
 
 

@@ -1,0 +1,98 @@
+// causal_conv_silu and causal_conv_silu_back (csrc/ops/fused.cpp): Mamba's depthwise causal
+// convolution over time from zeros, plus bias, then SiLU, in the tokens-major layout.
+//   x (S, T, D) any strides, c (D, W), bias (D,); R = S * T rows r = s * T + t
+//   pre[r, ch] = bias[ch] + sum_k c[ch, k] x[s, t - W + 1 + k, ch]   (x = 0 before t = 0)
+//   OP 0 forward      out[r, ch] = silu(pre)
+//      1 g            g[r, ch] = dy[r, ch] silu'(pre)                 (scratch, R * D)
+//      2 dx           dx[r, ch] = sum_k c[ch, k] g[s, t + W - 1 - k, ch]   (t + W - 1 - k < T)
+//      3 parts        part[p, k, ch] = sum over rows r of block p (TB rows, across sequences)
+//                     of g[r, ch] * x[s, t - W + 1 + k, ch] (k < W), g[r, ch] (k = W: bias)
+//      4 reduce       dc[ch, k] = sum_p part[p, k, ch], d_bias[ch] = sum_p part[p, W, ch]
+//                     (fixed order: deterministic)
+// OP 0-2: one invocation per (row, channel), a workgroup 64 channels x 4 rows (coalesced
+// along the channels). OP 3: a workgroup 64 channels x 4 taps of one block. No invocation
+// walks the time axis (the loops run over W taps, TB rows or the parts: the host keeps each
+// below lavapipe's 65535 iterations).
+#version 450
+#include "common.glsl"
+
+layout(local_size_x = 64, local_size_y = 4) in;
+layout(constant_id = 0) const int OP = 0;
+layout(constant_id = 1) const int HAS_B = 0;
+
+layout(push_constant) uniform PC {
+  uvec2 x, c, b, dy, out_, g, part;
+  int S, T, D, W;
+  int xs0, xs1, xs2;  // x's strides: sequence, token, channel
+  int cs0, cs1, bs;   // c's strides, bias's stride
+  int TB, np;         // rows per block of OP 3, blocks
+} pc;
+
+float silu_pre(int s, int t, int ch) {
+  FBuf x = FBuf(pc.x), c = FBuf(pc.c);
+  float a = HAS_B != 0 ? FBuf(pc.b).v[ch * pc.bs] : 0.0;
+  const int base = s * pc.xs0 + ch * pc.xs2;
+  for (int k = max(0, pc.W - 1 - t); k < pc.W; ++k)
+    a += c.v[ch * pc.cs0 + k * pc.cs1] * x.v[base + (t - pc.W + 1 + k) * pc.xs1];
+  return a;
+}
+
+void main() {
+  const int lx = int(gl_LocalInvocationID.x), ly = int(gl_LocalInvocationID.y);
+  const int R = pc.S * pc.T;
+  if (OP == 4) {
+    const int nk = pc.W + HAS_B;
+    const int n = nk * pc.D;
+    FBuf part = FBuf(pc.part), out_ = FBuf(pc.out_);
+    const int stride = int(gl_NumWorkGroups.x) * 256;
+    for (int i = int(gl_WorkGroupID.x) * 256 + int(gl_LocalInvocationIndex); i < n; i += stride) {
+      const int k = i / pc.D, ch = i % pc.D;
+      float acc = 0.0;
+      for (int p = 0; p < pc.np; ++p) acc += part.v[(p * nk + k) * pc.D + ch];
+      if (k < pc.W)
+        out_.v[R * pc.D + ch * pc.W + k] = acc;
+      else
+        out_.v[R * pc.D + pc.D * pc.W + ch] = acc;
+    }
+    return;
+  }
+  const int ch = int(gl_WorkGroupID.x) * 64 + lx;
+  if (ch >= pc.D) return;
+  if (OP == 3) {
+    const int p = int(gl_WorkGroupID.y), k = int(gl_WorkGroupID.z) * 4 + ly;
+    const int nk = pc.W + HAS_B;
+    if (k >= nk) return;
+    FBuf x = FBuf(pc.x), g = FBuf(pc.g);
+    const int r1 = min(R, (p + 1) * pc.TB);
+    float acc = 0.0;
+    for (int r = p * pc.TB; r < r1; ++r) {
+      const float gv = g.v[r * pc.D + ch];
+      if (k == pc.W) {
+        acc += gv;
+        continue;
+      }
+      const int s = r / pc.T, t = r % pc.T, tt = t - pc.W + 1 + k;
+      if (tt >= 0) acc += gv * x.v[s * pc.xs0 + tt * pc.xs1 + ch * pc.xs2];
+    }
+    FBuf(pc.part).v[(p * nk + k) * pc.D + ch] = acc;
+    return;
+  }
+  const int r = int(gl_WorkGroupID.z * gl_NumWorkGroups.y + gl_WorkGroupID.y) * 4 + ly;
+  if (r >= R) return;
+  const int s = r / pc.T, t = r % pc.T;
+  const int e = r * pc.D + ch;
+  if (OP == 0) {
+    const float a = silu_pre(s, t, ch);
+    FBuf(pc.out_).v[e] = a / (1.0 + exp(-a));
+  } else if (OP == 1) {
+    const float a = silu_pre(s, t, ch);
+    const float sg = 1.0 / (1.0 + exp(-a));
+    FBuf(pc.g).v[e] = FBuf(pc.dy).v[e] * sg * (1.0 + a * (1.0 - sg));
+  } else {
+    FBuf c = FBuf(pc.c), g = FBuf(pc.g);
+    float acc = 0.0;
+    for (int k = max(0, t + pc.W - pc.T); k < pc.W; ++k)
+      acc += c.v[ch * pc.cs0 + k * pc.cs1] * g.v[e + (pc.W - 1 - k) * pc.D];
+    FBuf(pc.out_).v[e] = acc;
+  }
+}
