@@ -37,9 +37,9 @@ def step_plan(
     preset: str, n_layer: int, batch: int, seq_len: int, recompute: bool, chunk: int | None
 ) -> dict[str, Any]:
     """The memory plan (graph.memory()'s dict) of one training step, not run."""
+    import recurra as rc
     import recurra_models as rm
     from recurra._tensor import LAZY
-
     from recurra_models.presets import resolve
 
     arch = resolve(preset, {})[0]
@@ -48,8 +48,6 @@ def step_plan(
     model.gradient_checkpointing(recompute)
     rng = np.random.default_rng(0)
     data = rng.integers(0, min(model.vocab_size, 50000), (batch, seq_len + 1)).astype(np.int32)
-    import recurra as rc
-
     x, y = rc.tensor(data[:, :-1].copy()), rc.tensor(data[:, 1:].copy())
     loss = model.loss(x, y, chunk_bytes=chunk)
     got: dict[str, Any] = {}
