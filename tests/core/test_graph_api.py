@@ -189,7 +189,7 @@ _DERIVS = {  # f'(a) in float64, and whether it is a function of y = f(a) only
     "tanh": (lambda a: 1 - np.tanh(a) ** 2, True),
     "sqrt": (lambda a: 0.5 / np.sqrt(a), True),
     "silu": (lambda a: (1 + np.exp(-a) + a * np.exp(-a)) / (1 + np.exp(-a)) ** 2, False),
-    "relu": (lambda a: (a > 0).astype(np.float64), False),
+    "relu": (lambda a: (a > 0).astype(np.float64), True),  # relu'(relu(x)) = relu'(x)
     "softplus": (lambda a: 1 / (1 + np.exp(-a)), False),
     "gelu": (None, False),
 }
@@ -199,7 +199,8 @@ _DERIVS = {  # f'(a) in float64, and whether it is a function of y = f(a) only
 def test_activation_backward_keeps_only_what_its_derivative_reads(act):
     # w -> a = 1.5 w (scale) -> y = act(a) -> loss = sum(y). The backward of act reads a
     # or y, never both: the other is dead at the peak (act_grad's node: y or a, the loss's
-    # gradient broadcast to n, act_grad's result), 3 n floats instead of 4.
+    # gradient broadcast to n, act_grad's result), 3 n floats instead of 4. Half the inputs
+    # are negative (relu's gradient 0 there; sqrt's inputs stay positive).
     deriv, reads_y = _DERIVS[act]
     n = 1 << 14
     g = rc.Graph()

@@ -216,9 +216,12 @@ void unary_infer(Graph& g, Node& n) {
 }
 
 // The activations whose derivative reads y = f(x) only (the rest read x only), here and in
-// the device kernels (the DERIV column above; act.glsl's).
+// the device kernels (the DERIV column above; act.glsl's). ReLU's reads x, but gives the
+// same at y = relu(x) (y > 0 exactly where x > 0, a NaN stays NaN): handed y, its backward
+// keeps the output that sqr(relu(k)) (RWKV's channel mixing) keeps anyway, not the input.
 bool act_grad_reads_y(int64_t code) {
-  return code == RECURRA_UNARY_SQRT || code == RECURRA_UNARY_SIGMOID || code == RECURRA_UNARY_TANH;
+  return code == RECURRA_UNARY_SQRT || code == RECURRA_UNARY_SIGMOID || code == RECURRA_UNARY_TANH ||
+         code == RECURRA_UNARY_RELU;
 }
 
 // Backward through act_grad(g, x, y): g * f'(x) for activation `code`. The slot f' does not
