@@ -12,7 +12,7 @@ import pytest
 import recurra as rc
 import recurra_models as rm
 from recurra._tensor import LAZY
-from recurra_models.lm import LOSS_CHUNK_BYTES, chunk_rows
+from recurra_models.lm import LOSS_CHUNK_ABOVE, LOSS_CHUNK_BYTES, chunk_rows
 
 TINY = {
     "mamba": {"d_model": 16, "d_state": 4, "tie_embeddings": False},  # the head's own gradient
@@ -107,7 +107,10 @@ def test_chunk_rows_rule():
         rows = chunk_rows(n, v, lim)
         assert 1 <= rows <= n
         assert rows * v * 4 <= lim or rows == 1
-    assert LOSS_CHUNK_BYTES == rm.create("mamba2", **TINY["mamba2"]).loss_chunk_bytes
+    m = rm.create("mamba2", **TINY["mamba2"])
+    assert (m.loss_chunk_bytes, m.loss_chunk_above) == (LOSS_CHUNK_BYTES, LOSS_CHUNK_ABOVE)
+    # the 130M presets at 8 x 512 tokens are chunked, at 4 x 256 (the CPU's batch) not
+    assert 8 * 512 * 50288 * 4 > LOSS_CHUNK_ABOVE > 4 * 256 * 65536 * 4
 
 
 def _planned_peak(model, x, y, chunk) -> int:
@@ -120,7 +123,7 @@ def _planned_peak(model, x, y, chunk) -> int:
 
 
 @pytest.mark.parametrize("recompute", [False, True])
-def test_peak_falls_by_default_on_large_logits(recompute):
+def test_peak_falls_on_large_logits(recompute):
     vocab = 4096
     model = rm.create("rwkv7", vocab_size=vocab, n_layer=2, seed=0, **TINY["rwkv7"])
     model.gradient_checkpointing(recompute)
@@ -128,7 +131,9 @@ def test_peak_falls_by_default_on_large_logits(recompute):
     logits = 128 * vocab * 4
     whole = _planned_peak(model, x, y, 0)
     model.loss_chunk_bytes = logits // 8
-    chunked = _planned_peak(model, x, y, None)  # the model's setting
+    assert _planned_peak(model, x, y, None) == whole  # below loss_chunk_above: whole
+    model.loss_chunk_above = logits - 1
+    chunked = _planned_peak(model, x, y, None)  # the model's settings
     # the unchunked plan holds the logits and their gradient at once
     assert whole >= 2 * logits
     assert chunked < whole - logits, (whole, chunked)

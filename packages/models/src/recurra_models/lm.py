@@ -26,7 +26,12 @@ __all__ = [
 
 State = list[list[Any]]  # one list of recurra tensors per layer
 
-LOSS_CHUNK_BYTES = 64 << 20  # CausalLM.loss: logits larger than this are made in chunks
+# CausalLM.loss: logits (batch * time * vocab float32) past LOSS_CHUNK_ABOVE bytes are made
+# in chunks of at most LOSS_CHUNK_BYTES. Below, a step keeps its speed: chunks cost one more
+# head product each in the backward (at 4 x 256 tokens, vocab 50k, 2 cores: a 2-layer step
+# 37% slower, the 130M model ~8%) for memory that does not matter there.
+LOSS_CHUNK_BYTES = 64 << 20
+LOSS_CHUNK_ABOVE = 512 << 20
 
 
 def realize(tensors: Sequence[Any]) -> None:
@@ -196,25 +201,33 @@ class CausalLM(nn.Module):
     def init_state(self, batch: int) -> State:
         raise NotImplementedError
 
-    # Logits of more bytes than this are computed chunk by chunk in loss() (see there);
-    # 0 turns the chunking off. Set per model (``model.loss_chunk_bytes = 0``) or per call.
+    # loss(): logits of more than loss_chunk_above bytes are computed in chunks of at most
+    # loss_chunk_bytes (see there); loss_chunk_bytes = 0 turns the chunking off. Set per
+    # model (``model.loss_chunk_bytes = 0``) or per call (``loss(..., chunk_bytes=0)``).
     loss_chunk_bytes: int = LOSS_CHUNK_BYTES
+    loss_chunk_above: int = LOSS_CHUNK_ABOVE
 
     def loss(self, tokens: Any, targets: Any, *, chunk_bytes: int | None = None) -> Any:
         """Mean cross-entropy of the next-token predictions: logits of ``tokens`` against
         int32 ``targets`` of the same (batch, time) shape. Returns a 0-d tensor.
 
-        When the logits (batch * time * vocab float32) would take more than ``chunk_bytes``
-        (default ``self.loss_chunk_bytes``, 64 MiB; 0 or None turns this off) the LM head
-        and the loss run over chunks of token rows, each chunk's logits at most that size
-        and each chunk inside its own ``recurra.recompute()`` segment: only one chunk's
-        logits (and, in the backward, their gradient) is alive at a time instead of the
-        whole (B*T, vocab) pair, the largest tensors of a step. The backward computes each
-        chunk's head matmul once more (about a third more head work); the loss and the
-        gradients are those of the unchunked loss up to float32 rounding."""
-        limit = self.loss_chunk_bytes if chunk_bytes is None else chunk_bytes
+        When the logits (batch * time * vocab float32) would take more than
+        ``self.loss_chunk_above`` bytes (512 MiB: 8 x 512 tokens of a 50k vocabulary are 0.8
+        GiB), the LM head and the loss run over chunks of token rows, each chunk's logits at
+        most ``chunk_bytes`` (default ``self.loss_chunk_bytes``, 64 MiB; 0 turns chunking
+        off; given here, it chunks whenever the logits pass it) and each chunk inside its
+        own ``recurra.recompute()`` segment: only one chunk's logits (and, in the backward,
+        their gradient) is alive at a time instead of the whole (B*T, vocab) pair, the
+        largest tensors of a step. The backward computes each chunk's head product once
+        more (a third more head work); the loss and the gradients are those of the
+        unchunked loss up to float32 rounding."""
         tgt, b, t = as_tokens(targets, self.vocab_size, self.device)
         head = self.lm_head_module()
+        if chunk_bytes is None:
+            big = b * t * self.vocab_size * 4 > self.loss_chunk_above
+            limit = self.loss_chunk_bytes if big else 0
+        else:
+            limit = chunk_bytes
         rows = chunk_rows(b * t, self.vocab_size, limit or 0)
         if head is None or rows >= b * t:
             return ops.cross_entropy(self.forward(tokens), tgt)
