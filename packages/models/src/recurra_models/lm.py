@@ -184,8 +184,13 @@ class CausalLM(nn.Module):
         zeros), and the state after the last token: the LM head over
         :meth:`features_with_state`. Subclasses write either this or
         ``features_with_state`` and ``lm_head_module``."""
+        head = self.lm_head_module()
+        if head is None:
+            raise NotImplementedError(
+                f"{type(self).__name__} defines neither forward_with_state nor lm_head_module"
+            )
         h, new_state = self.features_with_state(tokens, state)
-        return self.lm_head_module()(h), new_state
+        return head(h), new_state
 
     def features_with_state(self, tokens: Any, state: State | None = None) -> tuple[Any, State]:
         """The hidden states the LM head reads (B, T, d) (after the final norm), and the
