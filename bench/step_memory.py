@@ -44,7 +44,8 @@ def step_plan(
 
     arch = resolve(preset, {})[0]
     # the plan does not depend on the values: RWKV's zero init skips its orthogonal draws
-    model = rm.create(preset, seed=None if arch.startswith("rwkv") else 0, n_layer=n_layer)
+    seed: Any = None if arch.startswith("rwkv") else 0
+    model = rm.create(preset, seed=seed, n_layer=n_layer)
     model.gradient_checkpointing(recompute)
     rng = np.random.default_rng(0)
     data = rng.integers(0, min(model.vocab_size, 50000), (batch, seq_len + 1)).astype(np.int32)
