@@ -182,3 +182,44 @@ def test_assign_refuses_computed_targets_and_mismatches() -> None:
         g.apply("assign", [a, b], (), ())
     with pytest.raises(ValueError, match="leaf"):
         g.apply("assign", [a * 2.0, a], (), ())
+
+
+_DERIVS = {  # f'(a) in float64, and whether it is a function of y = f(a) only
+    "sigmoid": (lambda a: np.exp(-a) / (1 + np.exp(-a)) ** 2, True),
+    "tanh": (lambda a: 1 - np.tanh(a) ** 2, True),
+    "sqrt": (lambda a: 0.5 / np.sqrt(a), True),
+    "silu": (lambda a: (1 + np.exp(-a) + a * np.exp(-a)) / (1 + np.exp(-a)) ** 2, False),
+    "relu": (lambda a: (a > 0).astype(np.float64), True),  # relu'(relu(x)) = relu'(x)
+    "softplus": (lambda a: 1 / (1 + np.exp(-a)), False),
+    "gelu": (None, False),
+}
+
+
+@pytest.mark.parametrize("act", list(_DERIVS))
+def test_activation_backward_keeps_only_what_its_derivative_reads(act):
+    # w -> a = 1.5 w (scale) -> y = act(a) -> loss = sum(y). The backward of act reads a
+    # or y, never both: the other is dead at the peak (act_grad's node: y or a, the loss's
+    # gradient broadcast to n, act_grad's result), 3 n floats instead of 4. Half the inputs
+    # are negative (relu's gradient 0 there; sqrt's inputs stay positive).
+    deriv, reads_y = _DERIVS[act]
+    n = 1 << 14
+    g = rc.Graph()
+    w = g.param((n,))
+    a = ops.scale(w, 1.5)
+    y = getattr(ops, act)(a)
+    loss = ops.apply("sum_to", [y], ip=())
+    g.set_loss(loss)
+    g.build_backward(loss)
+    plan = g.memory()
+    live = dict(plan["live_at_peak"])
+    kept, dead = (act, "scale") if reads_y else ("scale", act)
+    assert live.get(dead, 0) == 0, live
+    assert live[kept] == n * 4, live
+    assert plan["peak_live_bytes"] <= 3 * n * 4 + 256
+    wv = np.random.default_rng(0).uniform(0.05, 2.0, n).astype(np.float32)
+    wv[: n // 2] *= -1 if act != "sqrt" else 1
+    g.set_data(w, wv)
+    g.compute()
+    if deriv is not None:
+        want = 1.5 * deriv(1.5 * wv.astype(np.float64))
+        np.testing.assert_allclose(w.grad.numpy(), want, rtol=2e-5, atol=1e-6)

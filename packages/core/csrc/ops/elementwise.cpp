@@ -215,11 +215,30 @@ void unary_infer(Graph& g, Node& n) {
   n.shape = g.node(n.src.at(0)).shape;
 }
 
-// Backward through act_grad(g, x, y): g * f'(x) for activation `code`.
+// The activations whose derivative reads y = f(x) only (the rest read x only), here and in
+// the device kernels (the DERIV column above; act.glsl's). ReLU's reads x, but gives the
+// same at y = relu(x) (y > 0 exactly where x > 0, a NaN stays NaN): handed y, its backward
+// keeps the output that sqr(relu(k)) (RWKV's channel mixing) keeps anyway, not the input.
+bool act_grad_reads_y(int64_t code) {
+  return code == RECURRA_UNARY_SQRT || code == RECURRA_UNARY_SIGMOID || code == RECURRA_UNARY_TANH ||
+         code == RECURRA_UNARY_RELU;
+}
+
+// Backward through act_grad(g, x, y): g * f'(x) for activation `code`. The slot f' does not
+// read gets the tensor of the other, so that the backward keeps the activation's input
+// (sigmoid, tanh, sqrt) or its output (the others) alive only where f' needs it: both kept,
+// a step held twice an activation's bytes until its gradient (Mamba-2's silu outputs, RWKV's
+// sigmoid inputs).
 std::function<void(GradSink&)> act_backward(int64_t code) {
   return [code](GradSink& k) {
     std::vector<double> fp = k.node.fp;
-    k.add(0, k.g.op("act_grad", {k.grad_out, k.node.src[0], k.node.id}, {code}, fp));
+    int v = act_grad_reads_y(code) ? k.node.id : k.node.src[0];
+    const Node& nv = k.g.node(v);
+    TensorView tv;
+    tv.shape = nv.shape;
+    std::copy(nv.strides, nv.strides + kMaxDims, tv.strides);
+    if (!tv.is_contiguous()) v = k.g.contiguous(v);  // once, not once per slot
+    k.add(0, k.g.op("act_grad", {k.grad_out, v, v}, {code}, fp));
   };
 }
 

@@ -14,9 +14,24 @@ import recurra as rc
 from recurra import ops
 from recurra_models import nn
 
-__all__ = ["CausalLM", "ConfigBase", "State", "as_tokens", "realize"]
+__all__ = [
+    "CausalLM",
+    "ConfigBase",
+    "State",
+    "as_tokens",
+    "chunk_rows",
+    "chunked_cross_entropy",
+    "realize",
+]
 
 State = list[list[Any]]  # one list of recurra tensors per layer
+
+# CausalLM.loss: logits (batch * time * vocab float32) past LOSS_CHUNK_ABOVE bytes are made
+# in chunks of at most LOSS_CHUNK_BYTES. Below, a step keeps its speed: chunks cost one more
+# head product each in the backward (at 4 x 256 tokens, vocab 50k, 2 cores: a 2-layer step
+# 37% slower, the 130M model ~8%) for memory that does not matter there.
+LOSS_CHUNK_BYTES = 64 << 20
+LOSS_CHUNK_ABOVE = 512 << 20
 
 
 def realize(tensors: Sequence[Any]) -> None:
@@ -165,17 +180,92 @@ class CausalLM(nn.Module):
         return self.forward_with_state(tokens, None)[0]
 
     def forward_with_state(self, tokens: Any, state: State | None = None) -> tuple[Any, State]:
+        """Logits (B, T, vocab) of int32 tokens (B, T) starting from ``state`` (None:
+        zeros), and the state after the last token: the LM head over
+        :meth:`features_with_state`. Subclasses write either this or
+        ``features_with_state`` and ``lm_head_module``."""
+        head = self.lm_head_module()
+        if head is None:
+            raise NotImplementedError(
+                f"{type(self).__name__} defines neither forward_with_state nor lm_head_module"
+            )
+        h, new_state = self.features_with_state(tokens, state)
+        return head(h), new_state
+
+    def features_with_state(self, tokens: Any, state: State | None = None) -> tuple[Any, State]:
+        """The hidden states the LM head reads (B, T, d) (after the final norm), and the
+        state after the last token."""
         raise NotImplementedError
+
+    def lm_head_module(self) -> nn.Module | None:
+        """The module mapping hidden states (..., d) to logits (..., vocab), row by row;
+        None when the model does not split its forward so (:meth:`loss` then takes the
+        logits from :meth:`forward` whole)."""
+        return None
 
     def init_state(self, batch: int) -> State:
         raise NotImplementedError
 
-    def loss(self, tokens: Any, targets: Any) -> Any:
+    # loss(): logits of more than loss_chunk_above bytes are computed in chunks of at most
+    # loss_chunk_bytes (see there); loss_chunk_bytes = 0 turns the chunking off. Set per
+    # model (``model.loss_chunk_bytes = 0``) or per call (``loss(..., chunk_bytes=0)``).
+    loss_chunk_bytes: int = LOSS_CHUNK_BYTES
+    loss_chunk_above: int = LOSS_CHUNK_ABOVE
+
+    def loss(self, tokens: Any, targets: Any, *, chunk_bytes: int | None = None) -> Any:
         """Mean cross-entropy of the next-token predictions: logits of ``tokens`` against
-        int32 ``targets`` of the same (batch, time) shape. Returns a 0-d tensor."""
-        logits = self.forward(tokens)
-        tgt, _, _ = as_tokens(targets, self.vocab_size, self.device)
-        return ops.cross_entropy(logits, tgt)
+        int32 ``targets`` of the same (batch, time) shape. Returns a 0-d tensor.
+
+        When the logits (batch * time * vocab float32) would take more than
+        ``self.loss_chunk_above`` bytes (512 MiB: 8 x 512 tokens of a 50k vocabulary are 0.8
+        GiB), the LM head and the loss run over chunks of token rows, each chunk's logits at
+        most ``chunk_bytes`` (default ``self.loss_chunk_bytes``, 64 MiB; 0 turns chunking
+        off; given here, it chunks whenever the logits pass it) and each chunk inside its
+        own ``recurra.recompute()`` segment: only one chunk's logits (and, in the backward,
+        their gradient) is alive at a time instead of the whole (B*T, vocab) pair, the
+        largest tensors of a step. The backward computes each chunk's head product once
+        more (a third more head work); the loss and the gradients are those of the
+        unchunked loss up to float32 rounding."""
+        tgt, b, t = as_tokens(targets, self.vocab_size, self.device)
+        head = self.lm_head_module()
+        if chunk_bytes is None:
+            big = b * t * self.vocab_size * 4 > self.loss_chunk_above
+            limit = self.loss_chunk_bytes if big else 0
+        else:
+            limit = chunk_bytes
+        rows = chunk_rows(b * t, self.vocab_size, limit or 0)
+        if head is None or rows >= b * t:
+            return ops.cross_entropy(self.forward(tokens), tgt)
+        h, _ = self.features_with_state(tokens, None)
+        return chunked_cross_entropy(h, head, tgt, rows)
+
+
+def chunk_rows(n: int, vocab: int, limit: int) -> int:
+    """Rows per chunk for :func:`chunked_cross_entropy`: ``n`` when n * vocab float32 logits
+    fit in ``limit`` bytes (or limit <= 0), else the rows of equal chunks (the last may be
+    shorter) of at most ``limit`` bytes each (at least one row)."""
+    if limit <= 0 or n * vocab * 4 <= limit:
+        return n
+    most = max(1, limit // (vocab * 4))  # rows of at most limit bytes
+    n_chunks = -(-n // most)
+    return -(-n // n_chunks)  # equal chunks, no larger than `most`
+
+
+def chunked_cross_entropy(h: Any, head: Any, targets: Any, rows: int) -> Any:
+    """``cross_entropy(head(h), targets)`` (the mean over every row) computed ``rows`` token
+    rows at a time, each chunk's ``head`` and loss in its own recomputation segment, so
+    that its logits are not kept for the backward but made again right before their
+    gradient. ``h`` (..., d), ``targets`` int32 (...) of h's leading shape."""
+    d = h.shape[-1]
+    n = h.size // d
+    hf, tf = h.reshape(n, d), targets.reshape(n)
+    total = None
+    for lo in range(0, n, rows):
+        hi = min(n, lo + rows)
+        with rc.recompute():
+            part = ops.cross_entropy(head(hf[lo:hi]), tf[lo:hi]) * ((hi - lo) / n)
+        total = part if total is None else total + part
+    return total
 
 
 # -- shared Mamba helpers -------------------------------------------------------------------

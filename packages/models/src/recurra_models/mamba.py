@@ -203,9 +203,13 @@ class MambaFamilyLM(CausalLM):
         """Zero states, per layer [conv state, scan state] (see init_state_shapes)."""
         return zero_state(self.init_state_shapes(batch), self.device)
 
-    def forward_with_state(self, tokens: Any, state: State | None = None) -> tuple[Any, State]:
-        """Logits (B, T, vocab) of int32 tokens (B, T) starting from ``state`` (None: zeros),
-        and the state after the last token.
+    def lm_head_module(self) -> nn.Module:
+        return self.lm_head
+
+    def features_with_state(self, tokens: Any, state: State | None = None) -> tuple[Any, State]:
+        """The hidden states after ``norm_f`` (B, T, d_model) of int32 tokens (B, T) starting
+        from ``state`` (None: zeros), and the state after the last token (the logits are
+        ``lm_head`` of them: ``forward_with_state``).
 
         Raises TypeError/ValueError for bad tokens and ValueError for a state that does not
         fit the model or the batch."""
@@ -217,8 +221,7 @@ class MambaFamilyLM(CausalLM):
         for i, layer in enumerate(self.backbone.layers):
             h, st = layer(h, state[i] if state is not None else None)
             new_state.append(st)
-        h = self.backbone.norm_f(h)
-        return self.lm_head(h), new_state
+        return self.backbone.norm_f(h), new_state
 
 
 class MambaLM(MambaFamilyLM):

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+import recurra as rc
 from recurra import ops
 from recurra_models import nn
 from recurra_models.lm import ConfigBase, State
@@ -175,31 +176,39 @@ class RWKV7TimeMix(nn.Module):
         h, s = self.n_head, self.head_size
         prev, new_shift = token_shift(x, shift)
         xx = prev - x
-        xr, xw, xk = x + xx * self.x_r, x + xx * self.x_w, x + xx * self.x_k
-        xv, xa, xg = x + xx * self.x_v, x + xx * self.x_a, x + xx * self.x_g
+        xr, xk, xv = x + xx * self.x_r, x + xx * self.x_k, x + xx * self.x_v
+        # The w, a and g mixes feed narrow LoRA matrices only (C -> 64..160): their first
+        # products are recomputed in the backward from x and xx instead of keeping three
+        # (B, T, C) mixes for the weight gradients (a few percent more LoRA work).
+        with rc.recompute():
+            lw = ops.matmul(x + xx * self.x_w, self.w1)
+            la = ops.matmul(x + xx * self.x_a, self.a1)
+            lg = ops.matmul(x + xx * self.x_g, self.g1)
         r = self.receptance(xr)
         k = self.key(xk)
         v = self.value(xv)
-        wlog = self.w0 + ops.matmul(ops.tanh(ops.matmul(xw, self.w1)), self.w2)
+        wlog = self.w0 + ops.matmul(ops.tanh(lw), self.w2)
         decay = ops.exp(ops.sigmoid(wlog) * (-DECAY_SCALE))
         if v_first is None:
             v_first = v
         else:
             gate_v = ops.sigmoid(self.v0 + ops.matmul(ops.matmul(xv, self.v1), self.v2))
             v = v + (v_first - v) * gate_v
-        a = ops.sigmoid(self.a0 + ops.matmul(ops.matmul(xa, self.a1), self.a2))
-        g = ops.matmul(ops.sigmoid(ops.matmul(xg, self.g1)), self.g2)
+        a = ops.sigmoid(self.a0 + ops.matmul(la, self.a2))
+        g = ops.matmul(ops.sigmoid(lg), self.g2)
         # F.normalize per head: kk / max(|kk|, 1e-12) == rms_norm(kk, 1e-24 / S) / sqrt(S)
-        # up to the clamp region; rms_norm is one fused op with a stable gradient.
-        kk = (k * self.k_k).reshape(b * t, h, s)
-        kk = ops.rms_norm(kk, 1e-24 / s) * (1.0 / math.sqrt(s))
+        # up to the clamp region; rms_norm is one fused op with a stable gradient. Made
+        # negated: wkv7 reads -kk and kk * a, and the backward keeps only these two (with kk
+        # and -kk it kept three tensors of (B, T, C)); the sign flips are exact.
+        nkk = (k * self.k_k).reshape(b * t, h, s)
+        nkk = ops.rms_norm(nkk, 1e-24 / s) * (-1.0 / math.sqrt(s))
         # k * (1 + (a - 1) * k_a) without scalar constants: the backward of a tensor plus a
         # constant reduces the whole gradient to the constant's shape (~25 ms per op at
         # 4 x 256 x 512 on 2 cores), for a constant that needs no gradient.
         k = k + (k * a - k) * self.k_a
         a3 = a.reshape(b * t, h, s)
         r3, k3, v3 = r.reshape(b * t, h, s), k.reshape(b * t, h, s), v.reshape(b * t, h, s)
-        y, new_wkv = ops.rwkv_wkv7(r3, decay.reshape(b * t, h, s), k3, v3, -kk, kk * a3, wkv)
+        y, new_wkv = ops.rwkv_wkv7(r3, decay.reshape(b * t, h, s), k3, v3, nkk, -(nkk * a3), wkv)
         bonus = ops.sum(r3 * k3 * self.r_k, axis=-1, keepdims=True) * v3  # (BT, H, S)
         y = head_norm(y, b, t, self.ln_x) + bonus.reshape(b, t, c)
         return self.output(y * g), new_shift, new_wkv, v_first

@@ -90,9 +90,13 @@ class RWKVFamilyLM(CausalLM):
         """Zero states: per layer [att_shift (B, C), wkv (B, H, S, S), ffn_shift (B, C)]."""
         return zero_state(self.state_shapes(batch), self.device)
 
-    def forward_with_state(self, tokens: Any, state: State | None = None) -> tuple[Any, State]:
-        """Logits (B, T, vocab) of int32 tokens (B, T) starting from ``state`` (None: zeros),
-        and the state after the last token (lazy tensors; see ``lm.realize``).
+    def lm_head_module(self) -> nn.Module:
+        return self.head
+
+    def features_with_state(self, tokens: Any, state: State | None = None) -> tuple[Any, State]:
+        """The hidden states after ``ln_out`` (B, T, C) of int32 tokens (B, T) starting from
+        ``state`` (None: zeros), and the state after the last token (lazy tensors; see
+        ``lm.realize``); the logits are ``head`` of them (``forward_with_state``).
 
         Raises TypeError/ValueError for bad tokens and ValueError for a state that does not
         fit the model or the batch."""
@@ -104,7 +108,7 @@ class RWKVFamilyLM(CausalLM):
         first: Any = self.blocks[0]  # block 0 holds ln0
         x = first.ln0(self.emb(tok))
         x, new_state = self.run_blocks(x, [list(st) for st in state])
-        return self.head(self.ln_out(x)), new_state
+        return self.ln_out(x), new_state
 
     def run_blocks(self, x: Any, state: State) -> tuple[Any, State]:
         """The blocks over x (B, T, C) (after ln0) from ``state`` (one list per layer), each

@@ -1,0 +1,121 @@
+"""The memory plan of a training step (forward + cross-entropy + backward) of a preset,
+built but not run: peak_live_bytes and what is alive at the peak, by op.
+
+    python bench/step_memory.py --preset mamba2-130m --n-layer 2 4 --batch 8 --seq-len 512
+    python bench/step_memory.py --preset rwkv7-0.1b --vulkan-ops --recompute --loss-chunk 0
+
+The graph is the one ``model.loss(x, y).backward()`` plans on the CPU; the planner is the
+one a device uses. ``--vulkan-ops`` makes the CPU refuse the ops the Vulkan backend has no
+kernel for (``--refuse`` names them), so the plan holds their decompositions as a device's
+does. With two or more depths the per-layer and fixed parts are fitted (peak = fixed +
+per_layer * n_layer, from the first and last depth). Nothing is computed: sizes of any
+depth fit the planner's host memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import numpy as np
+
+# Ops with a CPU kernel but (at the time of writing) no Vulkan kernel; views are not ops.
+VULKAN_MISSING = [
+    "causal_conv_silu",
+    "causal_conv_silu_back",
+    "gated_rms_norm",
+    "gated_rms_norm_back",
+]
+
+
+class _Planned(Exception):
+    pass
+
+
+def step_plan(
+    preset: str, n_layer: int, batch: int, seq_len: int, recompute: bool, chunk: int | None
+) -> dict[str, Any]:
+    """The memory plan (graph.memory()'s dict) of one training step, not run."""
+    import recurra as rc
+    import recurra_models as rm
+    from recurra._tensor import LAZY
+    from recurra_models.presets import resolve
+
+    arch = resolve(preset, {})[0]
+    # the plan does not depend on the values: RWKV's zero init skips its orthogonal draws
+    seed: Any = None if arch.startswith("rwkv") else 0
+    model = rm.create(preset, seed=seed, n_layer=n_layer)
+    model.gradient_checkpointing(recompute)
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, min(model.vocab_size, 50000), (batch, seq_len + 1)).astype(np.int32)
+    x, y = rc.tensor(data[:, :-1].copy()), rc.tensor(data[:, 1:].copy())
+    loss = model.loss(x, y, chunk_bytes=chunk)
+    got: dict[str, Any] = {}
+    build = LAZY._build
+
+    def capture(*a: Any, **k: Any) -> Any:
+        plan = build(*a, **k)
+        got.update(plan.graph.plan())
+        raise _Planned
+
+    LAZY._build = capture  # type: ignore[method-assign]
+    try:
+        loss.backward()
+    except _Planned:
+        pass
+    finally:
+        LAZY._build = build  # type: ignore[method-assign]
+        LAZY.clear()
+    return got
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--preset", default="mamba2-130m")
+    ap.add_argument("--n-layer", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--recompute", action="store_true", help="gradient checkpointing per block")
+    ap.add_argument(
+        "--loss-chunk", type=int, default=None, help="loss chunk bytes (0: off; default: model's)"
+    )
+    ap.add_argument("--vulkan-ops", action="store_true", help="refuse what Vulkan lacks")
+    ap.add_argument("--refuse", nargs="*", default=None, help="ops the CPU refuses")
+    ap.add_argument("--top", type=int, default=12, help="ops listed at the peak")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    from recurra import _core
+
+    refuse = a.refuse if a.refuse is not None else (VULKAN_MISSING if a.vulkan_ops else [])
+    _core.set_cpu_refused_ops(refuse)
+    gib = 1 << 30
+    rows = []
+    for n in a.n_layer:
+        p = step_plan(a.preset, n, a.batch, a.seq_len, a.recompute, a.loss_chunk)
+        rows.append((n, p))
+        if a.json:
+            continue
+        print(
+            f"{a.preset} n_layer {n} batch {a.batch}x{a.seq_len} recompute {a.recompute} "
+            f"loss_chunk {a.loss_chunk} refused {refuse}: peak_live "
+            f"{p['peak_live_bytes'] / gib:.3f} GiB, arena {p['arena_bytes'] / gib:.3f} GiB"
+        )
+        for op, b in p["live_at_peak"][: a.top]:
+            print(f"    {op:24s} {b / gib:7.3f} GiB")
+    if len(rows) >= 2:
+        (n0, p0), (n1, p1) = rows[0], rows[-1]
+        per = (p1["peak_live_bytes"] - p0["peak_live_bytes"]) / (n1 - n0)
+        fixed = p0["peak_live_bytes"] - per * n0
+        out = dict(per_layer_gib=per / gib, fixed_gib=fixed / gib)
+        print(
+            json.dumps(out)
+            if a.json
+            else f"per layer {per / gib:.3f} GiB, fixed {fixed / gib:.3f} GiB"
+        )
+    if a.json:
+        print(json.dumps([{"n_layer": n, **p} for n, p in rows]))
+
+
+if __name__ == "__main__":
+    main()
