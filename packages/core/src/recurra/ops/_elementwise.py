@@ -3,41 +3,14 @@
 from __future__ import annotations
 
 import builtins
+import typing
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from recurra.ops import _exports
 from recurra.ops._apply import apply, coerce
-
-__all__ = [
-    "add",
-    "sub",
-    "mul",
-    "div",
-    "neg",
-    "abs",
-    "sqr",
-    "sqrt",
-    "exp",
-    "log",
-    "scale",
-    "clamp",
-    "pow",
-    "relu",
-    "silu",
-    "gelu",
-    "gelu_tanh",
-    "sigmoid",
-    "tanh",
-    "softplus",
-    "reshape",
-    "permute",
-    "transpose",
-    "contiguous",
-    "broadcast_to",
-    "getitem",
-]
 
 
 def _binary(name: str, a: Any, b: Any) -> Any:
@@ -272,3 +245,7 @@ def getitem(x: Any, index: Any) -> Any:
     if tuple(out_shape) != tuple(y.shape):
         y = reshape(y, out_shape)
     return y
+
+
+if not typing.TYPE_CHECKING:  # mypy reads the public names from the module itself
+    __all__ = _exports.public_names(globals())
