@@ -9,32 +9,72 @@
  * The core checks at start-up that its op table and this spec agree; a backend plugin
  * builds against this header (the codes below are part of RECURRA_BACKEND_ABI_VERSION).
  *
- * The first part (codes and parameter indexes) is plain #defines so that GLSL shaders can
- * include it too: a shader defines RECURRA_GLSL before including this file.
+ * The first part (the unary ops with their formulas and codes, parameter indexes, flags) is
+ * written so that GLSL shaders can include it too: a shader defines RECURRA_GLSL before
+ * including this file.
  */
 #ifndef RECURRA_OP_SPEC_H
 #define RECURRA_OP_SPEC_H
 
 /* ---- elementwise unary functions ------------------------------------------------------
- * The code of each elementwise unary op; act_grad's ip[RECURRA_P_ACT] is one of these (an
- * op whose backward is "act_grad" below). A new activation: a code here, its entry in
- * RECURRA_OPS, its CPU and device kernels. */
-#define RECURRA_UNARY_NEG 0
-#define RECURRA_UNARY_ABS 1
-#define RECURRA_UNARY_SQR 2
-#define RECURRA_UNARY_SQRT 3
-#define RECURRA_UNARY_EXP 4
-#define RECURRA_UNARY_LOG 5
-#define RECURRA_UNARY_SCALE 6 /* fp: factor */
-#define RECURRA_UNARY_CLAMP 7 /* fp: min, max */
-#define RECURRA_UNARY_RELU 8
-#define RECURRA_UNARY_SILU 9
-#define RECURRA_UNARY_GELU 10 /* exact: 0.5 x (1 + erf(x / sqrt 2)) */
-#define RECURRA_UNARY_SIGMOID 11
-#define RECURRA_UNARY_TANH 12
-#define RECURRA_UNARY_SOFTPLUS 13
-#define RECURRA_UNARY_GELU_TANH 14 /* 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) */
-#define RECURRA_UNARY_COUNT 15
+ * Every elementwise unary op once, with its formula, in two X-macro lists in code order:
+ *
+ *   RECURRA_UNARY_MATHS(M): M(NAME, code, f)      its gradient is built from other ops (the
+ *                                                 backward of its RECURRA_OPS row)
+ *   RECURRA_ACTIVATIONS(A): A(NAME, code, f, df)  its gradient is act_grad(grad, x, y) =
+ *                                                 grad * df, act_grad's ip[RECURRA_P_ACT] = code
+ *
+ * RECURRA_UNARY_<NAME> = code below (the codes are part of RECURRA_BACKEND_ABI_VERSION: a new
+ * op takes the next free one). f is y = f(x) as an expression of x and of p0, p1, the op's
+ * float parameters; df is f'(x) as an expression of x, y = f(x), p0 and p1. At a NaN input f
+ * and df are NaN (x itself): a NaN is never hidden by a gradient of 0.
+ *
+ * These formulas are the only source of the CPU kernels (csrc/ops/elementwise.cpp) and the
+ * Vulkan ones (shaders/act.glsl), so they use what C, C++ and GLSL share: float literals with
+ * an f suffix, arithmetic, comparisons, ?:, and the functions rc_abs, rc_sqrt, rc_exp,
+ * rc_log, rc_erf, rc_tanh, rc_sigmoid, rc_softplus (x above 20), rc_min, rc_max and
+ * rc_isnan, which each includer maps onto its own before expanding a list. A new activation
+ * is one A line here and its row in RECURRA_OPS; every backend's kernels follow. */
+#define RECURRA_UNARY_MATHS(M) \
+  M(NEG, 0, -x)                \
+  M(SQR, 2, x * x)             \
+  M(EXP, 4, rc_exp(x))         \
+  M(SCALE, 6, x * p0) /* fp: factor */
+#define RECURRA_ACTIVATIONS(A)                                                                 \
+  A(ABS, 1, rc_abs(x), x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : (x == 0.0f ? 0.0f : x)))        \
+  A(SQRT, 3, rc_sqrt(x), 0.5f / y)                                                             \
+  A(LOG, 5, rc_log(x), 1.0f / x)                                                               \
+  A(CLAMP, 7, rc_isnan(x) ? x : rc_min(rc_max(x, p0), p1), /* fp: min, max */                  \
+    (x >= p0 && x <= p1) ? 1.0f : (rc_isnan(x) ? x : 0.0f))                                    \
+  A(RELU, 8, x < 0.0f ? 0.0f : x, x > 0.0f ? 1.0f : (x <= 0.0f ? 0.0f : x))                    \
+  A(SILU, 9, x * rc_sigmoid(x), rc_sigmoid(x) * (1.0f + x * (1.0f - rc_sigmoid(x))))           \
+  A(GELU, 10, 0.5f * x * (1.0f + rc_erf(x * 0.70710678118654752f)), /* exact: x Phi(x) */      \
+    0.5f * (1.0f + rc_erf(x * 0.70710678118654752f)) +                                         \
+        x * 0.39894228040143268f * rc_exp(-0.5f * x * x))                                      \
+  A(SIGMOID, 11, rc_sigmoid(x), y * (1.0f - y))                                                \
+  A(TANH, 12, rc_tanh(x), 1.0f - y * y)                                                        \
+  A(SOFTPLUS, 13, rc_softplus(x), rc_sigmoid(x)) /* sigmoid is 1.0f above 20 */                \
+  A(GELU_TANH, 14, 0.5f * x * (1.0f + RECURRA_GELU_T_(x)),                                     \
+    0.5f * (1.0f + RECURRA_GELU_T_(x)) + 0.5f * x * (1.0f - RECURRA_GELU_T_(x) *                \
+        RECURRA_GELU_T_(x)) * 0.7978845608f * (1.0f + 0.134145f * x * x))
+/* gelu_tanh's t = tanh(sqrt(2/pi) (x + 0.044715 x^3)): y = 0.5 x (1 + t), and f' = 0.5 (1 + t)
+ * + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2). */
+#define RECURRA_GELU_T_(x) rc_tanh(0.7978845608f * ((x) + 0.044715f * (x) * (x) * (x)))
+
+/* The codes, RECURRA_UNARY_<NAME> (C: enum constants; GLSL: const int), and their count. */
+#ifdef RECURRA_GLSL
+#define RECURRA_CODE_(name, value) const int name = value;
+#else
+#define RECURRA_CODE_(name, value) enum { name = value };
+#endif
+#define RECURRA_MATHS_CODE_(NAME, code, f) RECURRA_CODE_(RECURRA_UNARY_##NAME, code)
+#define RECURRA_ACT_CODE_(NAME, code, f, df) RECURRA_CODE_(RECURRA_UNARY_##NAME, code)
+#define RECURRA_MATHS_ONE_(NAME, code, f) +1
+#define RECURRA_ACT_ONE_(NAME, code, f, df) +1
+RECURRA_UNARY_MATHS(RECURRA_MATHS_CODE_)
+RECURRA_ACTIVATIONS(RECURRA_ACT_CODE_)
+RECURRA_CODE_(RECURRA_UNARY_COUNT, 0 RECURRA_UNARY_MATHS(RECURRA_MATHS_ONE_)
+                                       RECURRA_ACTIVATIONS(RECURRA_ACT_ONE_))
 
 /* ---- parameter indexes (ip: integer parameters, fp: float parameters) ------------------ */
 #define RECURRA_P_ACT 0           /* act_grad ip: the RECURRA_UNARY_* code */
