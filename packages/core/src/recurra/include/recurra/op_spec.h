@@ -35,13 +35,14 @@
  * rc_log, rc_erf, rc_tanh, rc_sigmoid, rc_softplus (x above 20), rc_min, rc_max and
  * rc_isnan, which each includer maps onto its own before expanding a list. A new activation
  * is one A line here and its row in RECURRA_OPS; every backend's kernels follow. */
-#define RECURRA_UNARY_MATHS(M) \
-  M(NEG, 0, -x)                \
-  M(SQR, 2, x * x)             \
-  M(EXP, 4, rc_exp(x))         \
-  M(SCALE, 6, x * p0) /* fp: factor */
+#define RECURRA_UNARY_MATHS(M)                                                                 \
+  M(NEG, 0, -x)                                                                                \
+  M(SQR, 2, x * x)                                                                             \
+  M(EXP, 4, rc_exp(x))                                                                         \
+  M(SCALE, 6, x * p0) /* fp: factor */                                                         \
+  /* (each list ends here: a new line goes above) */
 #define RECURRA_ACTIVATIONS(A)                                                                 \
-  A(ABS, 1, rc_abs(x), x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : (x == 0.0f ? 0.0f : x)))        \
+  A(ABS, 1, rc_abs(x), x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : (x == 0.0f ? 0.0f : x)))          \
   A(SQRT, 3, rc_sqrt(x), 0.5f / y)                                                             \
   A(LOG, 5, rc_log(x), 1.0f / x)                                                               \
   A(CLAMP, 7, rc_isnan(x) ? x : rc_min(rc_max(x, p0), p1), /* fp: min, max */                  \
@@ -55,8 +56,9 @@
   A(TANH, 12, rc_tanh(x), 1.0f - y * y)                                                        \
   A(SOFTPLUS, 13, rc_softplus(x), rc_sigmoid(x)) /* sigmoid is 1.0f above 20 */                \
   A(GELU_TANH, 14, 0.5f * x * (1.0f + RECURRA_GELU_T_(x)),                                     \
-    0.5f * (1.0f + RECURRA_GELU_T_(x)) + 0.5f * x * (1.0f - RECURRA_GELU_T_(x) *                \
-        RECURRA_GELU_T_(x)) * 0.7978845608f * (1.0f + 0.134145f * x * x))
+    0.5f * (1.0f + RECURRA_GELU_T_(x)) + 0.5f * x * (1.0f - RECURRA_GELU_T_(x) *               \
+        RECURRA_GELU_T_(x)) * 0.7978845608f * (1.0f + 0.134145f * x * x))                      \
+  /* (each list ends here: a new line goes above) */
 /* gelu_tanh's t = tanh(sqrt(2/pi) (x + 0.044715 x^3)): y = 0.5 x (1 + t), and f' = 0.5 (1 + t)
  * + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2). */
 #define RECURRA_GELU_T_(x) rc_tanh(0.7978845608f * ((x) + 0.044715f * (x) * (x) * (x)))
