@@ -129,6 +129,12 @@ def gelu_tanh(x: Any) -> Any:
     return _unary("gelu_tanh", x)
 
 
+def relu_sqr(x: Any) -> Any:
+    """max(x, 0) ** 2 (RWKV's channel mixing) in one op: sqr(relu(x)) without keeping relu(x)
+    for the backward."""
+    return _unary("relu_sqr", x)
+
+
 def sigmoid(x: Any) -> Any:
     """1 / (1 + exp(-x))."""
     return _unary("sigmoid", x)

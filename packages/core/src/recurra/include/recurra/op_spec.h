@@ -58,6 +58,7 @@
   A(GELU_TANH, 14, 0.5f * x * (1.0f + RECURRA_GELU_T_(x)),                                     \
     0.5f * (1.0f + RECURRA_GELU_T_(x)) + 0.5f * x * (1.0f - RECURRA_GELU_T_(x) *               \
         RECURRA_GELU_T_(x)) * 0.7978845608f * (1.0f + 0.134145f * x * x))                      \
+  A(RELU_SQR, 15, x < 0.0f ? 0.0f : x * x, x > 0.0f ? 2.0f * x : (x <= 0.0f ? 0.0f : x))       \
   /* (each list ends here: a new line goes above) */
 /* gelu_tanh's t = tanh(sqrt(2/pi) (x + 0.044715 x^3)): y = 0.5 x (1 + t), and f' = 0.5 (1 + t)
  * + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2). */
@@ -190,6 +191,8 @@ typedef struct recurra_op_spec {
     "act_grad", "")                                                                             \
   X(gelu_tanh, 1, 1, 0, 0, 0, 0, RECURRA_UNARY_GELU_TANH, "x", "", "",                          \
     "0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))", "act_grad", "")                        \
+  X(relu_sqr, 1, 1, 0, 0, 0, 0, RECURRA_UNARY_RELU_SQR, "x", "", "", "max(x, 0)^2", "act_grad",  \
+    "")                                                                                         \
   X(act_grad, 3, 3, 1, 1, 0, 2, -1, "grad, x, y = f(x) (dense)",                                \
     "the activation's RECURRA_UNARY_* code", "the activation's own (clamp: min, max)",          \
     "grad * f'(x)", "", "")                                                                     \
