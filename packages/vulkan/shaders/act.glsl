@@ -1,28 +1,37 @@
-// Scalar maths shared by the unary ops and act_grad (the CPU kernels of elementwise.cpp
-// define the semantics; GLSL lacks erf, log1p and an overflow-safe tanh), and each
-// activation with its derivative by RECURRA_UNARY_* code.
+// Each elementwise unary op of recurra/op_spec.h by its RECURRA_UNARY_* code: f, and f' for
+// the activations (act_grad). The formulas are the spec's (RECURRA_UNARY_MATHS and
+// RECURRA_ACTIVATIONS, shared with the CPU kernels); this file gives their portable function
+// names (rc_*) a GLSL body: GLSL lacks erf, log1p and an overflow-safe tanh.
 #define RECURRA_GLSL
 #include "recurra/op_spec.h"
 
-float sigmoid_f(float x) { return 1.0 / (1.0 + exp(-x)); }
+#define rc_abs(x) abs(x)
+#define rc_sqrt(x) sqrt(x)
+#define rc_exp(x) exp(x)
+#define rc_log(x) log(x)
+#define rc_min(a, b) min(a, b)
+#define rc_max(a, b) max(a, b)
+#define rc_isnan(x) isnan(x)
+
+float rc_sigmoid(float x) { return 1.0 / (1.0 + exp(-x)); }
 
 // log(1 + u) accurate for small u (Goldberg's trick: the rounding error of 1 + u cancels).
-float log1p_f(float u) {
+float rc_log1p(float u) {
   const float w = 1.0 + u;
   if (w == 1.0) return u;
   return log(w) * u / (w - 1.0);
 }
 
-float softplus_f(float x) { return x > 20.0 ? x : log1p_f(exp(x)); }
+float rc_softplus(float x) { return x > 20.0 ? x : rc_log1p(exp(x)); }
 
-float tanh_f(float x) {
+float rc_tanh(float x) {
   const float t = exp(-2.0 * abs(x));
   const float r = (1.0 - t) / (1.0 + t);
   return x < 0.0 ? -r : r;
 }
 
 // erf with |error| < 1.2e-7 (Numerical Recipes' erfc Chebyshev fit).
-float erf_f(float x) {
+float rc_erf(float x) {
   const float z = abs(x);
   const float t = 1.0 / (1.0 + 0.5 * z);
   const float r = t * exp(-z * z - 1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 +
@@ -32,31 +41,17 @@ float erf_f(float x) {
   return x < 0.0 ? -e : e;
 }
 
-const float INV_SQRT2 = 0.70710678118654752;
-const float INV_SQRT_2PI = 0.39894228040143268;
-
-// The activations (the unary ops whose backward is act_grad), one line each: code, f(x) and
-// f'(x) (y = f(x)); p0, p1 are the op's float parameters (clamp: min, max). act(code, false,
-// ...) is f, act(code, true, ...) f' (a constant `deriv` folds the other away). At a NaN
-// input a derivative is NaN (x itself), as on the CPU; GLSL's min/max may drop a NaN.
-#define ACT(CODE, F, D) \
+// act(code, false, x, y, p0, p1) is f(x), act(code, true, ...) an activation's f'(x) (y =
+// f(x)); p0, p1 are the op's float parameters (scale: factor; clamp: min, max). A constant
+// `code` and `deriv` (specialization constants) fold the others away.
+#define RC_MATHS(NAME, CODE, F) \
+  if (code == CODE && !deriv) return (F);
+#define RC_ACT(NAME, CODE, F, D) \
   if (code == CODE) return deriv ? (D) : (F);
 float act(int code, bool deriv, float x, float y, float p0, float p1) {
-  ACT(RECURRA_UNARY_ABS, abs(x), x > 0.0 ? 1.0 : (x < 0.0 ? -1.0 : (x == 0.0 ? 0.0 : x)))
-  ACT(RECURRA_UNARY_SQRT, sqrt(x), 0.5 / y)
-  ACT(RECURRA_UNARY_LOG, log(x), 1.0 / x)
-  ACT(RECURRA_UNARY_CLAMP, isnan(x) ? x : min(max(x, p0), p1),
-      (x >= p0 && x <= p1) ? 1.0 : (isnan(x) ? x : 0.0))
-  ACT(RECURRA_UNARY_RELU, x < 0.0 ? 0.0 : x, x > 0.0 ? 1.0 : (x <= 0.0 ? 0.0 : x))
-  ACT(RECURRA_UNARY_SILU, x * sigmoid_f(x), sigmoid_f(x) * (1.0 + x * (1.0 - sigmoid_f(x))))
-  ACT(RECURRA_UNARY_GELU, 0.5 * x * (1.0 + erf_f(x * INV_SQRT2)),
-      0.5 * (1.0 + erf_f(x * INV_SQRT2)) + x * INV_SQRT_2PI * exp(-0.5 * x * x))
-  ACT(RECURRA_UNARY_SIGMOID, sigmoid_f(x), y * (1.0 - y))
-  ACT(RECURRA_UNARY_TANH, tanh_f(x), 1.0 - y * y)
-  ACT(RECURRA_UNARY_SOFTPLUS, softplus_f(x), x > 20.0 ? 1.0 : sigmoid_f(x))
-#define GELU_T tanh_f(0.7978845608 * (x + 0.044715 * x * x * x))  // GELU's tanh approximation
-  ACT(RECURRA_UNARY_GELU_TANH, 0.5 * x * (1.0 + GELU_T),
-      0.5 * (1.0 + GELU_T) + 0.5 * x * (1.0 - GELU_T * GELU_T) * 0.7978845608 * (1.0 + 0.134145 * x * x))
-  return x;  // not an activation (act_grad's check refuses such a code)
+  RECURRA_UNARY_MATHS(RC_MATHS)
+  RECURRA_ACTIVATIONS(RC_ACT)
+  return x;  // not such an op (unary and act_grad's checks refuse such a code)
 }
-#undef ACT
+#undef RC_ACT
+#undef RC_MATHS

@@ -87,9 +87,6 @@ void add_binary(OpTable& t, const char* name, BinRow row, std::function<void(Gra
 // The kernels of the elementwise unary ops, one per RECURRA_UNARY_* code of
 // recurra/op_spec.h (the spec names each op, its parameters and its backward).
 
-constexpr float kInvSqrt2 = 0.70710678118654752f;
-constexpr float kInvSqrt2Pi = 0.39894228040143268f;
-
 // o[i] = f(a[i]) over a dense row; p0, p1 are the op's float parameters (scale, clamp).
 using UnRow = void (*)(float*, const float*, int64_t, float, float);
 // o[i] = g[i] * f'(x[i]) over dense rows, y = f(x) (act_grad).
@@ -118,52 +115,44 @@ struct UnaryKernel;
     }                                                                                          \
   }
 
-// A unary op whose backward is built from other ops: y = EXPR(x).
-#define RC_UNARY(CODE, NAME, EXPR)                                                             \
-  RC_UN_ROW(NAME, EXPR)                                                                        \
+// A unary op whose backward is built from other ops: y = F(x) (NAME: the code's name).
+#define RC_MATHS(NAME, CODE, F)                                                                \
+  RC_UN_ROW(unary_##NAME, F)                                                                    \
   template <>                                                                                  \
-  struct UnaryKernel<RECURRA_UNARY_##CODE> {                                                   \
-    static constexpr UnRow row = NAME##_row;                                                   \
+  struct UnaryKernel<CODE> {                                                                   \
+    static constexpr UnRow row = unary_##NAME##_row;                                            \
     static constexpr GradRow grad = nullptr;                                                   \
   };
 
-// An activation: y = EXPR(x) and its derivative DERIV(x, y) for act_grad.
-#define RC_ACT(CODE, NAME, EXPR, DERIV)                                                        \
-  RC_UN_ROW(NAME, EXPR)                                                                        \
-  RC_GRAD_ROW(NAME, DERIV)                                                                     \
+// An activation: y = F(x) and its derivative D(x, y) for act_grad.
+#define RC_ACT(NAME, CODE, F, D)                                                               \
+  RC_UN_ROW(unary_##NAME, F)                                                                    \
+  RC_GRAD_ROW(unary_##NAME, D)                                                                  \
   template <>                                                                                  \
-  struct UnaryKernel<RECURRA_UNARY_##CODE> {                                                   \
-    static constexpr UnRow row = NAME##_row;                                                   \
-    static constexpr GradRow grad = NAME##_grad_row;                                           \
+  struct UnaryKernel<CODE> {                                                                   \
+    static constexpr UnRow row = unary_##NAME##_row;                                            \
+    static constexpr GradRow grad = unary_##NAME##_grad_row;                                    \
   };
 
-// At a NaN input a derivative is NaN (x itself): a NaN is never hidden by a gradient of 0.
-RC_UNARY(NEG, neg, -x)
-RC_ACT(ABS, abs, std::fabs(x), x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : (x == 0.0f ? 0.0f : x)))
-RC_UNARY(SQR, sqr, x * x)
-RC_ACT(SQRT, sqrt, std::sqrt(x), 0.5f / y)
-RC_UNARY(EXP, exp, exp_lane(x))
-RC_ACT(LOG, log, std::log(x), 1.0f / x)
-RC_UNARY(SCALE, scale, x * p0)
-RC_ACT(CLAMP, clamp, x != x ? x : std::min(std::max(x, p0), p1),
-       (x >= p0 && x <= p1) ? 1.0f : (x != x ? x : 0.0f))
-RC_ACT(RELU, relu, x < 0.0f ? 0.0f : x,  // NaN stays NaN, as numpy's maximum(x, 0)
-       x > 0.0f ? 1.0f : (x <= 0.0f ? 0.0f : x))
-RC_ACT(SILU, silu, x * sigmoid_lane(x), sigmoid_lane(x) * (1.0f + x * (1.0f - sigmoid_lane(x))))
-RC_ACT(GELU, gelu, 0.5f * x * (1.0f + std::erf(x * kInvSqrt2)),
-       0.5f * (1.0f + std::erf(x * kInvSqrt2)) + x * kInvSqrt2Pi * exp_lane(-0.5f * x * x))
-RC_ACT(SIGMOID, sigmoid, sigmoid_lane(x), y * (1.0f - y))
-RC_ACT(TANH, tanh, tanh_lane(x), 1.0f - y * y)
-RC_ACT(SOFTPLUS, softplus, softplus_lane(x),
-       sigmoid_lane(x))  // softplus is x above 20, where sigmoid(x) is 1.0f
-// GELU's tanh approximation: t = tanh(u), u = sqrt(2/pi) (x + 0.044715 x^3);
-// f' = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2).
-inline float gelu_t(float x) { return tanh_lane(0.7978845608f * (x + 0.044715f * x * x * x)); }
-RC_ACT(GELU_TANH, gelu_tanh, 0.5f * x * (1.0f + gelu_t(x)),
-       0.5f * (1.0f + gelu_t(x)) + 0.5f * x * (1.0f - gelu_t(x) * gelu_t(x)) * 0.7978845608f * (1.0f + 0.134145f * x * x))
+// The spec's formulas (RECURRA_UNARY_MATHS and RECURRA_ACTIVATIONS of recurra/op_spec.h),
+// their portable functions mapped onto lane_math.h's vectorizable ones where libm's would
+// not vectorize.
+#define rc_abs(x) std::fabs(x)
+#define rc_sqrt(x) std::sqrt(x)
+#define rc_exp(x) exp_lane(x)
+#define rc_log(x) std::log(x)
+#define rc_erf(x) std::erf(x)
+#define rc_tanh(x) tanh_lane(x)
+#define rc_sigmoid(x) sigmoid_lane(x)
+#define rc_softplus(x) softplus_lane(x)
+#define rc_min(a, b) std::min(a, b)
+#define rc_max(a, b) std::max(a, b)
+#define rc_isnan(x) ((x) != (x))
+RECURRA_UNARY_MATHS(RC_MATHS)
+RECURRA_ACTIVATIONS(RC_ACT)
 
 #undef RC_ACT
-#undef RC_UNARY
+#undef RC_MATHS
 #undef RC_GRAD_ROW
 #undef RC_UN_ROW
 

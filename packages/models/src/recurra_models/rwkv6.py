@@ -209,7 +209,7 @@ class RWKV6ChannelMix(nn.Module):
         """x (B, T, C) (ln2-normalised), shift (B, C). Returns (output, new shift)."""
         prev, new_shift = token_shift(x, shift)
         xx = prev - x
-        k = ops.sqr(ops.relu(self.key(x + xx * self.time_maa_k)))
+        k = ops.relu_sqr(self.key(x + xx * self.time_maa_k))
         rr = ops.sigmoid(self.receptance(x + xx * self.time_maa_r))
         return rr * self.value(k), new_shift
 

@@ -229,7 +229,7 @@ class RWKV7ChannelMix(nn.Module):
     def forward(self, x: Any, shift: Any) -> tuple[Any, Any]:
         """x (B, T, C) (ln2-normalised), shift (B, C). Returns (output, new shift)."""
         prev, new_shift = token_shift(x, shift)
-        k = ops.sqr(ops.relu(self.key(x + (prev - x) * self.x_k)))
+        k = ops.relu_sqr(self.key(x + (prev - x) * self.x_k))
         return self.value(k), new_shift
 
 

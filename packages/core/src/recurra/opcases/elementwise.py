@@ -156,6 +156,7 @@ def unary_cases() -> list[OpCase]:
         *unary("silu", ops.silu, _silu, _n(2.0)),
         *unary("gelu", ops.gelu, lambda x: 0.5 * x * (1 + _erf(x / np.sqrt(2))), _n(2.0)),
         *unary("gelu_tanh", ops.gelu_tanh, _gelu_tanh, _n(2.0)),
+        *unary("relu_sqr", ops.relu_sqr, lambda x: np.maximum(x, 0) ** 2, _kinked),
         *unary("sigmoid", ops.sigmoid, lambda x: 1 / (1 + np.exp(-x)), _n(2.0)),
         *unary("tanh", ops.tanh, np.tanh, _n(2.0)),
         # Scale 10 reaches the x > 20 branch of softplus.

@@ -2,11 +2,14 @@
 
 Ops with several results (the recurrent ones) return a tuple of tensors.
 
-Each area is written in its own module with its own ``__all__``, and this package exports
-exactly those names (type checkers follow star imports through ``__all__``, and the
-``__all__ +=`` lines below): a name added to an area's ``__all__`` is public here too
-(tests/core/test_api.py checks).
+Each area is written in its own module, and this package exports every public name an area
+module defines (not its imports, nor ``_private`` helpers): a function written there is
+public here without being listed anywhere. At run time each area's ``__all__`` is computed
+from its definitions (``_exports.public_names``); type checkers follow the star imports
+below, which re-export the same names (tests/core/test_api.py checks that both agree).
 """
+
+import typing
 
 from recurra.ops import (
     _elementwise,
@@ -19,7 +22,8 @@ from recurra.ops import (
     _spec,
     _ssm,
 )
-from recurra.ops._apply import apply, apply_multi
+from recurra.ops._apply import apply as apply
+from recurra.ops._apply import apply_multi as apply_multi
 from recurra.ops._elementwise import *  # noqa: F403
 from recurra.ops._linalg import *  # noqa: F403
 from recurra.ops._nn import *  # noqa: F403
@@ -30,13 +34,8 @@ from recurra.ops._shape import *  # noqa: F403
 from recurra.ops._spec import *  # noqa: F403
 from recurra.ops._ssm import *  # noqa: F403
 
-__all__ = ["apply", "apply_multi"]
-__all__ += _elementwise.__all__
-__all__ += _linalg.__all__
-__all__ += _nn.__all__
-__all__ += _reduce.__all__
-__all__ += _shape.__all__
-__all__ += _ssm.__all__
-__all__ += _rwkv.__all__
-__all__ += _optim.__all__
-__all__ += _spec.__all__
+#: The area modules, in the order their names appear in ``__all__``.
+_AREAS = (_elementwise, _linalg, _nn, _reduce, _shape, _ssm, _rwkv, _optim, _spec)
+
+if not typing.TYPE_CHECKING:  # mypy reads the star imports above
+    __all__ = ["apply", "apply_multi", *(name for area in _AREAS for name in area.__all__)]

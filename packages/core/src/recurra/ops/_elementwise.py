@@ -3,43 +3,15 @@
 from __future__ import annotations
 
 import builtins
+import typing
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from recurra._dtype import as_dtype
+from recurra.ops import _exports
 from recurra.ops._apply import apply, coerce
-
-__all__ = [
-    "cast",
-    "add",
-    "sub",
-    "mul",
-    "div",
-    "neg",
-    "abs",
-    "sqr",
-    "sqrt",
-    "exp",
-    "log",
-    "scale",
-    "clamp",
-    "pow",
-    "relu",
-    "silu",
-    "gelu",
-    "gelu_tanh",
-    "sigmoid",
-    "tanh",
-    "softplus",
-    "reshape",
-    "permute",
-    "transpose",
-    "contiguous",
-    "broadcast_to",
-    "getitem",
-]
 
 
 def cast(x: Any, dtype: Any) -> Any:
@@ -177,6 +149,12 @@ def gelu_tanh(x: Any) -> Any:
     return _unary("gelu_tanh", x)
 
 
+def relu_sqr(x: Any) -> Any:
+    """max(x, 0) ** 2 (RWKV's channel mixing) in one op: sqr(relu(x)) without keeping relu(x)
+    for the backward."""
+    return _unary("relu_sqr", x)
+
+
 def sigmoid(x: Any) -> Any:
     """1 / (1 + exp(-x))."""
     return _unary("sigmoid", x)
@@ -293,3 +271,7 @@ def getitem(x: Any, index: Any) -> Any:
     if tuple(out_shape) != tuple(y.shape):
         y = reshape(y, out_shape)
     return y
+
+
+if not typing.TYPE_CHECKING:  # mypy reads the public names from the module itself
+    __all__ = _exports.public_names(globals())

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import typing
 from typing import Any
 
+from recurra.ops import _exports
 from recurra.ops._apply import apply, coerce
-
-__all__ = ["matmul", "out_prod"]
 
 
 def matmul(a: Any, b: Any) -> Any:
@@ -45,3 +45,7 @@ def out_prod(a: Any, b: Any) -> Any:
     TypeError for non-float32 operands.
     """
     return apply("out_prod", [a, b])
+
+
+if not typing.TYPE_CHECKING:  # mypy reads the public names from the module itself
+    __all__ = _exports.public_names(globals())

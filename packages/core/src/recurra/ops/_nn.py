@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Sequence
 from typing import Any
 
+from recurra.ops import _exports
 from recurra.ops._apply import apply, coerce
-
-__all__ = [
-    "softmax",
-    "log_softmax",
-    "cross_entropy",
-    "mse_loss",
-    "rms_norm",
-    "gated_rms_norm",
-    "causal_conv_silu",
-    "layer_norm",
-    "get_rows",
-]
 
 
 def _reshape(x: Any, shape: Sequence[int]) -> Any:
@@ -180,3 +170,7 @@ def get_rows(table: Any, idx: Any) -> Any:
         rows = apply("get_rows", [table, _reshape(idx, (1,))])
         return _reshape(rows, rows.shape[1:])
     return apply("get_rows", [table, idx])
+
+
+if not typing.TYPE_CHECKING:  # mypy reads the public names from the module itself
+    __all__ = _exports.public_names(globals())

@@ -22,26 +22,15 @@ changing a learning rate never rebuilds a graph.
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from recurra import _core
+from recurra.ops import _exports
 from recurra.ops._apply import apply
-
-__all__ = [
-    "HYPER_LEN",
-    "HYPER_SLOTS",
-    "FusedStep",
-    "adam_step",
-    "adamw_step",
-    "grad_clip",
-    "grad_norm",
-    "lion_step",
-    "pack_hyper",
-    "sgd_step",
-]
 
 
 def _slot_names() -> tuple[str, ...]:
@@ -63,7 +52,7 @@ _SLOT = {name: i for i, name in enumerate(HYPER_SLOTS)}
 _DEFAULTS = {"grad_scale": 1.0}
 
 #: Sources per tensor of each update op, in order ("buf" only with SGD momentum).
-UPDATE_SOURCES: dict[str, tuple[str, ...]] = {
+_UPDATE_SOURCES: dict[str, tuple[str, ...]] = {
     "sgd_step": ("param", "grad", "buf", "step"),
     "adam_step": ("param", "grad", "m", "v", "step"),
     "adamw_step": ("param", "grad", "m", "v", "step"),
@@ -99,7 +88,7 @@ def pack_hyper(values: Mapping[str, float], out: np.ndarray | None = None) -> np
 
 #: Sources one optimizer node takes at most when it runs on a device backend (at most
 #: RECURRA_MAX_SRC, 12, of the C backend table); device steps are cut into such nodes.
-DEVICE_MAX_SRC = 8
+_DEVICE_MAX_SRC = 8
 
 
 def _device_buffer(a: Any) -> Any:
@@ -141,11 +130,11 @@ class FusedStep:
     ``updates`` is a sequence of ``(op, ip_extra, tensors)``: ``op`` one of ``sgd_step``,
     ``adam_step``, ``adamw_step``, ``lion_step``, ``grad_clip``; ``ip_extra`` its integer
     parameters after (n, has_gstat) (``(has_buf,)`` for sgd_step, else ``()``); ``tensors``
-    a list of per-tensor tuples of sources in the op's source order (UPDATE_SOURCES; the step
+    a list of per-tensor tuples of sources in the op's source order (_UPDATE_SOURCES; the step
     count is a 1-element int32). A source is a numpy array, bound without copying, or a
     recurra tensor on a device backend, bound to its device memory: either way the update
     lands in place. Device updates run on that device (the core places in-place ops where
-    the memory they write lives), cut into nodes of at most DEVICE_MAX_SRC sources, so
+    the memory they write lives), cut into nodes of at most _DEVICE_MAX_SRC sources, so
     parameters and state never cross to the host. With ``norm=True`` a ``grad_norm`` over all
     gradients runs first and every update scales its gradients by its clip coefficient (read
     the norm back with :meth:`grad_norm`); it takes grad_scale, clip_value and max_norm from
@@ -170,7 +159,7 @@ class FusedStep:
         devices: set[str] = set()
         built: list[tuple[str, list[int], int, list[list[int]], str]] = []
         for op, extra, tensors in updates:
-            if op not in UPDATE_SOURCES:
+            if op not in _UPDATE_SOURCES:
                 raise ValueError(f"FusedStep: unknown update op {op!r}")
             if not tensors:
                 raise ValueError(f"FusedStep: {op} needs at least one tensor")
@@ -213,18 +202,18 @@ class FusedStep:
         if devices:  # grad_norm is an ordinary node: prefer the device that holds the grads
             self._g.set_backends(sorted(devices), False)
         if norm:
-            g_pos = [UPDATE_SOURCES[op].index("grad") for op, *_ in updates]
+            g_pos = [_UPDATE_SOURCES[op].index("grad") for op, *_ in updates]
             grads = [row[g_pos[u]] for u, (*_, ids, _) in enumerate(built) for row in ids]
             hid0 = built[0][2]
             if devices:  # a tree of nodes that each fit the device's source limit
                 level = [
                     self._g.op("grad_norm", [hid0, *c], [], [])
-                    for c in _chunks(grads, DEVICE_MAX_SRC - 1)
+                    for c in _chunks(grads, _DEVICE_MAX_SRC - 1)
                 ]
                 while len(level) > 1:
                     level = [
                         self._g.op("grad_norm", [hid0, *c], [1], [])
-                        for c in _chunks(level, DEVICE_MAX_SRC - 1)
+                        for c in _chunks(level, _DEVICE_MAX_SRC - 1)
                     ]
                 self._norm_id = level[0]
             else:
@@ -233,7 +222,7 @@ class FusedStep:
         for op, extra, hid, ids, on_device in built:
             fixed = [hid] + ([self._norm_id] if norm else [])
             per = len(ids[0])
-            size = (DEVICE_MAX_SRC - len(fixed)) // per if on_device else len(ids)
+            size = (_DEVICE_MAX_SRC - len(fixed)) // per if on_device else len(ids)
             for rows in _chunks(ids, size):
                 srcs = fixed + [i for row in rows for i in row]
                 self._g.op(op, srcs, [len(rows), 1 if norm else 0, *extra], [])
@@ -382,3 +371,7 @@ def grad_norm(hyper: Any, grads: Sequence[Any]) -> Any:
 def grad_clip(hyper: Any, grads: Sequence[Any], gstat: Any = None) -> Any:
     """Scales and clips gradient leaves in place (by value, and by ``gstat``'s coefficient)."""
     return _update("grad_clip", hyper, gstat, [(g,) for g in grads])
+
+
+if not typing.TYPE_CHECKING:  # mypy reads the public names from the module itself
+    __all__ = _exports.public_names(globals())

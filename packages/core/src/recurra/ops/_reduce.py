@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from recurra.ops import _exports
 from recurra.ops._apply import apply, coerce
 
-__all__ = ["sum", "mean", "max"]
-
-Axis = int | Sequence[int] | None
+_Axis = int | Sequence[int] | None
 
 
-def _norm_axes(op: str, axis: Axis, ndim: int) -> list[int]:
+def _norm_axes(op: str, axis: _Axis, ndim: int) -> list[int]:
     """The axes to reduce, normalised to 0 <= a < ndim, sorted, without repeats."""
     if axis is None:
         return list(range(ndim))
@@ -34,7 +34,7 @@ def _norm_axes(op: str, axis: Axis, ndim: int) -> list[int]:
 
 
 def _reduce(
-    op: str, x: Any, axis: Axis, keepdims: bool, name: str | None = None
+    op: str, x: Any, axis: _Axis, keepdims: bool, name: str | None = None
 ) -> tuple[Any, int]:
     """Applies core op ``op`` (sum or max) over the axes; returns the result and the number
     of elements each result element reduces. ``name`` is the op named in errors."""
@@ -57,7 +57,7 @@ def _reduce(
     return r, count
 
 
-def sum(x: Any, axis: Axis = None, keepdims: bool = False) -> Any:  # noqa: A001 - numpy's name
+def sum(x: Any, axis: _Axis = None, keepdims: bool = False) -> Any:  # noqa: A001 - numpy's name
     """The sum of x over ``axis`` (an int, a sequence of ints, or None for all axes).
 
     Returns a float32 tensor; reduced axes are dropped, or kept with size 1 when
@@ -67,7 +67,7 @@ def sum(x: Any, axis: Axis = None, keepdims: bool = False) -> Any:  # noqa: A001
     return _reduce("sum", x, axis, keepdims)[0]
 
 
-def mean(x: Any, axis: Axis = None, keepdims: bool = False) -> Any:
+def mean(x: Any, axis: _Axis = None, keepdims: bool = False) -> Any:
     """The mean of x over ``axis`` (see :func:`sum`); NaN where no elements are reduced.
 
     Raises ValueError for an axis out of range, TypeError for a non-float32 x.
@@ -76,7 +76,7 @@ def mean(x: Any, axis: Axis = None, keepdims: bool = False) -> Any:
     return apply("scale", [s], fp=(1.0 / count if count else math.nan,))
 
 
-def max(x: Any, axis: Axis = None, keepdims: bool = False) -> Any:  # noqa: A001 - numpy's name
+def max(x: Any, axis: _Axis = None, keepdims: bool = False) -> Any:  # noqa: A001 - numpy's name
     """The maximum of x over ``axis`` (see :func:`sum`); NaN wins, as in numpy.
 
     The gradient flows to the first element (in index order along each reduced axis) that
@@ -84,3 +84,7 @@ def max(x: Any, axis: Axis = None, keepdims: bool = False) -> Any:  # noqa: A001
     zero elements, TypeError for a non-float32 x.
     """
     return _reduce("max", x, axis, keepdims)[0]
+
+
+if not typing.TYPE_CHECKING:  # mypy reads the public names from the module itself
+    __all__ = _exports.public_names(globals())

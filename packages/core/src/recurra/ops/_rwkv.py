@@ -10,13 +10,13 @@ differentiable in every input, the initial state included.
 
 from __future__ import annotations
 
+import typing
 from typing import Any
 
 import numpy as np
 
+from recurra.ops import _exports
 from recurra.ops._apply import apply_multi
-
-__all__ = ["gated_linear_attn", "rwkv_wkv6", "rwkv_wkv7"]
 
 
 def _shape_of(v: Any) -> tuple[int, ...]:
@@ -77,3 +77,7 @@ def gated_linear_attn(k: Any, v: Any, q: Any, g: Any, state: Any, scale: float) 
         "gated_linear_attn", [k, v, q, g, state], _result_shapes(k, state), fp=(float(scale),)
     )
     return y, s
+
+
+if not typing.TYPE_CHECKING:  # mypy reads the public names from the module itself
+    __all__ = _exports.public_names(globals())

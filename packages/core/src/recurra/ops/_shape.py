@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from recurra.ops import _exports
 from recurra.ops._apply import apply, coerce
-
-__all__ = ["concat", "pad", "cumsum"]
 
 
 def _axis(op: str, axis: int, nd: int) -> int:
@@ -75,3 +75,7 @@ def cumsum(x: Any, axis: int = -1, *, reverse: bool = False) -> Any:
     _, (x,) = coerce([x])
     ax = _axis("cumsum", axis, x.ndim)
     return apply("cumsum", [x], ip=(ax, int(bool(reverse))))
+
+
+if not typing.TYPE_CHECKING:  # mypy reads the public names from the module itself
+    __all__ = _exports.public_names(globals())

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import functools
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-__all__ = ["OpSpec", "op_codes", "spec"]
+from recurra.ops import _exports
 
 
 @dataclass(frozen=True)
@@ -53,3 +54,7 @@ def op_codes() -> Mapping[str, int]:
     from recurra import _core
 
     return MappingProxyType(dict(_core.op_codes()))
+
+
+if not typing.TYPE_CHECKING:  # mypy reads the public names from the module itself
+    __all__ = _exports.public_names(globals())

@@ -7,15 +7,15 @@ differentiable in every float input.
 
 from __future__ import annotations
 
+import typing
 from typing import Any
 
 import numpy as np
 
 from recurra._tensor import is_grad_enabled
+from recurra.ops import _exports
 from recurra.ops._apply import apply, apply_multi
 from recurra.ops._spec import op_codes
-
-__all__ = ["ssm_conv", "ssm_scan"]
 
 
 def _shape_of(v: Any) -> tuple[int, ...]:
@@ -78,3 +78,7 @@ def _wants_checkpoints(xs: tuple[int, ...], ss: tuple[int, ...], A: Any, srcs: l
         return False
     a_shape = _shape_of(A)
     return xs[3] == 1 or (len(a_shape) == 2 and a_shape[1] == 1)
+
+
+if not typing.TYPE_CHECKING:  # mypy reads the public names from the module itself
+    __all__ = _exports.public_names(globals())

@@ -9,32 +9,75 @@
  * The core checks at start-up that its op table and this spec agree; a backend plugin
  * builds against this header (the codes below are part of RECURRA_BACKEND_ABI_VERSION).
  *
- * The first part (codes and parameter indexes) is plain #defines so that GLSL shaders can
- * include it too: a shader defines RECURRA_GLSL before including this file.
+ * The first part (the unary ops with their formulas and codes, parameter indexes, flags) is
+ * written so that GLSL shaders can include it too: a shader defines RECURRA_GLSL before
+ * including this file.
  */
 #ifndef RECURRA_OP_SPEC_H
 #define RECURRA_OP_SPEC_H
 
 /* ---- elementwise unary functions ------------------------------------------------------
- * The code of each elementwise unary op; act_grad's ip[RECURRA_P_ACT] is one of these (an
- * op whose backward is "act_grad" below). A new activation: a code here, its entry in
- * RECURRA_OPS, its CPU and device kernels. */
-#define RECURRA_UNARY_NEG 0
-#define RECURRA_UNARY_ABS 1
-#define RECURRA_UNARY_SQR 2
-#define RECURRA_UNARY_SQRT 3
-#define RECURRA_UNARY_EXP 4
-#define RECURRA_UNARY_LOG 5
-#define RECURRA_UNARY_SCALE 6 /* fp: factor */
-#define RECURRA_UNARY_CLAMP 7 /* fp: min, max */
-#define RECURRA_UNARY_RELU 8
-#define RECURRA_UNARY_SILU 9
-#define RECURRA_UNARY_GELU 10 /* exact: 0.5 x (1 + erf(x / sqrt 2)) */
-#define RECURRA_UNARY_SIGMOID 11
-#define RECURRA_UNARY_TANH 12
-#define RECURRA_UNARY_SOFTPLUS 13
-#define RECURRA_UNARY_GELU_TANH 14 /* 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) */
-#define RECURRA_UNARY_COUNT 15
+ * Every elementwise unary op once, with its formula, in two X-macro lists in code order:
+ *
+ *   RECURRA_UNARY_MATHS(M): M(NAME, code, f)      its gradient is built from other ops (the
+ *                                                 backward of its RECURRA_OPS row)
+ *   RECURRA_ACTIVATIONS(A): A(NAME, code, f, df)  its gradient is act_grad(grad, x, y) =
+ *                                                 grad * df, act_grad's ip[RECURRA_P_ACT] = code
+ *
+ * RECURRA_UNARY_<NAME> = code below (the codes are part of RECURRA_BACKEND_ABI_VERSION: a new
+ * op takes the next free one). f is y = f(x) as an expression of x and of p0, p1, the op's
+ * float parameters; df is f'(x) as an expression of x, y = f(x), p0 and p1. At a NaN input f
+ * and df are NaN (x itself): a NaN is never hidden by a gradient of 0.
+ *
+ * These formulas are the only source of the CPU kernels (csrc/ops/elementwise.cpp) and the
+ * Vulkan ones (shaders/act.glsl), so they use what C, C++ and GLSL share: float literals with
+ * an f suffix, arithmetic, comparisons, ?:, and the functions rc_abs, rc_sqrt, rc_exp,
+ * rc_log, rc_erf, rc_tanh, rc_sigmoid, rc_softplus (x above 20), rc_min, rc_max and
+ * rc_isnan, which each includer maps onto its own before expanding a list. A new activation
+ * is one A line here and its row in RECURRA_OPS; every backend's kernels follow. */
+#define RECURRA_UNARY_MATHS(M)                                                                 \
+  M(NEG, 0, -x)                                                                                \
+  M(SQR, 2, x * x)                                                                             \
+  M(EXP, 4, rc_exp(x))                                                                         \
+  M(SCALE, 6, x * p0) /* fp: factor */                                                         \
+  /* (each list ends here: a new line goes above) */
+#define RECURRA_ACTIVATIONS(A)                                                                 \
+  A(ABS, 1, rc_abs(x), x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : (x == 0.0f ? 0.0f : x)))          \
+  A(SQRT, 3, rc_sqrt(x), 0.5f / y)                                                             \
+  A(LOG, 5, rc_log(x), 1.0f / x)                                                               \
+  A(CLAMP, 7, rc_isnan(x) ? x : rc_min(rc_max(x, p0), p1), /* fp: min, max */                  \
+    (x >= p0 && x <= p1) ? 1.0f : (rc_isnan(x) ? x : 0.0f))                                    \
+  A(RELU, 8, x < 0.0f ? 0.0f : x, x > 0.0f ? 1.0f : (x <= 0.0f ? 0.0f : x))                    \
+  A(SILU, 9, x * rc_sigmoid(x), rc_sigmoid(x) * (1.0f + x * (1.0f - rc_sigmoid(x))))           \
+  A(GELU, 10, 0.5f * x * (1.0f + rc_erf(x * 0.70710678118654752f)), /* exact: x Phi(x) */      \
+    0.5f * (1.0f + rc_erf(x * 0.70710678118654752f)) +                                         \
+        x * 0.39894228040143268f * rc_exp(-0.5f * x * x))                                      \
+  A(SIGMOID, 11, rc_sigmoid(x), y * (1.0f - y))                                                \
+  A(TANH, 12, rc_tanh(x), 1.0f - y * y)                                                        \
+  A(SOFTPLUS, 13, rc_softplus(x), rc_sigmoid(x)) /* sigmoid is 1.0f above 20 */                \
+  A(GELU_TANH, 14, 0.5f * x * (1.0f + RECURRA_GELU_T_(x)),                                     \
+    0.5f * (1.0f + RECURRA_GELU_T_(x)) + 0.5f * x * (1.0f - RECURRA_GELU_T_(x) *               \
+        RECURRA_GELU_T_(x)) * 0.7978845608f * (1.0f + 0.134145f * x * x))                      \
+  A(RELU_SQR, 15, x < 0.0f ? 0.0f : x * x, x > 0.0f ? 2.0f * x : (x <= 0.0f ? 0.0f : x))       \
+  /* (each list ends here: a new line goes above) */
+/* gelu_tanh's t = tanh(sqrt(2/pi) (x + 0.044715 x^3)): y = 0.5 x (1 + t), and f' = 0.5 (1 + t)
+ * + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2). */
+#define RECURRA_GELU_T_(x) rc_tanh(0.7978845608f * ((x) + 0.044715f * (x) * (x) * (x)))
+
+/* The codes, RECURRA_UNARY_<NAME> (C: enum constants; GLSL: const int), and their count. */
+#ifdef RECURRA_GLSL
+#define RECURRA_CODE_(name, value) const int name = value;
+#else
+#define RECURRA_CODE_(name, value) enum { name = value };
+#endif
+#define RECURRA_MATHS_CODE_(NAME, code, f) RECURRA_CODE_(RECURRA_UNARY_##NAME, code)
+#define RECURRA_ACT_CODE_(NAME, code, f, df) RECURRA_CODE_(RECURRA_UNARY_##NAME, code)
+#define RECURRA_MATHS_ONE_(NAME, code, f) +1
+#define RECURRA_ACT_ONE_(NAME, code, f, df) +1
+RECURRA_UNARY_MATHS(RECURRA_MATHS_CODE_)
+RECURRA_ACTIVATIONS(RECURRA_ACT_CODE_)
+RECURRA_CODE_(RECURRA_UNARY_COUNT, 0 RECURRA_UNARY_MATHS(RECURRA_MATHS_ONE_)
+                                       RECURRA_ACTIVATIONS(RECURRA_ACT_ONE_))
 
 /* ---- parameter indexes (ip: integer parameters, fp: float parameters) ------------------ */
 #define RECURRA_P_ACT 0           /* act_grad ip: the RECURRA_UNARY_* code */
@@ -152,6 +195,8 @@ typedef struct recurra_op_spec {
     "act_grad", "")                                                                             \
   X(gelu_tanh, 1, 1, 0, 0, 0, 0, RECURRA_UNARY_GELU_TANH, "x", "", "",                          \
     "0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))", "act_grad", "")                        \
+  X(relu_sqr, 1, 1, 0, 0, 0, 0, RECURRA_UNARY_RELU_SQR, "x", "", "", "max(x, 0)^2", "act_grad",  \
+    "")                                                                                         \
   X(act_grad, 3, 3, 1, 1, 0, 2, -1, "grad, x, y = f(x) (dense)",                                \
     "the activation's RECURRA_UNARY_* code", "the activation's own (clamp: min, max)",          \
     "grad * f'(x)", "", "")                                                                     \
@@ -249,24 +294,11 @@ typedef struct recurra_op_spec {
  * op refuses them when the node is made (TypeError: cast with .to(float32) first). */
 #define RECURRA_OPS_HALF(X)                                                                  \
   X(reshape) X(permute) X(slice) X(slice_grad) X(broadcast_to) X(contiguous) X(fill)         \
-  X(sum_to) X(cast) X(add) X(sub) X(mul) X(div) X(neg) X(abs) X(sqr) X(sqrt) X(exp) X(log)  \
-  X(scale) X(clamp) X(relu) X(silu) X(gelu) X(sigmoid) X(tanh) X(softplus) X(gelu_tanh)     \
-  X(act_grad) X(sum) X(max) X(max_grad) X(matmul) X(out_prod) X(softmax) X(softmax_back)    \
-  X(log_softmax) X(log_softmax_back) X(rms_norm) X(rms_norm_back) X(layer_norm)             \
-  X(layer_norm_back) X(get_rows) X(get_rows_back) X(concat) X(pad) X(cumsum)
-
-/* Whether op `name` takes bfloat16 and float16 sources (RECURRA_OPS_HALF). */
-#define RECURRA_OP_HALF_NAME_(name) #name,
-static inline int recurra_op_takes_half(const char* name) {
-  static const char* const ops[] = {RECURRA_OPS_HALF(RECURRA_OP_HALF_NAME_)};
-  size_t i;
-  for (i = 0; name && i < sizeof ops / sizeof ops[0]; ++i) {
-    const char *a = ops[i], *b = name;
-    while (*a && *a == *b) ++a, ++b;
-    if (*a == *b) return 1;
-  }
-  return 0;
-}
+  X(sum_to) X(cast) X(add) X(sub) X(mul) X(div) X(act_grad) X(sum) X(max) X(max_grad)        \
+  X(matmul) X(out_prod) X(softmax) X(softmax_back) X(log_softmax) X(log_softmax_back)       \
+  X(rms_norm) X(rms_norm_back) X(layer_norm) X(layer_norm_back) X(get_rows) X(get_rows_back) \
+  X(concat) X(pad) X(cumsum)
+/* ... and every unary op (RECURRA_UNARY_MATHS, RECURRA_ACTIVATIONS) without being listed. */
 
 /* The spec as a table, in RECURRA_OPS order; *count gets its length. */
 #define RECURRA_OP_SPEC_ROW_(name, s0, s1, i0, i1, f0, f1, un, srcs, ip, fp, out, bw, dec) \
@@ -300,6 +332,22 @@ static inline const recurra_op_spec* recurra_op_find(const char* name) {
 
 static inline const recurra_op_spec* recurra_unary_op(int64_t code) {
   return recurra_op_lookup((const char*)0, code);
+}
+
+/* Whether op `name` takes bfloat16 and float16 sources: a unary op, or one of
+ * RECURRA_OPS_HALF. */
+#define RECURRA_OP_HALF_NAME_(name) #name,
+static inline int recurra_op_takes_half(const char* name) {
+  static const char* const ops[] = {RECURRA_OPS_HALF(RECURRA_OP_HALF_NAME_)};
+  const recurra_op_spec* spec = recurra_op_find(name);
+  size_t i;
+  if (spec && spec->unary >= 0) return 1;
+  for (i = 0; name && i < sizeof ops / sizeof ops[0]; ++i) {
+    const char *a = ops[i], *b = name;
+    while (*a && *a == *b) ++a, ++b;
+    if (*a == *b) return 1;
+  }
+  return 0;
 }
 
 #ifdef __cplusplus
