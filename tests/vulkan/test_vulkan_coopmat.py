@@ -128,8 +128,8 @@ def _variant_defines() -> dict[str, list[str]]:
 
 
 def _params(flags: list[str]) -> dict[str, int]:
-    """BM BN BK WM WN STAGES PD of a variant (the shader's defaults for the last two)."""
-    d = {"STAGES": 2, "PD": 1}
+    """BM BN BK WM WN STAGES PD BT of a variant (the shader's defaults for the last three)."""
+    d = {"STAGES": 2, "PD": 1, "BT": 0}
     d.update({k: int(v) for k, v in (f[2:].split("=") for f in flags)})
     return d
 
@@ -154,17 +154,19 @@ def _workgroup(
 ) -> np.ndarray:
     """The accumulators (subgroup, i, j, 16, 16) of the workgroup whose C tile is at (m0, n0)."""
     bm, bn, bk, wm_, wn_ = d["BM"], d["BN"], d["BK"], d["WM"], d["WN"]
-    stages, pd = d["STAGES"], d["PD"]
+    stages, pd, bt = d["STAGES"], d["PD"], d["BT"]
     nw = (bm // wm_) * (bn // wn_)
     wg = nw * sg
     na, nb = bm * bk // 8 // wg, bk * bn // 8 // wg
-    sa, sb = (bk + 8) // 8, (bn + 8) // 8
+    sa = (bk + 8) // 8
+    sb = (bk + 8) // 8 if bt else (bn + 8) // 8  # B^T: N rows of BK (+ 8)
+    b_stage = bn * sb if bt else bk * sb
     k, n = b.shape
     av, bv = a.reshape(-1, 8), b.reshape(-1, 8)  # uvec4 views
     k8, n8 = k // 8, n // 8
     t = np.arange(wg)
     a_s = np.full((stages * bm * sa, 8), np.nan)
-    b_s = np.full((stages * bk * sb, 8), np.nan)
+    b_s = np.full((stages * b_stage, 8), np.nan)
     ra: list[list[np.ndarray]] = [[] for _ in range(pd)]
     rb: list[list[np.ndarray]] = [[] for _ in range(pd)]
     reg_step = [-1] * pd
@@ -176,16 +178,32 @@ def _workgroup(
         qa = [s * wg + t for s in range(na)]
         qb = [s * wg + t for s in range(nb)]
         ra[r] = [av[(m0 + q // (bk // 8)) * k8 + k0 // 8 + q % (bk // 8)] for q in qa]
-        rb[r] = [bv[(k0 + q // (bn // 8)) * n8 + n0 // 8 + q % (bn // 8)] for q in qb]
+        if bt:  # blocks of 8 x 8: kg = q % (BK/8), ng = q / (BK/8); 8 rows each
+            qb = [s * wg + t for s in range(nb // 8)]
+            rb[r] = [
+                bv[(k0 + (q % (bk // 8)) * 8 + i) * n8 + n0 // 8 + q // (bk // 8)]
+                for q in qb
+                for i in range(8)
+            ]
+        else:
+            rb[r] = [bv[(k0 + q // (bn // 8)) * n8 + n0 // 8 + q % (bn // 8)] for q in qb]
         reg_step[r] = k0 // bk
 
     def store(r: int, buf: int) -> None:
         for s in range(na):
             q = s * wg + t
             a_s[buf * (bm * sa) + (q // (bk // 8)) * sa + q % (bk // 8)] = ra[r][s]
-        for s in range(nb):
-            q = s * wg + t
-            b_s[buf * (bk * sb) + (q // (bn // 8)) * sb + q % (bn // 8)] = rb[r][s]
+        if bt:
+            for s in range(nb // 8):
+                q = s * wg + t
+                kg, ng = q % (bk // 8), q // (bk // 8)
+                block = np.stack(rb[r][s * 8 : s * 8 + 8], axis=1)  # (invocation, k, n)
+                for c in range(8):
+                    b_s[buf * b_stage + (ng * 8 + c) * sb + kg] = block[:, :, c]
+        else:
+            for s in range(nb):
+                q = s * wg + t
+                b_s[buf * b_stage + (q // (bn // 8)) * sb + q % (bn // 8)] = rb[r][s]
         holds[buf] = reg_step[r]
         access.add((interval, buf, "w"))
 
@@ -215,10 +233,16 @@ def _workgroup(
                         frag(a_s, cur * bm * sa + (wm + i * 16) * sa + kk // 8, sa)
                         for i in range(wm_ // 16)
                     ]
-                    fb = [
-                        frag(b_s, cur * bk * sb + kk * sb + (wn + j * 16) // 8, sb)
-                        for j in range(wn_ // 16)
-                    ]
+                    if bt:  # column-major: fragment column n at row n of B^T
+                        fb = [
+                            frag(b_s, cur * b_stage + (wn + j * 16) * sb + kk // 8, sb).T
+                            for j in range(wn_ // 16)
+                        ]
+                    else:
+                        fb = [
+                            frag(b_s, cur * b_stage + kk * sb + (wn + j * 16) // 8, sb)
+                            for j in range(wn_ // 16)
+                        ]
                     acc[w] += np.einsum("iab,jbc->ijac", np.array(fa), np.array(fb))
             if stages == 1:
                 interval += 1  # barrier
@@ -383,6 +407,7 @@ def test_unsupported_dtype_raises_with_the_reason(vulkan: str, dtype: str) -> No
         (260, 130, 40, "cm256x128k32s1"),
         (260, 130, 100, "cm256x128k32s1p2"),
         (100, 100, 100, "cm64x128w2p2"),
+        (130, 140, 70, "cm128w4k64s1bt"),
     ],
 )
 def test_coopmat_matmul_matches_float64(

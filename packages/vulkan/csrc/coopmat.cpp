@@ -55,6 +55,7 @@ struct Variant {
   int64_t bm, bn, bk, wm, wn;
   int64_t stages = 2;  // shared buffers
   int64_t pd = 1;      // prefetch distance in K steps (K must be a multiple of bk * pd)
+  bool bt = false;     // B staged transposed (bn rows of bk + 8)
 };
 // Must match coopmat_variants in meson.build.
 const Variant kVariants[] = {
@@ -72,6 +73,7 @@ const Variant kVariants[] = {
     {"cm256x128k32s1", 256, 128, 32, 64, 64, 1, 1},
     {"cm256x128k32s1p2", 256, 128, 32, 64, 64, 1, 2},
     {"cm64x128w2p2", 64, 128, 16, 64, 64, 2, 2},
+    {"cm128w4k64s1bt", 128, 128, 64, 64, 64, 1, 1, true},
 };
 
 const Variant* find_variant(const std::string& name) {
@@ -232,8 +234,10 @@ double coopmat_matmul(int index, const uint16_t* a, const uint16_t* b, float* c,
                                         " to " + std::to_string(caps.subgroup_size));
     const int64_t nw = (v->bm / v->wm) * (v->bn / v->wn);
     const int64_t wg = nw * caps.subgroup_size;
-    const int64_t shared = v->stages * (v->bm * ((v->bk + 8) / 8) + v->bk * ((v->bn + 8) / 8)) * 16;
-    if ((v->bm * v->bk / 8) % wg || (v->bk * v->bn / 8) % wg || wg > caps.max_workgroup_invocations)
+    const int64_t b_stage = v->bt ? v->bn * ((v->bk + 8) / 8) : v->bk * ((v->bn + 8) / 8);
+    const int64_t shared = v->stages * (v->bm * ((v->bk + 8) / 8) + b_stage) * 16;
+    if ((v->bm * v->bk / 8) % wg || (v->bk * v->bn / 8) % (v->bt ? 8 * wg : wg) ||
+        wg > caps.max_workgroup_invocations)
       fail(RECURRA_ERR_UNSUPPORTED, "coopmat variant " + variant + " does not fit a subgroup size of " +
                                         std::to_string(caps.subgroup_size) + " (try cm128)");
     if (shared > caps.max_shared_bytes)

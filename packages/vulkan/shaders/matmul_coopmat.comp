@@ -23,7 +23,8 @@
 // entry pads with zeros), A, B, C 16-byte aligned.
 //
 // Build-time defines: BM BN BK WM WN (WM, WN, BK multiples of 16; BM/WM * BN/WN = NW
-// subgroups), STAGES (2, or 1), PD (prefetch distance in steps, 1 to 4). Specialization
+// subgroups), STAGES (2, or 1), PD (prefetch distance in steps, 1 to 4), BT (1: B staged
+// transposed, BN rows of BK + 8, its fragments loaded column-major). Specialization
 // constant 0 (csrc/coopmat.cpp): the workgroup size WG = NW * the subgroup size (8 to 32;
 // BM * BK / 8 and BK * BN / 8 must be multiples of it). The schedule and indexing are
 // transliterated in tests/vulkan/test_vulkan_coopmat.py (checked against A @ B there).
@@ -44,12 +45,21 @@
 #endif
 #define NW ((BM / WM) * (BN / WN))  // subgroups per workgroup
 #define SA ((BK + 8) / 8)  // padded shared row of A, in uvec4
+#ifndef BT
+#define BT 0  // 1: B staged transposed (N rows of BK + 8), fragments loaded column-major
+#endif
+#if BT
+#define SB ((BK + 8) / 8)  // padded shared row of B^T, in uvec4
+#define B_STAGE (BN * SB)
+#else
 #define SB ((BN + 8) / 8)  // padded shared row of B, in uvec4
+#define B_STAGE (BK * SB)
+#endif
 #define TM (WM / 16)
 #define TN (WN / 16)
 #define GROUP_M 8  // workgroups walk C in bands of 8 tile rows (L2 reuse of B)
 
-#if (BM * BK) % (8 * NW * 32) != 0 || (BK * BN) % (8 * NW * 32) != 0 || WM % 16 != 0 || WN % 16 != 0 || BK % 16 != 0 || (STAGES != 1 && STAGES != 2) || PD < 1 || PD > 4
+#if (BM * BK) % (8 * NW * 32) != 0 || (BK * BN) % (8 * NW * 32) != 0 || WM % 16 != 0 || WN % 16 != 0 || BK % 16 != 0 || (STAGES != 1 && STAGES != 2) || PD < 1 || PD > 4 || (BT && (BK * BN) % (64 * NW * 32) != 0)
 #error "matmul_coopmat.comp: BM*BK and BK*BN must be multiples of 8*NW*32; WM, WN, BK multiples of 16; STAGES 1 or 2; PD 1 to 4"
 #endif
 
@@ -73,21 +83,53 @@ const uint NB = BK * BN / 8 / WG;
     const uint q = s * WG + t;                                                            \
     if (s < NA) ra[r][s] = a.v[(m0 + q / (BK / 8)) * k8 + (k0) / 8 + q % (BK / 8)];       \
   }                                                                                       \
+  LOAD_B(r, k0)                                                                           \
+  }
+#if BT
+// B^T: item q is an 8 x 8 block (K rows kg*8.., N columns ng*8..), read as 8 uvec4 rows and
+// stored transposed: kg = q % (BK/8) varies fastest, so the 8 invocations of a store phase hit
+// 8 different 16-byte bank groups (SB = BK/8 + 1).
+#define NB_BLK (NB / 8)
+#define LOAD_B(r, k0)                                                                     \
+  [[unroll]] for (uint s = 0; s < NB_MAX / 8; ++s) {                                      \
+    const uint q = s * WG + t, kg = q % (BK / 8), ng = q / (BK / 8);                      \
+    [[unroll]] for (uint i = 0; i < 8; ++i)                                               \
+      if (s < NB_BLK) rb[r][s * 8 + i] = b.v[((k0) + kg * 8 + i) * n8 + n0 / 8 + ng];     \
+  }
+#define STORE_B(r, buf)                                                                   \
+  [[unroll]] for (uint s = 0; s < NB_MAX / 8; ++s) {                                      \
+    const uint q = s * WG + t, kg = q % (BK / 8), ng = q / (BK / 8);                      \
+    [[unroll]] for (uint c = 0; c < 8; ++c) {                                             \
+      const uint w = c / 2, sh = (c % 2) * 16;                                            \
+      uvec4 o;                                                                            \
+      [[unroll]] for (uint i = 0; i < 4; ++i)                                             \
+        o[i] = ((rb[r][s * 8 + 2 * i][w] >> sh) & 0xFFFFu) | ((rb[r][s * 8 + 2 * i + 1][w] >> sh) << 16); \
+      if (s < NB_BLK) Bs[(buf) * B_STAGE + (ng * 8 + c) * SB + kg] = o;                   \
+    }                                                                                     \
+  }
+#define LOAD_FB(j, kk) \
+  coopMatLoad(fb[j], Bs, bbase + (wn + (j) * 16) * SB + (kk) / 8, SB, gl_CooperativeMatrixLayoutColumnMajor)
+#else
+#define LOAD_B(r, k0)                                                                     \
   [[unroll]] for (uint s = 0; s < NB_MAX; ++s) {                                          \
     const uint q = s * WG + t;                                                            \
     if (s < NB) rb[r][s] = b.v[((k0) + q / (BN / 8)) * n8 + n0 / 8 + q % (BN / 8)];       \
-  }                                                                                       \
   }
+#define STORE_B(r, buf)                                                                   \
+  [[unroll]] for (uint s = 0; s < NB_MAX; ++s) {                                          \
+    const uint q = s * WG + t;                                                            \
+    if (s < NB) Bs[(buf) * B_STAGE + (q / (BN / 8)) * SB + q % (BN / 8)] = rb[r][s];      \
+  }
+#define LOAD_FB(j, kk) \
+  coopMatLoad(fb[j], Bs, bbase + (kk) * SB + (wn + (j) * 16) / 8, SB, gl_CooperativeMatrixLayoutRowMajor)
+#endif
 #define STORE_SLABS(r, buf)                                                               \
   {                                                                                       \
   [[unroll]] for (uint s = 0; s < NA_MAX; ++s) {                                          \
     const uint q = s * WG + t;                                                            \
     if (s < NA) As[(buf) * (BM * SA) + (q / (BK / 8)) * SA + q % (BK / 8)] = ra[r][s];    \
   }                                                                                       \
-  [[unroll]] for (uint s = 0; s < NB_MAX; ++s) {                                          \
-    const uint q = s * WG + t;                                                            \
-    if (s < NB) Bs[(buf) * (BK * SB) + (q / (BN / 8)) * SB + q % (BN / 8)] = rb[r][s];    \
-  }                                                                                       \
+  STORE_B(r, buf)                                                                         \
   }
 
 // STEP(u): K step s0 + u, its slabs in shared buffer (s0 + u) % STAGES; the slabs of step
@@ -98,14 +140,14 @@ const uint NB = BK * BN / 8 / WG;
     const uint step = s0 + (u);                                                                       \
     if (step + PD < steps) LOAD_SLABS((u), (step + PD) * BK);                                         \
     const uint cur = step % STAGES;                                                                   \
-    const uint abase = cur * (BM * SA), bbase = cur * (BK * SB);                                      \
+    const uint abase = cur * (BM * SA), bbase = cur * B_STAGE;                                        \
     [[unroll]] for (int kk = 0; kk < BK; kk += 16) {                                                  \
       coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> fa[TM];                             \
       coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> fb[TN];                             \
       [[unroll]] for (int i = 0; i < TM; ++i)                                                         \
         coopMatLoad(fa[i], As, abase + (wm + i * 16) * SA + kk / 8, SA, gl_CooperativeMatrixLayoutRowMajor); \
       [[unroll]] for (int j = 0; j < TN; ++j)                                                         \
-        coopMatLoad(fb[j], Bs, bbase + kk * SB + (wn + j * 16) / 8, SB, gl_CooperativeMatrixLayoutRowMajor); \
+        LOAD_FB(j, kk);                                                                               \
       [[unroll]] for (int i = 0; i < TM; ++i)                                                         \
         [[unroll]] for (int j = 0; j < TN; ++j)                                                       \
           acc[i][j] = coopMatMulAdd(fa[i], fb[j], acc[i][j]);                                         \
@@ -124,7 +166,7 @@ layout(push_constant) uniform PC {
 } pc;
 
 shared uvec4 As[STAGES * BM * SA];
-shared uvec4 Bs[STAGES * BK * SB];
+shared uvec4 Bs[STAGES * B_STAGE];
 
 void main() {
   // Grouped order of the output tiles: consecutive workgroups share B columns.
