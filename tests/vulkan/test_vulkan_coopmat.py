@@ -9,6 +9,10 @@ and its build path (tools/coopmat_compiler.py, tools/spirv_bf16.py), issue 18.
   accumulation; a product of two 16-bit floats is exact in fp32).
 - Where a cooperative-matrix compiler is found here, every variant compiles (f16 and the bf16
   rewrite) and validates; a build that found one embeds the modules.
+- Every variant's indexing and barrier schedule, transliterated to numpy (no device), computes
+  A @ B: tile order, slab loads and stores, padded shared rows, fragment loads, the prefetch
+  register sets, which K step each shared buffer holds when read, no read and write of one
+  buffer between two barriers.
 """
 
 from __future__ import annotations
@@ -123,12 +127,179 @@ def _variant_defines() -> dict[str, list[str]]:
     }
 
 
+def _params(flags: list[str]) -> dict[str, int]:
+    """BM BN BK WM WN STAGES PD BT of a variant (the shader's defaults for the last three)."""
+    d = {"STAGES": 2, "PD": 1, "BT": 0}
+    d.update({k: int(v) for k, v in (f[2:].split("=") for f in flags)})
+    return d
+
+
 def test_variants_agree_between_meson_and_the_extension() -> None:
     defines = _variant_defines()
     assert set(defines) == set(recurra_vulkan._vk.COOPMAT_TILES)
     for name, flags in defines.items():
-        d = dict(f[2:].split("=") for f in flags)
-        assert recurra_vulkan._vk.COOPMAT_TILES[name] == (int(d["BM"]), int(d["BN"]), int(d["BK"]))
+        d = _params(flags)
+        # K is padded to BK * PD: the K loop runs PD steps per iteration
+        tile = (d["BM"], d["BN"], d["BK"] * d["PD"])
+        assert recurra_vulkan._vk.COOPMAT_TILES[name] == tile
+
+
+# ---- the shader's indexing and schedule, transliterated (no device needed) ----------------
+
+GROUP_M = 8  # matmul_coopmat.comp
+
+
+def _workgroup(
+    d: dict[str, int], sg: int, a: np.ndarray, b: np.ndarray, m0: int, n0: int
+) -> np.ndarray:
+    """The accumulators (subgroup, i, j, 16, 16) of the workgroup whose C tile is at (m0, n0)."""
+    bm, bn, bk, wm_, wn_ = d["BM"], d["BN"], d["BK"], d["WM"], d["WN"]
+    stages, pd, bt = d["STAGES"], d["PD"], d["BT"]
+    nw = (bm // wm_) * (bn // wn_)
+    wg = nw * sg
+    na, nb = bm * bk // 8 // wg, bk * bn // 8 // wg
+    sa = (bk + 8) // 8
+    sb = (bk + 8) // 8 if bt else (bn + 8) // 8  # B^T: N rows of BK (+ 8)
+    b_stage = bn * sb if bt else bk * sb
+    k, n = b.shape
+    av, bv = a.reshape(-1, 8), b.reshape(-1, 8)  # uvec4 views
+    k8, n8 = k // 8, n // 8
+    t = np.arange(wg)
+    a_s = np.full((stages * bm * sa, 8), np.nan)
+    b_s = np.full((stages * b_stage, 8), np.nan)
+    ra: list[list[np.ndarray]] = [[] for _ in range(pd)]
+    rb: list[list[np.ndarray]] = [[] for _ in range(pd)]
+    reg_step = [-1] * pd
+    holds = [-1] * stages  # the K step in each shared buffer
+    access: set[tuple[int, int, str]] = set()  # (barrier interval, buffer, "r" / "w")
+    interval = 0
+
+    def load(r: int, k0: int) -> None:
+        qa = [s * wg + t for s in range(na)]
+        qb = [s * wg + t for s in range(nb)]
+        ra[r] = [av[(m0 + q // (bk // 8)) * k8 + k0 // 8 + q % (bk // 8)] for q in qa]
+        if bt:  # blocks of 8 x 8: kg = q % (BK/8), ng = q / (BK/8); 8 rows each
+            qb = [s * wg + t for s in range(nb // 8)]
+            rb[r] = [
+                bv[(k0 + (q % (bk // 8)) * 8 + i) * n8 + n0 // 8 + q // (bk // 8)]
+                for q in qb
+                for i in range(8)
+            ]
+        else:
+            rb[r] = [bv[(k0 + q // (bn // 8)) * n8 + n0 // 8 + q % (bn // 8)] for q in qb]
+        reg_step[r] = k0 // bk
+
+    def store(r: int, buf: int) -> None:
+        for s in range(na):
+            q = s * wg + t
+            a_s[buf * (bm * sa) + (q // (bk // 8)) * sa + q % (bk // 8)] = ra[r][s]
+        if bt:
+            for s in range(nb // 8):
+                q = s * wg + t
+                kg, ng = q % (bk // 8), q // (bk // 8)
+                block = np.stack(rb[r][s * 8 : s * 8 + 8], axis=1)  # (invocation, k, n)
+                for c in range(8):
+                    b_s[buf * b_stage + (ng * 8 + c) * sb + kg] = block[:, :, c]
+        else:
+            for s in range(nb):
+                q = s * wg + t
+                b_s[buf * b_stage + (q // (bn // 8)) * sb + q % (bn // 8)] = rb[r][s]
+        holds[buf] = reg_step[r]
+        access.add((interval, buf, "w"))
+
+    def frag(x: np.ndarray, start: int, stride: int) -> np.ndarray:
+        rows = start + np.arange(16) * stride  # coopMatLoad, row-major, in uvec4 units
+        return np.concatenate([x[rows], x[rows + 1]], axis=1)
+
+    acc = np.zeros((nw, wm_ // 16, wn_ // 16, 16, 16))
+    steps = k // bk
+    load(0, 0)
+    store(0, 0)
+    for p in range(1, pd):
+        load(p, p * bk)
+    interval += 1
+    for s0 in range(0, steps, pd):
+        for u in range(pd):
+            step = s0 + u
+            if step + pd < steps:
+                load(u, (step + pd) * bk)
+            cur = step % stages
+            assert holds[cur] == step, f"step {step} reads buffer {cur} holding {holds[cur]}"
+            access.add((interval, cur, "r"))
+            for w in range(nw):
+                wm, wn = (w // (bn // wn_)) * wm_, (w % (bn // wn_)) * wn_
+                for kk in range(0, bk, 16):
+                    fa = [
+                        frag(a_s, cur * bm * sa + (wm + i * 16) * sa + kk // 8, sa)
+                        for i in range(wm_ // 16)
+                    ]
+                    if bt:  # column-major: fragment column n at row n of B^T
+                        fb = [
+                            frag(b_s, cur * b_stage + (wn + j * 16) * sb + kk // 8, sb).T
+                            for j in range(wn_ // 16)
+                        ]
+                    else:
+                        fb = [
+                            frag(b_s, cur * b_stage + kk * sb + (wn + j * 16) // 8, sb)
+                            for j in range(wn_ // 16)
+                        ]
+                    acc[w] += np.einsum("iab,jbc->ijac", np.array(fa), np.array(fb))
+            if stages == 1:
+                interval += 1  # barrier
+            if step + 1 < steps:
+                store((u + 1) % pd, (step + 1) % stages)
+            interval += 1  # barrier
+    reads = {(i, buf) for i, buf, rw in access if rw == "r"}
+    writes = {(i, buf) for i, buf, rw in access if rw == "w"}
+    assert not reads & writes, f"shared buffers read and written between barriers: {reads & writes}"
+    return acc
+
+
+def _simulate(d: dict[str, int], a: np.ndarray, b: np.ndarray, sg: int) -> np.ndarray:
+    """C = A @ B computed the way matmul_coopmat.comp does, on float64 values.
+
+    Follows the shader's index arithmetic (tile order, slab loads of uvec4 = 8 elements,
+    padded shared rows, 16x16 fragment loads, accumulator stores) and its schedule: the
+    register sets of the prefetch, which K step each shared buffer holds when it is read,
+    and the barriers: no barrier interval may both read and write one shared buffer.
+    """
+    bm, bn, wm_, wn_ = d["BM"], d["BN"], d["WM"], d["WN"]
+    (m, _), n = a.shape, b.shape[1]
+    tiles_n, tiles_m = n // bn, m // bm
+    c = np.full((m, n), np.nan)
+    done = set()
+    for pid in range(tiles_n * tiles_m):
+        per_group = GROUP_M * tiles_n
+        first_m = (pid // per_group) * GROUP_M
+        group_m = min(tiles_m - first_m, GROUP_M)
+        tm, tn = first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+        done.add((tm, tn))
+        acc = _workgroup(d, sg, a, b, tm * bm, tn * bn)
+        for w in range(acc.shape[0]):
+            wm, wn = (w // (bn // wn_)) * wm_, (w % (bn // wn_)) * wn_
+            for i in range(wm_ // 16):
+                for j in range(wn_ // 16):
+                    r0, c0 = tm * bm + wm + i * 16, tn * bn + wn + j * 16
+                    c[r0 : r0 + 16, c0 : c0 + 16] = acc[w, i, j]
+    assert len(done) == tiles_m * tiles_n
+    return c
+
+
+@pytest.mark.parametrize("name", sorted(_variant_defines()))
+def test_the_shader_schedule_computes_a_at_b(name: str) -> None:
+    d = _params(_variant_defines()[name])
+    nw = (d["BM"] // d["WM"]) * (d["BN"] // d["WN"])
+    rng = np.random.default_rng(len(name))
+    # 2 x 3 tiles (9 tile rows for one variant: past a GROUP_M band), 3 loop iterations of K
+    tiles_m = 9 if name == "cm64" else 2
+    m, n, k = d["BM"] * tiles_m, d["BN"] * 3, d["BK"] * d["PD"] * 3
+    a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
+    ref = a @ b
+    for sg in (32, 16, 8):  # subgroup sizes the host accepts (where the slabs divide)
+        if (d["BM"] * d["BK"] // 8) % (nw * sg) or (d["BK"] * d["BN"] // 8) % (nw * sg):
+            continue
+        c = _simulate(d, a, b, sg)
+        assert np.max(np.abs(c - ref)) <= 1e-12 * np.max(np.abs(a) @ np.abs(b))
 
 
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
@@ -227,6 +398,16 @@ def test_unsupported_dtype_raises_with_the_reason(vulkan: str, dtype: str) -> No
         (64, 64, 32, "cm64"),
         (300, 260, 48, "cm128x256"),
         (260, 130, 40, "cm256x128"),
+        (130, 140, 70, "cm128w4"),
+        (200, 300, 40, "cm128w4p2"),
+        (130, 140, 70, "cm128w4k64s1"),
+        (300, 260, 48, "cm256x128p2"),
+        (260, 130, 100, "cm256x128p3"),
+        (140, 260, 40, "cm128x256p2"),
+        (260, 130, 40, "cm256x128k32s1"),
+        (260, 130, 100, "cm256x128k32s1p2"),
+        (100, 100, 100, "cm64x128w2p2"),
+        (130, 140, 70, "cm128w4k64s1bt"),
     ],
 )
 def test_coopmat_matmul_matches_float64(
@@ -258,3 +439,13 @@ def test_entry_refuses_bad_input() -> None:
         recurra_vulkan._coopmat_matmul(a, a.T.copy(), variant="cm7")
     with pytest.raises(ValueError, match="reps"):
         recurra_vulkan._coopmat_matmul(a, a.T.copy(), reps=0)
+
+
+def test_host_refuses_k_off_the_prefetch_multiple() -> None:
+    # cm256x128p2 steps K by 16 and runs two steps per loop iteration: K must be a multiple
+    # of 32 (the standalone entry pads; the extension refuses, before touching a device).
+    assert recurra_vulkan._vk.COOPMAT_TILES["cm256x128p2"] == (256, 128, 32)
+    a = np.zeros((256, 48), np.uint16)
+    b = np.zeros((48, 128), np.uint16)
+    with pytest.raises(ValueError, match=r"multiples of the cm256x128p2 tile \(256, 128, 32\)"):
+        recurra_vulkan._vk.coopmat_matmul(a, b, "f16", 1, "cm256x128p2", 0)

@@ -53,6 +53,9 @@ bool has_shape(const CoopMatCaps& c, uint32_t ab) {
 struct Variant {
   const char* name;
   int64_t bm, bn, bk, wm, wn;
+  int64_t stages = 2;  // shared buffers
+  int64_t pd = 1;      // prefetch distance in K steps (K must be a multiple of bk * pd)
+  bool bt = false;     // B staged transposed (bn rows of bk + 8)
 };
 // Must match coopmat_variants in meson.build.
 const Variant kVariants[] = {
@@ -61,6 +64,16 @@ const Variant kVariants[] = {
     {"cm128x256k32", 128, 256, 32, 64, 64},
     {"cm256x128", 256, 128, 16, 64, 64},
     {"cm64", 64, 64, 32, 32, 32},
+    {"cm128w4", 128, 128, 32, 64, 64},
+    {"cm128w4p2", 128, 128, 16, 64, 64, 2, 2},
+    {"cm128w4k64s1", 128, 128, 64, 64, 64, 1, 1},
+    {"cm256x128p2", 256, 128, 16, 64, 64, 2, 2},
+    {"cm256x128p3", 256, 128, 16, 64, 64, 2, 3},
+    {"cm128x256p2", 128, 256, 16, 64, 64, 2, 2},
+    {"cm256x128k32s1", 256, 128, 32, 64, 64, 1, 1},
+    {"cm256x128k32s1p2", 256, 128, 32, 64, 64, 1, 2},
+    {"cm64x128w2p2", 64, 128, 16, 64, 64, 2, 2},
+    {"cm128w4k64s1bt", 128, 128, 64, 64, 64, 1, 1, true},
 };
 
 const Variant* find_variant(const std::string& name) {
@@ -178,7 +191,7 @@ const char* coopmat_build_note() { return RECURRA_VK_COOPMAT_BUILD_NOTE; }
 bool coopmat_tile(const std::string& variant, int64_t& bm, int64_t& bn, int64_t& bk) {
   const Variant* v = find_variant(variant);
   if (!v) return false;
-  bm = v->bm, bn = v->bn, bk = v->bk;
+  bm = v->bm, bn = v->bn, bk = v->bk * v->pd;
   return true;
 }
 
@@ -196,9 +209,10 @@ double coopmat_matmul(int index, const uint16_t* a, const uint16_t* b, float* c,
     for (const Variant& x : kVariants) names += (names.empty() ? "" : ", ") + std::string(x.name);
     fail_invalid("unknown coopmat variant '" + variant + "' (expected one of " + names + ")");
   }
-  if (m <= 0 || n <= 0 || k <= 0 || m % v->bm || n % v->bn || k % v->bk)
+  const int64_t kt = v->bk * v->pd;  // K advances bk per step, pd steps per loop iteration
+  if (m <= 0 || n <= 0 || k <= 0 || m % v->bm || n % v->bn || k % kt)
     fail_invalid("coopmat_matmul: M, N, K must be positive multiples of the " + variant + " tile (" +
-                 std::to_string(v->bm) + ", " + std::to_string(v->bn) + ", " + std::to_string(v->bk) + "), got (" +
+                 std::to_string(v->bm) + ", " + std::to_string(v->bn) + ", " + std::to_string(kt) + "), got (" +
                  std::to_string(m) + ", " + std::to_string(n) + ", " + std::to_string(k) + ")");
   if (m * k > kMaxIndex || k * n > kMaxIndex || m * n > kMaxIndex)
     fail_invalid("coopmat_matmul: operands past 2^31 elements are not supported");
@@ -220,8 +234,10 @@ double coopmat_matmul(int index, const uint16_t* a, const uint16_t* b, float* c,
                                         " to " + std::to_string(caps.subgroup_size));
     const int64_t nw = (v->bm / v->wm) * (v->bn / v->wn);
     const int64_t wg = nw * caps.subgroup_size;
-    const int64_t shared = (2 * v->bm * ((v->bk + 8) / 8) + 2 * v->bk * ((v->bn + 8) / 8)) * 16;
-    if ((v->bm * v->bk / 8) % wg || (v->bk * v->bn / 8) % wg || wg > caps.max_workgroup_invocations)
+    const int64_t b_stage = v->bt ? v->bn * ((v->bk + 8) / 8) : v->bk * ((v->bn + 8) / 8);
+    const int64_t shared = v->stages * (v->bm * ((v->bk + 8) / 8) + b_stage) * 16;
+    if ((v->bm * v->bk / 8) % wg || (v->bk * v->bn / 8) % (v->bt ? 8 * wg : wg) ||
+        wg > caps.max_workgroup_invocations)
       fail(RECURRA_ERR_UNSUPPORTED, "coopmat variant " + variant + " does not fit a subgroup size of " +
                                         std::to_string(caps.subgroup_size) + " (try cm128)");
     if (shared > caps.max_shared_bytes)

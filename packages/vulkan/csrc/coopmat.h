@@ -130,7 +130,8 @@ const char* coopmat_build_note();
 double coopmat_matmul(int index, const uint16_t* a, const uint16_t* b, float* c, int64_t m, int64_t n, int64_t k,
                       bool bf16, const std::string& variant, int reps);
 
-// The variants built ("cm128", ...): their C tile and K step, or false for an unknown name.
+// The variants built ("cm128", ...): their C tile and the multiple of K they take (the K step
+// times the prefetch distance), or false for an unknown name.
 bool coopmat_tile(const std::string& variant, int64_t& bm, int64_t& bn, int64_t& bk);
 std::vector<std::string> coopmat_variants();
 

@@ -10,18 +10,24 @@
 //
 // Tiling: a workgroup of NW subgroups (of the device's subgroup size: 32 on NVIDIA) owns a
 // BM x BN tile of C; subgroup w owns a WM x WN sub-tile, kept as
-// (WM/16) x (WN/16) 16x16x16 f32 accumulator matrices. K advances BK at a time: the next
-// BM x BK slab of A and BK x BN slab of B are read into registers (uvec4: 8 elements) while
-// the current ones are multiplied out of shared memory, then stored into the other shared
-// buffer; one barrier per step. Shared rows are padded by 8 elements (16 bytes), which
-// spreads the 16-byte row segments of a 16x16 load over all banks.
+// (WM/16) x (WN/16) 16x16x16 f32 accumulator matrices. K advances BK at a time (a step):
+// the BM x BK slab of A and the BK x BN slab of B of step s + PD are read from global memory
+// into registers (uvec4: 8 elements; PD register sets) while step s is multiplied out of
+// shared memory, and the slabs of step s + 1 (read PD steps earlier) are stored into the
+// shared buffer step s + 1 uses. With STAGES = 2 shared buffers that is one barrier per step;
+// with STAGES = 1 (half the shared memory, room for a longer BK) a second barrier separates
+// the last reads of the buffer from the stores. Shared rows are padded by 8 elements (16
+// bytes), which spreads the 16-byte row segments of a 16x16 load over all banks.
 //
-// Shapes (the host checks): M % BM == 0, N % BN == 0, K % BK == 0 (the standalone entry pads
-// with zeros), A, B, C 16-byte aligned.
+// Shapes (the host checks): M % BM == 0, N % BN == 0, K % (BK * PD) == 0 (the standalone
+// entry pads with zeros), A, B, C 16-byte aligned.
 //
 // Build-time defines: BM BN BK WM WN (WM, WN, BK multiples of 16; BM/WM * BN/WN = NW
-// subgroups). Specialization constant 0 (csrc/coopmat.cpp): the workgroup size WG = NW * the
-// subgroup size (8 to 32; BM * BK / 8 and BK * BN / 8 must be multiples of it).
+// subgroups), STAGES (2, or 1), PD (prefetch distance in steps, 1 to 4), BT (1: B staged
+// transposed, BN rows of BK + 8, its fragments loaded column-major). Specialization
+// constant 0 (csrc/coopmat.cpp): the workgroup size WG = NW * the subgroup size (8 to 32;
+// BM * BK / 8 and BK * BN / 8 must be multiples of it). The schedule and indexing are
+// transliterated in tests/vulkan/test_vulkan_coopmat.py (checked against A @ B there).
 #version 450
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
@@ -31,15 +37,30 @@
 #extension GL_EXT_buffer_reference_uvec2 : require
 #extension GL_EXT_control_flow_attributes : require
 
+#ifndef STAGES
+#define STAGES 2  // shared buffers: 2 (one barrier per step) or 1 (two barriers, half the memory)
+#endif
+#ifndef PD
+#define PD 1  // prefetch distance in K steps (1 to 4): register sets of staged slabs in flight
+#endif
 #define NW ((BM / WM) * (BN / WN))  // subgroups per workgroup
 #define SA ((BK + 8) / 8)  // padded shared row of A, in uvec4
+#ifndef BT
+#define BT 0  // 1: B staged transposed (N rows of BK + 8), fragments loaded column-major
+#endif
+#if BT
+#define SB ((BK + 8) / 8)  // padded shared row of B^T, in uvec4
+#define B_STAGE (BN * SB)
+#else
 #define SB ((BN + 8) / 8)  // padded shared row of B, in uvec4
+#define B_STAGE (BK * SB)
+#endif
 #define TM (WM / 16)
 #define TN (WN / 16)
 #define GROUP_M 8  // workgroups walk C in bands of 8 tile rows (L2 reuse of B)
 
-#if (BM * BK) % (8 * NW * 32) != 0 || (BK * BN) % (8 * NW * 32) != 0 || WM % 16 != 0 || WN % 16 != 0 || BK % 16 != 0
-#error "matmul_coopmat.comp: BM*BK and BK*BN must be multiples of 8*NW*32; WM, WN, BK multiples of 16"
+#if (BM * BK) % (8 * NW * 32) != 0 || (BK * BN) % (8 * NW * 32) != 0 || WM % 16 != 0 || WN % 16 != 0 || BK % 16 != 0 || (STAGES != 1 && STAGES != 2) || PD < 1 || PD > 4 || (BT && (BK * BN) % (64 * NW * 32) != 0)
+#error "matmul_coopmat.comp: BM*BK and BK*BN must be multiples of 8*NW*32; WM, WN, BK multiples of 16; STAGES 1 or 2; PD 1 to 4"
 #endif
 
 layout(local_size_x_id = 0) in;  // NW * the subgroup size (csrc/coopmat.cpp)
@@ -53,6 +74,89 @@ const uint NB = BK * BN / 8 / WG;
 #define NA_MAX (BM * BK / 8 / (NW * 8))
 #define NB_MAX (BK * BN / 8 / (NW * 8))
 
+// Slab loads: invocation t takes items q = s * WG + t: row q / (cols/8), uvec4 column q % (cols/8).
+// LOAD_SLABS(r, k0): the A and B slabs of the step starting at k0 into register set r;
+// STORE_SLABS(r, buf): register set r into shared buffer buf.
+#define LOAD_SLABS(r, k0)                                                                 \
+  {                                                                                       \
+  [[unroll]] for (uint s = 0; s < NA_MAX; ++s) {                                          \
+    const uint q = s * WG + t;                                                            \
+    if (s < NA) ra[r][s] = a.v[(m0 + q / (BK / 8)) * k8 + (k0) / 8 + q % (BK / 8)];       \
+  }                                                                                       \
+  LOAD_B(r, k0)                                                                           \
+  }
+#if BT
+// B^T: item q is an 8 x 8 block (K rows kg*8.., N columns ng*8..), read as 8 uvec4 rows and
+// stored transposed: kg = q % (BK/8) varies fastest, so the 8 invocations of a store phase hit
+// 8 different 16-byte bank groups (SB = BK/8 + 1).
+#define NB_BLK (NB / 8)
+#define LOAD_B(r, k0)                                                                     \
+  [[unroll]] for (uint s = 0; s < NB_MAX / 8; ++s) {                                      \
+    const uint q = s * WG + t, kg = q % (BK / 8), ng = q / (BK / 8);                      \
+    [[unroll]] for (uint i = 0; i < 8; ++i)                                               \
+      if (s < NB_BLK) rb[r][s * 8 + i] = b.v[((k0) + kg * 8 + i) * n8 + n0 / 8 + ng];     \
+  }
+#define STORE_B(r, buf)                                                                   \
+  [[unroll]] for (uint s = 0; s < NB_MAX / 8; ++s) {                                      \
+    const uint q = s * WG + t, kg = q % (BK / 8), ng = q / (BK / 8);                      \
+    [[unroll]] for (uint c = 0; c < 8; ++c) {                                             \
+      const uint w = c / 2, sh = (c % 2) * 16;                                            \
+      uvec4 o;                                                                            \
+      [[unroll]] for (uint i = 0; i < 4; ++i)                                             \
+        o[i] = ((rb[r][s * 8 + 2 * i][w] >> sh) & 0xFFFFu) | ((rb[r][s * 8 + 2 * i + 1][w] >> sh) << 16); \
+      if (s < NB_BLK) Bs[(buf) * B_STAGE + (ng * 8 + c) * SB + kg] = o;                   \
+    }                                                                                     \
+  }
+#define LOAD_FB(j, kk) \
+  coopMatLoad(fb[j], Bs, bbase + (wn + (j) * 16) * SB + (kk) / 8, SB, gl_CooperativeMatrixLayoutColumnMajor)
+#else
+#define LOAD_B(r, k0)                                                                     \
+  [[unroll]] for (uint s = 0; s < NB_MAX; ++s) {                                          \
+    const uint q = s * WG + t;                                                            \
+    if (s < NB) rb[r][s] = b.v[((k0) + q / (BN / 8)) * n8 + n0 / 8 + q % (BN / 8)];       \
+  }
+#define STORE_B(r, buf)                                                                   \
+  [[unroll]] for (uint s = 0; s < NB_MAX; ++s) {                                          \
+    const uint q = s * WG + t;                                                            \
+    if (s < NB) Bs[(buf) * B_STAGE + (q / (BN / 8)) * SB + q % (BN / 8)] = rb[r][s];      \
+  }
+#define LOAD_FB(j, kk) \
+  coopMatLoad(fb[j], Bs, bbase + (kk) * SB + (wn + (j) * 16) / 8, SB, gl_CooperativeMatrixLayoutRowMajor)
+#endif
+#define STORE_SLABS(r, buf)                                                               \
+  {                                                                                       \
+  [[unroll]] for (uint s = 0; s < NA_MAX; ++s) {                                          \
+    const uint q = s * WG + t;                                                            \
+    if (s < NA) As[(buf) * (BM * SA) + (q / (BK / 8)) * SA + q % (BK / 8)] = ra[r][s];    \
+  }                                                                                       \
+  STORE_B(r, buf)                                                                         \
+  }
+
+// STEP(u): K step s0 + u, its slabs in shared buffer (s0 + u) % STAGES; the slabs of step
+// s0 + u + PD are loaded into register set u (in flight during PD steps of math), those of
+// step s0 + u + 1 (register set (u + 1) % PD) stored for the next step.
+#define STEP(u)                                                                                       \
+  {                                                                                                   \
+    const uint step = s0 + (u);                                                                       \
+    if (step + PD < steps) LOAD_SLABS((u), (step + PD) * BK);                                         \
+    const uint cur = step % STAGES;                                                                   \
+    const uint abase = cur * (BM * SA), bbase = cur * B_STAGE;                                        \
+    [[unroll]] for (int kk = 0; kk < BK; kk += 16) {                                                  \
+      coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> fa[TM];                             \
+      coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> fb[TN];                             \
+      [[unroll]] for (int i = 0; i < TM; ++i)                                                         \
+        coopMatLoad(fa[i], As, abase + (wm + i * 16) * SA + kk / 8, SA, gl_CooperativeMatrixLayoutRowMajor); \
+      [[unroll]] for (int j = 0; j < TN; ++j)                                                         \
+        LOAD_FB(j, kk);                                                                               \
+      [[unroll]] for (int i = 0; i < TM; ++i)                                                         \
+        [[unroll]] for (int j = 0; j < TN; ++j)                                                       \
+          acc[i][j] = coopMatMulAdd(fa[i], fb[j], acc[i][j]);                                         \
+    }                                                                                                 \
+    if (STAGES == 1) barrier(); /* every subgroup is done with the one buffer */                      \
+    if (step + 1 < steps) STORE_SLABS(((u) + 1) % PD, (step + 1) % STAGES);                           \
+    barrier();                                                                                        \
+  }
+
 layout(buffer_reference, std430, buffer_reference_align = 16) readonly buffer U4Buf { uvec4 v[]; };
 layout(buffer_reference, std430, buffer_reference_align = 16) writeonly buffer FBuf { float v[]; };
 
@@ -61,8 +165,8 @@ layout(push_constant) uniform PC {
   uint M, N, K;
 } pc;
 
-shared uvec4 As[2 * BM * SA];
-shared uvec4 Bs[2 * BK * SB];
+shared uvec4 As[STAGES * BM * SA];
+shared uvec4 Bs[STAGES * B_STAGE];
 
 void main() {
   // Grouped order of the output tiles: consecutive workgroups share B columns.
@@ -88,65 +192,37 @@ void main() {
     [[unroll]] for (int j = 0; j < TN; ++j)
       acc[i][j] = coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
 
-  uvec4 ra[NA_MAX], rb[NB_MAX];
-  // Slab loads: invocation t takes items q = s * WG + t: row q / (cols/8), uvec4 column q % (cols/8).
-  [[unroll]] for (uint s = 0; s < NA_MAX; ++s) {
-    const uint q = s * WG + t;
-    if (s < NA) ra[s] = a.v[(m0 + q / (BK / 8)) * k8 + q % (BK / 8)];
-  }
-  [[unroll]] for (uint s = 0; s < NB_MAX; ++s) {
-    const uint q = s * WG + t;
-    if (s < NB) rb[s] = b.v[(q / (BN / 8)) * n8 + n0 / 8 + q % (BN / 8)];
-  }
-  [[unroll]] for (uint s = 0; s < NA_MAX; ++s) {
-    const uint q = s * WG + t;
-    if (s < NA) As[(q / (BK / 8)) * SA + q % (BK / 8)] = ra[s];
-  }
-  [[unroll]] for (uint s = 0; s < NB_MAX; ++s) {
-    const uint q = s * WG + t;
-    if (s < NB) Bs[(q / (BN / 8)) * SB + q % (BN / 8)] = rb[s];
-  }
+  // Staging registers: PD sets (set r holds the slabs of the steps s with s % PD == r).
+  uvec4 ra[PD][NA_MAX], rb[PD][NB_MAX];
+  const uint steps = pc.K / BK;  // a multiple of PD (the host pads K to BK * PD)
+
+  // Step 0 straight into shared buffer 0; steps 1 .. PD-1 into their register sets.
+  LOAD_SLABS(0, 0);
+  STORE_SLABS(0, 0);
+#if PD > 1
+  LOAD_SLABS(1, BK);
+#endif
+#if PD > 2
+  LOAD_SLABS(2, 2 * BK);
+#endif
+#if PD > 3
+  LOAD_SLABS(3, 3 * BK);
+#endif
   barrier();
 
-  const uint steps = pc.K / BK;
-  for (uint step = 0; step < steps; ++step) {
-    const uint cur = step & 1u;
-    const bool more = step + 1 < steps;
-    if (more) {
-      const uint k0 = (step + 1) * BK;
-      [[unroll]] for (uint s = 0; s < NA_MAX; ++s) {
-        const uint q = s * WG + t;
-        if (s < NA) ra[s] = a.v[(m0 + q / (BK / 8)) * k8 + k0 / 8 + q % (BK / 8)];
-      }
-      [[unroll]] for (uint s = 0; s < NB_MAX; ++s) {
-        const uint q = s * WG + t;
-        if (s < NB) rb[s] = b.v[(k0 + q / (BN / 8)) * n8 + n0 / 8 + q % (BN / 8)];
-      }
-    }
-    const uint abase = cur * (BM * SA), bbase = cur * (BK * SB);
-    [[unroll]] for (int kk = 0; kk < BK; kk += 16) {
-      coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> fa[TM];
-      coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> fb[TN];
-      [[unroll]] for (int i = 0; i < TM; ++i)
-        coopMatLoad(fa[i], As, abase + (wm + i * 16) * SA + kk / 8, SA, gl_CooperativeMatrixLayoutRowMajor);
-      [[unroll]] for (int j = 0; j < TN; ++j)
-        coopMatLoad(fb[j], Bs, bbase + kk * SB + (wn + j * 16) / 8, SB, gl_CooperativeMatrixLayoutRowMajor);
-      [[unroll]] for (int i = 0; i < TM; ++i)
-        [[unroll]] for (int j = 0; j < TN; ++j)
-          acc[i][j] = coopMatMulAdd(fa[i], fb[j], acc[i][j]);
-    }
-    if (more) {
-      const uint nxt = (cur ^ 1u);
-      [[unroll]] for (uint s = 0; s < NA_MAX; ++s) {
-        const uint q = s * WG + t;
-        if (s < NA) As[nxt * (BM * SA) + (q / (BK / 8)) * SA + q % (BK / 8)] = ra[s];
-      }
-      [[unroll]] for (uint s = 0; s < NB_MAX; ++s) {
-        const uint q = s * WG + t;
-        if (s < NB) Bs[nxt * (BK * SB) + (q / (BN / 8)) * SB + q % (BN / 8)] = rb[s];
-      }
-    }
-    barrier();
+  // The loop body is PD steps written out (STEP(u): step s0 + u), so that the register set of
+  // every step is a constant index (spirv-opt does not unroll a loop around a barrier).
+  for (uint s0 = 0; s0 < steps; s0 += PD) {
+    STEP(0);
+#if PD > 1
+    STEP(1);
+#endif
+#if PD > 2
+    STEP(2);
+#endif
+#if PD > 3
+    STEP(3);
+#endif
   }
 
   FBuf c = FBuf(pc.c);

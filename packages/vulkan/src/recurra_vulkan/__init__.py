@@ -127,7 +127,8 @@ def _coopmat_matmul(
     ``a`` (M, K) and ``b`` (K, N) hold 16-bit floats: uint16 arrays of the raw bits of
     ``dtype`` ("bf16" or "f16"), or float16 / ml_dtypes.bfloat16 arrays (their bits are used
     as ``dtype``). Any M, N, K: operands are zero-padded to multiples of the tile of
-    ``variant`` (``_vk.COOPMAT_TILES[variant]``: BM, BN, BK) and C is cut back. The shader
+    ``variant`` (``_vk.COOPMAT_TILES[variant]``: BM, BN and the K step times the prefetch
+    distance) and C is cut back. The shader
     runs once untimed, then ``reps`` times.
 
     Returns ``(c, seconds)``: C as float32 (M, N) and the GPU time of one matmul in seconds
