@@ -5,7 +5,7 @@
 namespace recurra {
 
 namespace {
-std::mutex g_mu;
+std::mutex g_backends_mu;
 std::vector<BackendEntry>& entries() {
   static std::vector<BackendEntry> e;  // index = id - 1
   return e;
@@ -22,7 +22,7 @@ std::vector<int> register_backend(const recurra_backend_table* t) {
   if (!t->device_count || !t->alloc || !t->free || !t->copy_in || !t->copy_out || !t->supports_op ||
       !t->compute || !t->synchronize)
     throw ValueError("backend '" + std::string(t->name ? t->name : "?") + "' has an incomplete table");
-  std::lock_guard<std::mutex> lk(g_mu);
+  std::lock_guard<std::mutex> lk(g_backends_mu);
   std::vector<int> ids;
   const int n = t->device_count(t->ctx);
   for (int d = 0; d < n; ++d) {
@@ -102,15 +102,15 @@ void check_status(int id, int status, const std::string& what) {
 }
 
 TransferStats transfer_stats() {
-  std::lock_guard<std::mutex> lk(g_mu);
+  std::lock_guard<std::mutex> lk(g_backends_mu);
   return g_transfers;
 }
 void transfer_stats_reset() {
-  std::lock_guard<std::mutex> lk(g_mu);
+  std::lock_guard<std::mutex> lk(g_backends_mu);
   g_transfers = {};
 }
 void count_transfer(bool to_device, size_t bytes) {
-  std::lock_guard<std::mutex> lk(g_mu);
+  std::lock_guard<std::mutex> lk(g_backends_mu);
   if (to_device) {
     g_transfers.h2d_count++;
     g_transfers.h2d_bytes += static_cast<int64_t>(bytes);

@@ -23,12 +23,12 @@
 namespace recurra {
 
 namespace {
-std::mutex g_mu;
+std::mutex g_stats_mu;
 PoolStats g_stats[2];
 }  // namespace
 
 void memory_stats_adjust(Pool pool, int64_t delta) {
-  std::lock_guard<std::mutex> lk(g_mu);
+  std::lock_guard<std::mutex> lk(g_stats_mu);
   PoolStats& s = g_stats[static_cast<int>(pool)];
   s.bytes += delta;
   if (delta > 0) s.n_allocs++;
@@ -36,12 +36,12 @@ void memory_stats_adjust(Pool pool, int64_t delta) {
 }
 
 PoolStats memory_stats(Pool pool) {
-  std::lock_guard<std::mutex> lk(g_mu);
+  std::lock_guard<std::mutex> lk(g_stats_mu);
   return g_stats[static_cast<int>(pool)];
 }
 
 void memory_stats_reset_peak() {
-  std::lock_guard<std::mutex> lk(g_mu);
+  std::lock_guard<std::mutex> lk(g_stats_mu);
   for (auto& s : g_stats) s.peak_bytes = s.bytes;
 }
 

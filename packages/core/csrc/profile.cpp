@@ -10,7 +10,7 @@ namespace recurra {
 namespace {
 std::atomic<bool> g_on{false};
 std::atomic<bool> g_by_shape{false};
-std::mutex g_mu;
+std::mutex g_profile_mu;
 struct Totals {
   int64_t calls = 0, ns = 0;
 };
@@ -29,7 +29,7 @@ bool profile_enabled() { return g_on.load(std::memory_order_relaxed); }
 bool profile_by_shape() { return g_by_shape.load(std::memory_order_relaxed); }
 
 void profile_record(const std::string& key, int64_t ns) {
-  std::lock_guard<std::mutex> lk(g_mu);
+  std::lock_guard<std::mutex> lk(g_profile_mu);
   Totals& t = table()[key];
   t.calls += 1;
   t.ns += ns;
@@ -38,7 +38,7 @@ void profile_record(const std::string& key, int64_t ns) {
 std::vector<ProfileEntry> profile_snapshot() {
   std::vector<ProfileEntry> out;
   {
-    std::lock_guard<std::mutex> lk(g_mu);
+    std::lock_guard<std::mutex> lk(g_profile_mu);
     for (const auto& [k, t] : table()) out.push_back({k, t.calls, t.ns});
   }
   std::sort(out.begin(), out.end(), [](const ProfileEntry& a, const ProfileEntry& b) {
@@ -48,7 +48,7 @@ std::vector<ProfileEntry> profile_snapshot() {
 }
 
 void profile_reset() {
-  std::lock_guard<std::mutex> lk(g_mu);
+  std::lock_guard<std::mutex> lk(g_profile_mu);
   table().clear();
 }
 

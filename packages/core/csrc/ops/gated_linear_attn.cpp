@@ -22,18 +22,11 @@ namespace recurra {
 namespace rwkv {
 namespace {
 
-// ---- forward: the decay recurrence of rwkv.h (decay_forward_task) -----------------------
-
-RC_SIMD void gla_forward_task(const DecayIn& in, const Dims& d, int64_t q, int64_t h,
-                              int64_t j0, int64_t W, float* st, float* buf, float* y) {
-  decay_forward_task(in, d, q, h, j0, W, st, buf, y);
-}
-
 void gla_forward(KernelCtx& c, const Dims& d) {
   // Sources: k, v, q, g, state; fp = [scale].
   const DecayIn in{c.src[2].f32(), c.src[0].f32(), c.src[1].f32(), c.src[3].f32(), nullptr,
                    static_cast<float>(c.node.fp[RECURRA_P_SCALE])};
-  decay_forward(c, d, in, c.src[4].f32(), gla_forward_task);
+  decay_forward(c, d, in, c.src[4].f32());
 }
 
 void gla_backward(KernelCtx& c, const Dims& d) {

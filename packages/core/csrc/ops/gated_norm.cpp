@@ -107,11 +107,11 @@ RC_SIMD void gate_back_row(float* dy, float* dz, float* dx, float* pw, float* pd
 }
 
 // Where each source sits among a node's sources (-1: absent), from `first` on.
-struct Layout {
+struct NormLayout {
   int y = -1, z = -1, w = -1, x = -1, d = -1;
 };
 
-Layout layout_of(size_t n_src, size_t first) {
+NormLayout layout_of(size_t n_src, size_t first) {
   const int f = static_cast<int>(first);
   if (n_src - first == 2) return {f, -1, f + 1, -1, -1};
   if (n_src - first == 3) return {f, f + 1, f + 2, -1, -1};
@@ -152,7 +152,7 @@ int64_t gated_infer(Graph& g, Node& n, size_t first) {
   for (size_t i = 0; i < n.src.size(); ++i) require_f32(g, n, static_cast<int>(i));
   if (n.ip.size() != 1 || n.fp.size() != 1) fail_shape(g, n, "takes ip [group_size] and fp [eps]");
   if (!(n.fp[RECURRA_P_EPS] >= 0.0) || !std::isfinite(n.fp[RECURRA_P_EPS])) fail_shape(g, n, "eps must be finite and >= 0");
-  const Layout l = layout_of(n.src.size(), first);
+  const NormLayout l = layout_of(n.src.size(), first);
   const Shape ys = g.node(n.src[l.y]).shape;
   if (ys.ndim < 1) fail_shape(g, n, "y needs at least one axis");
   const int64_t C = ys.d[ys.ndim - 1];
@@ -175,7 +175,7 @@ void gated_forward(KernelCtx& c) {
   const Shape& s = c.dst.shape;
   const int64_t C = row_len(s), R = n_rows(s), gs = c.node.ip[0];
   const float eps = static_cast<float>(c.node.fp[0]);
-  const Layout l = layout_of(c.src.size(), 0);
+  const NormLayout l = layout_of(c.src.size(), 0);
   const Rows y{&c.src[l.y]}, z{opt_src(c, l.z)}, x{opt_src(c, l.x)};
   const float* w = c.src[l.w].f32();
   const std::vector<float> d = per_channel(c, l.d, C), ones(gs, 1.0f);
@@ -198,7 +198,7 @@ void gated_back_forward(KernelCtx& c) {
   const Shape& s = c.src[1].shape;
   const int64_t C = row_len(s), R = n_rows(s), gs = c.node.ip[0];
   const float eps = static_cast<float>(c.node.fp[0]);
-  const Layout l = layout_of(c.src.size(), 1);
+  const NormLayout l = layout_of(c.src.size(), 1);
   const bool skip = l.x >= 0;
   const Rows g{&c.src[0]}, y{&c.src[l.y]}, z{opt_src(c, l.z)}, x{opt_src(c, l.x)};
   const float* w = c.src[l.w].f32();
@@ -256,7 +256,7 @@ void register_gated_norm_ops(OpTable& t) {
     d.forward = gated_forward;
     d.backward = [](GradSink& k) {
       Graph& g = k.g;
-      const Layout l = layout_of(k.node.src.size(), 0);
+      const NormLayout l = layout_of(k.node.src.size(), 0);
       const int packed = g.op("gated_rms_norm_back", grad_and_srcs(k), k.node.ip, k.node.fp);
       const Shape ys = g.node(k.node.src[l.y]).shape, ws = g.node(k.node.src[l.w]).shape;
       int64_t at = 0;  // the packed layout: dy, [dz], dw, [dx, dD]
@@ -282,7 +282,7 @@ void register_gated_norm_ops(OpTable& t) {
     d.infer = [](Graph& g, Node& n) {
       if (n.src.size() < 3) fail_shape(g, n, "takes (grad, y[, z], w[, x, D])");
       const int64_t C = gated_infer(g, n, 1);
-      const Layout l = layout_of(n.src.size(), 1);
+      const NormLayout l = layout_of(n.src.size(), 1);
       const Shape ys = g.node(n.src[l.y]).shape;
       if (g.node(n.src[0]).shape != ys) fail_shape(g, n, "grad must have y's shape");
       int64_t total = (l.z >= 0 ? 2 : 1) * ys.numel() + C;

@@ -43,6 +43,9 @@ inline std::vector<int> grad_and_srcs(const GradSink& k) {
   return s;
 }
 
+// The name of node n's op (for error messages).
+inline const std::string& op_name(const Node& n) { return OpTable::get().at(n.op).name; }
+
 // Rows to hand each task so one task has about kGrainElems elements.
 inline int64_t row_grain(int64_t len) { return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, len)); }
 

@@ -124,7 +124,6 @@ RC_SIMD void add_inplace_row(float* __restrict y, const float* __restrict x, int
 
 // ---- shared checks ------------------------------------------------------------------
 
-const std::string& op_name(const Node& n) { return OpTable::get().at(n.op).name; }
 
 void require_i32(const Graph& g, const Node& n, int i, const char* what) {
   const Node& s = g.node(n.src.at(i));

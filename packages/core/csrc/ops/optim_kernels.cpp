@@ -51,14 +51,13 @@ enum Slot : int {
   kSlots = RECURRA_HYPER_SLOTS,
 };
 
-constexpr int64_t kChunk = 1 << 16;  // elements per task: large enough to stream, small to balance
+constexpr int64_t kOptimChunk = 1 << 16;  // elements per task: large enough to stream, small to balance
 
 double hyper(const TensorView& h, int slot) {
   const float* p = h.f32();
   return static_cast<double>(p[2 * slot]) + static_cast<double>(p[2 * slot + 1]);
 }
 
-const std::string& op_name(const Node& n) { return OpTable::get().at(n.op).name; }
 
 [[noreturn]] void fail(const Node& n, const std::string& msg) {
   throw ValueError(op_name(n) + ": " + msg);
@@ -75,7 +74,7 @@ bool dense(const Node& n) {
 
 // ---- source layout and validation -----------------------------------------------------
 
-struct Layout {
+struct OptimLayout {
   int64_t n = 0;      // tensors
   bool gstat = false;  // a [norm, coef] source follows hyper
   int per = 0;        // sources per tensor
@@ -128,11 +127,11 @@ void check_step(const Graph& g, const Node& n, int i, int64_t t) {
 }
 
 // Reads ip = {n, has_gstat, ...} and checks the source count; `per` sources per tensor.
-Layout layout(const Graph& g, const Node& n, size_t n_ip, int per) {
+OptimLayout layout(const Graph& g, const Node& n, size_t n_ip, int per) {
   if (n.ip.size() != n_ip)
     fail(n, "takes " + std::to_string(n_ip) + " integer parameters, got " + std::to_string(n.ip.size()));
   if (!n.fp.empty()) fail(n, "takes no float parameters (they live in the hyper-parameter tensor)");
-  Layout L;
+  OptimLayout L;
   L.n = n.ip.at(RECURRA_P_N_TENSORS);
   L.gstat = n.ip.at(RECURRA_P_HAS_GSTAT) != 0;
   L.per = per;
@@ -166,7 +165,7 @@ void set_dummy(Node& n) {
 
 // Sources of one tensor: `names` in order; "step" is the int32 count, "g" the gradient,
 // "p" the parameter; anything else is a state buffer like p.
-void check_tensor(const Graph& g, const Node& n, const Layout& L, int64_t t,
+void check_tensor(const Graph& g, const Node& n, const OptimLayout& L, int64_t t,
                   std::initializer_list<const char*> names) {
   const int base = L.first + static_cast<int>(t) * L.per;
   int k = 0;
@@ -195,16 +194,16 @@ void check_no_alias(const KernelCtx& c, const Node& n, int64_t t, std::initializ
 
 // ---- the flat index space over all tensors --------------------------------------------
 
-// Runs fn(t, begin, end, chunk) over every tensor t's elements, in chunks of kChunk of the
+// Runs fn(t, begin, end, chunk) over every tensor t's elements, in chunks of kOptimChunk of the
 // concatenation (a chunk may span several small tensors). Chunks are fixed by the sizes
 // alone, so per-chunk partial sums do not depend on the thread count or on timing.
 template <class F>
 void for_chunks(ThreadPool& pool, const std::vector<int64_t>& offs, F&& fn) {
   const int64_t total = offs.back();
-  const int64_t n_chunks = (total + kChunk - 1) / kChunk;
+  const int64_t n_chunks = (total + kOptimChunk - 1) / kOptimChunk;
   if (n_chunks == 0) return;
   pool.run(n_chunks, [&](int64_t c, int) {
-    const int64_t b = c * kChunk, e = std::min(total, b + kChunk);
+    const int64_t b = c * kOptimChunk, e = std::min(total, b + kOptimChunk);
     int64_t t = std::upper_bound(offs.begin(), offs.end(), b) - offs.begin() - 1;
     for (int64_t pos = b; pos < e; ++t) {
       const int64_t tb = pos - offs[t], te = std::min(e, offs[t + 1]) - offs[t];
@@ -214,7 +213,7 @@ void for_chunks(ThreadPool& pool, const std::vector<int64_t>& offs, F&& fn) {
   });
 }
 
-std::vector<int64_t> offsets(const KernelCtx& c, const Layout& L) {
+std::vector<int64_t> offsets(const KernelCtx& c, const OptimLayout& L) {
   std::vector<int64_t> offs(L.n + 1, 0);
   for (int64_t t = 0; t < L.n; ++t) offs[t + 1] = offs[t] + c.src[L.first + t * L.per].numel();
   return offs;
@@ -227,7 +226,7 @@ struct GradXform {
   float clip;   // +inf when off
 };
 
-GradXform grad_xform(const KernelCtx& c, const Layout& L, bool use_maximize) {
+GradXform grad_xform(const KernelCtx& c, const OptimLayout& L, bool use_maximize) {
   GradXform x;
   const double gs = hyper(c.src[0], kGradScale), cv = hyper(c.src[0], kClipValue);
   x.pre = static_cast<float>(gs);
@@ -328,7 +327,7 @@ RC_SIMD void clip_range(float* __restrict g, int64_t n, float pre, float clip, f
 
 void sgd_forward(KernelCtx& c) {
   const Node& n = c.node;
-  Layout L;
+  OptimLayout L;
   L.n = n.ip.at(RECURRA_P_N_TENSORS);
   L.gstat = n.ip.at(RECURRA_P_HAS_GSTAT) != 0;
   L.first = 1 + (L.gstat ? 1 : 0);
@@ -361,7 +360,7 @@ void sgd_forward(KernelCtx& c) {
 
 void adam_forward(KernelCtx& c, bool decoupled) {
   const Node& n = c.node;
-  Layout L;
+  OptimLayout L;
   L.n = n.ip.at(RECURRA_P_N_TENSORS);
   L.gstat = n.ip.at(RECURRA_P_HAS_GSTAT) != 0;
   L.first = 1 + (L.gstat ? 1 : 0);
@@ -394,7 +393,7 @@ void adam_forward(KernelCtx& c, bool decoupled) {
 
 void lion_forward(KernelCtx& c) {
   const Node& n = c.node;
-  Layout L;
+  OptimLayout L;
   L.n = n.ip.at(RECURRA_P_N_TENSORS);
   L.gstat = n.ip.at(RECURRA_P_HAS_GSTAT) != 0;
   L.first = 1 + (L.gstat ? 1 : 0);
@@ -428,13 +427,13 @@ void grad_norm_forward(KernelCtx& c) {
       sum += v * v;
     }
   } else {
-    Layout L;
+    OptimLayout L;
     L.n = static_cast<int64_t>(n.src.size()) - 1;
     L.first = 1;
     L.per = 1;
     const GradXform x = grad_xform(c, L, false);
     const auto offs = offsets(c, L);
-    std::vector<double> part((offs.back() + kChunk - 1) / kChunk, 0.0);
+    std::vector<double> part((offs.back() + kOptimChunk - 1) / kOptimChunk, 0.0);
     for_chunks(c.pool, offs, [&](int64_t t, int64_t b, int64_t e, int64_t chunk) {
       part[chunk] += sumsq_range(c.src[1 + t].f32() + b, e - b, x.pre, x.clip);
     });
@@ -453,7 +452,7 @@ void grad_norm_forward(KernelCtx& c) {
 
 void grad_clip_forward(KernelCtx& c) {
   const Node& n = c.node;
-  Layout L;
+  OptimLayout L;
   L.n = n.ip.at(RECURRA_P_N_TENSORS);
   L.gstat = n.ip.at(RECURRA_P_HAS_GSTAT) != 0;
   L.first = 1 + (L.gstat ? 1 : 0);
@@ -482,7 +481,7 @@ void register_optim_ops(OpTable& t) {
       if (n.ip.size() != 3) fail(n, "takes 3 integer parameters (n, has_gstat, has_buf)");
       if (n.ip.at(RECURRA_P_HAS_BUF) != 0 && n.ip.at(RECURRA_P_HAS_BUF) != 1) fail(n, "has_buf must be 0 or 1");
       const bool buf = n.ip.at(RECURRA_P_HAS_BUF) != 0;
-      const Layout L = layout(g, n, 3, buf ? 4 : 3);
+      const OptimLayout L = layout(g, n, 3, buf ? 4 : 3);
       for (int64_t i = 0; i < L.n; ++i) {
         if (buf) check_tensor(g, n, L, i, {"param", "gradient", "momentum buffer", "step"});
         else check_tensor(g, n, L, i, {"param", "gradient", "step"});
@@ -497,7 +496,7 @@ void register_optim_ops(OpTable& t) {
     OpDef d;
     d.name = name;
     d.infer = [](Graph& g, Node& n) {
-      const Layout L = layout(g, n, 2, 5);
+      const OptimLayout L = layout(g, n, 2, 5);
       for (int64_t i = 0; i < L.n; ++i)
         check_tensor(g, n, L, i, {"param", "gradient", "first moment", "second moment", "step"});
       set_dummy(n);
@@ -511,7 +510,7 @@ void register_optim_ops(OpTable& t) {
     OpDef d;
     d.name = "lion_step";
     d.infer = [](Graph& g, Node& n) {
-      const Layout L = layout(g, n, 2, 4);
+      const OptimLayout L = layout(g, n, 2, 4);
       for (int64_t i = 0; i < L.n; ++i)
         check_tensor(g, n, L, i, {"param", "gradient", "momentum", "step"});
       set_dummy(n);
@@ -547,7 +546,7 @@ void register_optim_ops(OpTable& t) {
     OpDef d;
     d.name = "grad_clip";
     d.infer = [](Graph& g, Node& n) {
-      const Layout L = layout(g, n, 2, 1);
+      const OptimLayout L = layout(g, n, 2, 1);
       for (int64_t i = 0; i < L.n; ++i) {
         const int s = L.first + static_cast<int>(i);
         require_f32(g, n, s);

@@ -20,12 +20,12 @@ namespace recurra {
 namespace {
 
 // Elements of the reduced axis per partial result when one long axis is split across tasks.
-constexpr int64_t kChunk = 1 << 15;
+constexpr int64_t kReduceChunk = 1 << 15;
 // Columns of the vector axis handled by one task (its accumulators live on the stack).
 constexpr int64_t kVBlock = 1024;
 
 // x seen as [K, L, V] (see the legend), with the strides of x and of a dense x-shaped buffer.
-struct Layout {
+struct ReduceLayout {
   Shape kept;                     // the kept axes (row-major order of the output)
   int64_t kst[kMaxDims] = {};     // x strides of the kept axes
   int64_t kdst[kMaxDims] = {};    // dense x-shaped strides of the kept axes
@@ -44,11 +44,11 @@ struct Layout {
   }
 };
 
-Layout make_layout(const TensorView& x, int axis) {
+ReduceLayout make_layout(const TensorView& x, int axis) {
   const int nd = x.shape.ndim;
   int64_t dense[kMaxDims];
   contiguous_strides(x.shape, dense);
-  Layout lo;
+  ReduceLayout lo;
   lo.L = x.shape.d[axis];
   lo.sr = x.strides[axis];
   lo.dr = dense[axis];
@@ -104,18 +104,18 @@ RC_SIMD void max_rows(float* __restrict acc, const float* __restrict x, int64_t 
   }
 }
 
-// One dense line: kLanes independent accumulators (registers) let the compiler vectorize
+// One dense line: kLineLanes independent accumulators (registers) let the compiler vectorize
 // without reassociating (no -ffast-math); the lanes are then combined in a fixed order.
-constexpr int kLanes = 32;
+constexpr int kLineLanes = 32;
 
 RC_SIMD double sum_dense(const float* __restrict x, int64_t n) {
-  double lane[kLanes] = {0.0};
+  double lane[kLineLanes] = {0.0};
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) lane[j] += static_cast<double>(x[i + j]);
+  for (; i + kLineLanes <= n; i += kLineLanes)
+    for (int j = 0; j < kLineLanes; ++j) lane[j] += static_cast<double>(x[i + j]);
   double tail = 0.0;
   for (; i < n; ++i) tail += static_cast<double>(x[i]);
-  for (int w = kLanes / 2; w >= 1; w /= 2)
+  for (int w = kLineLanes / 2; w >= 1; w /= 2)
     for (int j = 0; j < w; ++j) lane[j] += lane[j + w];
   return lane[0] + tail;
 }
@@ -124,12 +124,12 @@ RC_SIMD double sum_dense(const float* __restrict x, int64_t n) {
 RC_SIMD float max_dense(const float* __restrict x, int64_t n) {
   float m = x[0];
   int64_t i = 1;
-  if (n >= 2 * kLanes) {
-    float lane[kLanes];
-    for (int j = 0; j < kLanes; ++j) lane[j] = x[j];
-    for (i = kLanes; i + kLanes <= n; i += kLanes)
-      for (int j = 0; j < kLanes; ++j) lane[j] = max_nan(lane[j], x[i + j]);
-    for (int j = 0; j < kLanes; ++j) m = max_nan(m, lane[j]);
+  if (n >= 2 * kLineLanes) {
+    float lane[kLineLanes];
+    for (int j = 0; j < kLineLanes; ++j) lane[j] = x[j];
+    for (i = kLineLanes; i + kLineLanes <= n; i += kLineLanes)
+      for (int j = 0; j < kLineLanes; ++j) lane[j] = max_nan(lane[j], x[i + j]);
+    for (int j = 0; j < kLineLanes; ++j) m = max_nan(m, lane[j]);
   }
   for (; i < n; ++i) m = max_nan(m, x[i]);
   return m;
@@ -162,7 +162,7 @@ float max_line(const float* x, int64_t n, int64_t s) {
 template <class Acc, class Ops>
 void reduce_forward(KernelCtx& c, const Ops& ops) {
   const TensorView& x = c.src[0];
-  const Layout lo = make_layout(x, static_cast<int>(c.node.ip[RECURRA_P_AXIS]));
+  const ReduceLayout lo = make_layout(x, static_cast<int>(c.node.ip[RECURRA_P_AXIS]));
   const int64_t K = lo.K(), L = lo.L, V = lo.V;
   float* out = c.dst.f32();
   const float* xp = x.f32();
@@ -174,7 +174,7 @@ void reduce_forward(KernelCtx& c, const Ops& ops) {
 
   if (V == 1) {
     // One strided line per output; long lines are cut into fixed chunks.
-    const int64_t n_chunks = std::max<int64_t>(1, (L + kChunk - 1) / kChunk);
+    const int64_t n_chunks = std::max<int64_t>(1, (L + kReduceChunk - 1) / kReduceChunk);
     if (n_chunks == 1) {
       c.pool.parallel_for(K, row_grain(L), [&](int64_t b, int64_t e, int) {
         for (int64_t k = b; k < e; ++k)
@@ -185,7 +185,7 @@ void reduce_forward(KernelCtx& c, const Ops& ops) {
     std::vector<Acc> part(K * n_chunks);
     c.pool.run(K * n_chunks, [&](int64_t t, int) {
       const int64_t k = t / n_chunks, ch = t % n_chunks;
-      const int64_t l0 = ch * kChunk, n = std::min(kChunk, L - l0);
+      const int64_t l0 = ch * kReduceChunk, n = std::min(kReduceChunk, L - l0);
       part[t] = ops.line(xp + lo.x_off(k) + l0 * lo.sr, n, lo.sr);
     });
     for (int64_t k = 0; k < K; ++k) {
@@ -267,7 +267,7 @@ struct MaxOps {
 // NaN when the max is NaN), zero elsewhere. All three sources are dense.
 void max_grad_forward(KernelCtx& c) {
   const TensorView& x = c.src[1];
-  const Layout lo = make_layout(x, static_cast<int>(c.node.ip[RECURRA_P_AXIS]));
+  const ReduceLayout lo = make_layout(x, static_cast<int>(c.node.ip[RECURRA_P_AXIS]));
   const int64_t K = lo.K(), L = lo.L, V = lo.V;
   float* dx = c.dst.f32();
   const float* gp = c.src[0].f32();

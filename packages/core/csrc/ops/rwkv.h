@@ -352,7 +352,8 @@ inline int64_t decay_forward_buf(int64_t S, int64_t W) { return 4 * W + 6 * S; }
 
 // One forward task: run q, head h, value lanes [j0, j0 + W) (W a multiple of kL) of a
 // decay recurrence. `st` (S rows of W lanes) holds the state block on entry and the final one
-// on return; `buf` has decay_forward_buf(S, W) floats. Called from the RC_SIMD task of each op.
+// on return; `buf` has decay_forward_buf(S, W) floats. Inlined into decay_forward_block
+// (rwkv_decay_forward.cpp), the one RC_SIMD function that wkv6 and GLA both run.
 RWKV_INLINE void decay_forward_task(const DecayIn& in, const Dims& d, int64_t q, int64_t h,
                                     int64_t j0, int64_t W, float* st, float* buf, float* y) {
   const int64_t S = d.S, jn = std::min(W, S - j0);
@@ -432,13 +433,11 @@ RWKV_INLINE void decay_forward_task(const DecayIn& in, const Dims& d, int64_t q,
   stream_fence();
 }
 
-// Runs a decay recurrence's forward: tasks (run, head, block of value lane groups; the value
-// columns are independent), each through `task` (the op's RC_SIMD wrapper of
-// decay_forward_task). `in` holds the input base pointers; the output is packed y, states.
-using DecayTask = void (*)(const DecayIn&, const Dims&, int64_t, int64_t, int64_t, int64_t,
-                           float*, float*, float*);
-void decay_forward(KernelCtx& c, const Dims& d, const DecayIn& in, const float* s0,
-                   DecayTask task);
+// Runs a decay recurrence's forward (wkv6 and GLA; rwkv_decay_forward.cpp): tasks (run,
+// head, block of value lane groups; the value columns are independent), each through
+// decay_forward_task compiled once for both ops. `in` holds the input base pointers; the
+// output is packed y, states.
+void decay_forward(KernelCtx& c, const Dims& d, const DecayIn& in, const float* s0);
 
 // Backward pass 1 for a decay-plus-outer-product state (wkv6: w = td; GLA: w = g) on the
 // transposed block of rows [j0, j0 + R) of run q, head h: ck[c] = the state before token c K,

@@ -1,6 +1,6 @@
 // rwkv_wkv6: RWKV-6 time mixing on the CPU, forward and backward. Also the pieces the three
-// RWKV-family ops share (validation, registration, the decay_forward driver that wkv6 and GLA
-// run their forward through) and register_rwkv_ops.
+// RWKV-family ops share (validation, registration) and register_rwkv_ops. The forward runs
+// through decay_forward (rwkv_decay_forward.cpp), shared with GLA.
 //
 // Shapes (numpy order): k, v, r, td (T, H, S); tf (H, S); state (N, H, S, S) indexed
 // [q, h, i key, j value]; T = N runs of n tokens, run q starting from state[q].
@@ -139,31 +139,6 @@ void register_recurrent(OpTable& t, const RecurrentOp& op) {
     d.forward = [op](KernelCtx& c) { op.backward(c, dims_from_ctx(c, op)); };
     t.add(std::move(d));  // no backward: not twice differentiable
   }
-}
-
-// ---- wkv6 forward ------------------------------------------------------------------------
-
-// Tasks: (run, head, block of value lane groups); blocks only when there are few heads.
-void decay_forward(KernelCtx& c, const Dims& d, const DecayIn& in, const float* s0,
-                   DecayTask task) {
-  float* y = c.dst.f32();
-  float* sN = y + d.ths();
-  const int64_t nb = n_blocks(d.N * d.H, d.G);
-  Scratch scratch(c.pool.size());
-  c.pool.run(d.N * d.H * nb, [&](int64_t t, int tid) {
-    const int64_t b = t % nb, qh = t / nb, q = qh / d.H, h = qh % d.H;
-    const int64_t g0 = block_begin(b, nb, d.G), g1 = block_begin(b + 1, nb, d.G);
-    const int64_t j0 = g0 * kL, W = (g1 - g0) * kL, jn = std::min(W, d.S - j0);
-    float* st = scratch.get(tid, static_cast<size_t>(d.S * W + decay_forward_buf(d.S, W)));
-    const float* src = s0 + d.state(q, h);
-    for (int64_t i = 0; i < d.S; ++i) load_padded(st + i * W, src + i * d.S + j0, jn, W);
-    DecayIn head = in;
-    if (head.u) head.u += h * d.S;
-    task(head, d, q, h, j0, W, st, st + d.S * W, y);
-    float* dst = sN + d.state(q, h);
-    for (int64_t i = 0; i < d.S; ++i)
-      std::memcpy(dst + i * d.S + j0, st + i * W, static_cast<size_t>(jn) * sizeof(float));
-  });
 }
 
 // ---- backward of the decay-plus-outer-product recurrences (wkv6 and GLA) ----------------
@@ -367,16 +342,11 @@ void decay_backward(KernelCtx& c, const Dims& d, const DecayBackIn& in, const De
 
 namespace {
 
-RC_SIMD void wkv6_forward_task(const DecayIn& in, const Dims& d, int64_t q, int64_t h,
-                               int64_t j0, int64_t W, float* st, float* buf, float* y) {
-  decay_forward_task(in, d, q, h, j0, W, st, buf, y);
-}
-
 void wkv6_forward(KernelCtx& c, const Dims& d) {
   // Sources: k, v, r, tf, td, state.
   const DecayIn in{c.src[2].f32(), c.src[0].f32(), c.src[1].f32(), c.src[4].f32(),
                    c.src[3].f32(), 1.0f};
-  decay_forward(c, d, in, c.src[5].f32(), wkv6_forward_task);
+  decay_forward(c, d, in, c.src[5].f32());
 }
 
 void wkv6_backward(KernelCtx& c, const Dims& d) {
