@@ -161,7 +161,15 @@ def norm_cases() -> list[OpCase]:
     return out
 
 
-def _gated_ref(y, z, w, eps, gs, x=None, d=None):  # type: ignore[no-untyped-def]
+def _gated_ref(
+    y: np.ndarray,
+    z: np.ndarray | None,
+    w: np.ndarray,
+    eps: float,
+    gs: int,
+    x: np.ndarray | None = None,
+    d: Any = None,
+) -> np.ndarray:
     """gated_rms_norm in float64 (z None: no gate; x, d None: no D skip)."""
     u = y if x is None else y + x * np.repeat(d, y.shape[-1] // d.shape[0])
     h = u if z is None else u * z / (1.0 + np.exp(-z))
