@@ -528,6 +528,18 @@ inline int64_t n_blocks(int64_t units, int64_t max_blocks) {
   return std::max<int64_t>(1, std::min<int64_t>(max_blocks, (kMinTasks + units - 1) / units));
 }
 inline int64_t block_begin(int64_t b, int64_t nb, int64_t total) { return b * total / nb; }
+// Runs fn(q, h, lo, W, n, tid) for every forward task: sequence q, head h and the block of
+// value lanes [lo, lo + W) (W a multiple of kL; n = the lanes of it below S), on `pool`.
+template <class Pool, class Fn>
+void for_each_head_block(Pool& pool, const Dims& d, Fn&& fn) {
+  const int64_t nb = n_blocks(d.N * d.H, d.G);
+  pool.run(d.N * d.H * nb, [&](int64_t task, int tid) {
+    const int64_t b = task % nb, qh = task / nb;
+    const int64_t g0 = block_begin(b, nb, d.G), g1 = block_begin(b + 1, nb, d.G);
+    const int64_t lo = g0 * kL, W = (g1 - g0) * kL;
+    fn(qh / d.H, qh % d.H, lo, W, std::min(W, d.S - lo), tid);
+  });
+}
 // The backward splits a head into at most two blocks: each block's sums over its rows go to a
 // partial buffer the size of the gradients they belong to, so at most twice that memory.
 inline int64_t backward_blocks(int64_t units, int64_t rows) {

@@ -19,12 +19,9 @@ RC_SIMD void decay_forward_block(const DecayIn& in, const Dims& d, int64_t q, in
 void decay_forward(KernelCtx& c, const Dims& d, const DecayIn& in, const float* s0) {
   float* y = c.dst.f32();
   float* sN = y + d.ths();
-  const int64_t nb = n_blocks(d.N * d.H, d.G);
   Scratch scratch(c.pool.size());
-  c.pool.run(d.N * d.H * nb, [&](int64_t t, int tid) {
-    const int64_t b = t % nb, qh = t / nb, q = qh / d.H, h = qh % d.H;
-    const int64_t g0 = block_begin(b, nb, d.G), g1 = block_begin(b + 1, nb, d.G);
-    const int64_t j0 = g0 * kL, W = (g1 - g0) * kL, jn = std::min(W, d.S - j0);
+  for_each_head_block(c.pool, d, [&](int64_t q, int64_t h, int64_t j0, int64_t W, int64_t jn,
+                                      int tid) {
     float* st = scratch.get(tid, static_cast<size_t>(d.S * W + decay_forward_buf(d.S, W)));
     const float* src = s0 + d.state(q, h);
     for (int64_t i = 0; i < d.S; ++i) load_padded(st + i * W, src + i * d.S + j0, jn, W);

@@ -119,12 +119,9 @@ void wkv7_forward(KernelCtx& c, const Dims& d) {
   const float* s0 = c.src[6].f32();
   float* y = c.dst.f32();
   float* sN = y + d.ths();
-  const int64_t nb = n_blocks(d.N * d.H, d.G);
   Scratch scratch(c.pool.size());
-  c.pool.run(d.N * d.H * nb, [&](int64_t task, int tid) {
-    const int64_t b = task % nb, qh = task / nb, q = qh / d.H, h = qh % d.H;
-    const int64_t g0 = block_begin(b, nb, d.G), g1 = block_begin(b + 1, nb, d.G);
-    const int64_t i0 = g0 * kL, W = (g1 - g0) * kL, in_ = std::min(W, d.S - i0);
+  for_each_head_block(c.pool, d, [&](int64_t q, int64_t h, int64_t i0, int64_t W, int64_t in_,
+                                      int tid) {
     float* st = scratch.get(tid, static_cast<size_t>(d.S * W + 2 * W));
     const float* src = s0 + d.state(q, h);
     std::memset(st, 0, static_cast<size_t>(d.S * W) * sizeof(float));
