@@ -154,6 +154,7 @@ py::dict backend_info() {
     e["api_version"] = version_str(d.api_version);
     e["vk_index"] = d.vk_index;
     e["coopmat"] = d.coopmat.summary();
+    e["half_storage"] = d.storage16;
     devices.append(e);
   }
   py::dict out;

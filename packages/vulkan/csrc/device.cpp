@@ -173,9 +173,12 @@ Instance::Instance() {
     d.timestamp_period_ns = p.limits.timestampPeriod;
 
     VkPhysicalDeviceVulkan12Features f12{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES};
+    VkPhysicalDevice16BitStorageFeatures s16{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_16BIT_STORAGE_FEATURES};
     VkPhysicalDeviceFeatures2 f2{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2};
     f2.pNext = &f12;
+    f12.pNext = &s16;
     vkGetPhysicalDeviceFeatures2(h, &f2);
+    d.storage16 = s16.storageBuffer16BitAccess == VK_TRUE;
     if (!f12.bufferDeviceAddress) {
       skipped += "; " + d.name + ": no bufferDeviceAddress";
       continue;
@@ -304,7 +307,10 @@ Device::Device(const PhysicalDevice& pd) : info_(pd) {
   VkPhysicalDeviceVulkan12Features f12{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES};
   f12.bufferDeviceAddress = VK_TRUE;
   VkPhysicalDeviceFeatures2 f2{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2};
-  f2.pNext = &f12;
+  VkPhysicalDevice16BitStorageFeatures s16{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_16BIT_STORAGE_FEATURES};
+  s16.storageBuffer16BitAccess = info_.storage16 ? VK_TRUE : VK_FALSE;
+  f2.pNext = &s16;
+  s16.pNext = &f12;
   // Tensor cores: the features the coopmat shaders need, only where the device offers them
   // all (and the build has the shaders).
   std::vector<const char*> exts;

@@ -42,6 +42,7 @@ struct PhysicalDevice {
   uint32_t vk_index = 0;  // position among usable devices (what RECURRA_VULKAN_DEVICE counts)
   VkDeviceSize max_allocation = 0;
   CoopMatCaps coopmat;  // tensor cores through VK_KHR_cooperative_matrix (coopmat.h)
+  bool storage16 = false;  // storageBuffer16BitAccess: shaders read and write 2-byte elements
 
   // The largest buffer the core may ask for (recurra_device_info::max_buffer_bytes): the
   // device's largest allocation, at most its heap, at most RECURRA_VK_MAX_BUFFER_MB (which
@@ -127,6 +128,9 @@ class Device {
   // Whether the cooperative-matrix features for the f16 (bf16) shaders were enabled: exactly
   // when the build has the shaders and the device offers what they need (CoopMatCaps::why_not).
   bool coopmat_enabled(bool bf16) const { return bf16 ? coopmat_bf16_ : coopmat_f16_; }
+  // Whether shaders may load and store 2-byte elements (storageBuffer16BitAccess, enabled
+  // where the device has it): the bfloat16/float16 kernels (shaders/half.glsl) need it.
+  bool half_storage() const { return info_.storage16; }
 
   // --- the table's operations ------------------------------------------------------------
   recurra_buffer alloc(size_t nbytes, bool persistent);

@@ -12,15 +12,15 @@ namespace {
 
 std::string check_tensor(const recurra_tensor_desc& d) {
   if (d.ndim < 0 || d.ndim > RECURRA_MAX_DIMS) return "bad ndim";
-  if (d.dtype == RECURRA_BF16 || d.dtype == RECURRA_F16)
-    return "bfloat16/float16 tensors have no Vulkan kernels yet (the core runs the node on the CPU)";
-  if (d.dtype != RECURRA_F32 && d.dtype != RECURRA_I32) return "unknown dtype";
+  if (d.dtype != RECURRA_F32 && d.dtype != RECURRA_I32 && d.dtype != RECURRA_BF16 && d.dtype != RECURRA_F16)
+    return "unknown dtype";
   for (int i = 0; i < d.ndim; ++i) {
     if (d.shape[i] < 0) return "negative dimension";
     if (d.shape[i] > 1 && d.strides[i] < 0) return "negative strides are not supported";
   }
   if (numel(d) > kMaxIndex || max_offset(d) > kMaxIndex) return "tensors past 2^31 elements are not supported";
-  if (d.offset % 4) return "offsets must be multiples of 4 bytes";
+  if (d.offset % elem_bytes(d.dtype))
+    return "offsets must be multiples of the element size (" + std::to_string(elem_bytes(d.dtype)) + " bytes)";
   return "";
 }
 
@@ -49,7 +49,7 @@ void compute_nodes(Device& dev, const recurra_node_desc* nodes, int32_t n) {
     t.d = &d;
     const Allocation a = dev.memory().lookup(d.buffer, "compute");
     const int64_t count = numel(d);
-    const uint64_t bytes = count == 0 ? 0 : static_cast<uint64_t>(max_offset(d) + 1) * 4;
+    const uint64_t bytes = count == 0 ? 0 : static_cast<uint64_t>(max_offset(d) + 1) * elem_bytes(d.dtype);
     if (d.offset > a.nbytes || bytes > a.nbytes - d.offset)
       fail_invalid("compute: node " + std::to_string(node) + " (" + nodes[node].op + "): the " + what + " view " +
                    shape_str(d) + " at byte " + std::to_string(d.offset) + " reaches past the end of its buffer (" +

@@ -70,6 +70,7 @@ uint32_t value_bits(recurra_dtype dt, double v) {
 
 std::string contiguous_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 1);
+  if (why.empty()) why = require_words(n);
   if (!why.empty()) return why;
   if (n.src[0].dtype != n.dst.dtype) return "contiguous keeps the dtype";
   if (!same_shape(n.src[0], n.dst)) return "contiguous keeps the shape";
@@ -88,6 +89,7 @@ void contiguous_record(NodeCall& c) {
 
 std::string assign_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 2);
+  if (why.empty()) why = require_words(n);
   if (!why.empty()) return why;
   if (n.src[0].dtype != n.src[1].dtype || !same_shape(n.src[0], n.src[1])) return "assign keeps shape and dtype";
   if (!is_dense(n.src[0])) return "assign writes a dense tensor";
@@ -104,6 +106,7 @@ void assign_record(NodeCall& c) {
 
 std::string fill_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 0);
+  if (why.empty()) why = require_words(n);
   if (!why.empty()) return why;
   if (n.n_fp != 2) return "fill takes (value, dtype)";
   if (static_cast<int>(n.fp[RECURRA_P_DTYPE]) != static_cast<int>(n.dst.dtype)) return "fill: dtype code and output dtype differ";
@@ -149,6 +152,7 @@ void slice_grad_record(NodeCall& c) {
 
 std::string concat_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 2);
+  if (why.empty()) why = require_words(n);
   if (!why.empty()) return why;
   const recurra_tensor_desc &a = n.src[0], &b = n.src[1], &d = n.dst;
   if (a.dtype != d.dtype || b.dtype != d.dtype) return "concat: sources and output must share one dtype";
@@ -185,6 +189,7 @@ struct PadPC {
 
 std::string pad_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 1);
+  if (why.empty()) why = require_words(n);
   if (!why.empty()) return why;
   const recurra_tensor_desc &x = n.src[0], &d = n.dst;
   if (x.dtype != d.dtype) return "pad keeps the dtype";
