@@ -29,14 +29,17 @@ layout(push_constant) uniform PC {
 #ifdef HALF
 float ldx(uint i) { return ld(pc.x, i, XDT); }
 void sty(uint i, float v) { st(pc.y, i, YDT, v); }
-#else
-float ldx(uint i) { return FBuf(pc.x).v[i]; }
-void sty(uint i, float v) { FBuf(pc.y).v[i] = v; }
+#else  // the float32 module: the buffers of main(), as before the HALF variant
+#define ldx(i) x.v[i]
+#define sty(i, val) y.v[i] = (val)
 #endif
 
 shared float sh[256];
 
 void main() {
+#ifndef HALF
+  FBuf x = FBuf(pc.x), y = FBuf(pc.y);
+#endif
   if (MODE == 1) {
     const uint stride = gl_NumWorkGroups.x * 256u;
     const uint cols = pc.O * pc.I;

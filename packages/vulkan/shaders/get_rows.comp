@@ -27,12 +27,15 @@ void put(uint i, uint j) {  // out[i] = table[j]
     st(pc.out_, i, ODT, ld(pc.table, j, TDT));
 }
 void zero(uint i) { st(pc.out_, i, ODT, 0.0); }
-#else
-void put(uint i, uint j) { FBuf(pc.out_).v[i] = FBuf(pc.table).v[j]; }
-void zero(uint i) { FBuf(pc.out_).v[i] = 0.0; }
+#else  // the float32 module: the buffers of main(), as before the HALF variant
+#define put(i, j) out_.v[i] = table.v[j]
+#define zero(i) out_.v[i] = 0.0
 #endif
 
 void main() {
+#ifndef HALF
+  FBuf table = FBuf(pc.table), out_ = FBuf(pc.out_);
+#endif
   IBuf idx = IBuf(pc.idx);
   const uint stride = gl_NumWorkGroups.x * 256u;
   const uint total = pc.N * pc.D;

@@ -38,9 +38,9 @@ layout(constant_id = 4) const int XDT = 0;
 layout(constant_id = 5) const int ODT = 0;
 float ldx(int i) { return ld(pc.x, uint(i), XDT); }
 void sto(uint i, float v) { st(pc.out_, i, ODT, v); }
-#else
-float ldx(int i) { return FBuf(pc.x).v[i]; }
-void sto(uint i, float v) { FBuf(pc.out_).v[i] = v; }
+#else  // the float32 module: the buffers of main(), as before the HALF variant
+#define ldx(i) x.v[i]
+#define sto(i, val) out_.v[i] = (val)
 #endif
 
 shared float red[256];
@@ -52,6 +52,9 @@ int soff(uint s) { return SIMPLE_S != 0 ? int(s) * pc.sst[3] : offset4(s, pc.ssh
 float finish(float v) { return (OP == 0 && pc.nchunks == 1u) ? v * pc.scale : v; }
 
 void main() {
+#ifndef HALF
+  FBuf x = FBuf(pc.x), out_ = FBuf(pc.out_);
+#endif
   if (MODE == 0) {
     const uint g = group_index();
     if (g >= pc.K * pc.nchunks) return;

@@ -37,10 +37,10 @@ layout(push_constant) uniform PC {
 float ldx(uint i) { return ld(pc.x, i, XDT); }
 float ldg(uint i) { return ld(pc.g, i, GDT); }
 void sty(uint i, float v) { st(pc.y, i, YDT, v); }
-#else
-float ldx(uint i) { return FBuf(pc.x).v[i]; }
-float ldg(uint i) { return FBuf(pc.g).v[i]; }
-void sty(uint i, float v) { FBuf(pc.y).v[i] = v; }
+#else  // the float32 module: the buffers of main(), as before the HALF variant
+#define ldx(i) x.v[i]
+#define ldg(i) g.v[i]
+#define sty(i, val) y.v[i] = (val)
 #endif
 
 shared float red[256];
@@ -75,6 +75,9 @@ void main() {
   const uint row = group_index();
   if (row >= pc.rows) return;
   const uint C = pc.C, t = gl_LocalInvocationID.x, base = row * C;
+#ifndef HALF
+  FBuf x = FBuf(pc.x), g = FBuf(pc.g), y = FBuf(pc.y);
+#endif
   const float n = float(C);
 
   if (OP == 0 || OP == 1 || OP == 8 || OP == 9) {
