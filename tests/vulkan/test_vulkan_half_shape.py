@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 import recurra as rc
-from recurra import ops
+from recurra import opcases, ops
 from recurra._tensor import LAZY
+from recurra.opcases import _run
 
 pytestmark = pytest.mark.vulkan
 
@@ -414,3 +415,55 @@ def test_row_ops(vulkan: str, dtype: np.dtype, op: str, shape) -> None:
     ref, mag = _rows_ref(op, x.astype(np.float64), g.astype(np.float64), eps or 0.0)
     assert_close(got, ref, dtype, 5 * mag)  # float32 maths: exp, log, sqrt, sums of C terms
     assert_close(want, ref, dtype, 5 * mag)
+
+
+# ---- the op-case registry's one-node cases, in 2-byte floats on the device -----------------
+
+MINE = {
+    "contiguous", "fill", "concat", "pad", "slice_grad", "sum", "sum_to", "max", "max_grad",
+    "cumsum", "get_rows", "get_rows_back", *ROW_OPS,
+}  # fmt: skip
+REGISTRY = [
+    c
+    for c in opcases.cases()
+    if c.node is not None
+    and c.update is None
+    and c.node.op in MINE
+    and any(v.dtype == np.float32 for v in c.make_inputs().values())
+]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("case", REGISTRY, ids=[c.id for c in REGISTRY])
+def test_registry_cases_on_the_device(vulkan: str, monkeypatch, case, dtype: str) -> None:
+    """opcases.half_errors (inputs rounded to the dtype, the result within half an ulp of the
+    float64 reference plus the case's tolerance) with the case evaluated on the device; its
+    node placed there."""
+    real = _run.evaluate
+    monkeypatch.setattr(_run, "evaluate", lambda c, data=None: real(c, data, vulkan))
+    LAZY.clear()
+    assert opcases.half_errors(case, dtype) == []
+    g = next(reversed(LAZY._plans.values())).graph
+    placed = {(g.info(i)["op"], g.backend_of(i)) for i in range(len(g))}
+    assert any(op == case.node.op and b != "cpu" for op, b in placed), placed
+
+
+GRAD_REGISTRY = [c for c in REGISTRY if c.grad and not c.nonfinite]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("case", GRAD_REGISTRY, ids=[c.id for c in GRAD_REGISTRY])
+def test_registry_gradients_on_the_device(vulkan: str, monkeypatch, case, dtype: str) -> None:
+    """opcases.half_grad_errors with the 2-byte forward and backward on the device (the
+    float32 gradients it is compared with on the CPU)."""
+    real = _run._grads
+
+    def on_device(c, data, device, dt=None):
+        return real(c, data, vulkan if dt is not None else device, dt)
+
+    monkeypatch.setattr(_run, "_grads", on_device)
+    LAZY.clear()
+    assert opcases.half_grad_errors(case, dtype) == []
+    g = next(reversed(LAZY._plans.values())).graph
+    placed = {(g.info(i)["op"], g.backend_of(i)) for i in range(len(g))}
+    assert any(op == case.node.op and b != "cpu" for op, b in placed), placed
