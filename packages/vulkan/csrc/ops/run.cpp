@@ -26,7 +26,7 @@ std::string check_tensor(const recurra_tensor_desc& d) {
 
 }  // namespace
 
-std::string check_node(const recurra_node_desc& n) {
+std::string check_node(const recurra_node_desc& n, bool half_storage) {
   const OpImpl* op = find_op(n.op);
   if (!op) return std::string("op '") + (n.op ? n.op : "?") + "' has no Vulkan kernel";
   if (n.n_src < 0 || n.n_src > RECURRA_MAX_SRC) return "bad source count";
@@ -37,6 +37,11 @@ std::string check_node(const recurra_node_desc& n) {
   for (int i = 0; i < n.n_src; ++i) {
     why = check_tensor(n.src[i]);
     if (!why.empty()) return "source " + std::to_string(i) + ": " + why;
+  }
+  if (!half_storage) {
+    bool half = elem_bytes(n.dst.dtype) == 2;
+    for (int i = 0; i < n.n_src; ++i) half = half || elem_bytes(n.src[i].dtype) == 2;
+    if (half) return "bfloat16/float16 tensors need storageBuffer16BitAccess, which this device lacks";
   }
   return op->check(n);
 }
@@ -61,7 +66,7 @@ void compute_nodes(Device& dev, const recurra_node_desc* nodes, int32_t n) {
   auto validate = [&] {
     impls.resize(n);
     for (int32_t i = 0; i < n; ++i) {
-      const std::string why = check_node(nodes[i]);
+      const std::string why = check_node(nodes[i], dev.half_storage());
       if (!why.empty())
         fail(RECURRA_ERR_UNSUPPORTED, std::string("node ") + std::to_string(i) + " (" +
                                           (nodes[i].op ? nodes[i].op : "?") + "): " + why);
