@@ -254,3 +254,26 @@ def test_disabled_nested_decorator_and_threads() -> None:
 def test_bad_dtypes_raise(bad: object) -> None:
     with pytest.raises(TypeError, match="autocast|dtype"):
         rc.autocast(bad)
+
+
+def test_a_transposed_parameter_is_cast_before_its_view() -> None:
+    """x @ W.T (nn.Linear): the parameter itself is cast (cached) and viewed; no dense
+    float32 copy of W.T is made. Values and gradients as without the shortcut."""
+    wv, xv = _rand(6, 8), _rand(3, 8)
+    w, x = rc.param(wv), rc.tensor(xv)
+    with rc.autocast():
+        wt = w.T
+        y = x @ wt
+        view = y._src[1]
+        assert view._op == "permute" and view._src[0]._op == "cast"
+        assert view._src[0]._src[0] is w
+        y2 = x @ wt  # the parameter's cast is shared
+        assert y2._src[1]._src[0] is view._src[0]
+        loss = ops.sum(y.to(rc.float32))
+    np.testing.assert_allclose(
+        y.numpy().astype(np.float64), _bf(_bf(xv) @ _bf(wv).T), rtol=2.0**-8, atol=1e-6
+    )
+    loss.backward()
+    assert w.grad.dtype == rc.float32 and w.grad.shape == (6, 8)
+    # d loss / d W = ones(3, 6)^T @ x rounded to bf16 (out_prod in bf16)
+    np.testing.assert_allclose(w.grad.numpy(), np.ones((6, 3)) @ _bf(xv), rtol=2.0**-8, atol=1e-6)

@@ -18,7 +18,10 @@ op spec (RECURRA_AUTOCAST_* in recurra/op_spec.h, ``recurra.ops.spec()[name].aut
 A parameter (a leaf requiring gradients) is cast once per autocast region and per target
 dtype while that cast is pending: a tied weight used twice in a forward pass costs one cast.
 Once the cast has been computed the leaf may be changed in place (an optimizer step), so its
-next use casts again. The backward needs nothing special: the gradient of a cast is cast back to its
+next use casts again. A view of a parameter (``W.T`` in a linear layer) is cast as the view
+of the parameter's cast: no dense float32 copy of the transposed weight.
+
+The backward needs nothing special: the gradient of a cast is cast back to its
 source's dtype, so a float32 parameter gets a float32 gradient, and each backward op runs in
 the dtypes its forward op had.
 """
@@ -106,12 +109,28 @@ def op_class(name: str) -> str:
     return s.autocast if s is not None else "keep"
 
 
+# Views that may sit between a parameter and the op that reads it (nn.Linear's W^T).
+_VIEWS = ("permute", "reshape")
+
+
+def _is_param(t: Any) -> bool:
+    from recurra._tensor import Tensor
+
+    return isinstance(t, Tensor) and t.is_leaf and t.requires_grad
+
+
 def _cast(t: Any, target: DType) -> Any:
-    from recurra._tensor import Tensor, is_grad_enabled
+    from recurra._tensor import LAZY, is_grad_enabled
     from recurra.ops import cast
 
     cache = STATE.cache
-    if cache is None or not isinstance(t, Tensor) or not (t.is_leaf and t.requires_grad):
+    if cache is None:
+        return cast(t, target)
+    if getattr(t, "_op", None) in _VIEWS and _is_param(t._src[0]):
+        # A view of a parameter (W^T): cast the parameter (once, cached) and view the cast,
+        # instead of a dense float32 copy of the view to cast from.
+        return LAZY.apply(t._op, [_cast(t._src[0], target)], t._ip, t._fp)
+    if not _is_param(t):
         return cast(t, target)
     key = (id(t), str(target), is_grad_enabled())
     hit = cache.get(key)
