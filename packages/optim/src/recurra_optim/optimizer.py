@@ -19,9 +19,10 @@ update scales by the clip coefficient. ``p.grad`` itself is left as it was (see
 Master weights: a parameter that is itself 2-byte (bfloat16 or float16, e.g. loaded with
 ``dtype=recurra.bfloat16``) gets a float32 master copy, ``state[p]["master"]``, on its
 device. The step updates the master (from the gradient converted to float32, with float32
-moments), then writes the master rounded to nearest even into the parameter (a ``cast``
-node). Clipping and the gradient norm work on the float32 gradients; ``state_dict`` carries
-the masters (a state without one, from a float32 run, starts from the parameter's value).
+moments), then writes the master rounded to nearest even into the parameter (on a device
+through a ``cast`` node there). Clipping and the gradient norm work on the float32
+gradients; ``state_dict`` carries the masters (a state without one, from a float32 run,
+starts from the parameter's value).
 Under :func:`recurra.autocast` float32 parameters need nothing of this: they are the master
 weights, and their gradients come back float32.
 """
@@ -179,10 +180,18 @@ class Optimizer:
         return self.state[p].get("master", p) if p.dtype != recurra.float32 else p
 
     def _write_masters(self, ps: Iterable[Tensor]) -> None:
-        """Writes each 2-byte parameter from its float32 master, rounded (a cast node)."""
+        """Writes each 2-byte parameter from its float32 master, rounded to nearest even:
+        on the host straight into the parameter's memory (ml_dtypes rounds bit for bit as
+        the core's cast), on a device through a cast node there."""
         for p in ps:
-            if p.dtype != recurra.float32:
-                p.assign_(self.state[p]["master"].to(p.dtype))
+            if p.dtype == recurra.float32:
+                continue
+            master = self.state[p]["master"]
+            dst, src = p.storage, master.storage
+            if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray):
+                np.copyto(dst, src.astype(dst.dtype))
+            else:
+                p.assign_(master.to(p.dtype))
 
     def _name(self, p: Tensor) -> str:
         return self._names.get(id(p)) or f"parameter {self._index(p)}"
