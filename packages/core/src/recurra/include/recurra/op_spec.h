@@ -365,7 +365,7 @@ static inline int recurra_op_takes_half(const char* name) {
   return 0;
 }
 
-/* The autocast class of op `name`: "lower", "float32", "keep" or "match" (the rule above). */
+/* Whether `name` is one of the n names of `list`. */
 static inline int recurra_name_in_(const char* name, const char* const* list, size_t n) {
   size_t i;
   for (i = 0; name && i < n; ++i) {
@@ -375,6 +375,8 @@ static inline int recurra_name_in_(const char* name, const char* const* list, si
   }
   return 0;
 }
+/* The autocast class of op `name`: "lower", "float32", "keep" or "match" (see
+ * RECURRA_AUTOCAST_LOWER above). */
 static inline const char* recurra_op_autocast(const char* name) {
   static const char* const lower[] = {RECURRA_AUTOCAST_LOWER(RECURRA_OP_HALF_NAME_)};
   static const char* const f32[] = {RECURRA_AUTOCAST_FLOAT32(RECURRA_OP_HALF_NAME_)};
