@@ -39,8 +39,8 @@ struct OpImpl {
   void (*record)(NodeCall& c);
 };
 
-// "" when the node can run on the device (its tensors, then its op's own check), else why not.
-std::string check_node(const recurra_node_desc& n);
+// "" when the node can run on `dev` (its tensors, then its op's own check), else why not.
+std::string check_node(const recurra_node_desc& n, const Device& dev);
 // Validates the n nodes (all before recording any), resolves their tensors to memory and
 // records and submits them on `dev` (run.cpp).
 void compute_nodes(Device& dev, const recurra_node_desc* nodes, int32_t n);
@@ -75,6 +75,9 @@ inline int elem_bytes(recurra_dtype dt) { return dt == RECURRA_BF16 || dt == REC
 // "" when no tensor of the node (output, sources) is 2 bytes an element; else why the op
 // refuses it (ops whose kernels read and write 32-bit words).
 std::string require_words(const recurra_node_desc& n);
+// "" when the device the node is checked for (check_node's) loads and stores 2-byte elements
+// (Device::half_storage: the shaders that include half.glsl need it), else why not.
+std::string require_half_storage(const recurra_node_desc& n);
 std::string shape_str(const recurra_tensor_desc& d);
 // The dense row-major strides of d's shape.
 void dense_strides(const recurra_tensor_desc& d, int64_t* out);

@@ -24,9 +24,19 @@ std::string check_tensor(const recurra_tensor_desc& d) {
   return "";
 }
 
+// The device check_node checks for, while its op's check runs (require_half_storage).
+thread_local const Device* checking = nullptr;
+
 }  // namespace
 
-std::string check_node(const recurra_node_desc& n) {
+std::string require_half_storage(const recurra_node_desc& n) {
+  if (checking && checking->half_storage()) return "";
+  return std::string(n.op) +
+         ": the device lacks storageBuffer16BitAccess (2-byte loads and stores), so bfloat16/float16 nodes run on "
+         "the CPU";
+}
+
+std::string check_node(const recurra_node_desc& n, const Device& dev) {
   const OpImpl* op = find_op(n.op);
   if (!op) return std::string("op '") + (n.op ? n.op : "?") + "' has no Vulkan kernel";
   if (n.n_src < 0 || n.n_src > RECURRA_MAX_SRC) return "bad source count";
@@ -38,7 +48,10 @@ std::string check_node(const recurra_node_desc& n) {
     why = check_tensor(n.src[i]);
     if (!why.empty()) return "source " + std::to_string(i) + ": " + why;
   }
-  return op->check(n);
+  checking = &dev;
+  why = op->check(n);
+  checking = nullptr;
+  return why;
 }
 
 void compute_nodes(Device& dev, const recurra_node_desc* nodes, int32_t n) {
@@ -61,7 +74,7 @@ void compute_nodes(Device& dev, const recurra_node_desc* nodes, int32_t n) {
   auto validate = [&] {
     impls.resize(n);
     for (int32_t i = 0; i < n; ++i) {
-      const std::string why = check_node(nodes[i]);
+      const std::string why = check_node(nodes[i], dev);
       if (!why.empty())
         fail(RECURRA_ERR_UNSUPPORTED, std::string("node ") + std::to_string(i) + " (" +
                                           (nodes[i].op ? nodes[i].op : "?") + "): " + why);
