@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 import recurra as rc
-from recurra import ops
+from recurra import opcases, ops
 
 pytestmark = pytest.mark.vulkan
 
@@ -516,3 +516,30 @@ def test_cast_gradient_on_the_device(vulkan: str, dtype: str, strict) -> None:
     x = w.astype(NP[dtype]).astype(np.float64)
     want = rd.astype(np.float64) * DERIV["gelu"](x, x)
     assert np.all(np.abs(got - want) <= (ULP[dtype] / 2 + 2e-5) * np.abs(want) + 1e-6)
+
+
+# ---- the op-case registry in 2-byte floats ------------------------------------------------
+
+#: The ops with 2-byte kernels here.
+HALF_KERNELS = {"cast", "add", "sub", "mul", "div", "act_grad", *UNARY}
+HALF_CASES = [
+    c
+    for c in opcases.cases()
+    if c.node is not None
+    and c.update is None
+    and c.node.op in HALF_KERNELS - {"cast"}  # cast's dtype is its own: tested above
+    and any(v.dtype == np.float32 for v in c.make_inputs().values())
+]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("case", HALF_CASES, ids=[c.id for c in HALF_CASES])
+def test_registry_cases_in_2_byte_floats(vulkan: str, case, dtype: str, strict) -> None:
+    """Every registry case of these ops in the dtype on the device (strict: no fallback)
+    against its float64 reference (opcases.half_errors, as the CPU's test_opcases does);
+    its gradients (the backward may need ops without 2-byte kernels here: not strict)
+    against float32 on the CPU."""
+    assert opcases.half_errors(case, dtype, vulkan) == []
+    if case.grad and not case.nonfinite:
+        rc.set_strict_placement(False)
+        assert opcases.half_grad_errors(case, dtype, device=vulkan) == []
