@@ -48,10 +48,11 @@ std::string check_node(const recurra_node_desc& n, const Device& dev) {
     why = check_tensor(n.src[i]);
     if (!why.empty()) return "source " + std::to_string(i) + ": " + why;
   }
-  checking = &dev;
-  why = op->check(n);
-  checking = nullptr;
-  return why;
+  struct Checking {  // set while the op's check runs, reset however it ends
+    explicit Checking(const Device& d) { checking = &d; }
+    ~Checking() { checking = nullptr; }
+  } scope(dev);
+  return op->check(n);
 }
 
 void compute_nodes(Device& dev, const recurra_node_desc* nodes, int32_t n) {
