@@ -30,7 +30,11 @@ import pytest
 import recurra as rc
 from recurra import opcases, ops
 
-pytestmark = pytest.mark.vulkan
+# NaN and overflowing values are converted on purpose (numpy warns about them)
+pytestmark = [
+    pytest.mark.vulkan,
+    pytest.mark.filterwarnings("ignore:(invalid|overflow):RuntimeWarning"),
+]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
