@@ -29,6 +29,7 @@ import pytest
 
 import recurra as rc
 from recurra import opcases, ops
+from recurra.opcases import _run
 
 # NaN and overflowing values are converted on purpose (numpy warns about them)
 pytestmark = [
@@ -538,12 +539,23 @@ HALF_CASES = [
 
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("case", HALF_CASES, ids=[c.id for c in HALF_CASES])
-def test_registry_cases_in_2_byte_floats(vulkan: str, case, dtype: str, strict) -> None:
-    """Every registry case of these ops in the dtype on the device (strict: no fallback)
-    against its float64 reference (opcases.half_errors, as the CPU's test_opcases does);
-    its gradients (the backward may need ops without 2-byte kernels here: not strict)
-    against float32 on the CPU."""
-    assert opcases.half_errors(case, dtype, vulkan) == []
+def test_registry_cases_in_2_byte_floats(vulkan: str, monkeypatch, case, dtype: str) -> None:
+    """Every registry case of these ops in the dtype on the device, under strict placement
+    (no fallback), against its float64 reference (opcases.half_errors, as the CPU's
+    test_opcases does); its gradients (forward and backward on the device, not strict)
+    against float32 on the CPU (opcases.half_grad_errors)."""
+    real_eval, real_grads = _run.evaluate, _run._grads
+    monkeypatch.setattr(_run, "evaluate", lambda c, data=None: real_eval(c, data, vulkan))
+    before = rc.strict_placement()
+    rc.set_strict_placement(True)
+    try:
+        assert opcases.half_errors(case, dtype) == []
+    finally:
+        rc.set_strict_placement(before)
     if case.grad and not case.nonfinite:
-        rc.set_strict_placement(False)
-        assert opcases.half_grad_errors(case, dtype, device=vulkan) == []
+
+        def grads(c, data, device, dt=None):
+            return real_grads(c, data, vulkan if dt is not None else device, dt)
+
+        monkeypatch.setattr(_run, "_grads", grads)
+        assert opcases.half_grad_errors(case, dtype) == []

@@ -356,14 +356,13 @@ std::vector<std::shared_ptr<DeviceBuffer>> Graph::copy_to_device_buffers(const s
     out[k] = std::make_shared<DeviceBuffer>(loc, std::max<size_t>(n.nbytes(), 4), Pool::persistent);
     if (n.numel() > 0) by_backend[loc].push_back(k);
   }
-  // A backend without a contiguous kernel for a node's dtype (supports_op says no) gets
-  // that result through the host: read (densified) and uploaded.
   for (const auto& [loc, ks] : by_backend) {
     const BackendEntry& e = backend_entry(loc);
-    std::vector<recurra_node_desc> descs;
+    std::vector<recurra_node_desc> descs(ks.size());
     for (size_t q = 0; q < ks.size(); ++q) {
       const Node& n = nodes_[ids[ks[q]]];
-      recurra_node_desc d{};
+      recurra_node_desc& d = descs[q];
+      d = recurra_node_desc{};
       d.op = "contiguous";
       d.dst = shape_desc(n);
       int64_t st[kMaxDims];
@@ -373,15 +372,7 @@ std::vector<std::shared_ptr<DeviceBuffer>> Graph::copy_to_device_buffers(const s
       d.dst.offset = 0;
       d.n_src = 1;
       d.src[0] = desc_on(n.id, loc);
-      if (e.table->supports_op(e.table->ctx, e.device, &d) == 1) {
-        descs.push_back(d);
-      } else {
-        std::vector<uint8_t> host(n.nbytes());
-        read(n.id, host.data());
-        out[ks[q]]->upload(0, host.data(), host.size());
-      }
     }
-    if (descs.empty()) continue;
     check_status(loc, e.table->compute(e.table->ctx, e.device, descs.data(), static_cast<int32_t>(descs.size())),
                  "copy");
     check_status(loc, e.table->synchronize(e.table->ctx, e.device), "synchronize");

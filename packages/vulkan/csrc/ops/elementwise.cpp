@@ -5,13 +5,14 @@
 //
 // bfloat16/float16: every tensor of such a node has the one dtype (the core refuses mixes);
 // the "_h" variants of the shaders (built with -DHALF, shaders/half_ew.glsl) load it, compute
-// in float32 and round once on store, as the CPU does. They need 2-byte loads and stores
-// (Device::half_storage); without them the op refuses the node and the core runs it.
+// in float32 and round once on store, as the CPU does (check_node has refused such nodes on
+// a device without 16-bit storage).
 #include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "half_ops.h"
 #include "ops.h"
 
 namespace recurra_vk {
@@ -38,24 +39,21 @@ int flat_mode(const Collapsed& c, int n_operands, const uint64_t* addrs, int64_t
 // Bytes four elements of dt take: the alignment of flat_mode's four-element access.
 int vec4_align(recurra_dtype dt) { return 4 * elem_bytes(dt); }
 
-bool is_half(recurra_dtype dt) { return dt == RECURRA_BF16 || dt == RECURRA_F16; }
-
-// "" when the output and the first n_src sources are all float32, or all one 2-byte dtype
-// on a device with 2-byte loads and stores; else why not.
-std::string require_float(const recurra_node_desc& n, int n_src) {
+// "" when the output and the first n_src sources are all float32, or all one 2-byte dtype;
+// else why not.
+std::string require_one_float(const recurra_node_desc& n, int n_src) {
   if (!is_half(n.dst.dtype)) return require_f32(n, n_src);
   for (int i = 0; i < n_src && i < n.n_src; ++i)
     if (n.src[i].dtype != n.dst.dtype)
       return std::string(n.op) + ": source " + std::to_string(i) + " must have the output's dtype";
-  return require_half_storage(n);
+  return "";
 }
 
 // The shader module of a float32 kernel, or its 2-byte variant for the node's dtype, whose
 // dtype code is then the specialization constant after `spec` (the variants' DT).
-std::string variant(const char* module, recurra_dtype dt, std::vector<int32_t>& spec) {
-  if (!is_half(dt)) return module;
-  spec.push_back(static_cast<int32_t>(dt));
-  return std::string(module) + "_h";
+std::string dt_variant(const char* module, recurra_dtype dt, std::vector<int32_t>& spec) {
+  if (is_half(dt)) spec.push_back(dt_code(dt));
+  return variant(module, is_half(dt));
 }
 
 // A dense output and one source of any strides (unary, cast): their index space collapsed,
@@ -90,7 +88,7 @@ struct BinaryPC {
 template <int OP>
 std::string binary_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 2);
-  if (why.empty()) why = require_float(n, 2);
+  if (why.empty()) why = require_one_float(n, 2);
   if (!why.empty()) return why;
   int64_t st[4];
   if (!broadcast_strides(n.src[0], n.dst, st) || !broadcast_strides(n.src[1], n.dst, st) ||
@@ -122,7 +120,7 @@ void binary_record(NodeCall& c) {
   const int mode = flat_mode(col, 3, addrs, n, align);
   const uint32_t groups = grid_groups(mode == 2 ? (n + 3) / 4 : n, 256);
   std::vector<int32_t> spec = {OP, mode, std::max(col.nd, 1)};
-  const std::string module = variant("binary", d.dtype, spec);
+  const std::string module = dt_variant("binary", d.dtype, spec);
   c.rec.dispatch(module, spec, pc, groups, 1, 1, {c.src[0].range, c.src[1].range}, {c.dst.range});
 }
 
@@ -139,7 +137,7 @@ struct UnaryPC {
 // unary.comp switches on the code.
 std::string unary_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 1);
-  if (why.empty()) why = require_float(n, 1);
+  if (why.empty()) why = require_one_float(n, 1);
   if (!why.empty()) return why;
   const recurra_op_spec* sp = recurra_op_find(n.op);
   if (!sp || sp->unary < 0) return std::string(n.op) + " is not an elementwise unary op";
@@ -165,7 +163,7 @@ void unary_record(NodeCall& c) {
   std::memcpy(pc.sx, o.col.strides[1], sizeof pc.sx);
   const int32_t code = recurra_op_find(c.node.op)->unary;
   std::vector<int32_t> spec = {code, o.mode, std::max(o.col.nd, 1)};
-  const std::string module = variant("unary", d.dtype, spec);
+  const std::string module = dt_variant("unary", d.dtype, spec);
   c.rec.dispatch(module, spec, pc, o.groups, 1, 1, {c.src[0].range}, {c.dst.range});
 }
 
@@ -179,7 +177,7 @@ struct ActGradPC {
 
 std::string act_grad_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 3);
-  if (why.empty()) why = require_float(n, 3);
+  if (why.empty()) why = require_one_float(n, 3);
   if (!why.empty()) return why;
   const recurra_op_spec* act = n.n_ip == 1 ? recurra_unary_op(n.ip[RECURRA_P_ACT]) : nullptr;
   if (!act || std::strcmp(act->backward, "act_grad") != 0)
@@ -204,7 +202,7 @@ void act_grad_record(NodeCall& c) {
   pc.p1 = static_cast<float>(fp(c.node, RECURRA_P_MAX));
   const recurra_dtype dt = c.dst.d->dtype;
   std::vector<int32_t> spec = {static_cast<int32_t>(c.node.ip[RECURRA_P_ACT])};
-  const std::string module = variant("act_grad", dt, spec);
+  const std::string module = dt_variant("act_grad", dt, spec);
   int64_t items = n;
   if (is_half(dt)) {  // four elements an invocation where every tensor is 8-byte aligned
     bool vec = n >= 4;
@@ -231,7 +229,9 @@ std::string cast_check(const recurra_node_desc& n) {
   for (const recurra_dtype dt : {n.src[0].dtype, n.dst.dtype})
     if (dt != RECURRA_F32 && !is_half(dt)) return "cast converts between float32, bfloat16 and float16";
   if (!same_shape(n.src[0], n.dst)) return "output and source shapes differ";
-  return require_half_storage(n);
+  // (the shader declares 16-bit storage, which check_node asks for only with a 2-byte tensor)
+  if (!is_half(n.src[0].dtype) && !is_half(n.dst.dtype)) return "cast from float32 to float32 converts nothing";
+  return "";
 }
 
 void cast_record(NodeCall& c) {

@@ -39,8 +39,10 @@ struct OpImpl {
   void (*record)(NodeCall& c);
 };
 
-// "" when the node can run on `dev` (its tensors, then its op's own check), else why not.
-std::string check_node(const recurra_node_desc& n, const Device& dev);
+// "" when the node can run on the device (its tensors, then its op's own check), else why not.
+// half_storage: whether the device stores 2-byte elements (Device::half_storage); without
+// it every node with a bfloat16/float16 tensor is refused.
+std::string check_node(const recurra_node_desc& n, bool half_storage);
 // Validates the n nodes (all before recording any), resolves their tensors to memory and
 // records and submits them on `dev` (run.cpp).
 void compute_nodes(Device& dev, const recurra_node_desc* nodes, int32_t n);
@@ -75,9 +77,6 @@ inline int elem_bytes(recurra_dtype dt) { return dt == RECURRA_BF16 || dt == REC
 // "" when no tensor of the node (output, sources) is 2 bytes an element; else why the op
 // refuses it (ops whose kernels read and write 32-bit words).
 std::string require_words(const recurra_node_desc& n);
-// "" when the device the node is checked for (check_node's) loads and stores 2-byte elements
-// (Device::half_storage: the shaders that include half.glsl need it), else why not.
-std::string require_half_storage(const recurra_node_desc& n);
 std::string shape_str(const recurra_tensor_desc& d);
 // The dense row-major strides of d's shape.
 void dense_strides(const recurra_tensor_desc& d, int64_t* out);
@@ -129,6 +128,7 @@ struct ReduceSpec {
   int64_t kshape[4] = {}, kst[4] = {};
   int64_t sshape[4] = {}, sst[4] = {};
   float scale = 1.0f;
+  recurra_dtype xdt = RECURRA_F32, odt = RECURRA_F32;  // bfloat16/float16: reduce_h (float32 sums)
 };
 void record_reduce(Recorder& rec, const ReduceSpec& r, uint64_t x, const Range& x_range, uint64_t out,
                    const Range& out_range);

@@ -24,19 +24,9 @@ std::string check_tensor(const recurra_tensor_desc& d) {
   return "";
 }
 
-// The device check_node checks for, while its op's check runs (require_half_storage).
-thread_local const Device* checking = nullptr;
-
 }  // namespace
 
-std::string require_half_storage(const recurra_node_desc& n) {
-  if (checking && checking->half_storage()) return "";
-  return std::string(n.op) +
-         ": the device lacks storageBuffer16BitAccess (2-byte loads and stores), so bfloat16/float16 nodes run on "
-         "the CPU";
-}
-
-std::string check_node(const recurra_node_desc& n, const Device& dev) {
+std::string check_node(const recurra_node_desc& n, bool half_storage) {
   const OpImpl* op = find_op(n.op);
   if (!op) return std::string("op '") + (n.op ? n.op : "?") + "' has no Vulkan kernel";
   if (n.n_src < 0 || n.n_src > RECURRA_MAX_SRC) return "bad source count";
@@ -48,10 +38,11 @@ std::string check_node(const recurra_node_desc& n, const Device& dev) {
     why = check_tensor(n.src[i]);
     if (!why.empty()) return "source " + std::to_string(i) + ": " + why;
   }
-  struct Checking {  // set while the op's check runs, reset however it ends
-    explicit Checking(const Device& d) { checking = &d; }
-    ~Checking() { checking = nullptr; }
-  } scope(dev);
+  if (!half_storage) {
+    bool half = elem_bytes(n.dst.dtype) == 2;
+    for (int i = 0; i < n.n_src; ++i) half = half || elem_bytes(n.src[i].dtype) == 2;
+    if (half) return "bfloat16/float16 tensors need storageBuffer16BitAccess, which this device lacks";
+  }
   return op->check(n);
 }
 
@@ -75,7 +66,7 @@ void compute_nodes(Device& dev, const recurra_node_desc* nodes, int32_t n) {
   auto validate = [&] {
     impls.resize(n);
     for (int32_t i = 0; i < n; ++i) {
-      const std::string why = check_node(nodes[i], dev);
+      const std::string why = check_node(nodes[i], dev.half_storage());
       if (!why.empty())
         fail(RECURRA_ERR_UNSUPPORTED, std::string("node ") + std::to_string(i) + " (" +
                                           (nodes[i].op ? nodes[i].op : "?") + "): " + why);

@@ -221,17 +221,17 @@ def _widened(data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {k: v if v.dtype.kind in "iub" else v.astype(np.float32) for k, v in data.items()}
 
 
-def half_errors(case: OpCase, dtype: str, device: str | None = None) -> list[str]:
-    """The case run in ``dtype`` ("bfloat16" or "float16") on ``device`` (None: the CPU)
-    against its float64 reference on the same (rounded) inputs: each result within half an
-    ulp of the dtype plus the case's own float32 tolerance for that backend, or equal to the
-    reference rounded to the dtype (where that overflows to infinity or underflows to zero)."""
+def half_errors(case: OpCase, dtype: str) -> list[str]:
+    """The case run in ``dtype`` ("bfloat16" or "float16") against its float64 reference on
+    the same (rounded) inputs: each result within half an ulp of the dtype plus the case's
+    own float32 tolerance, or equal to the reference rounded to the dtype (where that
+    overflows to infinity or underflows to zero)."""
     from recurra._dtype import as_dtype
 
     data = _in_dtype(case.make_inputs(), dtype)
     want = reference(case, _widened(data))
-    got = evaluate(case, data, device)
-    rtol, atol = case.tol_for(_where(device))
+    got = evaluate(case, data)
+    rtol, atol = case.tol_for("cpu")
     tol = HALF_ULP[dtype] + rtol
     out = []
     for k, (g, w) in enumerate(zip(got, want)):
@@ -253,20 +253,17 @@ def half_errors(case: OpCase, dtype: str, device: str | None = None) -> list[str
     return out
 
 
-def half_grad_errors(
-    case: OpCase, dtype: str, ulps: float = 8.0, device: str | None = None
-) -> list[str]:
-    """The gradients of ``sum(out * R)`` computed in ``dtype`` on ``device`` (None: the CPU;
-    parameters of that dtype, gradients of it) against the same computed in float32 on the
-    CPU from the same rounded inputs: within ``ulps`` half-ulps of max(1, the gradient's
-    largest magnitude). A backward rule chains a few ops, each rounding its result, and may
-    cancel: tanh's ``1 - y^2`` from a rounded ``y`` is off by about 2^-8 absolute in bfloat16
-    (R is of order 1)."""
+def half_grad_errors(case: OpCase, dtype: str, ulps: float = 8.0) -> list[str]:
+    """The gradients of ``sum(out * R)`` computed in ``dtype`` (parameters of that dtype,
+    gradients of it) against the same computed in float32 from the same rounded inputs:
+    within ``ulps`` half-ulps of max(1, the gradient's largest magnitude). A backward rule
+    chains a few ops, each rounding its result, and may cancel: tanh's ``1 - y^2`` from a
+    rounded ``y`` is off by about 2^-8 absolute in bfloat16 (R is of order 1)."""
     from recurra._dtype import as_dtype
 
     half = _in_dtype(case.make_inputs(), dtype)
     want = _grads(case, _widened(half), None)
-    got = _grads(case, half, device, dtype)
+    got = _grads(case, half, None, dtype)
     out = []
     for name, w in want.items():
         g = got.get(name)
