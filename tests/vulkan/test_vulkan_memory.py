@@ -339,3 +339,41 @@ def test_empty_shared_blocks_are_kept_for_the_next_step(vulkan: str) -> None:
         np.testing.assert_array_equal((rc.tensor(np.ones(4), device=vulkan) * 2).numpy(), 2.0)
         made.append(recurra_vulkan.memory_info(0)["blocks_made"])
     assert made[1] == made[3], made
+
+
+def test_mamba2_step_with_an_arena_past_2_gib(vulkan: str) -> None:
+    # A Mamba-2 LM step (forward, cross-entropy, backward) whose planned arena on the device
+    # passes 2 GiB (lavapipe's largest allocation): 16384 tokens, a 16384-token vocabulary and
+    # the loss unchunked, so the logits and their gradient are 1 GiB each. Reference: the
+    # CPU's gradients over 8 slices of the batch (the loss is a mean over tokens, so the whole
+    # batch's gradient is the mean of the slices').
+    rm = pytest.importorskip("recurra_models")
+    from recurra._tensor import LAZY
+
+    B, T, V = 8, 2048, 16384
+    tokens = np.random.default_rng(5).integers(0, V, (B, T + 1)).astype(np.int32)
+
+    def step(device: str, rows: slice) -> tuple[float, dict[str, np.ndarray]]:
+        model = rm.create("mamba2", vocab_size=V, d_model=16, head_dim=16, n_layer=1, seed=2).to(
+            device
+        )
+        x = rc.tensor(tokens[rows, :-1].copy(), device=device)
+        y = rc.tensor(tokens[rows, 1:].copy(), device=device)
+        loss = model.loss(x, y, chunk_bytes=0)
+        loss.backward()
+        return loss.item(), {k: p.grad.numpy() for k, p in model.named_parameters()}
+
+    LAZY.clear()
+    loss, got = step(vulkan, slice(0, B))
+    plan = next(reversed(LAZY._plans.values())).graph.plan()
+    LAZY.clear()
+    segs = check_segments(plan, vk_info()["max_buffer_bytes"])
+    assert sum(segs) > 2 * GiB, segs
+    parts = [step("cpu", slice(i, i + 1)) for i in range(B)]
+    want_loss = float(np.mean([p[0] for p in parts]))
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-4)
+    for k in got:
+        ref = np.mean([p[1][k] for p in parts], axis=0)
+        np.testing.assert_allclose(
+            got[k], ref, rtol=2e-3, atol=2e-4 * np.abs(ref).max() + 1e-7, err_msg=k
+        )
