@@ -39,8 +39,11 @@ struct OpImpl {
   void (*record)(NodeCall& c);
 };
 
-// "" when the node can run on the device (its tensors, then its op's own check), else why not.
-std::string check_node(const recurra_node_desc& n);
+// "" when the node can run on `dev` (its tensors, then its op's own check), else why not.
+std::string check_node(const Device& dev, const recurra_node_desc& n);
+// The device a check is answering for (set by check_node while the op's check runs): checks
+// that depend on device features (2-byte storage, cooperative matrices) read it.
+const Device& checking_device();
 // Validates the n nodes (all before recording any), resolves their tensors to memory and
 // records and submits them on `dev` (run.cpp).
 void compute_nodes(Device& dev, const recurra_node_desc* nodes, int32_t n);

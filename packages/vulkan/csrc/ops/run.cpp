@@ -24,9 +24,21 @@ std::string check_tensor(const recurra_tensor_desc& d) {
   return "";
 }
 
+thread_local const Device* t_checking = nullptr;
+
 }  // namespace
 
-std::string check_node(const recurra_node_desc& n) {
+const Device& checking_device() {
+  if (!t_checking) fail_invalid("internal: an op check ran outside check_node");
+  return *t_checking;
+}
+
+std::string check_node(const Device& dev, const recurra_node_desc& n) {
+  struct Scope {
+    const Device* prev;
+    explicit Scope(const Device* d) : prev(t_checking) { t_checking = d; }
+    ~Scope() { t_checking = prev; }
+  } scope(&dev);
   const OpImpl* op = find_op(n.op);
   if (!op) return std::string("op '") + (n.op ? n.op : "?") + "' has no Vulkan kernel";
   if (n.n_src < 0 || n.n_src > RECURRA_MAX_SRC) return "bad source count";
@@ -61,7 +73,7 @@ void compute_nodes(Device& dev, const recurra_node_desc* nodes, int32_t n) {
   auto validate = [&] {
     impls.resize(n);
     for (int32_t i = 0; i < n; ++i) {
-      const std::string why = check_node(nodes[i]);
+      const std::string why = check_node(dev, nodes[i]);
       if (!why.empty())
         fail(RECURRA_ERR_UNSUPPORTED, std::string("node ") + std::to_string(i) + " (" +
                                           (nodes[i].op ? nodes[i].op : "?") + "): " + why);
