@@ -206,6 +206,7 @@ std::vector<std::string> coopmat_variants() {
 const CoopMatOpTile kOpTiles[] = {
     {"op128", 128, 128, 32, 64, 64},     // 4 subgroups of 64x64 (cm128w4's tiling)
     {"op256x128", 256, 128, 16, 64, 64}, // 8 subgroups of 64x64 (cm256x128's tiling)
+    {"op128x256", 128, 256, 16, 64, 64}, // 8 subgroups of 64x64 (cm128x256's tiling)
     {"op64", 64, 64, 32, 32, 32},        // 4 subgroups of 32x32 (cm64's tiling)
 };
 

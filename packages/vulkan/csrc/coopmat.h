@@ -148,7 +148,7 @@ struct CoopMatOpTile {
 std::string coopmat_op_why_not(const Device& d, bool bf16);
 
 // The tiling for a product with an M x N output per batch matrix: RECURRA_VK_COOPMAT names one
-// ("op128", "op256x128", "op64"), else by size: the 128x128 tile when it gives enough
+// ("op128", "op256x128", "op128x256", "op64"), else by size: the 128x128 tile when it gives enough
 // workgroups to fill the GPU (two per SM of an H200), else the 64x64 one. nullptr when
 // RECURRA_VK_COOPMAT=off (the op then runs the fallback shader). Throws Error
 // (RECURRA_ERR_INVALID) for an unknown name.
