@@ -380,13 +380,14 @@ def simulate_op(
     buffering (which step each buffer holds when read; no buffer read and written between two
     barriers) and the masked epilogue through each subgroup's scratch."""
     bm, bn, bk, wm_, wn_ = t["BM"], t["BN"], t["BK"], t["WM"], t["WN"]
+    stages = t.get("STAGES", 2)
     M, N, K = pc["M"], pc["N"], pc["K"]
     nw = (bm // wm_) * (bn // wn_)
     wg = nw * sg
     a_stage = max(bm * (bk + 8), bk * (bm + 8)) // 8
     b_stage = max(bk * (bn + 8), bn * (bk + 8)) // 8
     assert (bm * bk // 8) % wg == 0 and (bk * bn // 8) % wg == 0
-    assert 2 * a_stage >= nw * 64
+    assert stages * a_stage >= nw * 64
     tiles_n, tiles_m = -(-N // bn), -(-M // bm)
     c = np.full(batch * M * N, np.nan)
     written = np.zeros(batch * M * N, int)
@@ -419,9 +420,9 @@ def simulate_op(
             tm, tn = first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
             done.add((tm, tn))
             m0, n0 = tm * bm, tn * bn
-            a_s = np.full((2 * a_stage, 8), np.nan)
-            b_s = np.full((2 * b_stage, 8), np.nan)
-            holds = [-1, -1]
+            a_s = np.full((stages * a_stage, 8), np.nan)
+            b_s = np.full((stages * b_stage, 8), np.nan)
+            holds = [-1] * stages
             access: set[tuple[int, int, str]] = set()
             acc = np.zeros((nw, wm_ // 16, wn_ // 16, 16, 16))
             steps = -(-K // bk)
@@ -443,9 +444,9 @@ def simulate_op(
                         bool(vec_b),
                     )
                 if s > 0:
-                    cur = (s - 1) & 1
+                    cur = (s - 1) & 1 if stages == 2 else 0
                     assert holds[cur] == s - 1
-                    access.add((s, cur, "r"))
+                    access.add((2 * s, cur, "r"))
                     ab, bb = cur * a_stage, cur * b_stage
                     for w in range(nw):
                         wm, wn = (w // (bn // wn_)) * wm_, (w % (bn // wn_)) * wn_
@@ -463,12 +464,14 @@ def simulate_op(
                                 for j in range(wn_ // 16)
                             ]
                             acc[w] += np.einsum("iab,jbc->ijac", np.array(fa), np.array(fb))
+                # STAGES 1: a barrier between the fragment loads and the stores
+                sub = 1 if stages == 1 and s > 0 else 0
                 if s < steps:
-                    buf = s & 1
+                    buf = s & 1 if stages == 2 else 0
                     a_s[buf * a_stage + (qa // (a_cols // 8)) * sa + qa % (a_cols // 8)] = ra
                     b_s[buf * b_stage + (qb // (b_cols // 8)) * sb + qb % (b_cols // 8)] = rb
                     holds[buf] = s
-                    access.add((s, buf, "w"))
+                    access.add((2 * s + sub, buf, "w"))
             reads = {(i, x) for i, x, rw in access if rw == "r"}
             writes = {(i, x) for i, x, rw in access if rw == "w"}
             assert not reads & writes
@@ -560,11 +563,14 @@ def test_the_op_shader_schedule_computes_a_at_b(tile: str) -> None:
         fa, sa = _strided(a)
         fb, sb = _strided(b)
         pc, a_t, b_t, vec_a, vec_b, batch = host_pc(a.shape, sa, b.shape, sb, out_prod)
+        # the slabs divide among the invocations for every subgroup size the host accepts
+        # (8 to 32); the items' values do not depend on which invocation loads them, so one
+        # simulation covers them all
         for sg in (32, 16, 8):
-            if (t["BM"] * t["BK"] // 8) % (nw * sg) or (t["BK"] * t["BN"] // 8) % (nw * sg):
-                continue
-            got = simulate_op(t, sg, pc, fa, fb, a_t, b_t, vec_a, vec_b, batch)
-            np.testing.assert_allclose(got, want, rtol=0, atol=1e-12 * np.max(np.abs(want)) * k)
+            assert (t["BM"] * t["BK"] // 8) % (nw * sg) == 0
+            assert (t["BK"] * t["BN"] // 8) % (nw * sg) == 0
+        got = simulate_op(t, 32, pc, fa, fb, a_t, b_t, vec_a, vec_b, batch)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-12 * np.max(np.abs(want)) * k)
 
 
 def test_the_layout_choices_cover_every_staging() -> None:

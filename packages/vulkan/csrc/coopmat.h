@@ -141,6 +141,7 @@ std::vector<std::string> coopmat_variants();
 struct CoopMatOpTile {
   const char* name;  // module "matmul_op_<name>_<bf16|f16>"
   int64_t bm, bn, bk, wm, wn;
+  int64_t stages = 2;  // shared buffers per operand
 };
 
 // "" when the op's coopmat shaders can run on `d` in that dtype (the features enabled, a fixed
@@ -148,7 +149,7 @@ struct CoopMatOpTile {
 std::string coopmat_op_why_not(const Device& d, bool bf16);
 
 // The tiling for a product with an M x N output per batch matrix: RECURRA_VK_COOPMAT names one
-// ("op128", "op256x128", "op128x256", "op64"), else by size: the 128x128 tile when it gives enough
+// ("op128", "op256x128", "op128x256", "op128k64s1", "op64"), else by size: the 128x128 tile when it gives enough
 // workgroups to fill the GPU (two per SM of an H200), else the 64x64 one. nullptr when
 // RECURRA_VK_COOPMAT=off (the op then runs the fallback shader). Throws Error
 // (RECURRA_ERR_INVALID) for an unknown name.

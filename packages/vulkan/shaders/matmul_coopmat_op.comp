@@ -16,7 +16,9 @@
 // Tiling: a workgroup of NW subgroups owns a BM x BN tile of C; subgroup w owns a WM x WN
 // sub-tile as (WM/16) x (WN/16) 16x16 f32 accumulators. K advances BK at a time: the slabs of
 // step s + 1 are read from global memory into registers while step s is multiplied out of
-// shared memory, then stored into the other shared buffer (two buffers, one barrier a step).
+// shared memory, then stored into the other shared buffer (STAGES = 2: two buffers, one
+// barrier a step; STAGES = 1: one buffer, half the memory for a longer K step, and a second
+// barrier between the last fragment loads of a step and the stores of the next).
 //
 // Staging: each operand's slab is stored with the operand's contiguous axis along the shared
 // row (rows padded by 8 elements against bank conflicts), and its fragments are loaded row- or
@@ -34,7 +36,8 @@
 // Epilogue: each subgroup stores one 16x16 accumulator at a time into its own 1 KiB of the
 // (then idle) A buffers, and its invocations round and store the elements inside C.
 //
-// Build-time defines: BM BN BK WM WN (WM, WN, BK multiples of 16, BM and BN multiples of 8).
+// Build-time defines: BM BN BK WM WN (WM, WN, BK multiples of 16, BM and BN multiples of 8),
+// STAGES (2, the default, or 1).
 // Specialization constants (csrc/coopmat.cpp, csrc/ops/matmul.cpp): 0 the workgroup size
 // WG = NW * the subgroup size (8 to 32), 1 A_T, 2 B_T, 3 VEC_A, 4 VEC_B, 5 DT (2 bfloat16,
 // 3 float16: the rounding of C). The schedule and indexing are transliterated in
@@ -48,6 +51,9 @@
 #include "common.glsl"
 #include "half.glsl"
 
+#ifndef STAGES
+#define STAGES 2
+#endif
 #define NW ((BM / WM) * (BN / WN))  // subgroups per workgroup
 #define TM (WM / 16)
 #define TN (WN / 16)
@@ -60,7 +66,10 @@
 #if (BM * BK) % (8 * NW * 32) != 0 || (BK * BN) % (8 * NW * 32) != 0 || WM % 16 != 0 || WN % 16 != 0 || BK % 16 != 0 || BM % WM != 0 || BN % WN != 0
 #error "matmul_coopmat_op.comp: BM*BK and BK*BN must be multiples of 8*NW*32; WM, WN, BK multiples of 16"
 #endif
-#if BM * (BK + 8) / 4 < NW * 64 && BK * (BM + 8) / 4 < NW * 64
+#if STAGES != 1 && STAGES != 2
+#error "matmul_coopmat_op.comp: STAGES must be 1 or 2"
+#endif
+#if STAGES * BM * (BK + 8) / 8 < NW * 64 && STAGES * BK * (BM + 8) / 8 < NW * 64
 #error "matmul_coopmat_op.comp: the epilogue needs 1 KiB of the A buffers per subgroup"
 #endif
 
@@ -89,8 +98,8 @@ layout(push_constant) uniform PC {
   int a_b0, a_b1, b_b0, b_b1;  // batch strides of A and B (outer, inner)
 } pc;
 
-shared uvec4 As[2 * A_STAGE];
-shared uvec4 Bs[2 * B_STAGE];
+shared uvec4 As[STAGES * A_STAGE];
+shared uvec4 Bs[STAGES * B_STAGE];
 
 // A staged operand: X(row, col) = x[base + row * rs + col * cs], rows < R, cols < C (the
 // tile's origin added by the caller).
@@ -157,8 +166,9 @@ void main() {
   uvec4 ra[NA_MAX], rb[NB_MAX];
   const int steps = (pc.K + BK - 1) / BK;
   for (int s = 0; s < steps + 1; ++s) {
-    // s < steps: load the slabs of step s; s > 0: multiply step s - 1 (buffer (s - 1) & 1)
-    // while they arrive; then store them into buffer s & 1 (read by the next iteration).
+    // s < steps: load the slabs of step s; s > 0: multiply step s - 1 (buffer (s - 1) & 1,
+    // STAGES 1: buffer 0) while they arrive; then store them into buffer s & 1 (0), read by
+    // the next iteration.
     if (s < steps) {
       const int k0 = s * BK;
       [[unroll]] for (uint i = 0; i < NA_MAX; ++i) {
@@ -173,7 +183,8 @@ void main() {
       }
     }
     if (s > 0) {
-      const uint abase = ((s - 1) & 1) * A_STAGE, bbase = ((s - 1) & 1) * B_STAGE;
+      const uint cur = STAGES == 2 ? (s - 1) & 1 : 0;
+      const uint abase = cur * A_STAGE, bbase = cur * B_STAGE;
       [[unroll]] for (uint kk = 0; kk < BK; kk += 16) {
         coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> fa[TM];
         coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> fb[TN];
@@ -194,8 +205,10 @@ void main() {
             acc[i][j] = coopMatMulAdd(fa[i], fb[j], acc[i][j]);
       }
     }
+    if (STAGES == 1 && s > 0) barrier();  // every subgroup is done with the one buffer
     if (s < steps) {
-      const uint abase = (s & 1) * A_STAGE, bbase = (s & 1) * B_STAGE;
+      const uint nxt = STAGES == 2 ? s & 1 : 0;
+      const uint abase = nxt * A_STAGE, bbase = nxt * B_STAGE;
       [[unroll]] for (uint i = 0; i < NA_MAX; ++i) {
         const uint q = i * WG + t;
         if (i < NA) As[abase + (q / (a_cols / 8)) * sa + q % (a_cols / 8)] = ra[i];
