@@ -198,3 +198,37 @@ def test_skinny_products_take_gemv(m: int, layout: str, monkeypatch: pytest.Monk
             b = randn(2 * k, 3 * n, seed=4)[::2, ::3]
         run("matmul", a, b)
         run("matmul", a[0], b)
+
+
+@pytest.mark.parametrize(
+    "op, m, k, n",
+    [
+        ("matmul", 33, 4099, 70),  # 1 tile, K not a multiple of 4: 16 slices + the rest
+        ("matmul", 130, 1030, 3),  # 4 slices of 256 + a rest of 6, scalar C stores
+        ("out_prod", 40, 2048, 64),  # a^T @ b: A read m-contiguous, slices 8 x 256
+    ],
+)
+def test_split_k_for_few_tiles_and_long_k(
+    op: str, m: int, k: int, n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Few C tiles and a long K (weight gradients, a chunked LM head's input gradient) run as
+    # slices of K written to scratch and summed in order: results as float64 numpy's, also
+    # with a transposed operand, and the dispatches show the slices and the sum.
+    monkeypatch.delenv(ENV, raising=False)
+    a = randn(k, m, seed=1) if op == "out_prod" else randn(m, k, seed=1)
+    b = randn(k, n, seed=2)
+    run(op, a, b)
+    run(op, a, randn(n, k, seed=3).T)  # B k-contiguous (x @ W.T)
+    labels = [
+        lbl
+        for lbl, _ in recurra_vulkan._vk.profile_dispatches(
+            op, [a, b], out_shape=(m, n), iters=1, warmup=0
+        )
+    ]
+    assert sum("matmul_r128k8" in lbl for lbl in labels) >= 1, labels
+    assert sum("sum_slices" in lbl for lbl in labels) == 1, labels
+    # a forced variant keeps one dispatch (no split)
+    monkeypatch.setenv(ENV, "r64")
+    run(op, a, b)
+    forced = recurra_vulkan._vk.profile_dispatches(op, [a, b], out_shape=(m, n), iters=1, warmup=0)
+    assert [lbl for lbl, _ in forced if "sum_slices" in lbl] == []

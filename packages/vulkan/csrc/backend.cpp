@@ -126,7 +126,8 @@ int t_supports_op(void*, int device, const recurra_node_desc* node) {
   int answer = 0;
   int st = guarded([&](Backend& b) {
     if (!node) fail_invalid("supports_op: null node");
-    const std::string why = check_node(b.device(device), *node);  // a valid index, its device made
+    // a valid device index (and its device made) first
+    const std::string why = check_node(*node, b.device(device).half_storage());
     answer = why.empty() ? 1 : 0;
     if (!why.empty()) b.last_error = why;
   });

@@ -2,8 +2,16 @@
 // the collapsed shape `shape`. Serves contiguous, concat (into windows of the output) and
 // slice_grad (into a strided window of a zeroed output).
 //   MODE 0: general, 1: both dense (flat copy)
+//   HALF (the copy_h variant): 2-byte elements (bfloat16/float16) moved as 16-bit words,
+//   bits untouched; one invocation per element, so no two write one 32-bit word.
 #version 450
 #include "common.glsl"
+#ifdef HALF
+#include "half.glsl"
+#define WORDS U16Buf
+#else
+#define WORDS UBuf
+#endif
 
 layout(local_size_x = 256) in;
 layout(constant_id = 0) const int MODE = 0;
@@ -19,7 +27,7 @@ layout(push_constant) uniform PC {
 
 void main() {
   const uint stride = gl_NumWorkGroups.x * 256u;
-  UBuf s = UBuf(pc.s), d = UBuf(pc.d);
+  WORDS s = WORDS(pc.s), d = WORDS(pc.d);
   for (uint i = gl_GlobalInvocationID.x; i < pc.n; i += stride) {
     if (MODE == 1)
       d.v[i] = s.v[i];

@@ -9,17 +9,34 @@
 //   PASS 3 sum:     out[v, d] = sum over p in [start[v], start[v] + counts[v]) of grad[pos[p], d]
 // counts and rank must be zeroed before PASS 0. Indices outside [0, V) set the error flag and are
 // skipped.
+// HALF (the get_rows_back_h variant): grad and out of the dtypes GDT / ODT (half.glsl), the
+// sums float32, each output rounded once.
 #version 450
 #include "common.glsl"
+#ifdef HALF
+#include "half.glsl"
+#endif
 
 layout(local_size_x = 256) in;
 layout(constant_id = 0) const int PASS = 0;
+#ifdef HALF
+layout(constant_id = 1) const int GDT = 0;
+layout(constant_id = 2) const int ODT = 0;
+#endif
 const uint RANK_BLOCK = 16384u;  // must match kRankBlock in ops/nn.cpp
 
 layout(push_constant) uniform PC {
   uvec2 g, idx, out_, err, counts, start, rank, pos;
   uint N, V, D;
 } pc;
+
+#ifdef HALF
+float ldg(uint i) { return ld(pc.g, i, GDT); }
+void sto(uint i, float v) { st(pc.out_, i, ODT, v); }
+#else
+float ldg(uint i) { return FBuf(pc.g).v[i]; }
+void sto(uint i, float v) { FBuf(pc.out_).v[i] = v; }
+#endif
 
 shared int tile[256];
 shared uint scan[256];
@@ -86,15 +103,14 @@ void main() {
       if (v >= 0 && uint(v) < pc.V) pos.v[start.v[uint(v)] + rank.v[i]] = i;
     }
   } else {
-    FBuf g = FBuf(pc.g), out_ = FBuf(pc.out_);
     const uint stride = gl_NumWorkGroups.x * 256u;
     const uint total = pc.V * pc.D;
     for (uint e = gl_GlobalInvocationID.x; e < total; e += stride) {
       const uint v = e / pc.D, d = e % pc.D;
       const uint p0 = start.v[v], p1 = p0 + counts.v[v];
       float s = 0.0;
-      for (uint p = p0; p < p1; ++p) s += g.v[pos.v[p] * pc.D + d];
-      out_.v[e] = s;
+      for (uint p = p0; p < p1; ++p) s += ldg(pos.v[p] * pc.D + d);
+      sto(e, s);
     }
   }
 }

@@ -1,8 +1,20 @@
 // Constant padding: y (dense, shape `shape`) = x placed at `before` on every axis, `bits`
-// elsewhere. 4-byte elements of either dtype.
+// elsewhere. 4-byte elements of either dtype; 2-byte ones of the dtype DT in the HALF variant
+// pad_h (`bits` then a float32, rounded once to DT).
 //   x: shape `xshape`, strides `sx` (any); all right-aligned in 4 slots
 #version 450
 #include "common.glsl"
+#ifdef HALF
+#include "half.glsl"
+#define WORDS U16Buf
+#define WORD_T uint16_t
+layout(constant_id = 0) const int DT = DT_BF16;
+#define WORD(b) uint16_t(DT == DT_BF16 ? bf16_bits(uintBitsToFloat(b)) : f16_bits(uintBitsToFloat(b)))
+#else
+#define WORDS UBuf
+#define WORD_T uint
+#define WORD(b) (b)
+#endif
 
 layout(local_size_x = 256) in;
 
@@ -18,7 +30,8 @@ layout(push_constant) uniform PC {
 
 void main() {
   const uint stride = gl_NumWorkGroups.x * 256u;
-  UBuf x = UBuf(pc.x), y = UBuf(pc.y);
+  WORDS x = WORDS(pc.x), y = WORDS(pc.y);
+  const WORD_T value = WORD(pc.bits);
   for (uint i = gl_GlobalInvocationID.x; i < pc.n; i += stride) {
     uint r = i;
     int off = 0;
@@ -29,6 +42,6 @@ void main() {
       inside = inside && c >= 0 && c < pc.xshape[a];
       off += c * pc.sx[a];
     }
-    y.v[i] = inside ? x.v[off] : pc.bits;
+    y.v[i] = inside ? x.v[off] : value;
   }
 }

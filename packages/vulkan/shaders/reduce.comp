@@ -8,8 +8,14 @@
 //   [K][nchunks], cols: [nchunks][K]) reduced again by a second dispatch.
 //   `scale` multiplies the final value (cross_entropy's mean).
 // The order of every sum depends on the shapes only: results are deterministic.
+//   HALF (the reduce_h variant): x and out of the dtypes XDT / ODT (float32, bfloat16,
+//   float16: half.glsl), loaded as float32, accumulated in float32, rounded once on store
+//   (the partials of a two-pass reduction stay float32).
 #version 450
 #include "common.glsl"
+#ifdef HALF
+#include "half.glsl"
+#endif
 
 layout(local_size_x = 256) in;
 layout(constant_id = 0) const int OP = 0;        // 0 sum, 1 max
@@ -27,6 +33,16 @@ layout(push_constant) uniform PC {
   int sst[4];
 } pc;
 
+#ifdef HALF
+layout(constant_id = 4) const int XDT = 0;
+layout(constant_id = 5) const int ODT = 0;
+float ldx(int i) { return ld(pc.x, uint(i), XDT); }
+void sto(uint i, float v) { st(pc.out_, i, ODT, v); }
+#else  // the float32 module: the buffers of main(), as before the HALF variant
+#define ldx(i) x.v[i]
+#define sto(i, val) out_.v[i] = (val)
+#endif
+
 shared float red[256];
 
 float ident() { return OP == 0 ? 0.0 : uintBitsToFloat(0xff800000u); }
@@ -36,7 +52,9 @@ int soff(uint s) { return SIMPLE_S != 0 ? int(s) * pc.sst[3] : offset4(s, pc.ssh
 float finish(float v) { return (OP == 0 && pc.nchunks == 1u) ? v * pc.scale : v; }
 
 void main() {
+#ifndef HALF
   FBuf x = FBuf(pc.x), out_ = FBuf(pc.out_);
+#endif
   if (MODE == 0) {
     const uint g = group_index();
     if (g >= pc.K * pc.nchunks) return;
@@ -45,14 +63,14 @@ void main() {
     const int base = koff(k);
     const uint t = gl_LocalInvocationID.x;
     float acc = ident();
-    for (uint s = s0 + t; s < s1; s += 256u) acc = comb(acc, x.v[base + soff(s)]);
+    for (uint s = s0 + t; s < s1; s += 256u) acc = comb(acc, ldx(base + soff(s)));
     red[t] = acc;
     barrier();
     [[unroll]] for (uint w = 128u; w > 0u; w >>= 1) {
       if (t < w) red[t] = comb(red[t], red[t + w]);
       barrier();
     }
-    if (t == 0u) out_.v[g] = finish(red[0]);
+    if (t == 0u) sto(g, finish(red[0]));
     return;
   }
   const uint c = gl_WorkGroupID.y;
@@ -61,7 +79,7 @@ void main() {
   for (uint k = gl_GlobalInvocationID.x; k < pc.K; k += stride) {
     const int base = koff(k);
     float acc = ident();
-    for (uint s = s0; s < s1; ++s) acc = comb(acc, x.v[base + soff(s)]);
-    out_.v[c * pc.K + k] = finish(acc);
+    for (uint s = s0; s < s1; ++s) acc = comb(acc, ldx(base + soff(s)));
+    sto(c * pc.K + k, finish(acc));
   }
 }

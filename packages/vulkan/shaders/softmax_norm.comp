@@ -11,17 +11,37 @@
 //      7 layer_norm_back(g, x) dx = r (g - mean(g) - (x - mu) r mean(g (x - mu)) r)
 //      8 cross_entropy rows    y[row] = logsumexp(x) - x[t[row]]  (y: per-row losses)
 //      9 cross_entropy_back    dx = (softmax(x) - onehot(t)) g[0] / rows
+// HALF (the softmax_norm_h variant, ops 0-7): x, g and y of the dtypes XDT, GDT, YDT
+// (half.glsl), the maths float32, each output rounded once.
 #version 450
 #include "common.glsl"
+#ifdef HALF
+#include "half.glsl"
+#endif
 
 layout(local_size_x = 256) in;
 layout(constant_id = 0) const int OP = 0;
+#ifdef HALF
+layout(constant_id = 1) const int XDT = 0;
+layout(constant_id = 2) const int GDT = 0;
+layout(constant_id = 3) const int YDT = 0;
+#endif
 
 layout(push_constant) uniform PC {
   uvec2 x, g, y, t, err;
   uint rows, C;
   float eps;
 } pc;
+
+#ifdef HALF
+float ldx(uint i) { return ld(pc.x, i, XDT); }
+float ldg(uint i) { return ld(pc.g, i, GDT); }
+void sty(uint i, float v) { st(pc.y, i, YDT, v); }
+#else  // the float32 module: the buffers of main(), as before the HALF variant
+#define ldx(i) x.v[i]
+#define ldg(i) g.v[i]
+#define sty(i, val) y.v[i] = (val)
+#endif
 
 shared float red[256];
 
@@ -55,87 +75,89 @@ void main() {
   const uint row = group_index();
   if (row >= pc.rows) return;
   const uint C = pc.C, t = gl_LocalInvocationID.x, base = row * C;
+#ifndef HALF
   FBuf x = FBuf(pc.x), g = FBuf(pc.g), y = FBuf(pc.y);
+#endif
   const float n = float(C);
 
   if (OP == 0 || OP == 1 || OP == 8 || OP == 9) {
     float m = uintBitsToFloat(0xff800000u);
-    for (uint i = t; i < C; i += 256u) m = max_nan(m, x.v[base + i]);
+    for (uint i = t; i < C; i += 256u) m = max_nan(m, ldx(base + i));
     m = wg_max(m);
     float s = 0.0;
-    for (uint i = t; i < C; i += 256u) s += exp(x.v[base + i] - m);
+    for (uint i = t; i < C; i += 256u) s += exp(ldx(base + i) - m);
     s = wg_sum(s);
     if (OP == 0) {
       const float inv = 1.0 / s;
-      for (uint i = t; i < C; i += 256u) y.v[base + i] = exp(x.v[base + i] - m) * inv;
+      for (uint i = t; i < C; i += 256u) sty(base + i, exp(ldx(base + i) - m) * inv);
     } else if (OP == 1) {
       const float lse = m + log(s);
-      for (uint i = t; i < C; i += 256u) y.v[base + i] = x.v[base + i] - lse;
+      for (uint i = t; i < C; i += 256u) sty(base + i, ldx(base + i) - lse);
     } else {
       const int tv = IBuf(pc.t).v[row];
       const bool ok = tv >= 0 && uint(tv) < C;
       if (!ok && t == 0u) set_error(pc.err, OP == 8 ? ERR_CROSS_ENTROPY : ERR_CROSS_ENTROPY_BACK);
       if (OP == 8) {
-        if (t == 0u) y.v[row] = ok ? m + log(s) - x.v[base + uint(tv)] : 0.0;
+        if (t == 0u) sty(row, ok ? m + log(s) - ldx(base + uint(tv)) : 0.0);
       } else {
-        const float gs = g.v[0] / float(pc.rows);
+        const float gs = ldg(0) / float(pc.rows);
         const float sc = gs / s;
         for (uint i = t; i < C; i += 256u) {
-          float v = exp(x.v[base + i] - m) * sc;
+          float v = exp(ldx(base + i) - m) * sc;
           if (ok && i == uint(tv)) v -= gs;
-          y.v[base + i] = ok ? v : 0.0;
+          sty(base + i, ok ? v : 0.0);
         }
       }
     }
   } else if (OP == 2) {
     float d = 0.0;
-    for (uint i = t; i < C; i += 256u) d += g.v[base + i] * x.v[base + i];
+    for (uint i = t; i < C; i += 256u) d += ldg(base + i) * ldx(base + i);
     d = wg_sum(d);
-    for (uint i = t; i < C; i += 256u) y.v[base + i] = x.v[base + i] * (g.v[base + i] - d);
+    for (uint i = t; i < C; i += 256u) sty(base + i, ldx(base + i) * (ldg(base + i) - d));
   } else if (OP == 3) {
     float s = 0.0;
-    for (uint i = t; i < C; i += 256u) s += g.v[base + i];
+    for (uint i = t; i < C; i += 256u) s += ldg(base + i);
     s = wg_sum(s);
-    for (uint i = t; i < C; i += 256u) y.v[base + i] = g.v[base + i] - exp(x.v[base + i]) * s;
+    for (uint i = t; i < C; i += 256u) sty(base + i, ldg(base + i) - exp(ldx(base + i)) * s);
   } else if (OP == 4 || OP == 5) {
     float ss = 0.0;
     for (uint i = t; i < C; i += 256u) {
-      const float v = x.v[base + i];
+      const float v = ldx(base + i);
       ss += v * v;
     }
     const float r = 1.0 / sqrt(wg_sum(ss) / n + pc.eps);
     if (OP == 4) {
-      for (uint i = t; i < C; i += 256u) y.v[base + i] = x.v[base + i] * r;
+      for (uint i = t; i < C; i += 256u) sty(base + i, ldx(base + i) * r);
     } else {
       float dot = 0.0;
-      for (uint i = t; i < C; i += 256u) dot += g.v[base + i] * x.v[base + i];
+      for (uint i = t; i < C; i += 256u) dot += ldg(base + i) * ldx(base + i);
       const float cx = r * r * r * wg_sum(dot) / n;
-      for (uint i = t; i < C; i += 256u) y.v[base + i] = r * g.v[base + i] - cx * x.v[base + i];
+      for (uint i = t; i < C; i += 256u) sty(base + i, r * ldg(base + i) - cx * ldx(base + i));
     }
   } else {  // 6, 7: layer_norm and its backward
     float s = 0.0;
-    for (uint i = t; i < C; i += 256u) s += x.v[base + i];
+    for (uint i = t; i < C; i += 256u) s += ldx(base + i);
     const float mu = wg_sum(s) / n;
     float vs = 0.0;
     for (uint i = t; i < C; i += 256u) {
-      const float d = x.v[base + i] - mu;
+      const float d = ldx(base + i) - mu;
       vs += d * d;
     }
     const float r = 1.0 / sqrt(wg_sum(vs) / n + pc.eps);
     if (OP == 6) {
-      for (uint i = t; i < C; i += 256u) y.v[base + i] = (x.v[base + i] - mu) * r;
+      for (uint i = t; i < C; i += 256u) sty(base + i, (ldx(base + i) - mu) * r);
     } else {
       float sg = 0.0, sgx = 0.0;
       for (uint i = t; i < C; i += 256u) {
-        const float gv = g.v[base + i];
+        const float gv = ldg(base + i);
         sg += gv;
-        sgx += gv * (x.v[base + i] - mu);
+        sgx += gv * (ldx(base + i) - mu);
       }
       const float a = wg_sum(sg) / n;
       const float b = wg_sum(sgx) * r / n;
       const float rb = r * b;
       for (uint i = t; i < C; i += 256u)
-        y.v[base + i] = r * (g.v[base + i] - a - (x.v[base + i] - mu) * rb);
+        sty(base + i, r * (ldg(base + i) - a - (ldx(base + i) - mu) * rb));
     }
   }
 }

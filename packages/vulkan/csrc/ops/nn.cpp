@@ -12,8 +12,12 @@
 //   get_rows_back:   grad I + (D,), idx I, ip [V] -> (V, D)
 // Indices known only at run time (targets, idx) are checked on the GPU: a bad one sets an
 // error flag that synchronize() reports as RECURRA_ERR_INVALID.
+// The row ops, get_rows and get_rows_back take bfloat16/float16 tensors through their "_h"
+// shader variants: float32 maths, each output rounded once (a lookup moves the bits; the
+// scatter-add sums in float32).
 #include <cstring>
 
+#include "half_ops.h"
 #include "ops.h"
 
 namespace recurra_vk {
@@ -40,7 +44,7 @@ void rows_of(const recurra_tensor_desc& d, int64_t& rows, int64_t& C) {
 template <int OP, int NSRC, bool EPS>
 std::string row_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, NSRC);
-  if (why.empty()) why = require_f32(n, NSRC);
+  if (why.empty()) why = require_float(n, NSRC);
   if (!why.empty()) return why;
   if (EPS && (n.n_fp != 1 || !(n.fp[RECURRA_P_EPS] >= 0.0))) return "takes eps >= 0";
   for (int i = 0; i < NSRC; ++i)
@@ -63,10 +67,16 @@ void row_record(NodeCall& c) {
   pc.eps = static_cast<float>(fp(c.node, RECURRA_P_EPS));
   uint32_t gx, gy;
   grid_2d(rows, gx, gy);
+  // 2-byte tensors: softmax_norm_h, the dtypes of x, g and y its specialization constants 1-3.
+  const bool half = has_half(c.node, NSRC);
+  std::vector<int32_t> spec{OP};
+  if (half)
+    spec.insert(spec.end(), {dt_code(c.src[NSRC - 1].d->dtype), dt_code(c.src[0].d->dtype), dt_code(c.dst.d->dtype)});
   if (NSRC == 1)
-    c.rec.dispatch("softmax_norm", {OP}, pc, gx, gy, 1, {c.src[0].range}, {c.dst.range});
+    c.rec.dispatch(variant("softmax_norm", half), spec, pc, gx, gy, 1, {c.src[0].range}, {c.dst.range});
   else
-    c.rec.dispatch("softmax_norm", {OP}, pc, gx, gy, 1, {c.src[0].range, c.src[1].range}, {c.dst.range});
+    c.rec.dispatch(variant("softmax_norm", half), spec, pc, gx, gy, 1, {c.src[0].range, c.src[1].range},
+                   {c.dst.range});
 }
 
 // ---- cross_entropy --------------------------------------------------------------------
@@ -145,8 +155,8 @@ std::string get_rows_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 2);
   if (!why.empty()) return why;
   const recurra_tensor_desc &tb = n.src[0], &ix = n.src[1], &d = n.dst;
-  if (tb.dtype != RECURRA_F32 || ix.dtype != RECURRA_I32 || d.dtype != RECURRA_F32)
-    return "get_rows takes a float32 table and int32 indices";
+  if (!is_float(tb.dtype) || ix.dtype != RECURRA_I32 || !is_float(d.dtype))
+    return "get_rows takes a float32, bfloat16 or float16 table and int32 indices";
   if (tb.ndim != 2 || ix.ndim < 1 || ix.ndim > 3 || d.ndim != ix.ndim + 1) return "needs table (V, D) and 1-3 index axes";
   for (int i = 0; i < ix.ndim; ++i)
     if (d.shape[i] != ix.shape[i]) return "wrong output shape";
@@ -160,7 +170,12 @@ void get_rows_record(NodeCall& c) {
   if (N * D == 0) return;
   GetRowsPC pc{addr(c.src[0]), addr(c.src[1]), addr(c.dst), c.rec.device().error_flags_address(),
                static_cast<uint32_t>(N), static_cast<uint32_t>(D), static_cast<uint32_t>(V)};
-  c.rec.dispatch("get_rows", {}, pc, grid_groups(N * D, 256), 1, 1, {c.src[0].range, c.src[1].range}, {c.dst.range});
+  const recurra_dtype tdt = c.src[0].d->dtype, odt = c.dst.d->dtype;
+  if (is_half(tdt) || is_half(odt))
+    c.rec.dispatch("get_rows_h", {dt_code(tdt), dt_code(odt)}, pc, grid_groups(N * D, 256), 1, 1,
+                   {c.src[0].range, c.src[1].range}, {c.dst.range});
+  else
+    c.rec.dispatch("get_rows", {}, pc, grid_groups(N * D, 256), 1, 1, {c.src[0].range, c.src[1].range}, {c.dst.range});
 }
 
 struct GetRowsBackPC {
@@ -176,8 +191,8 @@ std::string get_rows_back_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 2);
   if (!why.empty()) return why;
   const recurra_tensor_desc &g = n.src[0], &ix = n.src[1], &d = n.dst;
-  if (g.dtype != RECURRA_F32 || ix.dtype != RECURRA_I32 || d.dtype != RECURRA_F32)
-    return "get_rows_back takes float32 grad and int32 indices";
+  if (!is_float(g.dtype) || ix.dtype != RECURRA_I32 || !is_float(d.dtype))
+    return "get_rows_back takes a float32, bfloat16 or float16 grad and int32 indices";
   if (n.n_ip != 1 || n.ip[RECURRA_P_N_ROWS] < 0 || d.ndim != 2 || d.shape[0] != n.ip[RECURRA_P_N_ROWS]) return "takes the row count V";
   if (ix.ndim < 1 || g.ndim != ix.ndim + 1 || g.shape[g.ndim - 1] != d.shape[1]) return "wrong shapes";
   for (int i = 0; i < ix.ndim; ++i)
@@ -218,8 +233,13 @@ void get_rows_back_record(NodeCall& c) {
   }
   rec.dispatch("get_rows_back", {1}, pc, 1, 1, 1, {counts.range}, {start.range});
   if (N > 0) rec.dispatch("get_rows_back", {2}, pc, grid_groups(N, 256), 1, 1, {ir, start.range, rank.range}, {pos.range});
-  rec.dispatch("get_rows_back", {3}, pc, grid_groups(V * D, 256), 1, 1, {gr, counts.range, start.range, pos.range},
-               {c.dst.range});
+  const recurra_dtype gdt = c.src[0].d->dtype, odt = c.dst.d->dtype;
+  if (is_half(gdt) || is_half(odt))  // the sums: 2-byte grad or output (passes 0-2 touch only integers)
+    rec.dispatch("get_rows_back_h", {3, dt_code(gdt), dt_code(odt)}, pc, grid_groups(V * D, 256), 1, 1,
+                 {gr, counts.range, start.range, pos.range}, {c.dst.range});
+  else
+    rec.dispatch("get_rows_back", {3}, pc, grid_groups(V * D, 256), 1, 1, {gr, counts.range, start.range, pos.range},
+                 {c.dst.range});
 }
 
 }  // namespace

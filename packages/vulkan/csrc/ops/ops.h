@@ -39,11 +39,10 @@ struct OpImpl {
   void (*record)(NodeCall& c);
 };
 
-// "" when the node can run on `dev` (its tensors, then its op's own check), else why not.
-std::string check_node(const Device& dev, const recurra_node_desc& n);
-// The device a check is answering for (set by check_node while the op's check runs): checks
-// that depend on device features (2-byte storage, cooperative matrices) read it.
-const Device& checking_device();
+// "" when the node can run on the device (its tensors, then its op's own check), else why not.
+// half_storage: whether the device stores 2-byte elements (Device::half_storage); without
+// it every node with a bfloat16/float16 tensor is refused.
+std::string check_node(const recurra_node_desc& n, bool half_storage);
 // Validates the n nodes (all before recording any), resolves their tensors to memory and
 // records and submits them on `dev` (run.cpp).
 void compute_nodes(Device& dev, const recurra_node_desc* nodes, int32_t n);
@@ -129,6 +128,7 @@ struct ReduceSpec {
   int64_t kshape[4] = {}, kst[4] = {};
   int64_t sshape[4] = {}, sst[4] = {};
   float scale = 1.0f;
+  recurra_dtype xdt = RECURRA_F32, odt = RECURRA_F32;  // bfloat16/float16: reduce_h (float32 sums)
 };
 void record_reduce(Recorder& rec, const ReduceSpec& r, uint64_t x, const Range& x_range, uint64_t out,
                    const Range& out_range);

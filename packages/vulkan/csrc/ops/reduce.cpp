@@ -1,5 +1,7 @@
 // Reductions: sum and max along one axis (keepdims), sum_to (broadcasting in reverse) and
 // max_grad. Shaders: reduce.comp (both reductions, one or two passes), max_grad.comp.
+// bfloat16/float16 tensors take their "_h" variants: float32 loads, sums and comparisons,
+// one rounding on store (a two-pass reduction's partials stay float32).
 //
 //   sum / max:  x (..., L, ...) any strides, ip [axis] -> (..., 1, ...)
 //   sum_to:     x any strides, ip [target shape] -> target (numpy broadcasting undone)
@@ -7,6 +9,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "half_ops.h"
 #include "ops.h"
 
 namespace recurra_vk {
@@ -67,23 +70,28 @@ void record_reduce(Recorder& rec, const ReduceSpec& r, uint64_t x, const Range& 
   pc.chunk = static_cast<uint32_t>(chunk);
   pc.nchunks = static_cast<uint32_t>(nchunks);
 
-  auto launch = [&](const ReducePC& p, int m, int32_t sk, int32_t ss, const Range& in, const Range& o) {
+  // xdt, odt: the dtypes of the pass's input and output (2-byte ones: reduce_h).
+  auto launch = [&](const ReducePC& p, int m, int32_t sk, int32_t ss, const Range& in, const Range& o,
+                    recurra_dtype xdt, recurra_dtype odt) {
+    const bool half = is_half(xdt) || is_half(odt);
+    std::vector<int32_t> spec{r.op, m, sk, ss};
+    if (half) spec.insert(spec.end(), {dt_code(xdt), dt_code(odt)});
     if (m == 0) {
       uint32_t gx, gy;
       grid_2d(static_cast<int64_t>(p.K) * p.nchunks, gx, gy);
-      rec.dispatch("reduce", {r.op, 0, sk, ss}, p, gx, gy, 1, {in}, {o});
+      rec.dispatch(variant("reduce", half), spec, p, gx, gy, 1, {in}, {o});
     } else {
-      rec.dispatch("reduce", {r.op, 1, sk, ss}, p, grid_groups(p.K, 256), p.nchunks, 1, {in}, {o});
+      rec.dispatch(variant("reduce", half), spec, p, grid_groups(p.K, 256), p.nchunks, 1, {in}, {o});
     }
   };
   if (nchunks == 1) {
     pc.out = out;
-    launch(pc, mode, simple_k, simple_s, x_range, out_range);
+    launch(pc, mode, simple_k, simple_s, x_range, out_range, r.xdt, r.odt);
     return;
   }
   const Recorder::Scratch part = rec.scratch(static_cast<size_t>(K * nchunks) * 4);
   pc.out = part.addr;
-  launch(pc, mode, simple_k, simple_s, x_range, part.range);
+  launch(pc, mode, simple_k, simple_s, x_range, part.range, r.xdt, RECURRA_F32);
   // Second pass over the partials: [K][nchunks] (rows) or [nchunks][K] (cols).
   ReducePC p2{};
   p2.x = part.addr;
@@ -98,7 +106,7 @@ void record_reduce(Recorder& rec, const ReduceSpec& r, uint64_t x, const Range& 
   p2.sshape[3] = static_cast<int32_t>(nchunks);
   p2.kst[3] = mode == 0 ? static_cast<int32_t>(nchunks) : 1;
   p2.sst[3] = mode == 0 ? 1 : static_cast<int32_t>(K);
-  launch(p2, mode, 1, 1, part.range, out_range);
+  launch(p2, mode, 1, 1, part.range, out_range, RECURRA_F32, r.odt);
 }
 
 namespace {
@@ -107,7 +115,7 @@ namespace {
 
 std::string axis_reduce_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 1);
-  if (why.empty()) why = require_f32(n, 1);
+  if (why.empty()) why = require_float(n, 1);
   if (!why.empty()) return why;
   const recurra_tensor_desc &x = n.src[0], &d = n.dst;
   if (n.n_ip != 1 || n.ip[RECURRA_P_AXIS] < 0 || n.ip[RECURRA_P_AXIS] >= x.ndim) return "takes one axis in range";
@@ -124,6 +132,8 @@ void axis_reduce_record(NodeCall& c) {
   const int ax = static_cast<int>(c.node.ip[RECURRA_P_AXIS]);
   ReduceSpec r;
   r.op = OP;
+  r.xdt = x.dtype;
+  r.odt = c.dst.d->dtype;
   for (int i = 0; i < x.ndim; ++i) {
     if (i == ax) continue;
     r.kshape[r.kn] = x.shape[i];
@@ -139,7 +149,7 @@ void axis_reduce_record(NodeCall& c) {
 
 std::string sum_to_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 1);
-  if (why.empty()) why = require_f32(n, 1);
+  if (why.empty()) why = require_float(n, 1);
   if (!why.empty()) return why;
   const recurra_tensor_desc &x = n.src[0], &d = n.dst;
   if (n.n_ip != d.ndim || d.ndim > x.ndim) return "sum_to takes the target shape";
@@ -153,6 +163,8 @@ std::string sum_to_check(const recurra_node_desc& n) {
 void sum_to_record(NodeCall& c) {
   const recurra_tensor_desc &x = *c.src[0].d, &d = *c.dst.d;
   ReduceSpec r;
+  r.xdt = x.dtype;
+  r.odt = d.dtype;
   for (int i = 0; i < x.ndim; ++i) {
     const int j = d.ndim - x.ndim + i;
     const bool summed = j < 0 || (d.shape[j] == 1 && x.shape[i] != 1);
@@ -176,7 +188,7 @@ struct MaxGradPC {
 
 std::string max_grad_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 3);
-  if (why.empty()) why = require_f32(n, 3);
+  if (why.empty()) why = require_float(n, 3);
   if (!why.empty()) return why;
   const recurra_tensor_desc& x = n.src[1];
   if (n.n_ip != 1 || n.ip[RECURRA_P_AXIS] < 0 || n.ip[RECURRA_P_AXIS] >= x.ndim) return "max_grad takes an axis";
@@ -201,10 +213,19 @@ void max_grad_record(NodeCall& c) {
   const Recorder::Scratch first = c.rec.scratch(static_cast<size_t>(O * I) * 4);
   const MaxGradPC pc{addr(c.src[0]), addr(c.src[1]), addr(c.src[2]), addr(c.dst), first.addr,
                      static_cast<uint32_t>(O), static_cast<uint32_t>(L), static_cast<uint32_t>(I)};
-  c.rec.dispatch("max_grad", {0}, pc, grid_groups(O * I, 256), 1, 1, {}, {first.range});
-  c.rec.dispatch("max_grad", {1}, pc, grid_groups(O * L * I, 256), 1, 1, {c.src[1].range, c.src[2].range},
+  // 2-byte tensors: max_grad_h, the dtypes of g, x, m and dx its specialization constants 1-4.
+  const bool half = has_half(c.node, 3);
+  const std::string module = variant("max_grad", half);
+  auto spec = [&](int32_t pass) {
+    std::vector<int32_t> s{pass};
+    if (half)
+      s.insert(s.end(), {dt_code(c.src[0].d->dtype), dt_code(x.dtype), dt_code(c.src[2].d->dtype), dt_code(c.dst.d->dtype)});
+    return s;
+  };
+  c.rec.dispatch(module, spec(0), pc, grid_groups(O * I, 256), 1, 1, {}, {first.range});
+  c.rec.dispatch(module, spec(1), pc, grid_groups(O * L * I, 256), 1, 1, {c.src[1].range, c.src[2].range},
                  {first.range});
-  c.rec.dispatch("max_grad", {2}, pc, grid_groups(O * L * I, 256), 1, 1, {c.src[0].range, first.range},
+  c.rec.dispatch(module, spec(2), pc, grid_groups(O * L * I, 256), 1, 1, {c.src[0].range, first.range},
                  {c.dst.range});
 }
 

@@ -24,21 +24,9 @@ std::string check_tensor(const recurra_tensor_desc& d) {
   return "";
 }
 
-thread_local const Device* t_checking = nullptr;
-
 }  // namespace
 
-const Device& checking_device() {
-  if (!t_checking) fail_invalid("internal: an op check ran outside check_node");
-  return *t_checking;
-}
-
-std::string check_node(const Device& dev, const recurra_node_desc& n) {
-  struct Scope {
-    const Device* prev;
-    explicit Scope(const Device* d) : prev(t_checking) { t_checking = d; }
-    ~Scope() { t_checking = prev; }
-  } scope(&dev);
+std::string check_node(const recurra_node_desc& n, bool half_storage) {
   const OpImpl* op = find_op(n.op);
   if (!op) return std::string("op '") + (n.op ? n.op : "?") + "' has no Vulkan kernel";
   if (n.n_src < 0 || n.n_src > RECURRA_MAX_SRC) return "bad source count";
@@ -49,6 +37,11 @@ std::string check_node(const Device& dev, const recurra_node_desc& n) {
   for (int i = 0; i < n.n_src; ++i) {
     why = check_tensor(n.src[i]);
     if (!why.empty()) return "source " + std::to_string(i) + ": " + why;
+  }
+  if (!half_storage) {
+    bool half = elem_bytes(n.dst.dtype) == 2;
+    for (int i = 0; i < n.n_src; ++i) half = half || elem_bytes(n.src[i].dtype) == 2;
+    if (half) return "bfloat16/float16 tensors need storageBuffer16BitAccess, which this device lacks";
   }
   return op->check(n);
 }
@@ -73,7 +66,7 @@ void compute_nodes(Device& dev, const recurra_node_desc* nodes, int32_t n) {
   auto validate = [&] {
     impls.resize(n);
     for (int32_t i = 0; i < n; ++i) {
-      const std::string why = check_node(dev, nodes[i]);
+      const std::string why = check_node(nodes[i], dev.half_storage());
       if (!why.empty())
         fail(RECURRA_ERR_UNSUPPORTED, std::string("node ") + std::to_string(i) + " (" +
                                           (nodes[i].op ? nodes[i].op : "?") + "): " + why);

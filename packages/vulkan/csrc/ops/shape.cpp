@@ -1,6 +1,8 @@
 // Ops that move data: contiguous, fill, slice_grad, concat, pad, cumsum. Elements are moved
-// as 4-byte words, so float32 and int32 share the kernels. Shaders: copy.comp, fill.comp,
-// pad.comp, cumsum.comp.
+// as 4-byte words, so float32 and int32 share the kernels; bfloat16/float16 ones as 16-bit
+// words by the "_h" variants (bits untouched; fill and pad round their float32 value once).
+// cumsum sums 2-byte elements in float32 and rounds each output once. Shaders: copy.comp,
+// fill.comp, pad.comp, cumsum.comp.
 //
 //   concat:     a, b (.., A|B, ..), ip [axis] -> (.., A + B, ..)
 //   pad:        x, ip [before0, after0, ...], fp [value] -> padded
@@ -10,6 +12,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "half_ops.h"
 #include "ops.h"
 
 namespace recurra_vk {
@@ -22,8 +25,9 @@ struct CopyPC {
   int32_t shape[4], ss[4], sd[4];
 };
 
-// d[view] = s[view] over `shape` (nd axes) with the given element strides.
-void copy_view(Recorder& rec, int nd, const int64_t* shape, uint64_t s_addr, const int64_t* s_st, const Range& s_range,
+// d[view] = s[view] over `shape` (nd axes) with the given element strides; `half`: 2-byte
+// elements.
+void copy_view(Recorder& rec, bool half, int nd, const int64_t* shape, uint64_t s_addr, const int64_t* s_st, const Range& s_range,
                uint64_t d_addr, const int64_t* d_st, const Range& d_range) {
   int64_t n = 1;
   for (int i = 0; i < nd; ++i) n *= shape[i];
@@ -39,7 +43,7 @@ void copy_view(Recorder& rec, int nd, const int64_t* shape, uint64_t s_addr, con
   std::memcpy(pc.ss, col.strides[0], sizeof pc.ss);
   std::memcpy(pc.sd, col.strides[1], sizeof pc.sd);
   const bool flat = col.nd == 0 || (col.nd == 1 && col.strides[0][3] == 1 && col.strides[1][3] == 1);
-  rec.dispatch("copy", {flat ? 1 : 0, std::max(col.nd, 1)}, pc, grid_groups(n, 256), 1, 1, {s_range}, {d_range});
+  rec.dispatch(variant("copy", half), {flat ? 1 : 0, std::max(col.nd, 1)}, pc, grid_groups(n, 256), 1, 1, {s_range}, {d_range});
 }
 
 struct FillPC {
@@ -48,15 +52,21 @@ struct FillPC {
   uint32_t bits;
 };
 
-void fill_words(Recorder& rec, uint64_t d_addr, int64_t n, uint32_t bits, const Range& range) {
+// n elements of dtype dt = bits (value_bits).
+void fill_words(Recorder& rec, recurra_dtype dt, uint64_t d_addr, int64_t n, uint32_t bits, const Range& range) {
   if (n == 0) return;
   FillPC pc{d_addr, static_cast<uint32_t>(n), bits};
-  rec.dispatch("fill", {}, pc, grid_groups(n, 256), 1, 1, {}, {range});
+  if (is_half(dt))
+    rec.dispatch("fill_h", {dt_code(dt)}, pc, grid_groups(n, 256), 1, 1, {}, {range});
+  else
+    rec.dispatch("fill", {}, pc, grid_groups(n, 256), 1, 1, {}, {range});
 }
 
+// The bits fill.comp / pad.comp take for value v: float32 ones for the float dtypes (the
+// 2-byte variants round them once to bfloat16/float16, as the CPU does), int32 ones else.
 uint32_t value_bits(recurra_dtype dt, double v) {
   uint32_t bits;
-  if (dt == RECURRA_F32) {
+  if (is_float(dt)) {
     const float f = static_cast<float>(v);
     std::memcpy(&bits, &f, 4);
   } else {
@@ -70,7 +80,6 @@ uint32_t value_bits(recurra_dtype dt, double v) {
 
 std::string contiguous_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 1);
-  if (why.empty()) why = require_words(n);
   if (!why.empty()) return why;
   if (n.src[0].dtype != n.dst.dtype) return "contiguous keeps the dtype";
   if (!same_shape(n.src[0], n.dst)) return "contiguous keeps the shape";
@@ -81,7 +90,7 @@ void contiguous_record(NodeCall& c) {
   const recurra_tensor_desc& d = *c.dst.d;
   int64_t dst_st[4];
   dense_strides(d, dst_st);
-  copy_view(c.rec, d.ndim, d.shape, addr(c.src[0]), c.src[0].d->strides, c.src[0].range, addr(c.dst), dst_st,
+  copy_view(c.rec, is_half(d.dtype), d.ndim, d.shape, addr(c.src[0]), c.src[0].d->strides, c.src[0].range, addr(c.dst), dst_st,
             c.dst.range);
 }
 
@@ -89,7 +98,6 @@ void contiguous_record(NodeCall& c) {
 
 std::string assign_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 2);
-  if (why.empty()) why = require_words(n);
   if (!why.empty()) return why;
   if (n.src[0].dtype != n.src[1].dtype || !same_shape(n.src[0], n.src[1])) return "assign keeps shape and dtype";
   if (!is_dense(n.src[0])) return "assign writes a dense tensor";
@@ -98,7 +106,7 @@ std::string assign_check(const recurra_node_desc& n) {
 
 void assign_record(NodeCall& c) {
   const recurra_tensor_desc& d = *c.src[0].d;
-  copy_view(c.rec, d.ndim, d.shape, addr(c.src[1]), c.src[1].d->strides, c.src[1].range, addr(c.src[0]),
+  copy_view(c.rec, is_half(d.dtype), d.ndim, d.shape, addr(c.src[1]), c.src[1].d->strides, c.src[1].range, addr(c.src[0]),
             d.strides, c.src[0].range);
 }
 
@@ -106,7 +114,6 @@ void assign_record(NodeCall& c) {
 
 std::string fill_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 0);
-  if (why.empty()) why = require_words(n);
   if (!why.empty()) return why;
   if (n.n_fp != 2) return "fill takes (value, dtype)";
   if (static_cast<int>(n.fp[RECURRA_P_DTYPE]) != static_cast<int>(n.dst.dtype)) return "fill: dtype code and output dtype differ";
@@ -114,15 +121,16 @@ std::string fill_check(const recurra_node_desc& n) {
 }
 
 void fill_record(NodeCall& c) {
-  fill_words(c.rec, addr(c.dst), numel(*c.dst.d), value_bits(c.dst.d->dtype, c.node.fp[RECURRA_P_VALUE]), c.dst.range);
+  fill_words(c.rec, c.dst.d->dtype, addr(c.dst), numel(*c.dst.d), value_bits(c.dst.d->dtype, c.node.fp[RECURRA_P_VALUE]), c.dst.range);
 }
 
 // ---- slice_grad -----------------------------------------------------------------------
 
 std::string slice_grad_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 1);
-  if (why.empty()) why = require_f32(n, 1);
+  if (why.empty()) why = require_float(n, 1);
   if (!why.empty()) return why;
+  if (n.src[0].dtype != n.dst.dtype) return "slice_grad keeps the dtype";
   const int nd = n.dst.ndim;
   if (n.n_ip != 4 * nd || n.src[0].ndim != nd) return "slice_grad takes the full shape and (start, stop, step) per axis";
   for (int i = 0; i < nd; ++i) {
@@ -136,7 +144,8 @@ std::string slice_grad_check(const recurra_node_desc& n) {
 void slice_grad_record(NodeCall& c) {
   const recurra_tensor_desc& d = *c.dst.d;
   const int nd = d.ndim;
-  fill_words(c.rec, addr(c.dst), numel(d), 0u, c.dst.range);
+  const bool half = is_half(d.dtype);
+  fill_words(c.rec, d.dtype, addr(c.dst), numel(d), 0u, c.dst.range);
   int64_t dense[4], wst[4];
   dense_strides(d, dense);
   int64_t off = 0;
@@ -144,15 +153,14 @@ void slice_grad_record(NodeCall& c) {
     off += c.node.ip[nd + 3 * i] * dense[i];
     wst[i] = dense[i] * c.node.ip[nd + 3 * i + 2];
   }
-  copy_view(c.rec, nd, c.src[0].d->shape, addr(c.src[0]), c.src[0].d->strides, c.src[0].range,
-            addr(c.dst) + static_cast<uint64_t>(off) * 4, wst, c.dst.range);
+  copy_view(c.rec, half, nd, c.src[0].d->shape, addr(c.src[0]), c.src[0].d->strides, c.src[0].range,
+            addr(c.dst) + static_cast<uint64_t>(off) * elem_bytes(d.dtype), wst, c.dst.range);
 }
 
 // ---- concat ---------------------------------------------------------------------------
 
 std::string concat_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 2);
-  if (why.empty()) why = require_words(n);
   if (!why.empty()) return why;
   const recurra_tensor_desc &a = n.src[0], &b = n.src[1], &d = n.dst;
   if (a.dtype != d.dtype || b.dtype != d.dtype) return "concat: sources and output must share one dtype";
@@ -171,10 +179,11 @@ void concat_record(NodeCall& c) {
   const int ax = static_cast<int>(c.node.ip[RECURRA_P_AXIS]);
   int64_t dense[4];
   dense_strides(d, dense);
-  copy_view(c.rec, d.ndim, c.src[0].d->shape, addr(c.src[0]), c.src[0].d->strides, c.src[0].range, addr(c.dst),
+  const bool half = is_half(d.dtype);
+  copy_view(c.rec, half, d.ndim, c.src[0].d->shape, addr(c.src[0]), c.src[0].d->strides, c.src[0].range, addr(c.dst),
             dense, c.dst.range);
-  const uint64_t off = static_cast<uint64_t>(c.src[0].d->shape[ax] * dense[ax]) * 4;
-  copy_view(c.rec, d.ndim, c.src[1].d->shape, addr(c.src[1]), c.src[1].d->strides, c.src[1].range, addr(c.dst) + off,
+  const uint64_t off = static_cast<uint64_t>(c.src[0].d->shape[ax] * dense[ax]) * elem_bytes(d.dtype);
+  copy_view(c.rec, half, d.ndim, c.src[1].d->shape, addr(c.src[1]), c.src[1].d->strides, c.src[1].range, addr(c.dst) + off,
             dense, c.dst.range);
 }
 
@@ -189,7 +198,6 @@ struct PadPC {
 
 std::string pad_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 1);
-  if (why.empty()) why = require_words(n);
   if (!why.empty()) return why;
   const recurra_tensor_desc &x = n.src[0], &d = n.dst;
   if (x.dtype != d.dtype) return "pad keeps the dtype";
@@ -217,7 +225,10 @@ void pad_record(NodeCall& c) {
     pc.sx[j] = static_cast<int32_t>(x.strides[i]);
     pc.before[j] = static_cast<int32_t>(c.node.ip[2 * i]);
   }
-  c.rec.dispatch("pad", {}, pc, grid_groups(n, 256), 1, 1, {c.src[0].range}, {c.dst.range});
+  if (is_half(d.dtype))
+    c.rec.dispatch("pad_h", {dt_code(d.dtype)}, pc, grid_groups(n, 256), 1, 1, {c.src[0].range}, {c.dst.range});
+  else
+    c.rec.dispatch("pad", {}, pc, grid_groups(n, 256), 1, 1, {c.src[0].range}, {c.dst.range});
 }
 
 // ---- cumsum ---------------------------------------------------------------------------
@@ -229,7 +240,7 @@ struct CumsumPC {
 
 std::string cumsum_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 1);
-  if (why.empty()) why = require_f32(n, 1);
+  if (why.empty()) why = require_float(n, 1);
   if (!why.empty()) return why;
   if (n.n_ip != 2 || n.ip[RECURRA_P_AXIS] < 0 || n.ip[RECURRA_P_AXIS] >= n.dst.ndim ||
       (n.ip[RECURRA_P_REVERSE] != 0 && n.ip[RECURRA_P_REVERSE] != 1))
@@ -248,14 +259,22 @@ void cumsum_record(NodeCall& c) {
   if (O * I * L == 0) return;
   CumsumPC pc{addr(c.src[0]), addr(c.dst), static_cast<uint32_t>(O), static_cast<uint32_t>(L), static_cast<uint32_t>(I)};
   const int32_t rev = static_cast<int32_t>(c.node.ip[RECURRA_P_REVERSE]);
+  // 2-byte tensors: cumsum_h, the dtypes of x and y its specialization constants 2 and 3.
+  const bool half = has_half(c.node, 1);
+  const std::string module = variant("cumsum", half);
+  auto spec = [&](int32_t mode) {
+    std::vector<int32_t> s{mode, rev};
+    if (half) s.insert(s.end(), {dt_code(c.src[0].d->dtype), dt_code(d.dtype)});
+    return s;
+  };
   // A thread walking a long axis would pass lavapipe's 65535 loop iterations per invocation.
   constexpr int64_t kLongAxis = 16384;
   if (I == 1 || L > kLongAxis) {
     uint32_t gx, gy;
     grid_2d(O * I, gx, gy);
-    c.rec.dispatch("cumsum", {0, rev}, pc, gx, gy, 1, {c.src[0].range}, {c.dst.range});
+    c.rec.dispatch(module, spec(0), pc, gx, gy, 1, {c.src[0].range}, {c.dst.range});
   } else {
-    c.rec.dispatch("cumsum", {1, rev}, pc, grid_groups(O * I, 256), 1, 1, {c.src[0].range}, {c.dst.range});
+    c.rec.dispatch(module, spec(1), pc, grid_groups(O * I, 256), 1, 1, {c.src[0].range}, {c.dst.range});
   }
 }
 

@@ -1,0 +1,206 @@
+"""Mixed precision against float32: a preset trained for --steps steps in each precision on
+the same batches, from the same weights; ms/step, peak memory and the two loss curves.
+
+    python bench/mixed_precision.py --device vulkan --preset mamba2-130m --batch 8 --seq-len 512
+    python bench/mixed_precision.py --preset mamba2-130m --n-layer 2 --batch 2 --seq-len 64 \\
+        --steps 20   # a CPU smoke run
+
+The batches come from a fixed random first-order Markov chain over --symbols token ids
+(seeded): a language a model learns step by step, so the curves fall and can be compared
+step by step. Each precision runs in a process of its own (its peak memory is its own: on a
+GPU what nvidia-smi reports while it runs, less what was in use before; everywhere the
+library's own count, recurra.memory_stats). "bf16" is float32 parameters and optimizer
+state with the forward under ``recurra.autocast(recurra.bfloat16)``.
+
+Printed: median ms/step over the steps after --warmup, the speed-up (float32 ms / bf16 ms),
+peak memory and its ratio (bf16 / float32), and the largest relative difference of the
+loss curves, per step and of their 10-step moving averages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+
+
+def markov_batches(vocab: int, symbols: int, batch: int, seq_len: int, steps: int, seed: int):
+    """steps batches (batch, seq_len + 1) of int32 ids from a seeded Markov chain: each
+    symbol has 4 likely successors (weights 8, 4, 2, 1) among `symbols` ids below vocab."""
+    rng = np.random.default_rng(seed)
+    ids = rng.choice(min(vocab, 50000), symbols, replace=False).astype(np.int32)
+    succ = rng.integers(0, symbols, (symbols, 4))
+    p = np.array([8, 4, 2, 1], np.float64) / 15
+    for _ in range(steps):
+        s = np.empty((batch, seq_len + 1), np.int64)
+        s[:, 0] = rng.integers(0, symbols, batch)
+        for t in range(1, seq_len + 1):
+            pick = rng.choice(4, batch, p=p)
+            s[:, t] = succ[s[:, t - 1], pick]
+        yield ids[s]
+
+
+def worker(spec: dict[str, Any]) -> dict[str, Any]:
+    import recurra as rc
+    import recurra_models as rm
+    from recurra_optim import AdamW
+
+    if spec["device"] != "cpu":
+        import recurra.backends  # noqa: F401
+
+        rc.set_strict_placement(True)
+    over = {"n_layer": spec["n_layer"]} if spec["n_layer"] else {}
+    model = rm.create(spec["preset"], seed=0, **over).to(spec["device"])
+    opt = AdamW(list(model.parameters()), lr=spec["lr"])
+    half = spec["precision"] == "bf16"
+    losses, times = [], []
+    rc._core.reset_peak_memory()
+    batches = markov_batches(
+        model.vocab_size, spec["symbols"], spec["batch"], spec["seq_len"], spec["steps"], 1
+    )
+    for data in batches:
+        t0 = time.perf_counter()
+        x = rc.tensor(data[:, :-1].copy(), device=spec["device"])
+        y = rc.tensor(data[:, 1:].copy(), device=spec["device"])
+        ctx = rc.autocast(rc.bfloat16) if half else contextlib.nullcontext()
+        with ctx:
+            loss = model.loss(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        times.append((time.perf_counter() - t0) * 1e3)
+    st = rc.memory_stats()
+    return {
+        "losses": losses,
+        "ms": times,
+        "lib_peak": st["persistent"]["peak_bytes"] + st["transient"]["peak_bytes"],
+    }
+
+
+def _gpu_used_mib() -> float | None:
+    try:
+        r = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        return float(r.stdout.strip().splitlines()[0])
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
+def run_side(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+    base = _gpu_used_mib() if spec["device"] != "cpu" else None
+    peak, stop = [0.0], threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            v = _gpu_used_mib()
+            if v is not None:
+                peak[0] = max(peak[0], v)
+            stop.wait(0.02)
+
+    th = threading.Thread(target=watch, daemon=True)
+    if base is not None:
+        th.start()
+    try:
+        p = subprocess.run(
+            [sys.executable, __file__, "--worker", json.dumps(spec)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+        res = (
+            json.loads(lines[-1][7:])
+            if lines
+            else {"error": f"exit {p.returncode}: {(p.stderr or p.stdout)[-1500:]}"}
+        )
+    except subprocess.TimeoutExpired:
+        res = {"error": f"did not finish within {timeout:.0f} s"}
+    finally:
+        stop.set()
+    if base is not None:
+        th.join()
+        res["gpu_peak"] = max(0.0, peak[0] - base) * 2**20
+    return res
+
+
+def moving(x: np.ndarray, w: int) -> np.ndarray:
+    return np.convolve(x, np.ones(w) / w, mode="valid") if len(x) >= w else x
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--preset", default="mamba2-130m")
+    ap.add_argument("--n-layer", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--symbols", type=int, default=1000)
+    ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        spec = json.loads(a.worker)
+        try:
+            res = worker(spec)
+        except Exception as exc:  # noqa: BLE001 - reported by the parent
+            res = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
+        print("RESULT " + json.dumps(res), flush=True)
+        return
+    gib = 1 << 30
+    out: dict[str, Any] = {}
+    for prec in a.precisions.split(","):
+        spec = {k: getattr(a, k) for k in ("preset", "n_layer", "device", "batch", "seq_len")}
+        spec.update(steps=a.steps, lr=a.lr, symbols=a.symbols, precision=prec)
+        r = run_side(spec, a.timeout)
+        out[prec] = r
+        if "error" in r:
+            print(f"{prec}: {r['error']}")
+            continue
+        ms = statistics.median(r["ms"][a.warmup :] or r["ms"])
+        r["median_ms"] = ms
+        peak = r.get("gpu_peak")
+        print(
+            f"{a.preset} {prec}: {ms:.1f} ms/step (median of {len(r['ms'][a.warmup:])}), "
+            f"{a.batch * a.seq_len / ms * 1e3:.0f} tok/s; peak "
+            f"{'nvidia-smi %.2f GiB, ' % (peak / gib) if peak else ''}"
+            f"library {r['lib_peak'] / gib:.2f} GiB; loss {r['losses'][0]:.4f} -> "
+            f"{r['losses'][-1]:.4f}"
+        )
+    f, h = out.get("fp32", {}), out.get("bf16", {})
+    if "losses" in f and "losses" in h:
+        lf, lh = np.array(f["losses"]), np.array(h["losses"])
+        per_step = float(np.max(np.abs(lh - lf) / np.abs(lf)))
+        mf, mh = moving(lf, 10), moving(lh, 10)
+        smooth = float(np.max(np.abs(mh - mf) / np.abs(mf)))
+        key = "gpu_peak" if f.get("gpu_peak") and h.get("gpu_peak") else "lib_peak"
+        print(
+            f"speed-up fp32/bf16 {f['median_ms'] / h['median_ms']:.2f}x (target >= 2); memory "
+            f"bf16/fp32 ({key}) {h[key] / f[key]:.2f} (target <= 0.6); loss curves: largest "
+            f"relative difference per step {per_step:.4f}, of 10-step means {smooth:.4f} "
+            f"(target <= 0.02)"
+        )
+    print("JSON " + json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
