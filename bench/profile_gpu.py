@@ -2,6 +2,7 @@
 per-node timestamps (RECURRA_VULKAN_PROFILE=1), summed by op over the last of --steps steps.
 
     python bench/profile_gpu.py --preset mamba2-130m --batch 8 --seq-len 512
+    python bench/profile_gpu.py --preset mamba2-130m --precision bf16  # under autocast
     python bench/profile_gpu.py --preset rwkv7-0.1b --n-layer 2 --batch 1 --seq-len 64  # smoke
 
 The step runs in a child process (the variable is read when the device is made); each node's
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import re
@@ -47,7 +49,9 @@ def child(args: argparse.Namespace) -> None:
     for i in range(args.steps):
         print(f"@@step {i}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        loss = model.loss(x, y)
+        half = args.precision == "bf16"
+        with rc.autocast(rc.bfloat16) if half else contextlib.nullcontext():
+            loss = model.loss(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -82,6 +86,7 @@ def main() -> None:
     ap.add_argument("--device", default="vulkan")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--recompute", action="store_true")
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -99,7 +104,7 @@ def main() -> None:
     total = sum(sum(v) for v in by_op.values())
     print(
         f"{args.preset} batch {args.batch} x {args.seq_len}"
-        f"{' recompute' if args.recompute else ''}: step wall (no timestamps) "
+        f"{' recompute' if args.recompute else ''} {args.precision}: step wall (no timestamps) "
         f"{', '.join(f'{t:.1f}' for t in times)} ms; with timestamps "
         f"{', '.join(f'{t:.1f}' for t in prof_times)} ms; GPU time in nodes, last step "
         f"{total:.1f} ms"

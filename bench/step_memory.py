@@ -3,6 +3,7 @@ built but not run: peak_live_bytes and what is alive at the peak, by op.
 
     python bench/step_memory.py --preset mamba2-130m --n-layer 2 4 --batch 8 --seq-len 512
     python bench/step_memory.py --preset rwkv7-0.1b --vulkan-ops --recompute --loss-chunk 0
+    python bench/step_memory.py --preset mamba2-130m --precision bf16   # under rc.autocast
 
 The graph is the one ``model.loss(x, y).backward()`` plans on the CPU; the planner is the
 one a device uses. ``--vulkan-ops`` makes the CPU refuse the ops the Vulkan backend has no
@@ -34,7 +35,13 @@ class _Planned(Exception):
 
 
 def step_plan(
-    preset: str, n_layer: int, batch: int, seq_len: int, recompute: bool, chunk: int | None
+    preset: str,
+    n_layer: int,
+    batch: int,
+    seq_len: int,
+    recompute: bool,
+    chunk: int | None,
+    precision: str = "fp32",
 ) -> dict[str, Any]:
     """The memory plan (graph.memory()'s dict) of one training step, not run."""
     import recurra as rc
@@ -50,7 +57,9 @@ def step_plan(
     rng = np.random.default_rng(0)
     data = rng.integers(0, min(model.vocab_size, 50000), (batch, seq_len + 1)).astype(np.int32)
     x, y = rc.tensor(data[:, :-1].copy()), rc.tensor(data[:, 1:].copy())
-    loss = model.loss(x, y, chunk_bytes=chunk)
+    dtype = {"fp32": None, "bf16": rc.bfloat16, "f16": rc.float16}[precision]
+    with rc.autocast(dtype or rc.bfloat16, enabled=dtype is not None):
+        loss = model.loss(x, y, chunk_bytes=chunk)
     got: dict[str, Any] = {}
     build = LAZY._build
 
@@ -80,6 +89,7 @@ def main() -> None:
     ap.add_argument(
         "--loss-chunk", type=int, default=None, help="loss chunk bytes (0: off; default: model's)"
     )
+    ap.add_argument("--precision", choices=["fp32", "bf16", "f16"], default="fp32")
     ap.add_argument("--vulkan-ops", action="store_true", help="refuse what Vulkan lacks")
     ap.add_argument("--refuse", nargs="*", default=None, help="ops the CPU refuses")
     ap.add_argument("--top", type=int, default=12, help="ops listed at the peak")
@@ -92,13 +102,13 @@ def main() -> None:
     gib = 1 << 30
     rows = []
     for n in a.n_layer:
-        p = step_plan(a.preset, n, a.batch, a.seq_len, a.recompute, a.loss_chunk)
+        p = step_plan(a.preset, n, a.batch, a.seq_len, a.recompute, a.loss_chunk, a.precision)
         rows.append((n, p))
         if a.json:
             continue
         print(
             f"{a.preset} n_layer {n} batch {a.batch}x{a.seq_len} recompute {a.recompute} "
-            f"loss_chunk {a.loss_chunk} refused {refuse}: peak_live "
+            f"loss_chunk {a.loss_chunk} {a.precision} refused {refuse}: peak_live "
             f"{p['peak_live_bytes'] / gib:.3f} GiB, arena {p['arena_bytes'] / gib:.3f} GiB"
         )
         for op, b in p["live_at_peak"][: a.top]:

@@ -322,6 +322,7 @@ PYBIND11_MODULE(_core, m) {
         e["dtypes"] = py::make_tuple("float32", "bfloat16", "float16");
       else
         e["dtypes"] = py::make_tuple("float32");
+      e["autocast"] = recurra_op_autocast(t[i].name);  // RECURRA_AUTOCAST_*
       out.append(e);
     }
     return out;

@@ -2,13 +2,22 @@
 //
 //   a, b: any strides (0 on broadcast axes), d: dense, all of the collapsed shape `shape`
 //   MODE 0: general (4-D index math), 1: all dense, same shape, 2: like 1 with vec4 access
+//   HALF (the binary_h variant): the tensors are of dtype DT (bfloat16 or float16), computed
+//   in float32 and rounded once on store
 #version 450
 #include "common.glsl"
+#ifdef HALF
+#include "half.glsl"
+#include "half_ew.glsl"
+#endif
 
 layout(local_size_x = 256) in;
 layout(constant_id = 0) const int OP = 0;  // 0 add, 1 sub, 2 mul, 3 div
 layout(constant_id = 1) const int MODE = 0;
 layout(constant_id = 2) const int ND = 4;  // axes of the collapsed shape (1..4)
+#ifdef HALF
+layout(constant_id = 3) const int DT = DT_BF16;
+#endif
 
 layout(push_constant) uniform PC {
   uvec2 a, b, d;
@@ -35,6 +44,20 @@ vec4 op4(vec4 x, vec4 y) {
 void main() {
   const uint stride = gl_NumWorkGroups.x * 256u;
   uint i = gl_GlobalInvocationID.x;
+#ifdef HALF
+  if (MODE == 2) {
+    const uint n4 = pc.n / 4u;
+    for (uint j = i; j < n4; j += stride) st4f(pc.d, j, DT, op4(ld4f(pc.a, j, DT), ld4f(pc.b, j, DT)));
+    const uint t = n4 * 4u + i;
+    if (t < pc.n) stf(pc.d, t, DT, op(ldf(pc.a, t, DT), ldf(pc.b, t, DT)));
+    return;
+  }
+  for (; i < pc.n; i += stride) {
+    const uint ia = MODE == 1 ? i : uint(offset_nd(i, pc.shape, pc.sa, ND));
+    const uint ib = MODE == 1 ? i : uint(offset_nd(i, pc.shape, pc.sb, ND));
+    stf(pc.d, i, DT, op(ldf(pc.a, ia, DT), ldf(pc.b, ib, DT)));
+  }
+#else
   if (MODE == 2) {
     F4Buf a4 = F4Buf(pc.a), b4 = F4Buf(pc.b), d4 = F4Buf(pc.d);
     const uint n4 = pc.n / 4u;
@@ -51,4 +74,5 @@ void main() {
     else
       d.v[i] = op(a.v[offset_nd(i, pc.shape, pc.sa, ND)], b.v[offset_nd(i, pc.shape, pc.sb, ND)]);
   }
+#endif
 }

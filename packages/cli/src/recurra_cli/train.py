@@ -153,6 +153,13 @@ def train(
         "--gradient-checkpointing",
         help="recompute each block's forward in the backward instead of keeping it (less memory)",
     ),
+    precision: str = typer.Option(
+        "fp32",
+        "--precision",
+        help="fp32, bf16 or f16: mixed precision (matmuls and elementwise work in the 2-byte "
+        "dtype, scans/norms/losses in float32, float32 master weights; f16 with a dynamic "
+        "loss scale); checkpoints stay float32",
+    ),
     nproc: int = typer.Option(
         1,
         "--nproc",
@@ -202,6 +209,8 @@ def train(
         fail(f"unknown --model {model!r}: one of {', '.join(known)}, or a path")
     if not math.isfinite(lr) or lr < 0:
         fail(f"--lr must be a finite number >= 0, got {lr}")
+    if precision.lower() not in ("fp32", "float32", "bf16", "bfloat16", "f16", "fp16", "float16"):
+        fail(f"--precision must be fp32, bf16 or f16, got {precision!r}")
     if resume and overwrite:
         fail("--resume and --overwrite exclude each other: continue the run, or replace it")
     if out is not None and out.exists() and not out.is_dir():
@@ -300,6 +309,7 @@ def train(
             gradient_checkpointing=gradient_checkpointing,
             log_every=0,  # the bar shows the progress
             parallel=parallel,
+            precision=precision,
         )
         if resume:
             resumed_from = trainer.resume(out)
@@ -395,6 +405,8 @@ def train(
         "tokens_per_s": done * batch_size * seq_len / seconds if seconds > 0 else None,
         "out": str(out) if out is not None else None,
         "processes": ctx.world_size if ctx is not None else 1,
+        "precision": trainer.precision,
+        "skipped_steps": sum(1 for r in records if r.get("skipped")),
         "exchange_s_per_step": (
             sum(float(r.get("exchange_s", 0.0)) for r in records) / done
             if ctx is not None and done

@@ -15,6 +15,7 @@ from importlib import metadata as _metadata
 from recurra import _core
 from recurra import backends as backends
 from recurra import ops as ops
+from recurra._autocast import autocast, autocast_dtype, is_autocast_enabled
 from recurra._core import DeviceBuffer
 from recurra._devices import Device, parse_device
 from recurra._dtype import DType, bfloat16, float16, float32, int32
@@ -48,6 +49,8 @@ __all__ = [
     "GraphTensor",
     "Tensor",
     "__version__",
+    "autocast",
+    "autocast_dtype",
     "backends",
     "bfloat16",
     "blas_info",
@@ -57,6 +60,7 @@ __all__ = [
     "get_include",
     "get_num_threads",
     "int32",
+    "is_autocast_enabled",
     "is_grad_enabled",
     "memory_stats",
     "no_grad",

@@ -335,6 +335,25 @@ _CKPT_NAME = re.compile(r"ckpt-\d{8,}")
 Callback = Callable[[dict[str, Any]], Any]
 
 
+_PRECISIONS = {
+    "fp32": ("fp32", None),
+    "float32": ("fp32", None),
+    "bf16": ("bf16", rc.bfloat16),
+    "bfloat16": ("bf16", rc.bfloat16),
+    "f16": ("f16", rc.float16),
+    "fp16": ("f16", rc.float16),
+    "float16": ("f16", rc.float16),
+}
+
+
+def _parse_precision(precision: Any) -> tuple[str, Any]:
+    """("fp32" | "bf16" | "f16", the autocast dtype or None). Raises ValueError."""
+    got = _PRECISIONS.get(str(precision).lower()) if isinstance(precision, str) else None
+    if got is None:
+        raise ValueError(f"Trainer: precision must be 'fp32', 'bf16' or 'f16', got {precision!r}")
+    return got
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
@@ -419,6 +438,15 @@ class Trainer:
             is the step, so a checkpoint resumes with another number of ranks, as long as
             it divides the batch size. Records get ``"exchange_s"`` (the time spent
             averaging gradients in that step).
+        precision: ``"fp32"`` (the default), ``"bf16"`` or ``"f16"``: mixed precision, the
+            forward (and so the backward) under ``recurra.autocast(bfloat16 / float16)``
+            (matmuls and elementwise work in the 2-byte dtype, scans, norms, softmax,
+            cross-entropy and reductions in float32). The parameters stay float32 (the
+            optimizer's master weights; their gradients come back float32), so checkpoints
+            hold float32 weights as before. ``"f16"`` adds a dynamic loss scale
+            (``recurra_optim.DynamicLossScale``; pass ``loss_scale=`` for another one): a
+            step whose gradients overflow is skipped (recorded with ``"skipped": True``)
+            and the scale halved; its state is saved in checkpoints.
 
     Raises ValueError for bad sizes or data too short for ``seq_len``, TypeError for
     ``gradient_checkpointing`` on a model without ``gradient_checkpointing()``.
@@ -443,7 +471,15 @@ class Trainer:
         gradient_checkpointing: bool | None = None,
         log_every: int | None = None,
         parallel: Any = None,
+        precision: str = "fp32",
+        loss_scale: Any = None,
     ) -> None:
+        self.precision, self.autocast_dtype = _parse_precision(precision)
+        if loss_scale is None and self.precision == "f16":
+            from recurra_optim import DynamicLossScale
+
+            loss_scale = DynamicLossScale()
+        self.loss_scale = loss_scale
         for name, v in (
             ("batch_size", batch_size),
             ("seq_len", seq_len),
@@ -485,6 +521,12 @@ class Trainer:
                 raise ValueError(f"Trainer: {e} (batch_size is the global batch)") from None
             if parallel.rank != 0:
                 self.log_every = 0  # rank 0 prints the progress
+        if parallel is not None and loss_scale is not None:
+            raise ValueError(
+                "Trainer: loss scaling (precision='f16') is not supported with parallel yet; "
+                "use precision='bf16'"
+            )
+        self.last_skipped = False  # whether the last train_step skipped its update
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self._data_hash = data_hash(self.data)
@@ -497,16 +539,26 @@ class Trainer:
             model.gradient_checkpointing(bool(gradient_checkpointing))
 
     # -- pieces --------------------------------------------------------------------------
+    def _forward_loss(self, x: np.ndarray, y: np.ndarray) -> Any:
+        if self.autocast_dtype is None:
+            return self.model.loss(x, y)
+        with rc.autocast(self.autocast_dtype):
+            return self.model.loss(x, y)
+
     def train_step(self, step: int) -> float:
         """One optimizer step on batch ``step``; returns the loss (before the update)."""
         x, y = batch_at(self.data, self.batch_size, self.seq_len, self.seed, step)
         self.model.train()
-        loss = self.model.loss(x[self._rows], y[self._rows])
-        loss.backward()
+        loss = self._forward_loss(x[self._rows], y[self._rows])
+        scaler = self.loss_scale
+        (scaler.scale(loss) if scaler is not None else loss).backward()
         value = float(loss.item())
+        self.last_skipped = False
         if self.parallel is not None:
             value = self.parallel.mean(value)
             self.parallel.step()  # averages the gradients across the ranks, then updates
+        elif scaler is not None:
+            self.last_skipped = not scaler.step(self.optimizer)
         else:
             self.optimizer.step()
         self.optimizer.zero_grad()
@@ -529,7 +581,7 @@ class Trainer:
                     x, y = batch_at(
                         self.eval_data, self.batch_size, self.seq_len, self.seed + 1_000_003, k
                     )
-                    total += float(self.model.loss(x[self._rows], y[self._rows]).item())
+                    total += float(self._forward_loss(x[self._rows], y[self._rows]).item())
         finally:
             self.model.train(was)
         if self.parallel is not None:
@@ -559,6 +611,8 @@ class Trainer:
             "history": self.history,
             "scheduler": sched,
             "world_size": self.parallel.world_size if self.parallel is not None else 1,
+            "precision": self.precision,
+            "loss_scale": self.loss_scale.state_dict() if self.loss_scale is not None else None,
         }
         if self.parallel is not None and self.parallel.rank != 0:
             # rank 0 writes (the ranks hold the same weights and optimizer state)
@@ -617,6 +671,14 @@ class Trainer:
             except (ValueError, KeyError, TypeError) as e:
                 self.scheduler.load_state_dict(old_sched)
                 raise _fail(tj, f"the scheduler state does not match ({e})") from None
+        scale_state = extra.get("loss_scale")
+        if self.loss_scale is not None and scale_state is not None:
+            try:
+                self.loss_scale.load_state_dict(scale_state)
+            except ValueError as e:
+                if old_sched is not None:
+                    self.scheduler.load_state_dict(old_sched)
+                raise _fail(tj, str(e)) from None
         try:
             out = load_checkpoint(d, self.model, self.optimizer)
         except BaseException:
@@ -665,6 +727,10 @@ class Trainer:
             }
             if par is not None:
                 rec["exchange_s"] = float(par.last_exchange_s)
+            if self.loss_scale is not None:
+                rec["loss_scale"] = float(self.loss_scale.scale_value)
+                if self.last_skipped:
+                    rec["skipped"] = True
             self.history.append(rec)
             stop = emit({"kind": "step", **rec}) is False
             if par is not None:

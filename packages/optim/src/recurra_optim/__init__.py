@@ -23,6 +23,7 @@ from recurra_optim.clip import clip_grad_norm_, clip_grad_value_
 from recurra_optim.lr_scheduler import CosineWarmupLR, LRScheduler, OneCycleLR, StepLR
 from recurra_optim.optimizer import Optimizer
 from recurra_optim.optimizers import SGD, Adam, AdamW, Lion
+from recurra_optim.scaler import DynamicLossScale
 
 try:
     __version__ = _metadata.version("recurra-optim")
@@ -34,6 +35,7 @@ __all__ = [
     "Adam",
     "AdamW",
     "CosineWarmupLR",
+    "DynamicLossScale",
     "LRScheduler",
     "Lion",
     "OneCycleLR",

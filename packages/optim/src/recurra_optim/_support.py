@@ -106,8 +106,11 @@ def _param_list(params: Any, names: dict[int, str]) -> list[Tensor]:
             )
         if not p.is_leaf:
             raise ValueError(f"can't optimize a non-leaf tensor (parameter {i})")
-        if p.dtype != "float32":
-            raise TypeError(f"parameter {i} is {p.dtype}; only float32 tensors can be optimized")
+        if not p.dtype.is_floating:
+            raise TypeError(
+                f"parameter {i} is {p.dtype}; only float tensors (float32, or bfloat16 and "
+                f"float16 with a float32 master copy) can be optimized"
+            )
     checked: list[Tensor] = params
     return checked
 

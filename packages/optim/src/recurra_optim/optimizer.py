@@ -15,6 +15,16 @@ Clipping (``max_grad_norm``, ``clip_value``) happens inside the step, where the 
 are: the global norm is a reduction over all gradients in the same native graph, and the
 update scales by the clip coefficient. ``p.grad`` itself is left as it was (see
 :func:`recurra_optim.clip_grad_norm_` for PyTorch's in-place variant).
+
+Master weights: a parameter that is itself 2-byte (bfloat16 or float16, e.g. loaded with
+``dtype=recurra.bfloat16``) gets a float32 master copy, ``state[p]["master"]``, on its
+device. The step updates the master (from the gradient converted to float32, with float32
+moments), then writes the master rounded to nearest even into the parameter (on a device
+through a ``cast`` node there). Clipping and the gradient norm work on the float32
+gradients; ``state_dict`` carries the masters (a state without one, from a float32 run,
+starts from the parameter's value).
+Under :func:`recurra.autocast` float32 parameters need nothing of this: they are the master
+weights, and their gradients come back float32.
 """
 
 from __future__ import annotations
@@ -88,6 +98,9 @@ class Optimizer:
         self.max_grad_norm = _check_clip("max_grad_norm", max_grad_norm)
         self.clip_value = _check_clip("clip_value", clip_value)
         self.step_count = 0  # real updates so far
+        # The loss was multiplied by this before backward() (float16 loss scaling,
+        # recurra_optim.DynamicLossScale sets it): the step divides the gradients by it.
+        self.loss_scale = 1.0
         self.last_grad_norm: float | None = None
         self._micro = 0  # step() calls since the last update
         self._updated = False
@@ -154,11 +167,31 @@ class Optimizer:
 
     def _init_state(self, p: Tensor, group: dict[str, Any]) -> None:
         st = self.state.setdefault(p, {})
+        if p.dtype != recurra.float32 and "master" not in st:
+            st["master"] = recurra.tensor(p.numpy().astype(np.float32), device=p.device)
         if "step" not in st:
             st["step"] = recurra.tensor(np.zeros(1, np.int32), device=p.device)
         for k in self._state_keys(group):
             if k not in st:
                 st[k] = recurra.tensor(np.zeros(p.shape, np.float32), device=p.device)
+
+    def _target(self, p: Tensor) -> Tensor:
+        """The float32 tensor the update op changes: p, or the master copy of a 2-byte p."""
+        return self.state[p].get("master", p) if p.dtype != recurra.float32 else p
+
+    def _write_masters(self, ps: Iterable[Tensor]) -> None:
+        """Writes each 2-byte parameter from its float32 master, rounded to nearest even:
+        on the host straight into the parameter's memory (ml_dtypes rounds bit for bit as
+        the core's cast), on a device through a cast node there."""
+        for p in ps:
+            if p.dtype == recurra.float32:
+                continue
+            master = self.state[p]["master"]
+            dst, src = p.storage, master.storage
+            if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray):
+                np.copyto(dst, src.astype(dst.dtype))
+            else:
+                p.assign_(master.to(p.dtype))
 
     def _name(self, p: Tensor) -> str:
         return self._names.get(id(p)) or f"parameter {self._index(p)}"
@@ -258,7 +291,7 @@ class Optimizer:
                 if not self._rebind(plan, u, gi, ps, uploads):
                     self._plans.pop(key, None)  # a parameter moved: build again
                     return self._apply()
-        scale = 1.0 / self.accumulate_steps if self.average else 1.0
+        scale = (1.0 / self.accumulate_steps if self.average else 1.0) / float(self.loss_scale)
         common = {
             "grad_scale": scale,
             "clip_value": self.clip_value or 0.0,
@@ -276,6 +309,8 @@ class Optimizer:
         fs.run()
         for buf, host in uploads:
             buf.upload(host)
+        for _, ps in rows:
+            self._write_masters(ps)
         if norm:
             self.last_grad_norm = fs.grad_norm()
         return True
@@ -311,7 +346,7 @@ class Optimizer:
             return self._build(rows, norm, uploads)
         if not all(on_host):
             self._device_kernels = True
-        return _Plan(fs, on_host, [[p.storage for p in ps] for _, ps in rows])
+        return _Plan(fs, on_host, [[self._target(p).storage for p in ps] for _, ps in rows])
 
     def _rebind(
         self, plan: _Plan, u: int, gi: int, ps: list[Tensor], uploads: list[tuple[Any, np.ndarray]]
@@ -324,7 +359,7 @@ class Optimizer:
             keys = self._state_keys(group)
             for t, p in enumerate(ps):
                 self._check_grad_shape(p)
-                if p.storage is not plan.values[u][t]:
+                if self._target(p).storage is not plan.values[u][t]:
                     return False
                 for k, a in enumerate(self._arrays(p, keys, uploads)):
                     fs.bind(u, t, k, a)
@@ -332,7 +367,7 @@ class Optimizer:
         values = plan.values[u]
         grads = []
         for t, p in enumerate(ps):
-            if p.storage is not values[t]:
+            if self._target(p).storage is not values[t]:
                 return False
             g = _grad(p)
             ga = g.storage if isinstance(g, Tensor) else g
@@ -364,6 +399,8 @@ class Optimizer:
             arr = _grad_buffer(p, writable=False)
             assert arr is not None
             return arr
+        if g.dtype != recurra.float32:  # a 2-byte gradient: converted exactly
+            return np.asarray(g.numpy(), np.float32)
         stage = self._staging.setdefault(id(p), {})
         host = stage.get("grad")
         if host is None or host.shape != p.shape:
@@ -382,16 +419,18 @@ class Optimizer:
         themselves; the state still lives on the device between steps.
         """
         st = self.state[p]
-        tensors = [p, *(st[k] for k in keys), st["step"]]
+        tensors = [self._target(p), *(st[k] for k in keys), st["step"]]
         own = _host_storages(tensors)
         if own is not None:
             return (own[0], self._host_grad(p), *own[1:])
         if self._device_kernels is not False and all(t.device == p.device for t in tensors):
             # Resident: the update runs on the device, on the tensors themselves.
             g = p.grad
+            if _on_device(g) and g.device == p.device and g.dtype != recurra.float32:
+                g = g.to(recurra.float32).detach()  # a cast node on the device
             if not (_on_device(g) and g.device == p.device):
                 g = recurra.tensor(self._host_grad(p), device=p.device)
-            return (p, g, *(st[k] for k in keys), st["step"])
+            return (tensors[0], g, *(st[k] for k in keys), st["step"])
         stage = self._staging.setdefault(id(p), {})
         out = []
         for name, t in zip(("param", *keys, "step"), tensors):
@@ -406,7 +445,8 @@ class Optimizer:
     def _check_value(self, p: Tensor, group: dict[str, Any]) -> None:
         """Checks a parameter's data the first time it is seen (and whenever it is replaced),
         and moves the state along if the parameter changed device."""
-        value = p.storage
+        self._sync_state(p, group)
+        value = self._target(p).storage
         if isinstance(value, np.ndarray):
             if (
                 value.dtype != np.float32
@@ -424,7 +464,6 @@ class Optimizer:
                 f"{self._name(p)} was released (its backend closed); move the "
                 f"parameter to a live device before stepping"
             )
-        self._sync_state(p, group)
 
     def _sync_state(self, p: Tensor, group: dict[str, Any]) -> None:
         """Moves p's state to p's device when the parameter moved (for instance back to the
@@ -515,6 +554,7 @@ class Optimizer:
                         st[k].assign_(arr)
                     else:
                         st[k] = recurra.tensor(arr, device=p.device)
+                self._write_masters([p])
         if meta:
             self.accumulate_steps = meta["accumulate_steps"]
             self.average = meta["average"]
@@ -615,7 +655,11 @@ class Optimizer:
                         raise ValueError(f"state of parameter {i}: bad step count {v!r}")
                     out["step"] = int(s[0])
                     continue
-                if k not in want and k not in self._optional_state:
+                if k == "master" and p.dtype == recurra.float32:
+                    raise ValueError(
+                        f"state of parameter {i}: a float32 master copy for a float32 parameter"
+                    )
+                if k not in want and k not in self._optional_state and k != "master":
                     raise ValueError(
                         f"state of parameter {i}: unexpected entry {k!r} for "
                         f"{type(self).__name__} (expected {sorted(want)})"

@@ -1,17 +1,28 @@
 // Elementwise ops: add sub mul div (numpy broadcasting, strided sources), the unary maths
 // and activations (strided source), act_grad (dense sources), every unary op of
-// recurra/op_spec.h by its code. Shaders: binary.comp, unary.comp, act_grad.comp.
+// recurra/op_spec.h by its code, cast (float32 <-> bfloat16 <-> float16, strided source).
+// Shaders: binary.comp, unary.comp, act_grad.comp, cast.comp.
+//
+// bfloat16/float16: every tensor of such a node has the one dtype (the core refuses mixes);
+// the "_h" variants of the shaders (built with -DHALF, shaders/half_ew.glsl) load it, compute
+// in float32 and round once on store, as the CPU does (check_node has refused such nodes on
+// a device without 16-bit storage).
 #include <algorithm>
 #include <cstring>
+#include <string>
+#include <vector>
 
+#include "half_ops.h"
 #include "ops.h"
 
 namespace recurra_vk {
 
 namespace {
 
-// Flat loops: "dense" when every operand walks the one collapsed axis with stride 1.
-int flat_mode(const Collapsed& c, int n_operands, const uint64_t* addrs, int64_t n) {
+// Flat loops: "dense" when every operand walks the one collapsed axis with stride 1; mode 2
+// (four elements an invocation) when every operand k is aligned to align[k] bytes (16 for
+// float32, 8 for 2-byte dtypes: four elements).
+int flat_mode(const Collapsed& c, int n_operands, const uint64_t* addrs, int64_t n, const int* align) {
   bool dense = c.nd == 0;
   if (c.nd == 1) {
     dense = true;
@@ -19,11 +30,54 @@ int flat_mode(const Collapsed& c, int n_operands, const uint64_t* addrs, int64_t
   }
   if (!dense) return 0;
   bool aligned = n >= 4;
-  for (int k = 0; k < n_operands; ++k) aligned = aligned && addrs[k] % 16 == 0;
+  for (int k = 0; k < n_operands; ++k) aligned = aligned && addrs[k] % align[k] == 0;
   return aligned ? 2 : 1;
 }
 
 // ---- binary -------------------------------------------------------------------------
+
+// Bytes four elements of dt take: the alignment of flat_mode's four-element access.
+int vec4_align(recurra_dtype dt) { return 4 * elem_bytes(dt); }
+
+// "" when the output and the first n_src sources are all float32, or all one 2-byte dtype;
+// else why not.
+std::string require_one_float(const recurra_node_desc& n, int n_src) {
+  if (!is_half(n.dst.dtype)) return require_f32(n, n_src);
+  for (int i = 0; i < n_src && i < n.n_src; ++i)
+    if (n.src[i].dtype != n.dst.dtype)
+      return std::string(n.op) + ": source " + std::to_string(i) + " must have the output's dtype";
+  return "";
+}
+
+// The shader module of a float32 kernel, or its 2-byte variant for the node's dtype, whose
+// dtype code is then the specialization constant after `spec` (the variants' DT).
+std::string dt_variant(const char* module, recurra_dtype dt, std::vector<int32_t>& spec) {
+  if (is_half(dt)) spec.push_back(dt_code(dt));
+  return variant(module, is_half(dt));
+}
+
+// A dense output and one source of any strides (unary, cast): their index space collapsed,
+// the flat mode and the workgroups.
+struct OneSource {
+  Collapsed col;
+  int mode = 0;
+  uint32_t groups = 0;
+};
+
+OneSource one_source(const NodeCall& c) {
+  const recurra_tensor_desc& d = *c.dst.d;
+  const int64_t n = numel(d);
+  int64_t st[2][4];
+  dense_strides(d, st[0]);
+  for (int i = 0; i < d.ndim; ++i) st[1][i] = c.src[0].d->strides[i];
+  OneSource r;
+  r.col = collapse(2, d.ndim, d.shape, st);
+  const uint64_t addrs[2] = {addr(c.src[0]), addr(c.dst)};
+  const int align[2] = {vec4_align(c.src[0].d->dtype), vec4_align(d.dtype)};
+  r.mode = flat_mode(r.col, 2, addrs, n, align);
+  r.groups = grid_groups(r.mode == 2 ? (n + 3) / 4 : n, 256);
+  return r;
+}
 
 struct BinaryPC {
   uint64_t a, b, d;
@@ -34,7 +88,7 @@ struct BinaryPC {
 template <int OP>
 std::string binary_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 2);
-  if (why.empty()) why = require_f32(n, 2);
+  if (why.empty()) why = require_one_float(n, 2);
   if (!why.empty()) return why;
   int64_t st[4];
   if (!broadcast_strides(n.src[0], n.dst, st) || !broadcast_strides(n.src[1], n.dst, st) ||
@@ -62,9 +116,12 @@ void binary_record(NodeCall& c) {
   std::memcpy(pc.sa, col.strides[1], sizeof pc.sa);
   std::memcpy(pc.sb, col.strides[2], sizeof pc.sb);
   const uint64_t addrs[3] = {pc.a, pc.b, pc.d};
-  const int mode = flat_mode(col, 3, addrs, n);
+  const int al = vec4_align(d.dtype), align[3] = {al, al, al};
+  const int mode = flat_mode(col, 3, addrs, n, align);
   const uint32_t groups = grid_groups(mode == 2 ? (n + 3) / 4 : n, 256);
-  c.rec.dispatch("binary", {OP, mode, std::max(col.nd, 1)}, pc, groups, 1, 1, {c.src[0].range, c.src[1].range}, {c.dst.range});
+  std::vector<int32_t> spec = {OP, mode, std::max(col.nd, 1)};
+  const std::string module = dt_variant("binary", d.dtype, spec);
+  c.rec.dispatch(module, spec, pc, groups, 1, 1, {c.src[0].range, c.src[1].range}, {c.dst.range});
 }
 
 // ---- unary --------------------------------------------------------------------------
@@ -80,7 +137,7 @@ struct UnaryPC {
 // unary.comp switches on the code.
 std::string unary_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 1);
-  if (why.empty()) why = require_f32(n, 1);
+  if (why.empty()) why = require_one_float(n, 1);
   if (!why.empty()) return why;
   const recurra_op_spec* sp = recurra_op_find(n.op);
   if (!sp || sp->unary < 0) return std::string(n.op) + " is not an elementwise unary op";
@@ -95,23 +152,19 @@ void unary_record(NodeCall& c) {
   const recurra_tensor_desc& d = *c.dst.d;
   const int64_t n = numel(d);
   if (n == 0) return;
-  int64_t st[2][4];
-  dense_strides(d, st[0]);
-  for (int i = 0; i < d.ndim; ++i) st[1][i] = c.src[0].d->strides[i];
-  const Collapsed col = collapse(2, d.ndim, d.shape, st);
+  const OneSource o = one_source(c);
   UnaryPC pc{};
   pc.x = addr(c.src[0]);
   pc.y = addr(c.dst);
   pc.n = static_cast<uint32_t>(n);
   pc.p0 = static_cast<float>(fp(c.node, RECURRA_P_MIN));  // scale: RECURRA_P_SCALE, the same 0
   pc.p1 = static_cast<float>(fp(c.node, RECURRA_P_MAX));
-  std::memcpy(pc.shape, col.shape, sizeof pc.shape);
-  std::memcpy(pc.sx, col.strides[1], sizeof pc.sx);
-  const uint64_t addrs[2] = {pc.x, pc.y};
-  const int mode = flat_mode(col, 2, addrs, n);
-  const uint32_t groups = grid_groups(mode == 2 ? (n + 3) / 4 : n, 256);
+  std::memcpy(pc.shape, o.col.shape, sizeof pc.shape);
+  std::memcpy(pc.sx, o.col.strides[1], sizeof pc.sx);
   const int32_t code = recurra_op_find(c.node.op)->unary;
-  c.rec.dispatch("unary", {code, mode, std::max(col.nd, 1)}, pc, groups, 1, 1, {c.src[0].range}, {c.dst.range});
+  std::vector<int32_t> spec = {code, o.mode, std::max(o.col.nd, 1)};
+  const std::string module = dt_variant("unary", d.dtype, spec);
+  c.rec.dispatch(module, spec, pc, o.groups, 1, 1, {c.src[0].range}, {c.dst.range});
 }
 
 // ---- act_grad -----------------------------------------------------------------------
@@ -124,7 +177,7 @@ struct ActGradPC {
 
 std::string act_grad_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 3);
-  if (why.empty()) why = require_f32(n, 3);
+  if (why.empty()) why = require_one_float(n, 3);
   if (!why.empty()) return why;
   const recurra_op_spec* act = n.n_ip == 1 ? recurra_unary_op(n.ip[RECURRA_P_ACT]) : nullptr;
   if (!act || std::strcmp(act->backward, "act_grad") != 0)
@@ -147,8 +200,54 @@ void act_grad_record(NodeCall& c) {
   pc.n = static_cast<uint32_t>(n);
   pc.p0 = static_cast<float>(fp(c.node, RECURRA_P_MIN));  // scale: RECURRA_P_SCALE, the same 0
   pc.p1 = static_cast<float>(fp(c.node, RECURRA_P_MAX));
-  c.rec.dispatch("act_grad", {static_cast<int32_t>(c.node.ip[RECURRA_P_ACT])}, pc, grid_groups(n, 256), 1, 1,
-                 {c.src[0].range, c.src[1].range, c.src[2].range}, {c.dst.range});
+  const recurra_dtype dt = c.dst.d->dtype;
+  std::vector<int32_t> spec = {static_cast<int32_t>(c.node.ip[RECURRA_P_ACT])};
+  const std::string module = dt_variant("act_grad", dt, spec);
+  int64_t items = n;
+  if (is_half(dt)) {  // four elements an invocation where every tensor is 8-byte aligned
+    bool vec = n >= 4;
+    for (const uint64_t a : {pc.g, pc.x, pc.y, pc.d}) vec = vec && a % vec4_align(dt) == 0;
+    spec.push_back(vec ? 1 : 0);
+    if (vec) items = (n + 3) / 4;
+  }
+  c.rec.dispatch(module, spec, pc, grid_groups(items, 256), 1, 1, {c.src[0].range, c.src[1].range, c.src[2].range},
+                 {c.dst.range});
+}
+
+// ---- cast ---------------------------------------------------------------------------
+
+struct CastPC {
+  uint64_t x, y;
+  uint32_t n;
+  int32_t shape[4], sx[4];
+};
+
+std::string cast_check(const recurra_node_desc& n) {
+  std::string why = require_srcs(n, 1);
+  if (!why.empty()) return why;
+  if (n.n_ip != 1 || n.ip[RECURRA_P_TO_DTYPE] != n.dst.dtype) return "cast takes the output's dtype code";
+  for (const recurra_dtype dt : {n.src[0].dtype, n.dst.dtype})
+    if (dt != RECURRA_F32 && !is_half(dt)) return "cast converts between float32, bfloat16 and float16";
+  if (!same_shape(n.src[0], n.dst)) return "output and source shapes differ";
+  // (the shader declares 16-bit storage, which check_node asks for only with a 2-byte tensor)
+  if (!is_half(n.src[0].dtype) && !is_half(n.dst.dtype)) return "cast from float32 to float32 converts nothing";
+  return "";
+}
+
+void cast_record(NodeCall& c) {
+  const recurra_tensor_desc& d = *c.dst.d;
+  const int64_t n = numel(d);
+  if (n == 0) return;
+  const OneSource o = one_source(c);
+  CastPC pc{};
+  pc.x = addr(c.src[0]);
+  pc.y = addr(c.dst);
+  pc.n = static_cast<uint32_t>(n);
+  std::memcpy(pc.shape, o.col.shape, sizeof pc.shape);
+  std::memcpy(pc.sx, o.col.strides[1], sizeof pc.sx);
+  const int32_t from = static_cast<int32_t>(c.src[0].d->dtype);
+  c.rec.dispatch("cast", {from, static_cast<int32_t>(d.dtype), o.mode, std::max(o.col.nd, 1)}, pc, o.groups, 1, 1,
+                 {c.src[0].range}, {c.dst.range});
 }
 
 }  // namespace
@@ -163,6 +262,7 @@ void register_elementwise_ops() {
   for (int32_t i = 0; i < n_spec; ++i)
     if (spec[i].unary >= 0) add_op(spec[i].name, {unary_check, unary_record});
   add_op("act_grad", {act_grad_check, act_grad_record});
+  add_op("cast", {cast_check, cast_record});
 }
 
 }  // namespace recurra_vk

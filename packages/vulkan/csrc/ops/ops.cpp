@@ -165,13 +165,6 @@ std::string require_srcs(const recurra_node_desc& n, int count) {
   return "";
 }
 
-std::string require_words(const recurra_node_desc& n) {
-  bool half = elem_bytes(n.dst.dtype) == 2;
-  for (int i = 0; i < n.n_src; ++i) half = half || elem_bytes(n.src[i].dtype) == 2;
-  if (half) return std::string(n.op) + ": bfloat16/float16 tensors have no Vulkan kernel for this op yet (the core runs it on the CPU)";
-  return "";
-}
-
 std::string require_f32(const recurra_node_desc& n, int n_src) {
   if (n.dst.dtype != RECURRA_F32) return std::string(n.op) + ": the output must be float32";
   for (int i = 0; i < n_src && i < n.n_src; ++i)

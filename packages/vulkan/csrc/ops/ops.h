@@ -74,9 +74,6 @@ bool is_dense(const recurra_tensor_desc& d);
 int64_t max_offset(const recurra_tensor_desc& d);
 // Bytes an element of `dt` takes: 2 for bfloat16/float16, 4 otherwise.
 inline int elem_bytes(recurra_dtype dt) { return dt == RECURRA_BF16 || dt == RECURRA_F16 ? 2 : 4; }
-// "" when no tensor of the node (output, sources) is 2 bytes an element; else why the op
-// refuses it (ops whose kernels read and write 32-bit words).
-std::string require_words(const recurra_node_desc& n);
 std::string shape_str(const recurra_tensor_desc& d);
 // The dense row-major strides of d's shape.
 void dense_strides(const recurra_tensor_desc& d, int64_t* out);

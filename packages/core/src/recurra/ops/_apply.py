@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from recurra import _autocast
 from recurra._dtype import as_dtype, bfloat16
 
 
@@ -109,10 +110,14 @@ def to_supported(arr: np.ndarray) -> np.ndarray:
 def apply(name: str, srcs: Sequence[Any], ip: Sequence[int] = (), fp: Sequence[float] = ()) -> Any:
     """Records op ``name`` on ``srcs`` with integer params ``ip`` and float params ``fp``.
 
-    Returns a tensor of the sources' frontend. Raises ValueError/TypeError for bad shapes,
+    Inside :class:`recurra.autocast` the float sources are cast first, as the op's autocast
+    class says (``recurra.ops.spec()[name].autocast``). Returns a tensor of the sources'
+    frontend. Raises ValueError/TypeError for bad shapes,
     parameters or dtypes (checked now, not when the graph runs).
     """
     fe, ts = coerce(srcs)
+    if _autocast.STATE.dtype is not None:  # inside recurra.autocast: the op's cast policy
+        ts = list(_autocast.cast_sources(name, ts))
     return fe.apply(name, ts, tuple(int(v) for v in ip), tuple(float(v) for v in fp))
 
 

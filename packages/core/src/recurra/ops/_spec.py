@@ -23,6 +23,9 @@ class OpSpec:
     ``decomposition`` the ops it becomes on a backend without a kernel for it ("" none).
     ``dtypes``: the float dtypes its float sources may have (one of them for all; see
     RECURRA_OPS_HALF): ``("float32",)``, or also ``"bfloat16"`` and ``"float16"``.
+    ``autocast``: how :func:`recurra.autocast` casts its float sources (RECURRA_AUTOCAST_*):
+    ``"lower"`` to the autocast dtype, ``"float32"`` up to float32, ``"match"`` float32 ones
+    to the autocast dtype when another is 2-byte, ``"keep"`` never.
     """
 
     name: str
@@ -37,6 +40,7 @@ class OpSpec:
     backward: str
     decomposition: str
     dtypes: tuple[str, ...]
+    autocast: str
 
 
 @functools.cache

@@ -300,6 +300,21 @@ typedef struct recurra_op_spec {
   X(concat) X(pad) X(cumsum)
 /* ... and every unary op (RECURRA_UNARY_MATHS, RECURRA_ACTIVATIONS) without being listed. */
 
+/* The autocast policy (recurra.autocast, docs/ops.md "Mixed precision"): how the frontend
+ * casts a node's float sources inside an autocast region. RECURRA_AUTOCAST_LOWER: to the
+ * autocast dtype (the ops whose cost is a matmul). RECURRA_AUTOCAST_FLOAT32: 2-byte sources
+ * up to float32 (numerically sensitive; so are all ops outside RECURRA_OPS_HALF).
+ * RECURRA_AUTOCAST_KEEP: never cast (explicit dtypes, in-place updates). Every other op of
+ * RECURRA_OPS_HALF and every unary op not listed: float32 sources cast to the autocast dtype
+ * when another float source is 2-byte, else left as they are. */
+#define RECURRA_AUTOCAST_LOWER(X) X(matmul) X(out_prod)
+#define RECURRA_AUTOCAST_FLOAT32(X)                                                          \
+  X(softmax) X(softmax_back) X(log_softmax) X(log_softmax_back) X(rms_norm) X(rms_norm_back) \
+  X(layer_norm) X(layer_norm_back) X(sum) X(cumsum) X(exp) X(log) X(softplus)
+#define RECURRA_AUTOCAST_KEEP(X)                                                             \
+  X(cast) X(fill) X(assign) X(sgd_step) X(adam_step) X(adamw_step) X(lion_step) X(grad_norm) \
+  X(grad_clip)
+
 /* The spec as a table, in RECURRA_OPS order; *count gets its length. */
 #define RECURRA_OP_SPEC_ROW_(name, s0, s1, i0, i1, f0, f1, un, srcs, ip, fp, out, bw, dec) \
   {#name, s0, s1, i0, i1, f0, f1, un, srcs, ip, fp, out, bw, dec},
@@ -348,6 +363,29 @@ static inline int recurra_op_takes_half(const char* name) {
     if (*a == *b) return 1;
   }
   return 0;
+}
+
+/* Whether `name` is one of the n names of `list`. */
+static inline int recurra_name_in_(const char* name, const char* const* list, size_t n) {
+  size_t i;
+  for (i = 0; name && i < n; ++i) {
+    const char *a = list[i], *b = name;
+    while (*a && *a == *b) ++a, ++b;
+    if (*a == *b) return 1;
+  }
+  return 0;
+}
+/* The autocast class of op `name`: "lower", "float32", "keep" or "match" (see
+ * RECURRA_AUTOCAST_LOWER above). */
+static inline const char* recurra_op_autocast(const char* name) {
+  static const char* const lower[] = {RECURRA_AUTOCAST_LOWER(RECURRA_OP_HALF_NAME_)};
+  static const char* const f32[] = {RECURRA_AUTOCAST_FLOAT32(RECURRA_OP_HALF_NAME_)};
+  static const char* const keep[] = {RECURRA_AUTOCAST_KEEP(RECURRA_OP_HALF_NAME_)};
+  if (recurra_name_in_(name, keep, sizeof keep / sizeof keep[0])) return "keep";
+  if (recurra_name_in_(name, lower, sizeof lower / sizeof lower[0])) return "lower";
+  if (!recurra_op_takes_half(name) || recurra_name_in_(name, f32, sizeof f32 / sizeof f32[0]))
+    return "float32";
+  return "match";
 }
 
 #ifdef __cplusplus

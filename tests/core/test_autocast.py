@@ -1,0 +1,279 @@
+"""recurra.autocast: the per-op cast policy of the op spec, the cast cache of leaves, the
+dtypes of forward and gradient, errors.
+
+References are float64 numpy on the same 2-byte-rounded inputs the autocast graph sees
+(ml_dtypes rounds to nearest even, as the core's cast does)."""
+
+from __future__ import annotations
+
+import threading
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import recurra as rc
+from recurra import ops
+from recurra.ops import spec
+
+BF16 = ml_dtypes.bfloat16
+RNG = np.random.default_rng(7)
+
+
+def _rand(*shape: int) -> np.ndarray:
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+def _bf(a: np.ndarray) -> np.ndarray:
+    """a rounded to bfloat16, as float64."""
+    return np.asarray(a).astype(BF16).astype(np.float64)
+
+
+# -- the policy table --------------------------------------------------------------------
+
+
+def test_policy_column_of_the_op_spec() -> None:
+    s = spec()
+    assert s["matmul"].autocast == "lower" and s["out_prod"].autocast == "lower"
+    for name in ("softmax", "log_softmax", "rms_norm", "layer_norm", "sum", "cumsum", "exp"):
+        assert s[name].autocast == "float32", name
+    for name in ("add", "mul", "silu", "reshape", "slice", "concat", "get_rows", "max"):
+        assert s[name].autocast == "match", name
+    for name in ("cast", "fill", "assign", "adamw_step", "grad_clip"):
+        assert s[name].autocast == "keep", name
+    # every op without 2-byte kernels runs in float32 (or is never touched)
+    for name, op in s.items():
+        assert op.autocast in ("lower", "float32", "match", "keep"), name
+        if op.dtypes == ("float32",):
+            assert op.autocast in ("float32", "keep"), name
+        if op.autocast in ("lower", "match"):
+            assert "bfloat16" in op.dtypes, name
+
+
+# -- which dtype each node gets ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [rc.bfloat16, rc.float16])
+def test_node_dtypes(dtype: rc.DType) -> None:
+    x = rc.tensor(_rand(4, 8))
+    w = rc.param(_rand(8, 6))
+    b = rc.param(_rand(6))
+    with rc.autocast(dtype):
+        assert rc.autocast_dtype() == dtype and rc.is_autocast_enabled()
+        y = x @ w
+        assert y.dtype == dtype  # lower: the matmul runs on 2-byte sources
+        assert [s.dtype for s in y._src] == [dtype, dtype]
+        assert all(s._op == "cast" for s in y._src)
+        z = y + b  # match: the float32 bias follows the 2-byte activation
+        assert z.dtype == dtype and z._src[1]._op == "cast"
+        a = ops.silu(z)
+        assert a.dtype == dtype  # uniform sources stay as they are
+        p = ops.softmax(a)
+        assert p.dtype == rc.float32  # float32: numerically sensitive
+        n = ops.rms_norm(a)
+        assert n.dtype == rc.float32
+        e = ops.exp(a)
+        assert e.dtype == rc.float32
+        s = ops.sum(a, axis=1)
+        assert s.dtype == rc.float32 and s._src[0]._src[0]._op == "cast"
+        f = x * 2.0  # all float32: stays float32
+        assert f.dtype == rc.float32
+        idx = rc.tensor(np.array([0, 2], np.int32))
+        rows = ops.get_rows(w, idx)  # the int32 index is never cast
+        assert rows.dtype == rc.float32 and rows._src[1].dtype == rc.int32
+        h = y.to(rc.float32)  # an explicit cast is kept
+        assert h.dtype == rc.float32
+    assert rc.autocast_dtype() is None and not rc.is_autocast_enabled()
+    assert (x @ w).dtype == rc.float32  # outside: as before
+    # the values: the matmul of the rounded sources, rounded once; softmax in float32
+    ref = _bf(x.numpy()) @ _bf(w.numpy()) if dtype == rc.bfloat16 else None
+    if ref is not None:
+        got = y.numpy().astype(np.float64)
+        np.testing.assert_allclose(got, ref, rtol=2.0**-8, atol=1e-6)
+
+
+def test_ops_without_half_kernels_get_float32() -> None:
+    """A recurrent scan fed by a 2-byte activation gets float32 sources (cast up)."""
+    T, H, N = 5, 2, 4
+    xs = rc.tensor(_rand(T, H * N))
+    w = rc.param(_rand(H * N, H * N) * 0.3)
+    with rc.autocast():
+        k = (xs @ w).reshape(T, H, N)
+        assert k.dtype == rc.bfloat16
+        r, v = rc.tensor(_rand(T, H, N)), rc.tensor(_rand(T, H, N))
+        decay = rc.tensor(np.exp(-np.exp(_rand(T, H, N) * 0.5 - 1.0)).astype(np.float32))
+        a = rc.tensor(_rand(T, H, N) * 0.1)
+        bb = rc.tensor(_rand(T, H, N) * 0.1)
+        st = rc.tensor(np.zeros((1, H, N, N), np.float32))
+        y, _ = ops.rwkv_wkv7(r, decay, k, v, a, bb, st)
+        assert y.dtype == rc.float32
+        loss = ops.sum(y * y)
+    assert loss.dtype == rc.float32
+    loss.backward()
+    assert w.grad is not None and w.grad.dtype == rc.float32
+    assert np.isfinite(w.grad.numpy()).all() and np.abs(w.grad.numpy()).max() > 0
+
+
+# -- gradients ---------------------------------------------------------------------------
+
+
+def test_gradients_are_float32_and_match_the_rounded_reference() -> None:
+    """loss = sum(softmax(silu(x @ W + b)) * t): W and b get float32 gradients equal to the
+    float64 gradient of the same computation with bf16 rounding where autocast rounds."""
+    xv, wv, bv, tv = _rand(6, 8), _rand(8, 5) * 0.5, _rand(5) * 0.1, _rand(6, 5)
+    x, t = rc.tensor(xv), rc.tensor(tv)
+    w, b = rc.param(wv), rc.param(bv)
+    with rc.autocast():
+        h = ops.silu(x @ w + b)
+        p = ops.softmax(h)
+        loss = ops.sum(p * t)
+    assert h.dtype == rc.bfloat16 and p.dtype == rc.float32 and loss.dtype == rc.float32
+    loss.backward()
+    assert w.grad.dtype == rc.float32 and b.grad.dtype == rc.float32
+
+    # float64 reference: forward with the roundings autocast makes
+    xb, wb, bb = _bf(xv), _bf(wv), _bf(bv)
+    m = _bf(xb @ wb)
+    z = _bf(m + bb)
+    sg = 1 / (1 + np.exp(-z))
+    hh = _bf(z * sg)
+    e = np.exp(hh - hh.max(1, keepdims=True))
+    pp = e / e.sum(1, keepdims=True)
+    assert abs(loss.item() - (pp * tv).sum()) < 1e-5 * max(1.0, abs((pp * tv).sum()))
+    # backward in float64 (the gradient of a bf16 node is bf16: its error is relative 2^-8
+    # per rounding; three roundings in the chain -> 2^-6 relative of the gradient's scale)
+    dp = tv.astype(np.float64)
+    dh = pp * (dp - (dp * pp).sum(1, keepdims=True))
+    dz = dh * (sg * (1 + z * (1 - sg)))
+    dw = xb.T @ dz
+    db = dz.sum(0)
+    scale_w, scale_b = np.abs(dw).max(), np.abs(db).max()
+    np.testing.assert_allclose(w.grad.numpy(), dw, atol=2.0**-6 * scale_w)
+    np.testing.assert_allclose(b.grad.numpy(), db, atol=2.0**-6 * scale_b)
+    # and the gradient is not simply the float32 one's: autocast's rounding is visible
+    # against float64 at 2^-6, but far from a wrong gradient (sign, factor)
+    assert np.corrcoef(w.grad.numpy().ravel(), dw.ravel())[0, 1] > 0.999
+
+
+def test_backward_runs_in_the_forward_dtypes() -> None:
+    """In the graph API the gradient nodes of a 2-byte forward node are 2-byte, those of a
+    float32 one float32, and the parameters' gradients float32."""
+    g = rc.Graph()
+    x = g.input((4, 8))
+    w = g.param((8, 3))
+    with rc.autocast():
+        y = x @ w
+        s = ops.softmax(y)
+        loss = ops.sum(s * s)
+    g.build_backward(loss)
+    assert y.dtype == rc.bfloat16 and s.dtype == rc.float32
+    assert w.grad is not None and w.grad.dtype == rc.float32
+    nodes = [g._g.info(i) for i in range(g.n_nodes)]
+    products = [n["dtype"] for n in nodes if n["op"] in ("matmul", "out_prod")]
+    # the forward matmul and the backward's product (dW = x^T dy) run in bf16
+    assert len(products) >= 2 and set(products) == {"bfloat16"}
+    backs = [n["dtype"] for n in nodes if n["op"] == "softmax_back"]
+    assert backs == ["float32"]
+
+
+# -- the cast cache ----------------------------------------------------------------------
+
+
+def test_a_tied_weight_is_cast_once_per_region() -> None:
+    w = rc.param(_rand(8, 8))
+    x = rc.tensor(_rand(2, 8))
+    with rc.autocast():
+        a = x @ w
+        b = a.to(rc.float32) @ w  # w again: the same pending cast
+        assert a._src[1] is b._src[1]
+        with rc.autocast():  # nested, same dtype: shares the casts
+            c = x @ w
+            assert c._src[1] is a._src[1]
+        with rc.autocast(rc.float16):  # another dtype: its own cast
+            d = x @ w
+            assert d.dtype == rc.float16 and d._src[1] is not a._src[1]
+        e = x @ w
+        assert e._src[1] is a._src[1]
+    with rc.autocast():
+        f = x @ w
+    assert f._src[1] is not a._src[1]  # the cache ends with its region
+
+
+def test_a_computed_cast_is_not_reused_after_the_leaf_changes() -> None:
+    w = rc.param(np.ones((4, 4), np.float32))
+    x = rc.tensor(np.ones((1, 4), np.float32))
+    with rc.autocast():
+        y1 = x @ w
+        assert float(y1.numpy()[0, 0]) == 4.0
+        w.assign_(np.full((4, 4), 2.0, np.float32))  # an optimizer step, in place
+        y2 = x @ w
+        assert float(y2.numpy()[0, 0]) == 8.0
+
+
+def test_no_grad_and_grad_casts_are_cached_apart() -> None:
+    w = rc.param(_rand(4, 4))
+    x = rc.tensor(_rand(2, 4))
+    with rc.autocast():
+        with rc.no_grad():
+            a = x @ w
+        b = x @ w
+        assert not a.requires_grad and b.requires_grad
+        ops.sum(b.to(rc.float32)).backward()
+    assert w.grad is not None and w.grad.dtype == rc.float32
+
+
+# -- the context manager -----------------------------------------------------------------
+
+
+def test_disabled_nested_decorator_and_threads() -> None:
+    w = rc.param(_rand(4, 4))
+    x = rc.tensor(_rand(2, 4))
+    with rc.autocast():
+        with rc.autocast(enabled=False):
+            assert rc.autocast_dtype() is None
+            assert (x @ w).dtype == rc.float32
+        assert (x @ w).dtype == rc.bfloat16
+        seen: list[object] = []
+        th = threading.Thread(target=lambda: seen.append(rc.autocast_dtype()))
+        th.start()
+        th.join()
+        assert seen == [None]  # per thread
+
+    @rc.autocast(rc.float16)
+    def f() -> rc.DType:
+        return (x @ w).dtype
+
+    assert f() == rc.float16 and rc.autocast_dtype() is None
+    with pytest.raises(ZeroDivisionError):
+        with rc.autocast():
+            raise ZeroDivisionError
+    assert rc.autocast_dtype() is None  # restored after an exception
+
+
+@pytest.mark.parametrize("bad", [rc.float32, rc.int32, "float32", "int32", "float64", np.int8])
+def test_bad_dtypes_raise(bad: object) -> None:
+    with pytest.raises(TypeError, match="autocast|dtype"):
+        rc.autocast(bad)
+
+
+def test_a_transposed_parameter_is_cast_before_its_view() -> None:
+    """x @ W.T (nn.Linear): the parameter itself is cast (cached) and viewed; no dense
+    float32 copy of W.T is made. Values and gradients as without the shortcut."""
+    wv, xv = _rand(6, 8), _rand(3, 8)
+    w, x = rc.param(wv), rc.tensor(xv)
+    with rc.autocast():
+        wt = w.T
+        y = x @ wt
+        view = y._src[1]
+        assert view._op == "permute" and view._src[0]._op == "cast"
+        assert view._src[0]._src[0] is w
+        y2 = x @ wt  # the parameter's cast is shared
+        assert y2._src[1]._src[0] is view._src[0]
+        loss = ops.sum(y.to(rc.float32))
+    np.testing.assert_allclose(
+        y.numpy().astype(np.float64), _bf(_bf(xv) @ _bf(wv).T), rtol=2.0**-8, atol=1e-6
+    )
+    loss.backward()
+    assert w.grad.dtype == rc.float32 and w.grad.shape == (6, 8)
+    # d loss / d W = ones(3, 6)^T @ x rounded to bf16 (out_prod in bf16)
+    np.testing.assert_allclose(w.grad.numpy(), np.ones((6, 3)) @ _bf(xv), rtol=2.0**-8, atol=1e-6)
