@@ -13,6 +13,19 @@ and whether the target is met; --json PATH writes the figures.
 
 Where the device or build lacks cooperative matrices, the line says why (coopmat_info). Exit
 status 1 when a result is wrong or no variant ran.
+
+The op (--op, on by default): the bfloat16/float16 `matmul` node through recurra's graph API
+(strict placement: it runs on the device; shaders/matmul_coopmat_op.comp where the device has
+cooperative matrices, else the 2-byte fallback), on 4096^3 and the products of a Mamba2-130M
+training step at batch 8 x 512 (in_proj 768 -> 3352, out_proj 1536 -> 768, the LM head
+768 -> 50280 and a 1024-token chunk of it, each with its backward products dW = x^T @ dy and
+dX = dy @ W^T as transposed views), beside torch.matmul in the same dtype and layout. Ours per
+product: the wall time of a graph of R independent products minus that of a graph of one,
+over R - 1 (the submission and the wait cancel out; medians of --runs computes; R from
+--op-reps). --op-tilings runs each RECURRA_VK_COOPMAT setting (auto, op128, op256x128,
+op128x256, op128k64s1, op64, off = the fallback shader). Each result is checked against
+torch's float64 product of the same inputs: |C - ref| <= u |ref| + 2 K 2^-24 (|A| @ |B|)
+(u: 2^-8 bf16, 2^-11 f16).
 """
 
 from __future__ import annotations
@@ -21,6 +34,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 
 import numpy as np
 
@@ -81,6 +95,166 @@ def time_torch(
     return statistics.median(per), c.float().cpu().numpy()
 
 
+# (name, M, K, N, A given as a transposed view, B given as a transposed view)
+OP_SHAPES = {
+    "square": [("4096^3", 4096, 4096, 4096, False, False)],
+    # a smoke test for CPU Vulkan (lavapipe): odd sizes, every layout
+    "small": [
+        ("small x@W", 130, 72, 200, False, False),
+        ("small x^T@dy", 130, 72, 200, True, False),
+        ("small dy@W^T", 130, 72, 200, False, True),
+    ],
+    "mamba2": [
+        ("in_proj x@W", 4096, 768, 3352, False, False),
+        ("in_proj dW=x^T@dy", 768, 4096, 3352, True, False),
+        ("in_proj dX=dy@W^T", 4096, 3352, 768, False, True),
+        ("out_proj x@W", 4096, 1536, 768, False, False),
+        ("out_proj dW=x^T@dy", 1536, 4096, 768, True, False),
+        ("out_proj dX=dy@W^T", 4096, 768, 1536, False, True),
+        ("lm_head x@W", 4096, 768, 50280, False, False),
+        ("lm_head dW=x^T@dy", 768, 4096, 50280, True, False),
+        ("lm_head dX=dy@W^T", 4096, 50280, 768, False, True),
+        ("lm_head chunk 1024 x@W", 1024, 768, 50280, False, False),
+        ("lm_head chunk dW", 768, 1024, 50280, True, False),
+        ("lm_head chunk dX", 1024, 50280, 768, False, True),
+    ],
+}
+UNIT = {"bf16": 2.0**-8, "f16": 2.0**-11}
+
+
+def np_dtype(dtype: str) -> np.dtype:
+    if dtype == "bf16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(np.float16)
+
+
+def op_operands(m: int, k: int, n: int, ta: bool, tb: bool, dtype: str, seed: int):
+    """The stored arrays (A^T when ta, B^T when tb), rounded to dtype."""
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((k, m) if ta else (m, k), dtype=np.float32).astype(np_dtype(dtype))
+    b = rng.standard_normal((n, k) if tb else (k, n), dtype=np.float32).astype(np_dtype(dtype))
+    return a, b
+
+
+def op_graph(a: np.ndarray, b: np.ndarray, ta: bool, tb: bool, count: int):
+    """A strict graph of `count` independent products of the constants a, b (transposed views
+    where asked); returns (graph, the first product)."""
+    import recurra as rc
+    from recurra import ops
+
+    g = rc.Graph(backends=["vulkan"], strict=True)
+    ca, cb = g.constant(a), g.constant(b)
+    va = ops.transpose(ca) if ta else ca
+    vb = ops.transpose(cb) if tb else cb
+    ys = [ops.matmul(va, vb) for _ in range(count)]
+    for y in ys:
+        g.set_output(y)
+    return g, ys[0]
+
+
+def time_op(a, b, ta, tb, reps: int, runs: int) -> tuple[float, np.ndarray, str]:
+    """Seconds per product through the graph API, its first result and its backend."""
+    g1, y1 = op_graph(a, b, ta, tb, 1)
+    gr, _ = op_graph(a, b, ta, tb, reps)
+    for g in (g1, gr):
+        g.compute()  # uploads the constants, builds the pipelines
+        g.compute()
+    t1, tr = [], []
+    for _ in range(runs):
+        for g, out in ((g1, t1), (gr, tr)):
+            t0 = time.perf_counter()
+            g.compute()
+            out.append(time.perf_counter() - t0)
+    sec = (statistics.median(tr) - statistics.median(t1)) / (reps - 1)
+    return sec, g1.get_data(y1), g1.backend_of(y1)
+
+
+def time_torch_op(torch, a, b, ta, tb, reps: int, runs: int):
+    """torch.matmul in the same dtype and layout: (seconds, float64 reference, |A| @ |B|)."""
+    tdt = torch.bfloat16 if a.dtype != np.float16 else torch.float16
+    ta_, tb_ = (torch.from_numpy(x.astype(np.float32)).cuda().to(tdt) for x in (a, b))
+    va = ta_.t() if ta else ta_
+    vb = tb_.t() if tb else tb_
+    for _ in range(3):
+        torch.matmul(va, vb)
+    torch.cuda.synchronize()
+    per = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            torch.matmul(va, vb)
+        end.record()
+        torch.cuda.synchronize()
+        per.append(start.elapsed_time(end) / 1e3 / reps)
+    a64, b64 = va.double(), vb.double()
+    ref = torch.matmul(a64, b64)
+    mag = torch.matmul(a64.abs(), b64.abs())
+    return statistics.median(per), ref, mag
+
+
+def bench_op(args, torch) -> list[dict]:
+    """The matmul op through the graph API on every shape and tiling, beside torch."""
+    import os
+
+    results = []
+    shapes = [s for group in args.op_shapes.split(",") if group for s in OP_SHAPES[group]]
+    tilings = [t for t in args.op_tilings.split(",") if t]
+    for dtype in [d for d in args.dtypes.split(",") if d]:
+        for name, m, k, n, ta, tb in shapes:
+            a, b = op_operands(m, k, n, ta, tb, dtype, m + n)
+            flop = 2.0 * m * n * k
+            peer, ref, mag = None, None, None
+            if torch is not None:
+                t_sec, ref, mag = time_torch_op(torch, a, b, ta, tb, args.op_reps, args.runs)
+                peer = flop / t_sec / 1e12
+                print(f"{dtype} op {name} ({m}x{k} @ {k}x{n}) torch: {peer:8.1f} TFLOP/s")
+            for tiling in tilings:
+                os.environ["RECURRA_VK_COOPMAT"] = tiling
+                try:
+                    sec, c, where = time_op(a, b, ta, tb, args.op_reps, args.runs)
+                except (RuntimeError, ValueError, MemoryError) as e:
+                    print(f"{dtype} op {name} {tiling}: {type(e).__name__}: {e}")
+                    results.append({"dtype": dtype, "op": name, "tiling": tiling, "error": str(e)})
+                    continue
+                finally:
+                    os.environ.pop("RECURRA_VK_COOPMAT", None)
+                ours = flop / sec / 1e12 if sec > 0 else float("nan")
+                ok = None
+                if ref is not None:
+                    got = torch.from_numpy(c.astype(np.float64)).cuda()
+                    tol = UNIT[dtype] * ref.abs() + 2 * k * 2.0**-24 * mag
+                    ok = bool(((got - ref).abs() <= tol).all().item())
+                ratio = ours / peer if peer else None
+                line = f"{dtype} op {name} {tiling:<9} on {where}: {ours:8.1f} TFLOP/s"
+                line += f" ({sec * 1e3:.3f} ms)"
+                if ratio is not None:
+                    line += f", ours/torch {ratio:.2f}"
+                    if name == "4096^3":
+                        line += " (meets" if ratio >= TARGET else " (misses"
+                        line += f" >= {TARGET:.2f})"
+                if ok is not None:
+                    line += ", ok" if ok else ", WRONG"
+                print(line, flush=True)
+                results.append(
+                    {
+                        "dtype": dtype,
+                        "op": name,
+                        "shape": [m, k, n],
+                        "tiling": tiling,
+                        "backend": where,
+                        "tflops": ours,
+                        "seconds": sec,
+                        "torch_tflops": peer,
+                        "ratio": ratio,
+                        "correct": ok,
+                    }
+                )
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", type=int, default=4096, help="M = N = K (default 4096)")
@@ -90,6 +264,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="", help="shader variants (default: all built)")
     ap.add_argument("--device", type=int, default=0, help="Vulkan device index")
     ap.add_argument("--json", default="", help="write the figures to this file")
+    ap.add_argument(
+        "--op",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time the matmul op through the graph API (default on)",
+    )
+    ap.add_argument(
+        "--standalone",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time the standalone variants (default on)",
+    )
+    ap.add_argument("--op-shapes", default="square,mamba2", help="groups: square, mamba2, small")
+    ap.add_argument(
+        "--op-tilings",
+        default="auto",
+        help="RECURRA_VK_COOPMAT values: auto, off, op128, op256x128, op128x256, op128k64s1, op64",
+    )
+    ap.add_argument("--op-reps", type=int, default=10, help="products per timed graph (>= 2)")
     args = ap.parse_args(argv)
 
     import recurra_vulkan as rv
@@ -108,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     variants = [v for v in args.variants.split(",") if v] or list(info["variants"])
     torch, why_torch = torch_cuda()
     results = []
-    for dtype in [d for d in args.dtypes.split(",") if d]:
+    if args.op_reps < 2:
+        ap.error("--op-reps must be at least 2")
+    for dtype in [d for d in args.dtypes.split(",") if d and args.standalone]:
         a_bits, a32 = operands(n, dtype, 1)
         b_bits, b32 = operands(n, dtype, 2)
         ref = a32.astype(np.float64) @ b32.astype(np.float64)
@@ -166,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                     "ratio": ratio,
                 }
             )
+    if args.op:
+        results += bench_op(args, torch)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"size": n, "info": info, "results": results}, f, indent=1)

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 
 #include "backend.h"
@@ -199,6 +200,73 @@ std::vector<std::string> coopmat_variants() {
   std::vector<std::string> out;
   for (const Variant& v : kVariants) out.push_back(v.name);
   return out;
+}
+
+// Must match coopmat_op_tiles in meson.build.
+const CoopMatOpTile kOpTiles[] = {
+    {"op128", 128, 128, 32, 64, 64},     // 4 subgroups of 64x64 (cm128w4's tiling)
+    {"op256x128", 256, 128, 16, 64, 64}, // 8 subgroups of 64x64 (cm256x128's tiling)
+    {"op128x256", 128, 256, 16, 64, 64}, // 8 subgroups of 64x64 (cm128x256's tiling)
+    {"op128k64s1", 128, 128, 64, 64, 64, 1},  // cm128w4k64s1's: K steps of 64, one buffer
+    {"op64", 64, 64, 32, 32, 32},        // 4 subgroups of 32x32 (cm64's tiling)
+};
+
+static const CoopMatOpTile* find_op_tile(const std::string& name) {
+  for (const CoopMatOpTile& t : kOpTiles)
+    if (name == t.name) return &t;
+  return nullptr;
+}
+
+std::string coopmat_op_why_not(const Device& d, bool bf16) {
+  const std::string why = d.info().coopmat.why_not(bf16);
+  if (!why.empty()) return why;
+  if (!d.coopmat_enabled(bf16)) return "the cooperative-matrix features were not enabled";
+  if (!d.half_storage()) return "the device lacks storageBuffer16BitAccess";
+  const uint32_t sg = d.info().coopmat.subgroup_size;
+  if (sg < 8 || d.limits().min_subgroup_size != sg)
+    return "the coopmat shaders need a fixed subgroup size of at least 8 (the device has " +
+           std::to_string(d.limits().min_subgroup_size) + " to " + std::to_string(sg) + ")";
+  return "";
+}
+
+const CoopMatOpTile* coopmat_op_tile(int64_t m, int64_t n, int64_t batch) {
+  const char* env = std::getenv("RECURRA_VK_COOPMAT");
+  const std::string v = env ? env : "";
+  if (v == "off") return nullptr;
+  if (v.empty() || v == "auto") {
+    // Two 128x128 workgroups per SM of an H200 (132 SMs; 4 subgroups each); fewer leave SMs
+    // idle, and the 64x64 tile gives four times as many workgroups.
+    const int64_t tiles = ((m + 127) / 128) * ((n + 127) / 128) * batch;
+    return find_op_tile(tiles >= 264 ? "op128" : "op64");
+  }
+  if (const CoopMatOpTile* t = find_op_tile(v)) return t;
+  std::string names;
+  for (const CoopMatOpTile& t : kOpTiles) names += std::string(", ") + t.name;
+  fail_invalid("RECURRA_VK_COOPMAT=" + v + ": unknown tiling (expected auto, off" + names + ")");
+}
+
+std::vector<std::string> coopmat_op_tiles() {
+  std::vector<std::string> out;
+  for (const CoopMatOpTile& t : kOpTiles) out.push_back(t.name);
+  return out;
+}
+
+uint32_t coopmat_op_workgroup(const Device& d, const CoopMatOpTile& t) {
+  const CoopMatCaps& caps = d.info().coopmat;
+  const int64_t nw = (t.bm / t.wm) * (t.bn / t.wn);
+  const int64_t wg = nw * caps.subgroup_size;
+  // Shared memory: `stages` buffers per operand, each sized for either staging (rows padded by 8).
+  const int64_t a_stage = std::max(t.bm * (t.bk + 8), t.bk * (t.bm + 8));
+  const int64_t b_stage = std::max(t.bk * (t.bn + 8), t.bn * (t.bk + 8));
+  const int64_t shared = t.stages * (a_stage + b_stage) * 2;
+  if ((t.bm * t.bk / 8) % wg || (t.bk * t.bn / 8) % wg || wg > caps.max_workgroup_invocations)
+    fail(RECURRA_ERR_UNSUPPORTED, std::string("coopmat tiling ") + t.name + " does not fit a subgroup size of " +
+                                      std::to_string(caps.subgroup_size));
+  if (shared > caps.max_shared_bytes)
+    fail(RECURRA_ERR_UNSUPPORTED, std::string("coopmat tiling ") + t.name + " needs " + std::to_string(shared) +
+                                      " bytes of shared memory; the device has " +
+                                      std::to_string(caps.max_shared_bytes));
+  return static_cast<uint32_t>(wg);
 }
 
 double coopmat_matmul(int index, const uint16_t* a, const uint16_t* b, float* c, int64_t m, int64_t n, int64_t k,

@@ -135,4 +135,29 @@ double coopmat_matmul(int index, const uint16_t* a, const uint16_t* b, float* c,
 bool coopmat_tile(const std::string& variant, int64_t& bm, int64_t& bn, int64_t& bk);
 std::vector<std::string> coopmat_variants();
 
+// ---- the bfloat16/float16 matmul op on tensor cores (shaders/matmul_coopmat_op.comp) ----------
+
+// A tiling of the op's shader: BM x BN of C per workgroup, subgroups of WM x WN, K steps of BK.
+struct CoopMatOpTile {
+  const char* name;  // module "matmul_op_<name>_<bf16|f16>"
+  int64_t bm, bn, bk, wm, wn;
+  int64_t stages = 2;  // shared buffers per operand
+};
+
+// "" when the op's coopmat shaders can run on `d` in that dtype (the features enabled, a fixed
+// subgroup size of at least 8, 2-byte storage), else why not.
+std::string coopmat_op_why_not(const Device& d, bool bf16);
+
+// The tiling for a product with an M x N output per batch matrix: RECURRA_VK_COOPMAT names one
+// ("op128", "op256x128", "op128x256", "op128k64s1", "op64"), else by size: the 128x128 tile when it gives enough
+// workgroups to fill the GPU (two per SM of an H200), else the 64x64 one. nullptr when
+// RECURRA_VK_COOPMAT=off (the op then runs the fallback shader). Throws Error
+// (RECURRA_ERR_INVALID) for an unknown name.
+const CoopMatOpTile* coopmat_op_tile(int64_t m, int64_t n, int64_t batch);
+std::vector<std::string> coopmat_op_tiles();
+
+// The workgroup size of `tile` on `d` (its subgroups times the subgroup size); throws Error
+// (RECURRA_ERR_UNSUPPORTED) when the tile does not fit the device (subgroup size, shared memory).
+uint32_t coopmat_op_workgroup(const Device& d, const CoopMatOpTile& tile);
+
 }  // namespace recurra_vk

@@ -27,8 +27,21 @@
 //   VEC_A / VEC_B: vec4 global loads along the contiguous axis (host checks alignment and
 //                  that the axis' extent is a multiple of 4)
 //   VEC_C: vec4 stores of C (N a multiple of 4, C 16-byte aligned)
+//
+// -DHALF (the "_h" modules, for bfloat16/float16 tensors; the device needs
+// storageBuffer16BitAccess): A, B and C hold 2-byte elements of type DT (specialization
+// constant 5: 2 bfloat16, 3 float16, half.glsl). Loads are scalar (VEC_A = VEC_B = VEC_C = 0:
+// the host never sets them), accumulation stays float32, and each C element is rounded once
+// when stored (half.glsl's st: round to nearest even on the bits).
 #version 450
 #include "common.glsl"
+#ifdef HALF
+#include "half.glsl"
+layout(constant_id = 5) const int DT = DT_BF16;
+#define LDX(xa, i) ld(xa, uint(i), DT)
+#else
+#define LDX(xa, i) FBuf(xa).v[i]
+#endif
 
 #define WG ((BM / TM) * (BN / TN))
 #define NA (BM * BK / 4 / WG)  // vec4 slots of the A slab per thread and step
@@ -91,11 +104,10 @@ vec4 load_slot(uvec2 xa, int base, int rs, int ks, int r0, int R, int k0, const 
     const int off = KC != 0 ? base + (r0 + r) * rs + (k0 + kk) : base + (r0 + r) + (k0 + kk) * ks;
     if (r0 + r < R && k0 + kk < pc.K) v = F4Buf(xa).v[off >> 2];
   } else {
-    FBuf x = FBuf(xa);
     [[unroll]] for (int j = 0; j < 4; ++j) {
       int r, kk;
       scalar_pos(i, j, RT, KC, r, kk);
-      if (r0 + r < R && k0 + kk < pc.K) v[j] = x.v[base + (r0 + r) * rs + (k0 + kk) * ks];
+      if (r0 + r < R && k0 + kk < pc.K) v[j] = LDX(xa, base + (r0 + r) * rs + (k0 + kk) * ks);
     }
   }
   return v;
@@ -192,6 +204,14 @@ void main() {
     const int col = n0 + (tx + b * (BN / TN)) * 4;
     const int o = c_base + row * pc.N + col;
     const vec4 v = acc[i][b];
+#ifdef HALF
+    if (row < pc.M) {
+      if (col < pc.N) st(pc.c, uint(o), DT, v.x);
+      if (col + 1 < pc.N) st(pc.c, uint(o + 1), DT, v.y);
+      if (col + 2 < pc.N) st(pc.c, uint(o + 2), DT, v.z);
+      if (col + 3 < pc.N) st(pc.c, uint(o + 3), DT, v.w);
+    }
+#else
     if (VEC_C != 0) {
       if (row < pc.M && col < pc.N) F4Buf(pc.c).v[o >> 2] = v;
     } else if (row < pc.M) {
@@ -200,5 +220,6 @@ void main() {
       if (col + 2 < pc.N) FBuf(pc.c).v[o + 2] = v.z;
       if (col + 3 < pc.N) FBuf(pc.c).v[o + 3] = v.w;
     }
+#endif
   }
 }

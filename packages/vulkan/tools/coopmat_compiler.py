@@ -15,7 +15,7 @@ this script for one that has it:
         $RECURRA_GLSLANG turns the search off.
 
     python coopmat_compiler.py compile --compiler C --libdir L --opt O --val V [--bf16]
-            IN OUT [-DNAME=VALUE ...]
+            IN OUT [-DNAME=VALUE ...] [-IDIR ...]
         Compiles IN to OUT (SPIR-V for Vulkan 1.2), optimizes it with spirv-opt -O when given,
         rewrites its f16 type to bf16 (tools/spirv_bf16.py) with --bf16, validates it with
         spirv-val when given. Exits non-zero with the tool's message on failure.
@@ -186,13 +186,13 @@ def compile_one(args: list[str]) -> int:
             opts[a] = next(it)
         elif a == "--bf16":
             bf16 = True
-        elif a.startswith("-D"):
+        elif a.startswith(("-D", "-I")):  # defines and include directories
             defines.append(a)
         else:
             pos.append(a)
     if len(pos) != 2 or not opts["--compiler"]:
         print("usage: coopmat_compiler.py compile --compiler C [--libdir L] [--opt O] [--val V]")
-        print("                                   [--bf16] IN OUT [-DNAME=VALUE ...]")
+        print("                                   [--bf16] IN OUT [-DNAME=VALUE ...] [-IDIR ...]")
         return 2
     src, out = pos
     libdir = opts["--libdir"]

@@ -16,10 +16,20 @@
 //   r128x64  128 rows x 64 columns, BK 16, 128 threads, 8x8 per thread
 //   r64      64x64, BK 16, 256 threads, 4x4 per thread
 // Every variant handles every layout and size (edge tiles masked); an unknown name raises.
+//
+// bfloat16/float16 (issue 18): both sources and the output of one 2-byte type, float32
+// accumulation, each output element rounded once to the type (round to nearest even), as the
+// CPU does through the BLAS in float32. Where the device has cooperative matrices for the
+// type: shaders/matmul_coopmat_op.comp on tensor cores, its tiling by size or
+// RECURRA_VK_COOPMAT (csrc/coopmat.h; "off" forces the fallback). Elsewhere the fallback, the
+// "_h" modules of matmul_reg.comp (2-byte scalar loads and stores, RECURRA_VK_MATMUL picks
+// among r128k8, r128, r128x64, r64 as for float32; legacy means auto). Both need
+// storageBuffer16BitAccess; without it the node is refused (the core runs it on the CPU).
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
+#include "../coopmat.h"
 #include "ops.h"
 
 namespace recurra_vk {
@@ -43,13 +53,14 @@ struct Kernel {
 // Two workgroups per SM of an H200 (132 SMs): below that, smaller tiles fill the GPU better.
 constexpr int64_t kEnoughTiles = 264;
 
-Kernel choose_kernel(int64_t m, int64_t n, int64_t batch) {
+// half: the 2-byte modules ("_h"), which matmul.comp has none of (legacy means auto).
+Kernel choose_kernel(int64_t m, int64_t n, int64_t batch, bool half) {
   static const Kernel legacy128{"matmul_128", 128, 128}, legacy64{"matmul_64", 64, 64};
   static const Kernel r128k8{"matmul_r128k8", 128, 128}, r128{"matmul_r128", 128, 128};
   static const Kernel r128x64{"matmul_r128x64", 128, 64}, r64{"matmul_r64", 64, 64};
   auto tiles = [&](const Kernel& k) { return ((m + k.bm - 1) / k.bm) * ((n + k.bn - 1) / k.bn) * batch; };
   const char* env = std::getenv("RECURRA_VK_MATMUL");
-  const std::string v = env ? env : "";
+  const std::string v = env ? (half && std::strcmp(env, "legacy") == 0 ? "auto" : env) : "";
   if (v == "legacy") return tiles(legacy128) >= kEnoughTiles ? legacy128 : legacy64;
   // Default: measured on an H200 at 4096^3 (TF32 off), r128k8 34.5 TFLOP/s, r128 30.6, r64
   // 28.6, r128x64 22.9, legacy 2.3 (its accumulators spill); PyTorch 50.7.
@@ -63,6 +74,19 @@ Kernel choose_kernel(int64_t m, int64_t n, int64_t batch) {
   if (v == "r64") return r64;
   fail_invalid("RECURRA_VK_MATMUL=" + v +
                ": unknown matmul variant (expected legacy, auto, r128k8, r128, r128x64 or r64)");
+}
+
+bool is_half(recurra_dtype dt) { return dt == RECURRA_BF16 || dt == RECURRA_F16; }
+
+// Dtypes: all float32, or all one 2-byte float type (check_node refuses 2-byte tensors on
+// devices without 16-bit storage).
+std::string product_dtypes(const recurra_node_desc& n) {
+  if (!is_half(n.dst.dtype)) return require_f32(n, 2);
+  const char* name = n.dst.dtype == RECURRA_BF16 ? "bfloat16" : "float16";
+  for (int i = 0; i < 2; ++i)
+    if (n.src[i].dtype != n.dst.dtype)
+      return std::string(n.op) + ": source " + std::to_string(i) + " must be " + name + " like the output";
+  return "";
 }
 
 // Split-K: a product with too few 128x128 tiles of C to fill the GPU and a long K (the
@@ -122,7 +146,7 @@ void record_split(NodeCall& c, const MatmulPC& pc, int64_t splits, int a_kc, int
 template <bool OUT_PROD>
 std::string product_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 2);
-  if (why.empty()) why = require_f32(n, 2);
+  if (why.empty()) why = product_dtypes(n);
   if (!why.empty()) return why;
   const recurra_tensor_desc &a = n.src[0], &b = n.src[1], &d = n.dst;
   if (a.ndim < 2 || b.ndim < 2 || d.ndim < 2) return "needs at least 2 axes";
@@ -143,6 +167,44 @@ std::string product_check(const recurra_node_desc& n) {
   const int64_t ncols = d.shape[d.ndim - 1];
   if ((m + 63) / 64 > 65535 || (ncols + 63) / 64 > 65535) return "more than 4M rows or columns";
   return "";
+}
+
+// A bfloat16/float16 product (pc and the batch strides filled in by product_record).
+void record_half(NodeCall& c, const MatmulPC& pc, int64_t batch, const int64_t* sa, const int64_t* sb) {
+  Device& dev = c.rec.device();
+  const bool bf16 = c.dst.d->dtype == RECURRA_BF16;
+  const int32_t dt = bf16 ? 2 : 3;  // half.glsl's DT_BF16 / DT_F16
+  const CoopMatOpTile* tile = coopmat_op_why_not(dev, bf16).empty() ? coopmat_op_tile(pc.M, pc.N, batch) : nullptr;
+  if (tile) {
+    // Each operand staged along its contiguous axis: A m-contiguous (a_rs 1, x^T views) or
+    // k-contiguous/general; B k-contiguous (b_rs 1, W^T views) or n-contiguous/general.
+    const int a_t = pc.a_rs == 1 && pc.a_cs != 1, b_t = pc.b_rs == 1 && pc.b_cs != 1;
+    // uvec4 loads (8 elements) along the staged rows: unit stride there, the row's extent, the
+    // other stride and the batch strides multiples of 8, the address 16-byte aligned.
+    auto vec8 = [](uint64_t p, int32_t unit, int64_t extent, std::initializer_list<int64_t> strides) {
+      if (unit != 1 || p % 16 || extent % 8) return 0;
+      for (int64_t st : strides)
+        if (st % 8) return 0;
+      return 1;
+    };
+    const int vec_a = a_t ? vec8(pc.a, pc.a_rs, pc.M, {pc.a_cs, sa[0], sa[1]})
+                          : vec8(pc.a, pc.a_cs, pc.K, {pc.a_rs, sa[0], sa[1]});
+    const int vec_b = b_t ? vec8(pc.b, pc.b_rs, pc.K, {pc.b_cs, sb[0], sb[1]})
+                          : vec8(pc.b, pc.b_cs, pc.N, {pc.b_rs, sb[0], sb[1]});
+    const int32_t wg = static_cast<int32_t>(coopmat_op_workgroup(dev, *tile));
+    c.rec.dispatch(std::string("matmul_") + tile->name + (bf16 ? "_bf16" : "_f16"), {wg, a_t, b_t, vec_a, vec_b, dt},
+                   pc, static_cast<uint32_t>((pc.N + tile->bn - 1) / tile->bn),
+                   static_cast<uint32_t>((pc.M + tile->bm - 1) / tile->bm), static_cast<uint32_t>(batch),
+                   {c.src[0].range, c.src[1].range}, {c.dst.range});
+    return;
+  }
+  // The fallback: scalar 2-byte loads and stores (VEC_* 0), the float32 kernel choice.
+  const int a_kc = !(pc.a_rs == 1 && pc.a_cs != 1);
+  const int b_kc = pc.b_rs == 1 && pc.b_cs != 1;
+  const Kernel k = choose_kernel(pc.M, pc.N, batch, true);
+  c.rec.dispatch(std::string(k.module) + "_h", {a_kc, b_kc, 0, 0, 0, dt}, pc,
+                 static_cast<uint32_t>((pc.N + k.bn - 1) / k.bn), static_cast<uint32_t>((pc.M + k.bm - 1) / k.bm),
+                 static_cast<uint32_t>(batch), {c.src[0].range, c.src[1].range}, {c.dst.range});
 }
 
 template <bool OUT_PROD>
@@ -200,6 +262,7 @@ void product_record(NodeCall& c) {
   const int vec_b = b_kc ? aligned(pc.b, {pc.b_cs, sb[0], sb[1]}, pc.K)
                          : (pc.b_cs == 1 && aligned(pc.b, {pc.b_rs, sb[0], sb[1]}, pc.N));
   const int vec_c = pc.N % 4 == 0 && pc.c % 16 == 0;
+  if (is_half(d.dtype)) return record_half(c, pc, batch, sa, sb);
 
   // One to four rows (a token's step): gemv.comp splits each column's K over many threads.
   // RECURRA_VK_MATMUL=legacy|r.. keeps the tiled kernels for them too.
@@ -214,7 +277,7 @@ void product_record(NodeCall& c) {
                              ? split_count(pc.M, pc.N, pc.K)
                              : 1;
   if (splits > 1) return record_split(c, pc, splits, a_kc, b_kc, vec_a, vec_b, vec_c);
-  const Kernel k = choose_kernel(pc.M, pc.N, batch);
+  const Kernel k = choose_kernel(pc.M, pc.N, batch, false);
   c.rec.dispatch(k.module, {a_kc, b_kc, vec_a, vec_b, vec_c}, pc, static_cast<uint32_t>((pc.N + k.bn - 1) / k.bn),
                  static_cast<uint32_t>((pc.M + k.bm - 1) / k.bm), static_cast<uint32_t>(batch),
                  {c.src[0].range, c.src[1].range}, {c.dst.range});

@@ -1,0 +1,253 @@
+// The bfloat16/float16 matmul op on tensor cores (VK_KHR_cooperative_matrix): C = A @ B for
+// every batch index, A (M x K), B (K x N) and C (M x N, dense) of one 2-byte float type,
+// float32 accumulation, each C element rounded once to the type (half.glsl's st: round to
+// nearest even on the bits). csrc/ops/matmul.cpp dispatches it for matmul and out_prod; the
+// push constants and their meaning are matmul_reg.comp's (any strides, two batch axes with
+// broadcasting as stride 0).
+//
+// Unlike matmul_coopmat.comp (the standalone benchmark entry: row-major operands, sizes padded
+// to the tile) nothing is padded: M, N, K of any size, out-of-range elements are staged into
+// shared memory as zeros and the stores of C are masked.
+//
+// As there, the 16-bit element type is float16_t here and the bf16 module is this one with
+// that type rewritten (tools/spirv_bf16.py): the shader moves 16-bit values as raw bits (uvec4
+// or uint16_t loads, uvec4 shared stores) and only cooperative matrices have the f16 type.
+//
+// Tiling: a workgroup of NW subgroups owns a BM x BN tile of C; subgroup w owns a WM x WN
+// sub-tile as (WM/16) x (WN/16) 16x16 f32 accumulators. K advances BK at a time: the slabs of
+// step s + 1 are read from global memory into registers while step s is multiplied out of
+// shared memory, then stored into the other shared buffer (STAGES = 2: two buffers, one
+// barrier a step; STAGES = 1: one buffer, half the memory for a longer K step, and a second
+// barrier between the last fragment loads of a step and the stores of the next).
+//
+// Staging: each operand's slab is stored with the operand's contiguous axis along the shared
+// row (rows padded by 8 elements against bank conflicts), and its fragments are loaded row- or
+// column-major to match:
+//   A_T = 0: A's k axis contiguous (or general strides): As[m][k], fragments row-major
+//   A_T = 1: A's m axis contiguous (x^T views, out_prod): As[k][m], fragments column-major
+//   B_T = 0: B's n axis contiguous (or general strides): Bs[k][n], fragments row-major
+//   B_T = 1: B's k axis contiguous (W^T views): Bs[n][k], fragments column-major
+// A staged slab is ROWS x COLS (COLS along the contiguous axis) in items of 8 elements: item q
+// is row q / (COLS/8), elements (q % (COLS/8)) * 8 + 0..7 of that row. VEC_A / VEC_B: one
+// uvec4 global load per item (the host checks: unit stride along the row, the row's extent,
+// the other strides and the batch strides multiples of 8, the address 16-byte aligned; then an
+// item is all inside the operand or all outside); otherwise 8 masked uint16_t loads.
+//
+// Epilogue: each subgroup stores one 16x16 accumulator at a time into its own 1 KiB of the
+// (then idle) A buffers, and its invocations round and store the elements inside C.
+//
+// Build-time defines: BM BN BK WM WN (WM, WN, BK multiples of 16, BM and BN multiples of 8),
+// STAGES (2, the default, or 1).
+// Specialization constants (csrc/coopmat.cpp, csrc/ops/matmul.cpp): 0 the workgroup size
+// WG = NW * the subgroup size (8 to 32), 1 A_T, 2 B_T, 3 VEC_A, 4 VEC_B, 5 DT (2 bfloat16,
+// 3 float16: the rounding of C). The schedule and indexing are transliterated in
+// tests/vulkan/test_vulkan_half_matmul.py (checked against A @ B on the CPU there).
+#version 450
+#extension GL_KHR_cooperative_matrix : require
+#extension GL_KHR_memory_scope_semantics : require
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+#extension GL_GOOGLE_include_directive : require
+#include "common.glsl"
+#include "half.glsl"
+
+#ifndef STAGES
+#define STAGES 2
+#endif
+#define NW ((BM / WM) * (BN / WN))  // subgroups per workgroup
+#define TM (WM / 16)
+#define TN (WN / 16)
+#define MAX2(x, y) ((x) > (y) ? (x) : (y))
+// One shared buffer of each operand, in uvec4 (8 elements): room for either staging.
+#define A_STAGE (MAX2(BM * (BK + 8), BK * (BM + 8)) / 8)
+#define B_STAGE (MAX2(BK * (BN + 8), BN * (BK + 8)) / 8)
+#define GROUP_M 8  // workgroups walk C in bands of 8 tile rows (L2 reuse of B)
+
+#if (BM * BK) % (8 * NW * 32) != 0 || (BK * BN) % (8 * NW * 32) != 0 || WM % 16 != 0 || WN % 16 != 0 || BK % 16 != 0 || BM % WM != 0 || BN % WN != 0
+#error "matmul_coopmat_op.comp: BM*BK and BK*BN must be multiples of 8*NW*32; WM, WN, BK multiples of 16"
+#endif
+#if STAGES != 1 && STAGES != 2
+#error "matmul_coopmat_op.comp: STAGES must be 1 or 2"
+#endif
+#if STAGES * BM * (BK + 8) / 8 < NW * 64 && STAGES * BK * (BM + 8) / 8 < NW * 64
+#error "matmul_coopmat_op.comp: the epilogue needs 1 KiB of the A buffers per subgroup"
+#endif
+
+layout(local_size_x_id = 0) in;
+layout(constant_id = 1) const int A_T = 0;
+layout(constant_id = 2) const int B_T = 0;
+layout(constant_id = 3) const int VEC_A = 0;
+layout(constant_id = 4) const int VEC_B = 0;
+layout(constant_id = 5) const int DT = DT_F16;
+const uint WG = gl_WorkGroupSize.x;
+const uint NA = BM * BK / 8 / WG;  // items of the A slab per invocation and step
+const uint NB = BK * BN / 8 / WG;
+// Register arrays sized for the smallest subgroup (8), loops to that constant bound skipping
+// s >= NA: every index is a constant once unrolled (see matmul_coopmat.comp).
+#define NA_MAX (BM * BK / 8 / (NW * 8))
+#define NB_MAX (BK * BN / 8 / (NW * 8))
+
+layout(buffer_reference, std430, buffer_reference_align = 16) readonly buffer U4Buf { uvec4 v[]; };
+
+layout(push_constant) uniform PC {
+  uvec2 a, b, c;
+  int M, N, K;
+  int a_rs, a_cs;  // A(m, k) = a[m * a_rs + k * a_cs]
+  int b_rs, b_cs;  // B(k, n) = b[k * b_rs + n * b_cs]
+  int nb1;         // the inner batch axis' length (batch index z = outer * nb1 + inner)
+  int a_b0, a_b1, b_b0, b_b1;  // batch strides of A and B (outer, inner)
+} pc;
+
+shared uvec4 As[STAGES * A_STAGE];
+shared uvec4 Bs[STAGES * B_STAGE];
+
+// A staged operand: X(row, col) = x[base + row * rs + col * cs], rows < R, cols < C (the
+// tile's origin added by the caller).
+struct Operand {
+  uvec2 x;
+  int base, rs, cs, R, C;
+};
+
+// Item (row, cg) of a slab whose origin is (r0, c0): 8 elements along the row, zero outside.
+uvec4 load_item(const Operand o, const int r0, const int c0, const int row, const int cg, const int VEC) {
+  const int r = r0 + row, c = c0 + cg * 8;
+  uvec4 v = uvec4(0u);
+  if (VEC != 0) {
+    if (r < o.R && c < o.C) v = U4Buf(o.x).v[(o.base + r * o.rs + c) >> 3];
+  } else if (r < o.R) {
+    const int at = o.base + r * o.rs + c * o.cs;
+    [[unroll]] for (int e = 0; e < 8; ++e) {
+      const uint h = c + e < o.C ? uint(U16Buf(o.x).v[at + e * o.cs]) : 0u;
+      v[e >> 1] |= h << ((e & 1) * 16);
+    }
+  }
+  return v;
+}
+
+void main() {
+  // Grouped order of the output tiles: consecutive workgroups share B columns.
+  const uint tiles_n = (uint(pc.N) + BN - 1) / BN, tiles_m = (uint(pc.M) + BM - 1) / BM;
+  const uint pid = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
+  const uint per_group = GROUP_M * tiles_n;
+  const uint first_m = (pid / per_group) * GROUP_M;
+  const uint group_m = min(tiles_m - first_m, uint(GROUP_M));
+  const uint tm = first_m + (pid % per_group) % group_m;
+  const uint tn = (pid % per_group) / group_m;
+  const int m0 = int(tm * BM), n0 = int(tn * BN);
+  const int z = int(gl_WorkGroupID.z);
+  const int zo = z / pc.nb1, zi = z % pc.nb1;
+
+  const uint t = gl_LocalInvocationID.x;
+  const uint w = gl_SubgroupID;
+  const uint wm = (w / (BN / WN)) * WM, wn = (w % (BN / WN)) * WN;
+
+  // The staged view of each operand (rows x cols of the slab, cols along shared rows).
+  Operand oa, ob;
+  oa.x = pc.a;
+  oa.base = zo * pc.a_b0 + zi * pc.a_b1;
+  oa.rs = A_T != 0 ? pc.a_cs : pc.a_rs;
+  oa.cs = A_T != 0 ? pc.a_rs : pc.a_cs;
+  oa.R = A_T != 0 ? pc.K : pc.M;
+  oa.C = A_T != 0 ? pc.M : pc.K;
+  ob.x = pc.b;
+  ob.base = zo * pc.b_b0 + zi * pc.b_b1;
+  ob.rs = B_T != 0 ? pc.b_cs : pc.b_rs;
+  ob.cs = B_T != 0 ? pc.b_rs : pc.b_cs;
+  ob.R = B_T != 0 ? pc.N : pc.K;
+  ob.C = B_T != 0 ? pc.K : pc.N;
+  const uint a_cols = A_T != 0 ? BM : BK, b_cols = B_T != 0 ? BK : BN;  // slab row lengths
+  const uint sa = a_cols / 8 + 1, sb = b_cols / 8 + 1;  // padded shared rows, in uvec4
+
+  coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> acc[TM][TN];
+  [[unroll]] for (int i = 0; i < TM; ++i)
+    [[unroll]] for (int j = 0; j < TN; ++j)
+      acc[i][j] = coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
+
+  uvec4 ra[NA_MAX], rb[NB_MAX];
+  const int steps = (pc.K + BK - 1) / BK;
+  for (int s = 0; s < steps + 1; ++s) {
+    // s < steps: load the slabs of step s; s > 0: multiply step s - 1 (buffer (s - 1) & 1,
+    // STAGES 1: buffer 0) while they arrive; then store them into buffer s & 1 (0), read by
+    // the next iteration.
+    if (s < steps) {
+      const int k0 = s * BK;
+      [[unroll]] for (uint i = 0; i < NA_MAX; ++i) {
+        const uint q = i * WG + t;
+        const int row = int(q / (a_cols / 8)), cg = int(q % (a_cols / 8));
+        if (i < NA) ra[i] = load_item(oa, A_T != 0 ? k0 : m0, A_T != 0 ? m0 : k0, row, cg, VEC_A);
+      }
+      [[unroll]] for (uint i = 0; i < NB_MAX; ++i) {
+        const uint q = i * WG + t;
+        const int row = int(q / (b_cols / 8)), cg = int(q % (b_cols / 8));
+        if (i < NB) rb[i] = load_item(ob, B_T != 0 ? n0 : k0, B_T != 0 ? k0 : n0, row, cg, VEC_B);
+      }
+    }
+    if (s > 0) {
+      const uint cur = STAGES == 2 ? (s - 1) & 1 : 0;
+      const uint abase = cur * A_STAGE, bbase = cur * B_STAGE;
+      [[unroll]] for (uint kk = 0; kk < BK; kk += 16) {
+        coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> fa[TM];
+        coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> fb[TN];
+        [[unroll]] for (uint i = 0; i < TM; ++i) {
+          if (A_T != 0)
+            coopMatLoad(fa[i], As, abase + kk * sa + (wm + i * 16) / 8, sa, gl_CooperativeMatrixLayoutColumnMajor);
+          else
+            coopMatLoad(fa[i], As, abase + (wm + i * 16) * sa + kk / 8, sa, gl_CooperativeMatrixLayoutRowMajor);
+        }
+        [[unroll]] for (uint j = 0; j < TN; ++j) {
+          if (B_T != 0)
+            coopMatLoad(fb[j], Bs, bbase + (wn + j * 16) * sb + kk / 8, sb, gl_CooperativeMatrixLayoutColumnMajor);
+          else
+            coopMatLoad(fb[j], Bs, bbase + kk * sb + (wn + j * 16) / 8, sb, gl_CooperativeMatrixLayoutRowMajor);
+        }
+        [[unroll]] for (int i = 0; i < TM; ++i)
+          [[unroll]] for (int j = 0; j < TN; ++j)
+            acc[i][j] = coopMatMulAdd(fa[i], fb[j], acc[i][j]);
+      }
+    }
+    if (STAGES == 1 && s > 0) barrier();  // every subgroup is done with the one buffer
+    if (s < steps) {
+      const uint nxt = STAGES == 2 ? s & 1 : 0;
+      const uint abase = nxt * A_STAGE, bbase = nxt * B_STAGE;
+      [[unroll]] for (uint i = 0; i < NA_MAX; ++i) {
+        const uint q = i * WG + t;
+        if (i < NA) As[abase + (q / (a_cols / 8)) * sa + q % (a_cols / 8)] = ra[i];
+      }
+      [[unroll]] for (uint i = 0; i < NB_MAX; ++i) {
+        const uint q = i * WG + t;
+        if (i < NB) Bs[bbase + (q / (b_cols / 8)) * sb + q % (b_cols / 8)] = rb[i];
+      }
+    }
+    barrier();
+  }
+
+  // Epilogue (the loop ended on a barrier: no subgroup reads the A buffers any more). EPI(i, j)
+  // is written out per fragment, not as a loop: the element loop inside would stop spirv-opt
+  // from unrolling a fragment loop, and acc indexed by a variable goes to Function storage
+  // (local memory).
+  const uint scratch = w * 64;  // 16 x 16 floats in uvec4
+  const uint lane = gl_SubgroupInvocationID;
+  const int c_base = z * pc.M * pc.N;
+#define EPI(I, J)                                                                           \
+  if ((I) < TM && (J) < TN) {                                                               \
+    coopMatStore(acc[(I) < TM ? (I) : 0][(J) < TN ? (J) : 0], As, scratch, 4,               \
+                 gl_CooperativeMatrixLayoutRowMajor);                                       \
+    subgroupMemoryBarrierShared();                                                          \
+    subgroupBarrier();                                                                      \
+    const int row0 = m0 + int(wm) + (I) * 16, col0 = n0 + int(wn) + (J) * 16;               \
+    for (uint e = lane; e < 256; e += gl_SubgroupSize) {                                    \
+      const int row = row0 + int(e / 16), col = col0 + int(e % 16);                         \
+      const float v = uintBitsToFloat(As[scratch + e / 4][e % 4]);                          \
+      if (row < pc.M && col < pc.N) st(pc.c, uint(c_base + row * pc.N + col), DT, v);       \
+    }                                                                                       \
+    subgroupBarrier();                                                                      \
+  }
+#define EPI_ROW(I) EPI(I, 0) EPI(I, 1) EPI(I, 2) EPI(I, 3)
+#if TM > 4 || TN > 4
+#error "matmul_coopmat_op.comp: the epilogue is written out for up to 4 x 4 fragments"
+#endif
+  EPI_ROW(0)
+  EPI_ROW(1)
+  EPI_ROW(2)
+  EPI_ROW(3)
+}
