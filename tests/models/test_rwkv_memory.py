@@ -5,6 +5,8 @@ and the planned peak of a step must fall."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -65,3 +67,22 @@ def test_chains_keep_the_gradients_and_lower_the_peak(monkeypatch, checkpointing
         assert peak1 <= peak0
     else:  # the blocks keep about two thirds of their (B, T, C) tensors
         assert peak1 < 0.8 * peak0, (peak1, peak0)
+
+
+def test_checkpointing_recomputes_each_half_of_a_block_on_its_own(monkeypatch):
+    """Under gradient checkpointing the time and the channel mixing of a block are two
+    segments: the backward holds one half's intermediates at a time. Against the whole
+    block as one segment (nn.Module's recompute_): the same gradients, a lower peak."""
+    model = _model(n_layer=3, vocab=64)
+    model.gradient_checkpointing(True)
+    x, y = _batch(2, 48, 64)
+    loss1, g1, peak1 = _step(model, x, y)
+    with monkeypatch.context() as m:  # the whole block in one segment
+        m.setattr(rwkv7.RWKV7Block, "__call__", rm.nn.Module.__call__)
+        m.setattr(rwkv7.RWKV7Block, "_half", lambda self: contextlib.nullcontext())
+        loss0, g0, peak0 = _step(model, x, y)
+    assert loss0 == loss1
+    assert g0.keys() == g1.keys()
+    for name in g0:
+        np.testing.assert_array_equal(g0[name], g1[name], err_msg=name)
+    assert peak1 < 0.95 * peak0, (peak1, peak0)

@@ -279,10 +279,24 @@ class RWKV7Block(RWKVBlock):
         """x (B, T, C), state [att_shift, wkv, ffn_shift], v_first (None in layer 0).
 
         Returns (x, new state, v_first)."""
-        dx, att_shift, wkv, v_first = self.att(x, state[0], state[1], v_first, self.ln1)
-        x = x + dx
-        dx, ffn_shift = self.ffn(x, state[2], self.ln2)
-        return x + dx, [att_shift, wkv, ffn_shift], v_first
+        with self._half():
+            dx, att_shift, wkv, v_first = self.att(x, state[0], state[1], v_first, self.ln1)
+            x = x + dx
+        with self._half():
+            dx, ffn_shift = self.ffn(x, state[2], self.ln2)
+            x = x + dx
+        return x, [att_shift, wkv, ffn_shift], v_first
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Checkpointed (recompute_), each half is a segment of its own (see _half), not
+        # the whole block.
+        return self.forward(*args, **kwargs)
+
+    def _half(self) -> Any:
+        """Under gradient checkpointing, a recomputation segment for one half of the block
+        (time mixing, channel mixing): the backward then holds one half's intermediates at
+        a time, for one more (B, T, C) tensor kept per block (the stream between them)."""
+        return rc.recompute() if self.__dict__.get("_recompute") else contextlib.nullcontext()
 
 
 class RWKV7LM(RWKVFamilyLM):
