@@ -55,14 +55,16 @@ __all__ = ["RWKV7Block", "RWKV7ChannelMix", "RWKV7Config", "RWKV7LM", "RWKV7Time
 
 DECAY_SCALE = math.exp(-0.5)  # 0.606531 in the official code: w soft-clamped to (-inf, -0.5)
 
-# Training memory: the elementwise chains of a block (the norms before the mixes, the decay,
-# the value gate, the key update, the bonus and group norm after wkv7) run inside their own
-# recomputation segments, so the backward keeps only what the matmuls and wkv7 read (about
-# two thirds of a block's (B, T, C) tensors) and makes the rest again right before their
-# gradients (elementwise work and products with the narrow LoRA matrices; no C x C
-# product). The gradients are the same. False keeps every intermediate (the plan of
-# before; tests compare against it). Under gradient_checkpointing the segments join the
-# block's.
+# Training memory: three elementwise chains of a block (the key update with kk, the bonus,
+# group norm and gate after wkv7, and ln2 with the channel mixing's token shift and mix) run
+# inside their own recomputation segments, so the backward keeps only what the matmuls and
+# wkv7 read of them and makes the rest again right before their gradients (8 of a block's
+# ~38 kept (B, T, C) tensors, for ~25 elementwise passes and one product with the narrow
+# gate matrix; no C x C product). The norm and the mixes before the time mixing, the decay
+# and the value gate would save 5 more for ~20 passes (+5% CPU work per step on 2 cores in
+# all, measured): left out. The gradients are the same. False keeps every intermediate
+# (the plan of before; tests compare against it). Under gradient_checkpointing the segments
+# join the halves of the block.
 RECOMPUTE_CHAINS = True
 
 
@@ -185,40 +187,34 @@ class RWKV7TimeMix(nn.Module):
         self, x: Any, shift: Any, wkv: Any, v_first: Any | None, ln: nn.LayerNorm | None = None
     ) -> tuple[Any, Any, Any, Any]:
         """x (B, T, C) (ln1-normalised, or the block's input when ``ln``, the block's ln1, is
-        given: then the norm runs here, inside the recomputed front), shift (B, C), wkv
-        (B, H, S, S), v_first (B, T, C) (None in layer 0, which makes it).
+        given), shift (B, C), wkv (B, H, S, S), v_first (B, T, C) (None in layer 0, which
+        makes it).
 
         Returns (output (B, T, C), new shift, new wkv state, v_first)."""
         b, t, c = x.shape
         h, s = self.n_head, self.head_size
-        # The front (ln1, token shift, the six mixes) is one recomputed chain: the backward
-        # keeps the inputs of r, k and v (read by their weight gradients) and the narrow LoRA
-        # products, not ln1's normalised output, its affine output or xx.
-        with _chain():
-            if ln is not None:
-                x = ln(x)
-            prev, new_shift = token_shift(x, shift)
-            xx = prev - x
-            xr, xk, xv = x + xx * self.x_r, x + xx * self.x_k, x + xx * self.x_v
-            # The w, a and g mixes feed narrow LoRA matrices only (C -> 64..160): their
-            # first products are recomputed in the backward from x and xx instead of keeping
-            # three (B, T, C) mixes for the weight gradients (a few percent more LoRA work).
-            with rc.recompute():
-                lw = ops.matmul(x + xx * self.x_w, self.w1)
-                la = ops.matmul(x + xx * self.x_a, self.a1)
-                lg = ops.matmul(x + xx * self.x_g, self.g1)
+        if ln is not None:
+            x = ln(x)
+        prev, new_shift = token_shift(x, shift)
+        xx = prev - x
+        xr, xk, xv = x + xx * self.x_r, x + xx * self.x_k, x + xx * self.x_v
+        # The w, a and g mixes feed narrow LoRA matrices only (C -> 64..160): their first
+        # products are recomputed in the backward from x and xx instead of keeping three
+        # (B, T, C) mixes for the weight gradients (a few percent more LoRA work).
+        with rc.recompute():
+            lw = ops.matmul(x + xx * self.x_w, self.w1)
+            la = ops.matmul(x + xx * self.x_a, self.a1)
+            lg = ops.matmul(x + xx * self.x_g, self.g1)
         r = self.receptance(xr)
         k = self.key(xk)
         v = self.value(xv)
-        with _chain():  # keeps decay (read by wkv7) and lw, not the sigmoid's output
-            wlog = self.w0 + ops.matmul(ops.tanh(lw), self.w2)
-            decay = ops.exp(ops.sigmoid(wlog) * (-DECAY_SCALE))
+        wlog = self.w0 + ops.matmul(ops.tanh(lw), self.w2)
+        decay = ops.exp(ops.sigmoid(wlog) * (-DECAY_SCALE))
         if v_first is None:
             v_first = v
         else:
-            with _chain():  # keeps v, v_first and xv, not the gate or v_first - v
-                gate_v = ops.sigmoid(self.v0 + ops.matmul(ops.matmul(xv, self.v1), self.v2))
-                v = v + (v_first - v) * gate_v
+            gate_v = ops.sigmoid(self.v0 + ops.matmul(ops.matmul(xv, self.v1), self.v2))
+            v = v + (v_first - v) * gate_v
         a = ops.sigmoid(self.a0 + ops.matmul(la, self.a2))
         with _chain():  # keeps k and a, not k * k_k or k * a - k
             # F.normalize per head: kk / max(|kk|, 1e-12) == rms_norm(kk, 1e-24 / S) /
