@@ -23,6 +23,7 @@ is per token, not carried.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -53,6 +54,23 @@ from recurra_models.rwkv_base import (
 __all__ = ["RWKV7Block", "RWKV7ChannelMix", "RWKV7Config", "RWKV7LM", "RWKV7TimeMix"]
 
 DECAY_SCALE = math.exp(-0.5)  # 0.606531 in the official code: w soft-clamped to (-inf, -0.5)
+
+# Training memory: three elementwise chains of a block (the key update with kk, the bonus,
+# group norm and gate after wkv7, and ln2 with the channel mixing's token shift and mix) run
+# inside their own recomputation segments, so the backward keeps only what the matmuls and
+# wkv7 read of them and makes the rest again right before their gradients (8 of a block's
+# ~38 kept (B, T, C) tensors, for ~25 elementwise passes and one product with the narrow
+# gate matrix; no C x C product). The norm and the mixes before the time mixing, the decay
+# and the value gate would save 5 more for ~20 passes (+5% CPU work per step on 2 cores in
+# all, measured): left out. The gradients are the same. False keeps every intermediate
+# (the plan of before; tests compare against it). Under gradient_checkpointing the segments
+# join the halves of the block.
+RECOMPUTE_CHAINS = True
+
+
+def _chain() -> Any:
+    """A recomputation segment for a cheap chain (see RECOMPUTE_CHAINS), else nothing."""
+    return rc.recompute() if RECOMPUTE_CHAINS else contextlib.nullcontext()
 
 
 def _lora_dim(c: int, factor: float) -> int:
@@ -166,14 +184,17 @@ class RWKV7TimeMix(nn.Module):
         self.ln_x = init.layer_norm(c, ((1 + layer_id) / cfg.n_layer) ** 0.7)
 
     def forward(
-        self, x: Any, shift: Any, wkv: Any, v_first: Any | None
+        self, x: Any, shift: Any, wkv: Any, v_first: Any | None, ln: nn.LayerNorm | None = None
     ) -> tuple[Any, Any, Any, Any]:
-        """x (B, T, C) (ln1-normalised), shift (B, C), wkv (B, H, S, S), v_first (B, T, C)
-        (None in layer 0, which makes it).
+        """x (B, T, C) (ln1-normalised, or the block's input when ``ln``, the block's ln1, is
+        given), shift (B, C), wkv (B, H, S, S), v_first (B, T, C) (None in layer 0, which
+        makes it).
 
         Returns (output (B, T, C), new shift, new wkv state, v_first)."""
         b, t, c = x.shape
         h, s = self.n_head, self.head_size
+        if ln is not None:
+            x = ln(x)
         prev, new_shift = token_shift(x, shift)
         xx = prev - x
         xr, xk, xv = x + xx * self.x_r, x + xx * self.x_k, x + xx * self.x_v
@@ -195,23 +216,29 @@ class RWKV7TimeMix(nn.Module):
             gate_v = ops.sigmoid(self.v0 + ops.matmul(ops.matmul(xv, self.v1), self.v2))
             v = v + (v_first - v) * gate_v
         a = ops.sigmoid(self.a0 + ops.matmul(la, self.a2))
-        g = ops.matmul(ops.sigmoid(lg), self.g2)
-        # F.normalize per head: kk / max(|kk|, 1e-12) == rms_norm(kk, 1e-24 / S) / sqrt(S)
-        # up to the clamp region; rms_norm is one fused op with a stable gradient. Made
-        # negated: wkv7 reads -kk and kk * a, and the backward keeps only these two (with kk
-        # and -kk it kept three tensors of (B, T, C)); the sign flips are exact.
-        nkk = (k * self.k_k).reshape(b * t, h, s)
-        nkk = ops.rms_norm(nkk, 1e-24 / s) * (-1.0 / math.sqrt(s))
-        # k * (1 + (a - 1) * k_a) without scalar constants: the backward of a tensor plus a
-        # constant reduces the whole gradient to the constant's shape (~25 ms per op at
-        # 4 x 256 x 512 on 2 cores), for a constant that needs no gradient.
-        k = k + (k * a - k) * self.k_a
-        a3 = a.reshape(b * t, h, s)
+        with _chain():  # keeps k and a, not k * k_k or k * a - k
+            # F.normalize per head: kk / max(|kk|, 1e-12) == rms_norm(kk, 1e-24 / S) /
+            # sqrt(S) up to the clamp region; rms_norm is one fused op with a stable
+            # gradient. Made negated: wkv7 reads -kk and kk * a, and the backward keeps
+            # only these two (with kk and -kk it kept three tensors of (B, T, C)); the sign
+            # flips are exact.
+            nkk = (k * self.k_k).reshape(b * t, h, s)
+            nkk = ops.rms_norm(nkk, 1e-24 / s) * (-1.0 / math.sqrt(s))
+            # k * (1 + (a - 1) * k_a) without scalar constants: the backward of a tensor
+            # plus a constant reduces the whole gradient to the constant's shape (~25 ms per
+            # op at 4 x 256 x 512 on 2 cores), for a constant that needs no gradient.
+            k = k + (k * a - k) * self.k_a
+            nkk_a = -(nkk * a.reshape(b * t, h, s))
         r3, k3, v3 = r.reshape(b * t, h, s), k.reshape(b * t, h, s), v.reshape(b * t, h, s)
-        y, new_wkv = ops.rwkv_wkv7(r3, decay.reshape(b * t, h, s), k3, v3, nkk, -(nkk * a3), wkv)
-        bonus = ops.sum(r3 * k3 * self.r_k, axis=-1, keepdims=True) * v3  # (BT, H, S)
-        y = head_norm(y, b, t, self.ln_x) + bonus.reshape(b, t, c)
-        return self.output(y * g), new_shift, new_wkv, v_first
+        y, new_wkv = ops.rwkv_wkv7(r3, decay.reshape(b * t, h, s), k3, v3, nkk, nkk_a, wkv)
+        # The output's input y * g is kept (the output weight's gradient reads it); the
+        # group norm, the bonus, the gate and their sum are made again in the backward.
+        with _chain():
+            g = ops.matmul(ops.sigmoid(lg), self.g2)
+            bonus = ops.sum(r3 * k3 * self.r_k, axis=-1, keepdims=True) * v3  # (BT, H, S)
+            y = head_norm(y, b, t, self.ln_x) + bonus.reshape(b, t, c)
+            yg = y * g
+        return self.output(yg), new_shift, new_wkv, v_first
 
 
 class RWKV7ChannelMix(nn.Module):
@@ -226,10 +253,15 @@ class RWKV7ChannelMix(nn.Module):
         self.key = init.linear_uniform(c, f, 0.5 / math.sqrt(c))
         self.value = init.linear(f, c, 0.0)
 
-    def forward(self, x: Any, shift: Any) -> tuple[Any, Any]:
-        """x (B, T, C) (ln2-normalised), shift (B, C). Returns (output, new shift)."""
-        prev, new_shift = token_shift(x, shift)
-        k = ops.relu_sqr(self.key(x + (prev - x) * self.x_k))
+    def forward(self, x: Any, shift: Any, ln: nn.LayerNorm | None = None) -> tuple[Any, Any]:
+        """x (B, T, C) (ln2-normalised, or the block's residual stream when ``ln``, the
+        block's ln2, is given), shift (B, C). Returns (output, new shift)."""
+        with _chain():  # keeps the key's input, not ln2's normalised output or xx
+            if ln is not None:
+                x = ln(x)
+            prev, new_shift = token_shift(x, shift)
+            xk = x + (prev - x) * self.x_k
+        k = ops.relu_sqr(self.key(xk))
         return self.value(k), new_shift
 
 
@@ -243,9 +275,24 @@ class RWKV7Block(RWKVBlock):
         """x (B, T, C), state [att_shift, wkv, ffn_shift], v_first (None in layer 0).
 
         Returns (x, new state, v_first)."""
-        dx, att_shift, wkv, v_first = self.att(self.ln1(x), state[0], state[1], v_first)
-        x, new_state = self.channel_mix(x, dx, state, att_shift, wkv)
-        return x, new_state, v_first
+        with self._half():
+            dx, att_shift, wkv, v_first = self.att(x, state[0], state[1], v_first, self.ln1)
+            x = x + dx
+        with self._half():
+            dx, ffn_shift = self.ffn(x, state[2], self.ln2)
+            x = x + dx
+        return x, [att_shift, wkv, ffn_shift], v_first
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Checkpointed (recompute_), each half is a segment of its own (see _half), not
+        # the whole block.
+        return self.forward(*args, **kwargs)
+
+    def _half(self) -> Any:
+        """Under gradient checkpointing, a recomputation segment for one half of the block
+        (time mixing, channel mixing): the backward then holds one half's intermediates at
+        a time, for one more (B, T, C) tensor kept per block (the stream between them)."""
+        return rc.recompute() if self.__dict__.get("_recompute") else contextlib.nullcontext()
 
 
 class RWKV7LM(RWKVFamilyLM):
