@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from common import run_worker
 
 HERE = Path(__file__).resolve().parent
 PRESETS = ["mamba-130m", "mamba2-130m"]
@@ -70,6 +71,20 @@ def _timed(fn: Any, reps: int) -> list[float]:
 def per_token(full: list[float], one: list[float], n: int) -> float:
     """ms per new token: the median of n+1 tokens' runs less the median of 1 token's, / n."""
     return (statistics.median(full) - statistics.median(one)) / n
+
+
+def time_generation(gen: Any, big: Any, short: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    """Prefill and per-token figures of gen(prompt, k) (a function that generates k tokens
+    after prompt): the prefill of ``big`` (one token), n+1 and 1 tokens after ``short``."""
+    n, reps = spec["gen_tokens"], spec["reps"]
+    prefill = _timed(gen(big, 1), reps)
+    full = _timed(gen(short, n + 1), reps)
+    one = _timed(gen(short, 1), reps)
+    return {
+        "prefill_ms": statistics.median(prefill),
+        "gen_ms": per_token(full, one, n),
+        "runs": len(full),
+    }
 
 
 def prompt_ids(spec: dict[str, Any], length: int) -> np.ndarray:
@@ -117,26 +132,16 @@ def side_ours(spec: dict[str, Any]) -> dict[str, Any]:
 
     rc.set_num_threads(spec["threads"])
     model = rm.load_pretrained(spec["hf"])
-    n, reps = spec["gen_tokens"], spec["reps"]
     short = prompt_ids(spec, spec["check_prompt"])
-    ids: list[list[int]] = []
 
     def gen(prompt: np.ndarray, k: int) -> Any:
-        return lambda: ids.append(rm.generate(model, prompt, max_tokens=k, temperature=0.0))
+        return lambda: rm.generate(model, prompt, max_tokens=k, temperature=0.0)
 
-    prefill = _timed(gen(prompt_ids(spec, spec["prefill"]), 1), reps)
-    full = _timed(gen(short, n + 1), reps)
-    one = _timed(gen(short, 1), reps)
-    tokens = rm.generate(model, short, max_tokens=spec["check_tokens"], temperature=0.0)
+    out = time_generation(gen, prompt_ids(spec, spec["prefill"]), short, spec)
+    out["tokens"] = rm.generate(model, short, max_tokens=spec["check_tokens"], temperature=0.0)
     with rc.no_grad():
-        logits = model(rc.tensor(short[None, :])).numpy()[0]
-    return {
-        "prefill_ms": statistics.median(prefill),
-        "gen_ms": per_token(full, one, n),
-        "runs": len(full),
-        "tokens": tokens,
-        "logits": logits.tolist(),
-    }
+        out["logits"] = model(rc.tensor(short[None, :])).numpy()[0].tolist()
+    return out
 
 
 def side_peer(spec: dict[str, Any]) -> dict[str, Any]:
@@ -194,18 +199,9 @@ def side_llama_py(spec: dict[str, Any]) -> dict[str, Any]:
         return run
 
     big = [int(i) for i in prompt_ids(spec, spec["prefill"])]
-    n, reps = spec["gen_tokens"], spec["reps"]
-    prefill = _timed(gen(big, 1), reps)
-    full = _timed(gen(short, n + 1), reps)
-    one = _timed(gen(short, 1), reps)
-    return {
-        "prefill_ms": statistics.median(prefill),
-        "gen_ms": per_token(full, one, n),
-        "runs": len(full),
-        "tokens": tokens,
-        "logits": logits.tolist(),
-        "version": getattr(llama_cpp, "__version__", "?"),
-    }
+    out = time_generation(gen, big, short, spec)
+    out.update(tokens=tokens, logits=logits.tolist(), version=llama_cpp.__version__)
+    return out
 
 
 def side_llama_bench(spec: dict[str, Any]) -> dict[str, Any]:
@@ -247,21 +243,7 @@ def worker(spec: dict[str, Any]) -> None:
 def run_side(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     load0 = os.getloadavg()[0]
     t0 = time.time()
-    try:
-        p = subprocess.run(
-            [sys.executable, __file__, "--worker", json.dumps(spec)],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-        if lines:
-            res: dict[str, Any] = json.loads(lines[-1][7:])
-        else:
-            tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
-            res = {"error": f"exit {p.returncode}: {' | '.join(tail)[:300]}"}
-    except subprocess.TimeoutExpired:
-        res = {"error": f"did not finish within {timeout:.0f} s"}
+    res = run_worker(__file__, spec, timeout)
     res["load"] = (load0, os.getloadavg()[0])
     res["seconds"] = time.time() - t0
     return res
