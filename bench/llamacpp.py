@@ -25,7 +25,11 @@ For each preset (mamba-130m, mamba2-130m) it
 
 Every side runs in a subprocess of its own, one after another, each with --threads threads;
 figures are medians of --reps runs after a warm-up. Ratios: theirs / ours (above 1: we are
-faster). The load average is printed before and after each side (the machine is shared).
+faster). The load average is printed before and after each side (the machine is shared):
+compare figures taken at a low load only. llama.cpp's threads meet at a barrier after every
+graph node, so on a busy machine a descheduled thread can stall each node (seen: 1.5 s/token
+at a load of 10 on 2 cores, the likely cause), while recurra's pool hands tasks out
+dynamically and the calling thread goes on alone.
 
 Building llama.cpp (a Release build with GGML_NATIVE, CPU only; the llama-cpp-python sdist
 vendors the sources under vendor/llama.cpp, and its llama_cpp folder is the binding):
@@ -187,14 +191,21 @@ def side_llama_py(spec: dict[str, Any]) -> dict[str, Any]:
         tokens.append(tok)
         lm.eval([tok])
     del lm
+    # Timing: logits of the last token only (a prefill would otherwise run the LM head on
+    # every prompt token), read from llama.cpp's buffer (scores is filled only with logits_all).
     lm = llama_cpp.Llama(spec["gguf"], n_ctx=2048, logits_all=False, **kw)
+    n_vocab = lm.n_vocab()
+
+    def last() -> int:
+        ptr = llama_cpp.llama_get_logits_ith(lm.ctx, -1)
+        return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(n_vocab,))))
 
     def gen(prompt: list[int], k: int) -> Any:
         def run() -> None:
             lm.reset()
             lm.eval(prompt)
             for _ in range(k - 1):
-                lm.eval([int(np.argmax(lm.scores[lm.n_tokens - 1]))])
+                lm.eval([last()])
 
         return run
 
