@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -446,3 +447,23 @@ def run_side(case: Case, fn: Callable[[], Timing], *, peer: str | None = None) -
         case.peers[peer] = ms
         if note:
             case.peer_notes[peer] = note
+
+
+def run_worker(script: str, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Runs ``python script --worker JSON(spec)`` and returns the dict of its last ``RESULT
+    {...}`` line, or {"error": why} when it printed none or ran past ``timeout`` seconds."""
+    try:
+        p = subprocess.run(
+            [sys.executable, script, "--worker", json.dumps(spec)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"did not finish within {timeout:.0f} s"}
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    if lines:
+        res: dict[str, Any] = json.loads(lines[-1][7:])
+        return res
+    tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
+    return {"error": f"exit {p.returncode}: {' | '.join(tail)[:300]}"}

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from common import run_worker
 
 HERE = Path(__file__).resolve().parent
 PRESETS = ["mamba2-130m", "mamba-130m", "rwkv7-0.1b"]
@@ -255,20 +256,7 @@ def run_side(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     if poll and base is not None:
         th.start()
     try:
-        p = subprocess.run(
-            [sys.executable, __file__, "--worker", json.dumps(spec)],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-        if lines:
-            res = json.loads(lines[-1][7:])
-        else:
-            tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
-            res = {"error": f"exit {p.returncode}: {' | '.join(tail)[:300]}"}
-    except subprocess.TimeoutExpired:
-        res = {"error": f"did not finish within {timeout:.0f} s"}
+        res = run_worker(__file__, spec, timeout)
     finally:
         stop.set()
     if poll and base is not None and th.is_alive():

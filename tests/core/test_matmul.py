@@ -242,9 +242,12 @@ def test_int_inputs_raise_type_error():
 
 @pytest.mark.parametrize("ta", [False, True])
 @pytest.mark.parametrize("tb", [False, True])
-@pytest.mark.parametrize("m,k,n", [(1, 300, 70), (70, 300, 1), (1, 5, 1), (1, 1, 9)])
+@pytest.mark.parametrize(
+    "m,k,n", [(1, 300, 70), (70, 300, 1), (1, 5, 1), (1, 1, 9), (1, 1536, 777), (777, 1536, 1)]
+)
 def test_matrix_vector_products(ta, tb, m, k, n):
     # One row or one column: the BLAS path uses sgemv; operands given transposed as views.
+    # 777 x 1536 is cut into several blocks of uneven length over the threads.
     rng = np.random.default_rng(m * 1000 + n)
     a = rng.standard_normal((k, m) if ta else (m, k)).astype(np.float32)
     b = rng.standard_normal((n, k) if tb else (k, n)).astype(np.float32)

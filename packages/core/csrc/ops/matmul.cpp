@@ -304,12 +304,17 @@ bool pooled_blas_gemm(std::vector<Gemm> jobs, int64_t m, int64_t n, int64_t k, T
       *mat = Mat{copies.back().data(), mat->rows, mat->cols, mat->cols, 1};
     }
   }
-  // Blocks of at least kMinBlock rows (columns) and ~2 MFLOP; at most 4 per thread.
-  constexpr int64_t kMinBlock = 32, kBlockFlops = int64_t{1} << 21;
+  // Blocks of at least kMinBlock rows (columns) and ~2 MFLOP; at most 4 per thread. A
+  // matrix-vector product (one row or one column: a token step's x @ W.T) reads every weight
+  // once and is bound by memory, where one thread does not draw what several do: there the
+  // blocks are ~256 KFLOP (512 KiB of the matrix), so that a 768 x 1536 projection is shared
+  // by the threads instead of running on one.
+  constexpr int64_t kMinBlock = 32, kBlockFlops = int64_t{1} << 21, kVectorBlockFlops = kBlockFlops >> 3;
   const bool by_rows = m >= n;
   const int64_t len = by_rows ? m : n;
+  const int64_t block_flops = (m == 1 || n == 1) ? kVectorBlockFlops : kBlockFlops;
   int64_t blocks = std::min<int64_t>({(len + kMinBlock - 1) / kMinBlock,
-                                      std::max<int64_t>(1, 2 * m * n * std::max<int64_t>(1, k) / kBlockFlops),
+                                      std::max<int64_t>(1, 2 * m * n * std::max<int64_t>(1, k) / block_flops),
                                       static_cast<int64_t>(tp.size()) * 4});
   blocks = std::max<int64_t>(1, blocks);
   const int64_t step = (len + blocks - 1) / blocks;
