@@ -47,9 +47,25 @@ uint f16_bits(float x) {
   return sign | ((b + 0xfffu + ((b >> 13) & 1u)) >> 13);
 }
 
+// float16 bits -> float32 bits, exactly (subnormals normalized, NaN payloads kept; no
+// quieting, as half.h's f16_to_f32).
+uint f16_to_f32_bits(uint h) {
+  const uint sign = (h & 0x8000u) << 16;
+  const uint e = (h >> 10) & 0x1fu;
+  const uint m = h & 0x3ffu;
+  if (e == 0u) {
+    if (m == 0u) return sign;
+    const int p = findMSB(m);  // m * 2^-24 = 2^(p - 24) * (1 + fraction)
+    return sign | (uint(p + 103) << 23) | ((m << uint(23 - p)) & 0x7fffffu);
+  }
+  if (e == 31u) return sign | 0x7f800000u | (m << 13);
+  return sign | ((e + 112u) << 23) | (m << 13);
+}
+
 float half_bits_to_float(uint h, int dt) {
-  if (dt == DT_BF16) return uintBitsToFloat(h << 16);
-  return unpackHalf2x16(h).x;  // exact: every half is a float
+  // on the bits, not unpackHalf2x16: a device may flush float16 subnormals there (the H200
+  // does: float16 matmul and max results differed from the CPU's)
+  return uintBitsToFloat(dt == DT_BF16 ? h << 16 : f16_to_f32_bits(h));
 }
 
 // Element i of the tensor at `a` (element type dt), as float32.

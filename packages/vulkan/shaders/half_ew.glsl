@@ -7,21 +7,6 @@
 layout(buffer_reference, std430, buffer_reference_align = 8) buffer U2Buf { uvec2 v[]; };
 layout(buffer_reference, std430, buffer_reference_align = 16) buffer U4Buf { uvec4 v[]; };
 
-// float16 bits -> float32 bits, exactly (subnormals normalized, NaN payloads kept; no
-// quieting, as half.h's f16_to_f32).
-uint f16_to_f32_bits(uint h) {
-  const uint sign = (h & 0x8000u) << 16;
-  const uint e = (h >> 10) & 0x1fu;
-  const uint m = h & 0x3ffu;
-  if (e == 0u) {
-    if (m == 0u) return sign;
-    const int p = findMSB(m);  // m * 2^-24 = 2^(p - 24) * (1 + fraction)
-    return sign | (uint(p + 103) << 23) | ((m << uint(23 - p)) & 0x7fffffu);
-  }
-  if (e == 31u) return sign | 0x7f800000u | (m << 13);
-  return sign | ((e + 112u) << 23) | (m << 13);
-}
-
 // 2-byte element bits of dtype dt -> float32 bits.
 uint h_to_f32_bits(uint h, int dt) { return dt == DT_BF16 ? h << 16 : f16_to_f32_bits(h); }
 
