@@ -16,6 +16,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -467,3 +468,46 @@ def run_worker(script: str, spec: dict[str, Any], timeout: float) -> dict[str, A
         return res
     tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
     return {"error": f"exit {p.returncode}: {' | '.join(tail)[:300]}"}
+
+
+def gpu_used_mib() -> float | None:
+    """GPU 0's memory in use (MiB) as nvidia-smi reports it; None without nvidia-smi."""
+    try:
+        r = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        return float(r.stdout.strip().splitlines()[0])
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
+def run_polled(script: str, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """run_worker, with GPU memory polled every 20 ms while the worker runs when
+    spec["device"] is not the CPU: the result gets "gpu_peak" (bytes above what was in use
+    before it started)."""
+    poll = spec["device"] != "cpu"
+    base = gpu_used_mib() if poll else None
+    peak = [0.0]
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            v = gpu_used_mib()
+            if v is not None:
+                peak[0] = max(peak[0], v)
+            stop.wait(0.02)
+
+    th = threading.Thread(target=watch, daemon=True)
+    if base is not None:
+        th.start()
+    try:
+        res = run_worker(script, spec, timeout)
+    finally:
+        stop.set()
+    if base is not None:
+        th.join()
+        res["gpu_peak"] = max(0.0, peak[0] - base) * 2**20
+    return res

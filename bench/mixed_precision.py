@@ -23,14 +23,12 @@ import argparse
 import contextlib
 import json
 import statistics
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from common import run_polled
 
 HERE = Path(__file__).resolve().parent
 
@@ -89,56 +87,6 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _gpu_used_mib() -> float | None:
-    try:
-        r = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
-        return float(r.stdout.strip().splitlines()[0])
-    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
-        return None
-
-
-def run_side(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
-    base = _gpu_used_mib() if spec["device"] != "cpu" else None
-    peak, stop = [0.0], threading.Event()
-
-    def watch() -> None:
-        while not stop.is_set():
-            v = _gpu_used_mib()
-            if v is not None:
-                peak[0] = max(peak[0], v)
-            stop.wait(0.02)
-
-    th = threading.Thread(target=watch, daemon=True)
-    if base is not None:
-        th.start()
-    try:
-        p = subprocess.run(
-            [sys.executable, __file__, "--worker", json.dumps(spec)],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-        res = (
-            json.loads(lines[-1][7:])
-            if lines
-            else {"error": f"exit {p.returncode}: {(p.stderr or p.stdout)[-1500:]}"}
-        )
-    except subprocess.TimeoutExpired:
-        res = {"error": f"did not finish within {timeout:.0f} s"}
-    finally:
-        stop.set()
-    if base is not None:
-        th.join()
-        res["gpu_peak"] = max(0.0, peak[0] - base) * 2**20
-    return res
-
-
 def moving(x: np.ndarray, w: int) -> np.ndarray:
     return np.convolve(x, np.ones(w) / w, mode="valid") if len(x) >= w else x
 
@@ -171,16 +119,17 @@ def main() -> None:
     for prec in a.precisions.split(","):
         spec = {k: getattr(a, k) for k in ("preset", "n_layer", "device", "batch", "seq_len")}
         spec.update(steps=a.steps, lr=a.lr, symbols=a.symbols, precision=prec)
-        r = run_side(spec, a.timeout)
+        r = run_polled(__file__, spec, a.timeout)
         out[prec] = r
         if "error" in r:
             print(f"{prec}: {r['error']}")
             continue
-        ms = statistics.median(r["ms"][a.warmup :] or r["ms"])
+        timed = r["ms"][a.warmup :] or r["ms"]
+        ms = statistics.median(timed)
         r["median_ms"] = ms
         peak = r.get("gpu_peak")
         print(
-            f"{a.preset} {prec}: {ms:.1f} ms/step (median of {len(r['ms'][a.warmup:])}), "
+            f"{a.preset} {prec}: {ms:.1f} ms/step (median of {len(timed)}), "
             f"{a.batch * a.seq_len / ms * 1e3:.0f} tok/s; peak "
             f"{'nvidia-smi %.2f GiB, ' % (peak / gib) if peak else ''}"
             f"library {r['lib_peak'] / gib:.2f} GiB; loss {r['losses'][0]:.4f} -> "

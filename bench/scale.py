@@ -26,15 +26,13 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import run_worker
+from common import run_polled
 
 HERE = Path(__file__).resolve().parent
 PRESETS = ["mamba2-130m", "mamba-130m", "rwkv7-0.1b"]
@@ -226,44 +224,8 @@ def worker(spec: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------
 # the parent: runs the sides one after another, polling GPU memory while each runs
 # ------------------------------------------------------------------------------------------
-def _gpu_used_mib() -> float | None:
-    try:
-        r = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
-        return float(r.stdout.strip().splitlines()[0])
-    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
-        return None
-
-
 def run_side(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
-    poll = spec["device"] != "cpu"
-    base = _gpu_used_mib() if poll else None
-    peak = [0.0]
-    stop = threading.Event()
-
-    def watch() -> None:
-        while not stop.is_set():
-            v = _gpu_used_mib()
-            if v is not None:
-                peak[0] = max(peak[0], v)
-            stop.wait(0.02)
-
-    th = threading.Thread(target=watch, daemon=True)
-    if poll and base is not None:
-        th.start()
-    try:
-        res = run_worker(__file__, spec, timeout)
-    finally:
-        stop.set()
-    if poll and base is not None and th.is_alive():
-        th.join()
-    if poll and base is not None:
-        res["gpu_peak"] = max(0.0, peak[0] - base) * 2**20
-    return res
+    return run_polled(__file__, spec, timeout)
 
 
 def _gib(b: float | None) -> str:

@@ -31,6 +31,7 @@ recurra_vulkan = pytest.importorskip("recurra_vulkan")
 VK_DIR = Path(__file__).resolve().parents[2] / "packages" / "vulkan"
 sys.path.insert(0, str(VK_DIR / "tools"))
 import spirv_bf16  # noqa: E402
+from vk_util import grouped_tiles  # noqa: E402
 
 pytestmark = pytest.mark.vulkan
 
@@ -269,11 +270,7 @@ def _simulate(d: dict[str, int], a: np.ndarray, b: np.ndarray, sg: int) -> np.nd
     tiles_n, tiles_m = n // bn, m // bm
     c = np.full((m, n), np.nan)
     done = set()
-    for pid in range(tiles_n * tiles_m):
-        per_group = GROUP_M * tiles_n
-        first_m = (pid // per_group) * GROUP_M
-        group_m = min(tiles_m - first_m, GROUP_M)
-        tm, tn = first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+    for tm, tn in grouped_tiles(tiles_m, tiles_n, GROUP_M):
         done.add((tm, tn))
         acc = _workgroup(d, sg, a, b, tm * bm, tn * bn)
         for w in range(acc.shape[0]):

@@ -35,6 +35,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from vk_util import grouped_tiles
 
 import recurra as rc
 from recurra import ops
@@ -406,11 +407,7 @@ def simulate_op(
         sa, sb = a_cols // 8 + 1, b_cols // 8 + 1
         qa, qb = np.arange(bm * bk // 8), np.arange(bk * bn // 8)
         done = set()
-        for pid in range(tiles_n * tiles_m):
-            per_group = GROUP_M * tiles_n
-            first_m = (pid // per_group) * GROUP_M
-            group_m = min(tiles_m - first_m, GROUP_M)
-            tm, tn = first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+        for tm, tn in grouped_tiles(tiles_m, tiles_n, GROUP_M):
             done.add((tm, tn))
             m0, n0 = tm * bm, tn * bn
             a_s = np.full((stages * a_stage, 8), np.nan)
