@@ -80,19 +80,26 @@ def time_torch(
     tdt = torch.bfloat16 if dtype == "bf16" else torch.float16
     a = torch.from_numpy(a32).cuda().to(tdt)  # exact: the values are representable
     b = torch.from_numpy(b32).cuda().to(tdt)
+    sec = cuda_seconds(torch, lambda: torch.matmul(a, b), reps, runs)
+    return sec, torch.matmul(a, b).float().cpu().numpy()
+
+
+def cuda_seconds(torch, fn, reps: int, runs: int) -> float:
+    """Seconds per call of fn on the GPU: CUDA events around reps calls, median of runs
+    (after 3 warm-up calls)."""
     for _ in range(3):
-        c = torch.matmul(a, b)
+        fn()
     torch.cuda.synchronize()
     per = []
     for _ in range(runs):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(reps):
-            c = torch.matmul(a, b)
+            fn()
         end.record()
         torch.cuda.synchronize()
         per.append(start.elapsed_time(end) / 1e3 / reps)
-    return statistics.median(per), c.float().cpu().numpy()
+    return statistics.median(per)
 
 
 # (name, M, K, N, A given as a transposed view, B given as a transposed view)
@@ -177,22 +184,11 @@ def time_torch_op(torch, a, b, ta, tb, reps: int, runs: int):
     ta_, tb_ = (torch.from_numpy(x.astype(np.float32)).cuda().to(tdt) for x in (a, b))
     va = ta_.t() if ta else ta_
     vb = tb_.t() if tb else tb_
-    for _ in range(3):
-        torch.matmul(va, vb)
-    torch.cuda.synchronize()
-    per = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            torch.matmul(va, vb)
-        end.record()
-        torch.cuda.synchronize()
-        per.append(start.elapsed_time(end) / 1e3 / reps)
+    sec = cuda_seconds(torch, lambda: torch.matmul(va, vb), reps, runs)
     a64, b64 = va.double(), vb.double()
     ref = torch.matmul(a64, b64)
     mag = torch.matmul(a64.abs(), b64.abs())
-    return statistics.median(per), ref, mag
+    return sec, ref, mag
 
 
 def bench_op(args, torch) -> list[dict]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import struct
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,7 +30,7 @@ recurra_vulkan = pytest.importorskip("recurra_vulkan")
 VK_DIR = Path(__file__).resolve().parents[2] / "packages" / "vulkan"
 sys.path.insert(0, str(VK_DIR / "tools"))
 import spirv_bf16  # noqa: E402
-from vk_util import grouped_tiles  # noqa: E402
+from vk_util import compile_coopmat, find_coopmat_compiler, grouped_tiles  # noqa: E402
 
 pytestmark = pytest.mark.vulkan
 
@@ -105,16 +104,6 @@ def test_bf16_rewrite_refuses_modules_without_one_f16_type() -> None:
 
 
 # ---- the compiler path ---------------------------------------------------------------------
-
-
-def _find_compiler() -> list[str]:
-    out = subprocess.run(
-        [sys.executable, str(VK_DIR / "tools" / "coopmat_compiler.py"), "find"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split("\n")
-    return [line.strip() for line in out[:5]]
 
 
 def _variant_defines() -> dict[str, list[str]]:
@@ -302,23 +291,14 @@ def test_the_shader_schedule_computes_a_at_b(name: str) -> None:
 
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
 def test_every_variant_compiles_where_a_compiler_is_found(dtype: str, tmp_path: Path) -> None:
-    compiler, libdir, opt, val, reason = _find_compiler()
+    found = find_coopmat_compiler()
+    compiler, _, opt, _, reason = found
     if not compiler:
         pytest.skip(f"no cooperative-matrix compiler here: {reason}")
     for name, flags in _variant_defines().items():
         out = tmp_path / f"{name}_{dtype}.spv"
-        cmd = [
-            sys.executable,
-            str(VK_DIR / "tools" / "coopmat_compiler.py"),
-            "compile",
-            "--compiler",
-            compiler,
-        ]
-        cmd += ["--libdir", libdir, "--opt", opt, "--val", val] + (
-            ["--bf16"] if dtype == "bf16" else []
-        )
-        cmd += [str(VK_DIR / "shaders" / "matmul_coopmat.comp"), str(out), *flags]
-        p = subprocess.run(cmd, capture_output=True, text=True)
+        src = VK_DIR / "shaders" / "matmul_coopmat.comp"
+        p = compile_coopmat(found, src, out, flags, dtype == "bf16")
         assert p.returncode == 0, p.stderr
         words = out.read_bytes()
         assert struct.unpack_from("<I", words)[0] == 0x07230203

@@ -28,14 +28,12 @@ and odd sizes: this runs everywhere and catches a masked-edge or layout bug befo
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
-from vk_util import grouped_tiles
+from vk_util import compile_coopmat, find_coopmat_compiler, grouped_tiles
 
 import recurra as rc
 from recurra import ops
@@ -583,36 +581,16 @@ def test_the_layout_choices_cover_every_staging() -> None:
 
 
 def test_the_op_shaders_compile_without_function_storage(tmp_path: Path) -> None:
-    out = subprocess.run(
-        [sys.executable, str(VK_DIR / "tools" / "coopmat_compiler.py"), "find"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split("\n")
-    compiler, libdir, opt, val = (x.strip() for x in out[:4])
-    if not compiler:
-        pytest.skip(f"no cooperative-matrix compiler here: {out[4].strip()}")
+    tools = find_coopmat_compiler()
+    if not tools[0]:
+        pytest.skip(f"no cooperative-matrix compiler here: {tools[4]}")
     tile = op_tiles()["op64"]
     for dt in ("f16", "bf16"):
         spv = tmp_path / f"op64_{dt}.spv"
-        cmd = [
-            sys.executable,
-            str(VK_DIR / "tools" / "coopmat_compiler.py"),
-            "compile",
-            "--compiler",
-            compiler,
-            "--libdir",
-            libdir,
-            "--opt",
-            opt,
-            "--val",
-            val,
-        ]
-        cmd += ["--bf16"] if dt == "bf16" else []
-        cmd += [str(VK_DIR / "shaders" / "matmul_coopmat_op.comp"), str(spv)]
-        cmd += [f"-D{k}={v}" for k, v in tile.items()]
-        cmd += [f"-I{VK_DIR / 'shaders'}", f"-I{VK_DIR.parent / 'core/src/recurra/include'}"]
-        p = subprocess.run(cmd, capture_output=True, text=True)
+        flags = [f"-D{k}={v}" for k, v in tile.items()]
+        flags += [f"-I{VK_DIR / 'shaders'}", f"-I{VK_DIR.parent / 'core/src/recurra/include'}"]
+        src = VK_DIR / "shaders" / "matmul_coopmat_op.comp"
+        p = compile_coopmat(tools, src, spv, flags, dt == "bf16")
         assert p.returncode == 0, p.stderr
         words = np.frombuffer(spv.read_bytes(), dtype="<u4")
         # OpVariable (59) with storage class Function (7): none (local memory on NVIDIA)

@@ -3,6 +3,10 @@ tests/conftest.py)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 
 import recurra as rc
@@ -25,3 +29,28 @@ def grouped_tiles(tiles_m: int, tiles_n: int, group_m: int) -> list[tuple[int, i
         rows = min(tiles_m - first_m, group_m)
         order.append((first_m + (pid % per_group) % rows, (pid % per_group) // rows))
     return order
+
+
+VK_DIR = Path(__file__).resolve().parents[2] / "packages" / "vulkan"
+_COMPILER = VK_DIR / "tools" / "coopmat_compiler.py"
+
+
+def find_coopmat_compiler() -> list[str]:
+    """tools/coopmat_compiler.py find: [compiler, libdir, spirv-opt, spirv-val, why not]
+    (the compiler "" when none is found)."""
+    out = subprocess.run(
+        [sys.executable, str(_COMPILER), "find"], capture_output=True, text=True, check=True
+    ).stdout.split("\n")
+    return [line.strip() for line in out[:5]]
+
+
+def compile_coopmat(
+    found: list[str], src: Path, out: Path, flags: list[str], bf16: bool
+) -> subprocess.CompletedProcess:
+    """Compiles a coopmat shader as the build does (tools/coopmat_compiler.py compile, with
+    the tools find_coopmat_compiler found; bf16: the retyped module)."""
+    compiler, libdir, opt, val = found[:4]
+    cmd = [sys.executable, str(_COMPILER), "compile", "--compiler", compiler]
+    cmd += ["--libdir", libdir, "--opt", opt, "--val", val] + (["--bf16"] if bf16 else [])
+    cmd += [str(src), str(out), *flags]
+    return subprocess.run(cmd, capture_output=True, text=True)

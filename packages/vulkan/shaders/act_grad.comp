@@ -39,10 +39,10 @@ void main() {
       st4f(pc.d, j, DT, vec4(df(g.x, x.x, y.x), df(g.y, x.y, y.y), df(g.z, x.z, y.z), df(g.w, x.w, y.w)));
     }
     i += n4 * 4u;
-    if (i < pc.n) stf(pc.d, i, DT, df(ldf(pc.g, i, DT), ldf(pc.x, i, DT), ldf(pc.y, i, DT)));
+    if (i < pc.n) st(pc.d, i, DT, df(ld(pc.g, i, DT), ld(pc.x, i, DT), ld(pc.y, i, DT)));
     return;
   }
-  for (; i < pc.n; i += stride) stf(pc.d, i, DT, df(ldf(pc.g, i, DT), ldf(pc.x, i, DT), ldf(pc.y, i, DT)));
+  for (; i < pc.n; i += stride) st(pc.d, i, DT, df(ld(pc.g, i, DT), ld(pc.x, i, DT), ld(pc.y, i, DT)));
 #else
   FBuf g = FBuf(pc.g), x = FBuf(pc.x), y = FBuf(pc.y), d = FBuf(pc.d);
   for (uint i = gl_GlobalInvocationID.x; i < pc.n; i += stride) d.v[i] = g.v[i] * act(CODE, true, x.v[i], y.v[i], pc.p0, pc.p1);

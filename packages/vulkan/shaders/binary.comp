@@ -49,13 +49,13 @@ void main() {
     const uint n4 = pc.n / 4u;
     for (uint j = i; j < n4; j += stride) st4f(pc.d, j, DT, op4(ld4f(pc.a, j, DT), ld4f(pc.b, j, DT)));
     const uint t = n4 * 4u + i;
-    if (t < pc.n) stf(pc.d, t, DT, op(ldf(pc.a, t, DT), ldf(pc.b, t, DT)));
+    if (t < pc.n) st(pc.d, t, DT, op(ld(pc.a, t, DT), ld(pc.b, t, DT)));
     return;
   }
   for (; i < pc.n; i += stride) {
     const uint ia = MODE == 1 ? i : uint(offset_nd(i, pc.shape, pc.sa, ND));
     const uint ib = MODE == 1 ? i : uint(offset_nd(i, pc.shape, pc.sb, ND));
-    stf(pc.d, i, DT, op(ldf(pc.a, ia, DT), ldf(pc.b, ib, DT)));
+    st(pc.d, i, DT, op(ld(pc.a, ia, DT), ld(pc.b, ib, DT)));
   }
 #else
   if (MODE == 2) {

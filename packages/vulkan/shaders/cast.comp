@@ -30,8 +30,8 @@ void main() {
     const uint n4 = pc.n / 4u;
     for (uint j = i; j < n4; j += stride) st4f(pc.y, j, TO, ld4f(pc.x, j, FROM));
     const uint t = n4 * 4u + i;
-    if (t < pc.n) stf(pc.y, t, TO, ldf(pc.x, t, FROM));
+    if (t < pc.n) st(pc.y, t, TO, ld(pc.x, t, FROM));
     return;
   }
-  for (; i < pc.n; i += stride) stf(pc.y, i, TO, ldf(pc.x, MODE == 1 ? i : uint(offset_nd(i, pc.shape, pc.sx, ND)), FROM));
+  for (; i < pc.n; i += stride) st(pc.y, i, TO, ld(pc.x, MODE == 1 ? i : uint(offset_nd(i, pc.shape, pc.sx, ND)), FROM));
 }

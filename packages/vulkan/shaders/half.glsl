@@ -62,16 +62,19 @@ uint f16_to_f32_bits(uint h) {
   return sign | ((e + 112u) << 23) | (m << 13);
 }
 
-float half_bits_to_float(uint h, int dt) {
-  // on the bits, not unpackHalf2x16: a device may flush float16 subnormals there (the H200
-  // does: float16 matmul and max results differed from the CPU's)
-  return uintBitsToFloat(dt == DT_BF16 ? h << 16 : f16_to_f32_bits(h));
-}
+// 2-byte element bits of dtype dt -> float32 bits, on the bits, not unpackHalf2x16: a device
+// may flush float16 subnormals or quiet NaNs there (the H200 does: float16 matmul and max
+// results differed from the CPU's).
+uint h_to_f32_bits(uint h, int dt) { return dt == DT_BF16 ? h << 16 : f16_to_f32_bits(h); }
 
-// Element i of the tensor at `a` (element type dt), as float32.
+// float32 -> the 2-byte bits of dt, rounded to nearest even.
+uint f32_to_h_bits(float v, int dt) { return dt == DT_BF16 ? bf16_bits(v) : f16_bits(v); }
+
+// Element i of the tensor at `a` (element type dt), as float32 (its bits moved, never
+// converted by the device: NaN payloads and subnormals kept).
 float ld(uvec2 a, uint i, int dt) {
-  if (dt == DT_F32) return FBuf(a).v[i];
-  return half_bits_to_float(uint(U16Buf(a).v[i]), dt);
+  if (dt == DT_F32) return uintBitsToFloat(UBuf(a).v[i]);
+  return uintBitsToFloat(h_to_f32_bits(uint(U16Buf(a).v[i]), dt));
 }
 
 // Stores v at element i of the tensor at `a`, rounded once to its type.
@@ -79,6 +82,6 @@ void st(uvec2 a, uint i, int dt, float v) {
   if (dt == DT_F32) {
     FBuf(a).v[i] = v;
   } else {
-    U16Buf(a).v[i] = uint16_t(dt == DT_BF16 ? bf16_bits(v) : f16_bits(v));
+    U16Buf(a).v[i] = uint16_t(f32_to_h_bits(v, dt));
   }
 }

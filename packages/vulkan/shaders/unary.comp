@@ -42,10 +42,10 @@ void main() {
       st4f(pc.y, j, DT, vec4(f(v.x), f(v.y), f(v.z), f(v.w)));
     }
     const uint t = n4 * 4u + i;
-    if (t < pc.n) stf(pc.y, t, DT, f(ldf(pc.x, t, DT)));
+    if (t < pc.n) st(pc.y, t, DT, f(ld(pc.x, t, DT)));
     return;
   }
-  for (; i < pc.n; i += stride) stf(pc.y, i, DT, f(ldf(pc.x, MODE == 1 ? i : uint(offset_nd(i, pc.shape, pc.sx, ND)), DT)));
+  for (; i < pc.n; i += stride) st(pc.y, i, DT, f(ld(pc.x, MODE == 1 ? i : uint(offset_nd(i, pc.shape, pc.sx, ND)), DT)));
 #else
   if (MODE == 2) {
     F4Buf x4 = F4Buf(pc.x), y4 = F4Buf(pc.y);
