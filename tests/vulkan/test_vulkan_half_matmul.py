@@ -607,3 +607,29 @@ def test_the_op_shaders_compile_without_function_storage(tmp_path: Path) -> None
                 found.append(int(words[i + 2]))
             i += n
         assert not found
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])
+@pytest.mark.parametrize(
+    ("op", "m", "k", "n"),
+    [("matmul", 33, 2000, 40), ("out_prod", 20, 1500, 70), ("matmul", 130, 1100, 9)],
+)
+def test_split_k_for_few_tiles_and_long_k(
+    vulkan: str, dtype: np.dtype, path: str, op: str, m: int, k: int, n: int
+) -> None:
+    """Few tiles of C and a long K (the weight gradients, a chunked LM head's input gradient)
+    run as slices of K with float32 partial sums in op scratch (the internal pool), summed in
+    order and rounded once: values against float64 and the CPU, also with B k-contiguous."""
+    a = rounded((k, m) if op == "out_prod" else (m, k), dtype, 11)
+    b = rounded((k, n), dtype, 12)
+    index = int(vulkan.partition(":")[2] or 0)
+    recurra_vulkan._vk.memory_info(index, reset_peaks=True)
+    got, where = device_op(vulkan, op, a, b)
+    scratch = recurra_vulkan._vk.memory_info(index)["internal"]["peak_bytes"]
+    assert where.startswith("vulkan")
+    assert_close(op, got, a, b)
+    assert_matches_cpu(got, cpu_op(op, a, b), op, a, b)
+    # at least two slices of m x n float32 partial sums
+    assert scratch >= 2 * m * n * 4, scratch
+    got, _ = device_op(vulkan, op, a, b, False, True)  # B k-contiguous (x @ W^T)
+    assert_close(op, got, a, b)
