@@ -21,13 +21,10 @@ from typing import Any
 
 import numpy as np
 
-# Ops with a CPU kernel but (at the time of writing) no Vulkan kernel; views are not ops.
-VULKAN_MISSING = [
-    "causal_conv_silu",
-    "causal_conv_silu_back",
-    "gated_rms_norm",
-    "gated_rms_norm_back",
-]
+# Ops with a CPU kernel but no Vulkan kernel; views are not ops. (causal_conv_silu and
+# gated_rms_norm, with their backward ops, were here until the Vulkan backend got fused
+# kernels for them: pass them to --refuse for the plan of RECURRA_VK_UNFUSED=1.)
+VULKAN_MISSING: list[str] = []
 
 
 class _Planned(Exception):
@@ -79,6 +76,17 @@ def step_plan(
     return got
 
 
+def node_groups(plan: dict[str, Any]) -> list[tuple[tuple[Any, ...], tuple[int, int]]]:
+    """The nodes live at the peak grouped by (op, dtype, shape, made in the forward):
+    (count, bytes) per group, largest first."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for _, op, dt, shape, nbytes, fwd in plan["live_nodes_at_peak"]:
+        g = groups.setdefault((op, dt, tuple(shape), fwd), [0, 0])
+        g[0] += 1
+        g[1] += nbytes
+    return sorted(((k, (c, b)) for k, (c, b) in groups.items()), key=lambda kv: -kv[1][1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--preset", default="mamba2-130m")
@@ -93,12 +101,21 @@ def main() -> None:
     ap.add_argument("--vulkan-ops", action="store_true", help="refuse what Vulkan lacks")
     ap.add_argument("--refuse", nargs="*", default=None, help="ops the CPU refuses")
     ap.add_argument("--top", type=int, default=12, help="ops listed at the peak")
+    ap.add_argument(
+        "--nodes", type=int, default=0, help="list this many (op, dtype, shape) groups at the peak"
+    )
+    ap.add_argument(
+        "--keep-casts",
+        action="store_true",
+        help="keep casts for the backward (recurra's behaviour before casts were recomputed)",
+    )
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     from recurra import _core
 
     refuse = a.refuse if a.refuse is not None else (VULKAN_MISSING if a.vulkan_ops else [])
     _core.set_cpu_refused_ops(refuse)
+    _core.set_recompute_casts(not a.keep_casts)
     gib = 1 << 30
     rows = []
     for n in a.n_layer:
@@ -113,6 +130,11 @@ def main() -> None:
         )
         for op, b in p["live_at_peak"][: a.top]:
             print(f"    {op:24s} {b / gib:7.3f} GiB")
+        if a.nodes:
+            print("    by (op, dtype, shape, forward/backward): count, GiB")
+            for (op, dt, shape, fwd), (cnt, b) in node_groups(p)[: a.nodes]:
+                where = "fwd" if fwd else "bwd"
+                print(f"    {op:18s} {dt:8s} {str(shape):22s} {where} {cnt:4d} {b / gib:7.3f}")
     if len(rows) >= 2:
         (n0, p0), (n1, p1) = rows[0], rows[-1]
         per = (p1["peak_live_bytes"] - p0["peak_live_bytes"]) / (n1 - n0)
