@@ -39,6 +39,7 @@ def step_plan(
     recompute: bool,
     chunk: int | None,
     precision: str = "fp32",
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """The memory plan (graph.memory()'s dict) of one training step, not run."""
     import recurra as rc
@@ -49,11 +50,12 @@ def step_plan(
     arch = resolve(preset, {})[0]
     # the plan does not depend on the values: RWKV's zero init skips its orthogonal draws
     seed: Any = None if arch.startswith("rwkv") else 0
-    model = rm.create(preset, seed=seed, n_layer=n_layer)
+    model = rm.create(preset, seed=seed, n_layer=n_layer).to(device)
     model.gradient_checkpointing(recompute)
     rng = np.random.default_rng(0)
     data = rng.integers(0, min(model.vocab_size, 50000), (batch, seq_len + 1)).astype(np.int32)
-    x, y = rc.tensor(data[:, :-1].copy()), rc.tensor(data[:, 1:].copy())
+    x = rc.tensor(data[:, :-1].copy(), device=device)
+    y = rc.tensor(data[:, 1:].copy(), device=device)
     dtype = {"fp32": None, "bf16": rc.bfloat16, "f16": rc.float16}[precision]
     with rc.autocast(dtype or rc.bfloat16, enabled=dtype is not None):
         loss = model.loss(x, y, chunk_bytes=chunk)
@@ -99,6 +101,12 @@ def main() -> None:
     )
     ap.add_argument("--precision", choices=["fp32", "bf16", "f16"], default="fp32")
     ap.add_argument("--vulkan-ops", action="store_true", help="refuse what Vulkan lacks")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="plan on this device (e.g. vulkan: its placement, and the scans' checkpoints "
+        "that only a device saves; the weights are uploaded there)",
+    )
     ap.add_argument("--refuse", nargs="*", default=None, help="ops the CPU refuses")
     ap.add_argument("--top", type=int, default=12, help="ops listed at the peak")
     ap.add_argument(
@@ -113,18 +121,23 @@ def main() -> None:
     a = ap.parse_args()
     from recurra import _core
 
+    if a.device != "cpu":
+        import recurra.backends  # noqa: F401
+
     refuse = a.refuse if a.refuse is not None else (VULKAN_MISSING if a.vulkan_ops else [])
     _core.set_cpu_refused_ops(refuse)
     _core.set_recompute_casts(not a.keep_casts)
     gib = 1 << 30
     rows = []
     for n in a.n_layer:
-        p = step_plan(a.preset, n, a.batch, a.seq_len, a.recompute, a.loss_chunk, a.precision)
+        p = step_plan(
+            a.preset, n, a.batch, a.seq_len, a.recompute, a.loss_chunk, a.precision, a.device
+        )
         rows.append((n, p))
         if a.json:
             continue
         print(
-            f"{a.preset} n_layer {n} batch {a.batch}x{a.seq_len} recompute {a.recompute} "
+            f"{a.preset} on {a.device} n_layer {n} batch {a.batch}x{a.seq_len} recompute {a.recompute} "
             f"loss_chunk {a.loss_chunk} {a.precision} refused {refuse}: peak_live "
             f"{p['peak_live_bytes'] / gib:.3f} GiB, arena {p['arena_bytes'] / gib:.3f} GiB"
         )
