@@ -17,6 +17,7 @@ import pytest
 import recurra as rc
 import recurra_models as rm
 from recurra import ops
+from recurra._tensor import LAZY
 from recurra_models.lm import causal_conv
 from recurra_optim import AdamW, DynamicLossScale
 
@@ -108,6 +109,30 @@ def test_bf16_training_curve_follows_float32(arch: str) -> None:
     for p in tr.model.parameters():
         assert p.dtype == rc.float32
     assert tr.precision == "bf16"
+
+
+@pytest.mark.parametrize("arch", list(SIZES))
+def test_recomputed_casts_leave_the_gradients_bitwise_unchanged(arch: str) -> None:
+    """The backward recomputes autocast's casts instead of keeping them: the same loss and
+    gradients, bit for bit, as a backward that keeps them (both against float32 in
+    test_loss_and_gradients_close_to_float32)."""
+    model = rm.create(arch, vocab_size=256, n_layer=2, seed=3, **SIZES[arch])
+    x, y = _batch(2, 24)
+    got = {}
+    for on in (False, True):
+        rc._core.set_recompute_casts(on)
+        LAZY.clear()  # the setting is not part of a cached plan's key
+        try:
+            loss, grads = _grads(model, x, y, rc.bfloat16)
+            got[on] = loss, {n: None if g is None else g.numpy() for n, g in grads.items()}
+        finally:
+            rc._core.set_recompute_casts(True)
+            LAZY.clear()
+    assert got[True][0] == got[False][0]
+    for n, g in got[True][1].items():
+        kept = got[False][1][n]
+        assert (g is None) == (kept is None), n
+        assert g is None or np.array_equal(g, kept), n
 
 
 def test_mamba1_bf16_training_curve_follows_float32() -> None:
