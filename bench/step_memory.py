@@ -137,7 +137,8 @@ def main() -> None:
         if a.json:
             continue
         print(
-            f"{a.preset} on {a.device} n_layer {n} batch {a.batch}x{a.seq_len} recompute {a.recompute} "
+            f"{a.preset} on {a.device} n_layer {n} batch {a.batch}x{a.seq_len} "
+            f"recompute {a.recompute} "
             f"loss_chunk {a.loss_chunk} {a.precision} refused {refuse}: peak_live "
             f"{p['peak_live_bytes'] / gib:.3f} GiB, arena {p['arena_bytes'] / gib:.3f} GiB"
         )
