@@ -464,6 +464,14 @@ class LazyFrontend:
             self._run(outputs, loss, seed)
 
     def _run(self, outputs: list[Tensor], loss: Tensor | None, seed: Tensor | None) -> None:
+        plan, leaves = self._prepare(outputs, loss, seed)
+        self._execute(plan, leaves, outputs, loss is not None)
+
+    def _prepare(
+        self, outputs: list[Tensor], loss: Tensor | None, seed: Tensor | None
+    ) -> tuple[_Plan, list[Tensor]]:
+        """The plan that computes ``outputs`` (and the gradients of ``loss``), from the
+        cache or built now, and the tensors to bind to its leaves, in order."""
         want_grad = loss is not None
         roots = list(outputs) + ([seed] if seed is not None else [])
         order: list[Tensor] = []
@@ -523,7 +531,14 @@ class LazyFrontend:
         else:
             self.hits += 1
             self._plans.move_to_end(key)
+        return plan, leaves
 
+    def _execute(
+        self, plan: _Plan, leaves: list[Tensor], outputs: list[Tensor], want_grad: bool
+    ) -> None:
+        """Binds ``leaves`` to ``plan``'s leaves, computes it, stores the values of
+        ``outputs`` in them and (``want_grad``) accumulates the gradients into ``.grad`` of
+        the leaves that require one."""
         g = plan.graph
         for nid, t in zip(plan.leaf_ids, leaves):
             if t._value is None:
