@@ -9,11 +9,11 @@ import contextlib
 
 import numpy as np
 import pytest
-from recurra_optim import AdamW
 
 import recurra as rc
 from recurra import ops
 from recurra._tensor import LAZY
+from recurra_optim import AdamW
 
 D = 8
 
@@ -48,9 +48,7 @@ def _batches(n: int, rows: int = 4, seed: int = 1) -> list[tuple[np.ndarray, np.
 def _train(captured: bool, steps: int = 5, recompute: bool = False, autocast: bool = False):
     ps = _params()
     opt = AdamW(ps, lr=1e-2)
-    step = rc.capture(
-        lambda x, y: _loss(ps, x, y, recompute), backward=True, params=lambda: ps
-    )
+    step = rc.capture(lambda x, y: _loss(ps, x, y, recompute), backward=True, params=lambda: ps)
     losses = []
     for x, y in _batches(steps):
         with rc.autocast(rc.bfloat16) if autocast else contextlib.nullcontext():

@@ -8,10 +8,10 @@ import contextlib
 
 import numpy as np
 import pytest
-from recurra_optim import AdamW
 
 import recurra as rc
 import recurra_models as rm
+from recurra_optim import AdamW
 
 MODELS = {
     "mamba2": dict(vocab_size=64, d_model=32, n_layer=2, d_state=8, head_dim=8),

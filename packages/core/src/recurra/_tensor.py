@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from recurra import _core
 from recurra._devices import Device, parse_device
 from recurra._dtype import DType, as_dtype, bits_view, is_dtype
 from recurra._tensorbase import TensorOps
+from recurra.ops import _apply
 from recurra.ops._apply import to_supported
 
 _state = threading.local()
@@ -90,7 +92,7 @@ def set_strict_placement(flag: bool) -> None:
 
 def _host_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """A numpy array whose memory is counted in recurra's persistent pool."""
-    n = int(np.prod(shape, dtype=np.int64))
+    n = math.prod(shape)
     buf = _core.HostBuffer(max(n, 1) * np.dtype(dtype).itemsize)
     arr: np.ndarray = np.frombuffer(memoryview(buf), dtype=dtype, count=n).reshape(shape)
     return arr
@@ -151,7 +153,7 @@ class Tensor(TensorOps):
         t._ip = ip
         t._fp = fp
         t.shape = shape
-        t.dtype = as_dtype(dtype)
+        t.dtype = dtype if type(dtype) is DType else as_dtype(dtype)
         t._value = value
         t.requires_grad = requires_grad
         t.grad = None
@@ -443,15 +445,20 @@ class LazyFrontend:
     def apply(
         self, name: str, srcs: list[Tensor], ip: tuple[int, ...], fp: tuple[float, ...]
     ) -> Tensor:
-        dev = srcs[0].device if srcs else parse_device(None)
-        for s in srcs[1:]:
-            if s.device != dev:
-                raise ValueError(f"{name}: inputs are on different devices ({dev} and {s.device})")
-        dtype, shape = _core.infer(
-            name, [(s.dtype, list(s.shape)) for s in srcs], list(ip), list(fp)
-        )
-        rg = is_grad_enabled() and any(s.requires_grad for s in srcs)
-        t = Tensor._new(name, tuple(srcs), ip, fp, tuple(shape), dtype, None, rg, dev)
+        rg = False
+        if srcs:
+            dev = srcs[0].device
+            for s in srcs:
+                if s.device is not dev and s.device != dev:
+                    raise ValueError(
+                        f"{name}: inputs are on different devices ({dev} and {s.device})"
+                    )
+                rg = rg or s.requires_grad
+        else:
+            dev = parse_device(None)
+        dtype, shape = _core.infer(name, [(s.dtype, s.shape) for s in srcs], ip, fp)
+        rg = rg and is_grad_enabled()
+        t = Tensor._new(name, tuple(srcs), ip, fp, shape, dtype, None, rg, dev)
         t._seg = getattr(_state, "segment", 0)
         return t
 
@@ -625,6 +632,7 @@ class LazyFrontend:
 
 
 LAZY = LazyFrontend()
+_apply.LAZY_TENSOR, _apply.LAZY_FRONTEND = Tensor, LAZY
 
 
 def plan_cache_info() -> dict[str, int]:

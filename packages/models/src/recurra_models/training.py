@@ -555,9 +555,8 @@ class Trainer:
         self._train_fn: Any = None
         self._eval_fn: Any = None
         if capture and parallel is None:
-            from recurra_optim import DynamicLossScale
-
             from recurra_models.lm import CausalLM
+            from recurra_optim import DynamicLossScale
 
             scaled_ok = loss_scale is None or type(loss_scale) is DynamicLossScale
             if isinstance(model, CausalLM) and scaled_ok:
