@@ -113,3 +113,24 @@ def test_trainer_captures_by_default_with_the_same_history(precision: str) -> No
 def test_trainer_does_not_capture_what_it_cannot_vouch_for() -> None:
     # a loss scale of another kind (its scale() may do anything on the host)
     assert not _trainer(True, loss_scale=object()).captured
+
+
+@pytest.mark.parametrize(
+    "arch,recompute,autocast",
+    [
+        ("mamba2", False, False),
+        ("mamba2", True, True),
+        ("rwkv7", False, True),
+        ("rwkv7", True, False),
+    ],
+)
+def test_captured_model_steps_on_vulkan(
+    vulkan: str, arch: str, recompute: bool, autocast: bool
+) -> None:
+    kw = dict(recompute=recompute, autocast=autocast, device=vulkan, steps=3)
+    ref_losses, ref_weights, _ = run_steps(arch, False, **kw)  # type: ignore[arg-type]
+    losses, weights, step = run_steps(arch, True, **kw)  # type: ignore[arg-type]
+    assert step.traces == 1 and step.replays == 2  # type: ignore[attr-defined]
+    assert losses == ref_losses
+    assert weights == ref_weights
+    assert len(set(losses)) > 1
