@@ -196,7 +196,7 @@ class Captured:
             is_grad_enabled(),
             str(_autocast.STATE.dtype),
             strict_placement(),
-            bool(getattr(_state, "segment", 0)),
+            bool(_state.segment),
             self.key() if self.key is not None else None,
         )
 

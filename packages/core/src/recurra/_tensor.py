@@ -26,12 +26,21 @@ from recurra._tensorbase import TensorOps
 from recurra.ops import _apply
 from recurra.ops._apply import to_supported
 
-_state = threading.local()
+
+class _State(threading.local):
+    """Per-thread settings; the class attributes are each thread's defaults."""
+
+    grad_enabled = True
+    segment = 0  # the recomputation segment ops are recorded into (0: none)
+    strict: bool | None = None  # strict placement; None: from RECURRA_STRICT
+
+
+_state = _State()
 
 
 def is_grad_enabled() -> bool:
     """True unless inside :func:`no_grad`."""
-    return getattr(_state, "grad_enabled", True)
+    return _state.grad_enabled
 
 
 @contextlib.contextmanager
@@ -64,7 +73,7 @@ def recompute() -> Iterator[None]:
     is recomputed as one). Ops that update memory in place (the optimizers' steps) cannot
     run twice: differentiating a segment that holds one raises ValueError.
     """
-    prev = getattr(_state, "segment", 0)
+    prev = _state.segment
     _state.segment = prev or next(_segment_ids)
     try:
         yield
@@ -77,7 +86,7 @@ def strict_placement() -> bool:
 
     Set with :func:`set_strict_placement` or the environment variable RECURRA_STRICT=1.
     """
-    v = getattr(_state, "strict", None)
+    v = _state.strict
     if v is None:
         import os
 
@@ -459,7 +468,7 @@ class LazyFrontend:
         dtype, shape = _core.infer(name, [(s.dtype, s.shape) for s in srcs], ip, fp)
         rg = rg and is_grad_enabled()
         t = Tensor._new(name, tuple(srcs), ip, fp, shape, dtype, None, rg, dev)
-        t._seg = getattr(_state, "segment", 0)
+        t._seg = _state.segment
         return t
 
     # -- running -----------------------------------------------------------------------
@@ -491,18 +500,22 @@ class LazyFrontend:
                 return True
             return t._value is None
 
-        # Iterative post-order DFS (graphs can be deep).
+        # Iterative post-order DFS (graphs can be deep). expanded[i]: whether order[i] is an
+        # op node of the plan (else a leaf: a tensor whose value is bound).
+        expanded: list[bool] = []
         for root in roots:
             if id(root) in index:
                 continue
             stack: list[tuple[Tensor, bool]] = [(root, False)]
             while stack:
                 t, done = stack.pop()
-                if id(t) in index:
+                tid = id(t)
+                if tid in index:
                     continue
                 if done or not expand(t):
-                    index[id(t)] = len(order)
+                    index[tid] = len(order)
                     order.append(t)
+                    expanded.append(done)
                     continue
                 stack.append((t, True))
                 for s in reversed(t._src):
@@ -514,10 +527,10 @@ class LazyFrontend:
         # Recomputation segments matter to the backward only; numbered in order of
         # appearance so that each step's fresh ids give the same key.
         segs: dict[int, int] = {0: 0}
-        for t in order:
-            if expand(t):
+        for t, op in zip(order, expanded):
+            if op:
                 seg = segs.setdefault(t._seg, len(segs)) if want_grad else 0
-                key_parts.append((t._op, t._ip, t._fp, tuple(index[id(s)] for s in t._src), seg))
+                key_parts.append((t._op, t._ip, t._fp, tuple([index[id(s)] for s in t._src]), seg))
             else:
                 is_param = want_grad and t.requires_grad
                 key_parts.append(("leaf", t.dtype, t.shape, is_param))
@@ -525,7 +538,8 @@ class LazyFrontend:
         out_pos = tuple(index[id(t)] for t in outputs)
         loss_pos = index[id(loss)] if loss is not None else -1
         seed_pos = index[id(seed)] if seed is not None else -1
-        devices = tuple(sorted({str(t.device) for t in order}))
+        by_id = {id(t.device): t.device for t in order}  # few distinct Device objects
+        devices = tuple(sorted({str(d) for d in by_id.values()}))
         key = (tuple(key_parts), out_pos, loss_pos, seed_pos, devices, strict_placement())
 
         plan = self._plans.get(key)
