@@ -87,7 +87,7 @@ def _leaf_of(t: Tensor) -> Tensor:
 class _Trace:
     """One captured signature: the plan, what binds each of its leaves, the outputs."""
 
-    __slots__ = ("plan", "sources", "arg_pos", "flags", "params", "outs", "spec", "want_grad")
+    __slots__ = ("plan", "sources", "arg_pos", "bound", "params", "outs", "spec", "want_grad")
 
     def __init__(
         self,
@@ -107,20 +107,19 @@ class _Trace:
             k = arg_index.get(id(t), -1)
             self.sources.append(_ARG if k >= 0 else t)
             self.arg_pos.append(k)
-        self.flags = [(t.requires_grad, t.shape) for t in leaves]
-        self.params = [t for t in leaves if id(t) not in arg_index and t.requires_grad]
+        # the other tensors, with what the plan assumed of them
+        self.bound = [(t, t.requires_grad, t.shape) for t in leaves if id(t) not in arg_index]
+        self.params = [t for t, rg, _ in self.bound if rg]
         self.outs = [(t.shape, t.dtype, t.device) for t in outs]
         self.spec = spec
 
     def stale(self, params: Any) -> str | None:
         """Why this trace no longer matches the tensors it binds (None: it does)."""
-        for src, (rg, shape) in zip(self.sources, self.flags):
-            if src is _ARG:
-                continue
-            if src.requires_grad != rg:
+        for t, rg, shape in self.bound:
+            if t.requires_grad != rg:
                 return "a captured tensor's requires_grad changed"
-            if src.shape != shape or src._op is not None and src._value is None:
-                return "a captured tensor changed"
+            if t.shape != shape:
+                return "a captured tensor's shape changed"
         if params is not None:
             current = {id(p) for p in (params() if callable(params) else params)}
             if any(id(p) not in current for p in self.params):
