@@ -434,6 +434,11 @@ class _Plan:
         self.loss_id = -1
 
 
+#: device constants of at most this many bytes are kept by value (LazyFrontend.constant)
+_SMALL_BYTES = 256
+_SMALL_KEPT = 256
+
+
 class LazyFrontend:
     """Builds, caches and runs the native graphs behind lazy tensors."""
 
@@ -443,12 +448,31 @@ class LazyFrontend:
         self.hits = 0
         self.misses = 0
         self._lock = threading.RLock()
+        self._small: OrderedDict[Any, Tensor] = OrderedDict()  # see constant()
 
     # -- recording ---------------------------------------------------------------------
     def constant(self, arr: np.ndarray, device: Device | None = None) -> Tensor:
-        """A leaf holding ``arr`` (on the host, or copied to ``device``)."""
+        """A leaf holding ``arr`` (on the host, or copied to ``device``).
+
+        A small constant on a device (a Python number, an index array of a few elements) is
+        uploaded once and kept (the last ``_SMALL_KEPT`` of them, by value): a training step
+        that makes the same constants again then names the same buffers, and the device
+        replays its recording instead of recording it again. Nothing writes into a constant.
+        """
         if device is not None and device.backend != "cpu":
-            return _from_host(arr, device)
+            if arr.nbytes > _SMALL_BYTES:
+                return _from_host(arr, device)
+            key = (str(device), arr.dtype.str, arr.shape, arr.tobytes())
+            with self._lock:
+                t = self._small.get(key)
+                buf = t._value if t is not None else None
+                if t is None or not isinstance(buf, _core.DeviceBuffer) or not buf.valid:
+                    t = self._small[key] = _from_host(arr, device)
+                    if len(self._small) > _SMALL_KEPT:
+                        self._small.popitem(last=False)
+                else:
+                    self._small.move_to_end(key)
+            return t
         return _wrap_value(arr, False, parse_device(None))
 
     def apply(

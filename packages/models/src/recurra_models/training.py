@@ -542,6 +542,7 @@ class Trainer:
                 "use precision='bf16'"
             )
         self.last_skipped = False  # whether the last train_step skipped its update
+        self._inputs: dict[Any, tuple[Any, Any]] = {}  # see _on_device
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self._data_hash = data_hash(self.data)
@@ -595,11 +596,33 @@ class Trainer:
         return as_tokens(x, self.model.vocab_size, self.model.device)[0]
 
     # -- pieces --------------------------------------------------------------------------
+    def _on_device(self, x: np.ndarray, y: np.ndarray) -> tuple[Any, Any]:
+        """The batch in input tensors of the model's device kept from step to step: each step
+        writes its tokens into the same buffers, so a device can replay the step's recorded
+        work instead of recording it again (its node list names the same buffers)."""
+        vocab = getattr(self.model, "vocab_size", None)
+        for a in (x, y):  # as the model checks arrays (tensors it takes as they are)
+            if vocab is not None and a.size and (int(a.min()) < 0 or int(a.max()) >= vocab):
+                raise ValueError(
+                    f"token ids must be in [0, {vocab}), got min {int(a.min())}, max {int(a.max())}"
+                )
+        key = (x.shape, y.shape)
+        held = self._inputs.get(key)
+        if held is None:
+            dev = getattr(self.model, "device", None)
+            held = (rc.tensor(x, device=dev), rc.tensor(y, device=dev))
+            self._inputs = {key: held}  # the batch shape of the step before is let go
+        else:
+            held[0].assign_(x)
+            held[1].assign_(y)
+        return held
+
     def _forward_loss(self, x: np.ndarray, y: np.ndarray) -> Any:
+        xt, yt = self._on_device(x, y)
         if self.autocast_dtype is None:
-            return self.model.loss(x, y)
+            return self.model.loss(xt, yt)
         with rc.autocast(self.autocast_dtype):
-            return self.model.loss(x, y)
+            return self.model.loss(xt, yt)
 
     def train_step(self, step: int) -> float:
         """One optimizer step on batch ``step``; returns the loss (before the update)."""
