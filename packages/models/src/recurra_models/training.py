@@ -564,9 +564,8 @@ class Trainer:
                 self._train_fn = rc.capture(
                     self._captured_loss, backward=True, params=model.parameters, key=self._key
                 )
-                self._eval_fn = rc.capture(
-                    self._forward_loss, params=model.parameters, key=self._key
-                )
+                self._eval_fn = rc.capture(self._model_loss, params=model.parameters, key=self._key)
+        self._scale: Any = None  # the loss scale as a tensor (captured steps), see train_step
 
     @property
     def captured(self) -> bool:
@@ -585,15 +584,10 @@ class Trainer:
         )
 
     def _captured_loss(self, x: Any, y: Any, scale: Any = None) -> Any:
-        loss = self._forward_loss(x, y)
+        loss = self._model_loss(x, y)
         # The loss scale is an argument (a tensor), so that its changing value is not frozen
         # into the capture; ``loss * scale`` is the op DynamicLossScale.scale records.
         return loss if scale is None else (loss * scale, loss)
-
-    def _tokens(self, x: np.ndarray) -> Any:
-        from recurra_models.lm import as_tokens
-
-        return as_tokens(x, self.model.vocab_size, self.model.device)[0]
 
     # -- pieces --------------------------------------------------------------------------
     def _on_device(self, x: np.ndarray, y: np.ndarray) -> tuple[Any, Any]:
@@ -617,12 +611,15 @@ class Trainer:
             held[1].assign_(y)
         return held
 
-    def _forward_loss(self, x: np.ndarray, y: np.ndarray) -> Any:
-        xt, yt = self._on_device(x, y)
+    def _model_loss(self, xt: Any, yt: Any) -> Any:
+        """The model's loss on input tensors, under the trainer's precision."""
         if self.autocast_dtype is None:
             return self.model.loss(xt, yt)
         with rc.autocast(self.autocast_dtype):
             return self.model.loss(xt, yt)
+
+    def _forward_loss(self, x: np.ndarray, y: np.ndarray) -> Any:
+        return self._model_loss(*self._on_device(x, y))
 
     def train_step(self, step: int) -> float:
         """One optimizer step on batch ``step``; returns the loss (before the update)."""
@@ -630,12 +627,14 @@ class Trainer:
         self.model.train()
         scaler = self.loss_scale
         if self._train_fn is not None:
-            xt, yt = self._tokens(x[self._rows]), self._tokens(y[self._rows])
+            xt, yt = self._on_device(x[self._rows], y[self._rows])
             if scaler is None:
                 loss = self._train_fn(xt, yt)
             else:
-                s = rc.tensor(np.float32(scaler.scale_value), device=self.model.device)
-                loss = self._train_fn(xt, yt, s)[1]
+                if self._scale is None or self._scale.device != xt.device:
+                    self._scale = rc.tensor(np.float32(1), device=xt.device)
+                self._scale.assign_(np.float32(scaler.scale_value))  # the same buffer each step
+                loss = self._train_fn(xt, yt, self._scale)[1]
         else:
             loss = self._forward_loss(x[self._rows], y[self._rows])
             (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -670,7 +669,7 @@ class Trainer:
                     )
                     x, y = x[self._rows], y[self._rows]
                     if self._eval_fn is not None:
-                        loss = self._eval_fn(self._tokens(x), self._tokens(y))
+                        loss = self._eval_fn(*self._on_device(x, y))
                     else:
                         loss = self._forward_loss(x, y)
                     total += float(loss.item())
