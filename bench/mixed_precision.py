@@ -10,7 +10,9 @@ The batches come from a fixed random first-order Markov chain over --symbols tok
 step by step. Each precision runs in a process of its own (its peak memory is its own: on a
 GPU what nvidia-smi reports while it runs, less what was in use before; everywhere the
 library's own count, recurra.memory_stats). "bf16" is float32 parameters and optimizer
-state with the forward under ``recurra.autocast(recurra.bfloat16)``.
+state with the forward under ``recurra.autocast(recurra.bfloat16)``. Both precisions run the
+step through ``recurra.capture`` as ``recurra_models.Trainer`` does (``--no-capture``: the
+model's Python records the step again every time).
 
 Printed: median ms/step over the steps after --warmup, the speed-up (float32 ms / bf16 ms),
 peak memory and its ratio (bf16 / float32), and the largest relative difference of the
@@ -62,6 +64,10 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     model = rm.create(spec["preset"], seed=0, **over).to(spec["device"])
     opt = AdamW(list(model.parameters()), lr=spec["lr"])
     half = spec["precision"] == "bf16"
+    # the step as recurra_models.Trainer runs it: captured (the plan runs from its cache)
+    step = None
+    if spec["capture"]:
+        step = rc.capture(model.loss, backward=True, params=model.parameters)
     losses, times = [], []
     rc._core.reset_peak_memory()
     batches = markov_batches(
@@ -78,8 +84,11 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             y.assign_(data[:, 1:])
         ctx = rc.autocast(rc.bfloat16) if half else contextlib.nullcontext()
         with ctx:
-            loss = model.loss(x, y)
-        loss.backward()
+            if step is not None:
+                loss = step(x, y)  # forward and backward
+            else:
+                loss = model.loss(x, y)
+                loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -108,6 +117,12 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--symbols", type=int, default=1000)
     ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument(
+        "--no-capture",
+        dest="capture",
+        action="store_false",
+        help="record every step's ops again (the default captures the step, as Trainer does)",
+    )
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -123,7 +138,7 @@ def main() -> None:
     out: dict[str, Any] = {}
     for prec in a.precisions.split(","):
         spec = {k: getattr(a, k) for k in ("preset", "n_layer", "device", "batch", "seq_len")}
-        spec.update(steps=a.steps, lr=a.lr, symbols=a.symbols, precision=prec)
+        spec.update(steps=a.steps, lr=a.lr, symbols=a.symbols, precision=prec, capture=a.capture)
         r = run_polled(__file__, spec, a.timeout)
         out[prec] = r
         if "error" in r:
