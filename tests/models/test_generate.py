@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import recurra_models as rm
+from recurra_models import nn
 from recurra_models.generation import StepGraph, sample_token
 
 
@@ -48,6 +49,40 @@ def test_step_graph_equals_lazy_path(arch: str) -> None:
     ref = model(np.array([[5]], np.int32)).numpy()
     np.testing.assert_allclose(after, ref, rtol=1e-5, atol=1e-5)
     assert not np.allclose(before, after)
+
+
+def _lazy_greedy(model: object, prompt: list[int], n: int) -> list[int]:
+    return rm.generate(model, prompt, max_tokens=n, temperature=0.0, use_graph=False)
+
+
+def test_step_graph_kept_between_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    # generate() keeps its traced step graph on the model for the next call; a new value of
+    # a parameter is seen, a replaced parameter means a new trace, and two streams at once
+    # each have a graph of their own.
+    model = _model("mamba")
+    builds = []
+    real = StepGraph.build.__func__
+
+    def counting(cls, m, batch=1):  # type: ignore[no-untyped-def]
+        builds.append(1)
+        return real(cls, m, batch)
+
+    monkeypatch.setattr(StepGraph, "build", classmethod(counting))
+    prompt = [3, 1, 4]
+    first = rm.generate(model, prompt, max_tokens=6, temperature=0.0)
+    assert first == rm.generate(model, prompt, max_tokens=6, temperature=0.0)
+    assert len(builds) == 1
+    w = model.lm_head.weight
+    w.assign_(w.numpy()[::-1].copy())  # new values, same tensor: no new trace
+    got = rm.generate(model, prompt, max_tokens=6, temperature=0.0)
+    assert len(builds) == 1 and got == _lazy_greedy(model, prompt, 6)
+    model.lm_head.weight = nn.Parameter(w.numpy() * -1.0)  # a new tensor in the slot: traced again
+    got = rm.generate(model, prompt, max_tokens=6, temperature=0.0)
+    assert len(builds) == 2 and got == _lazy_greedy(model, prompt, 6)
+    a = rm.stream(model, prompt, max_tokens=6, temperature=0.0)
+    b = rm.stream(model, prompt, max_tokens=6, temperature=0.0)
+    pairs = list(zip(a, b))  # interleaved steps: a second graph for the second stream
+    assert len(builds) == 3 and [x for x, _ in pairs] == [y for _, y in pairs] == got
 
 
 def test_stream_stops_and_zero_tokens() -> None:

@@ -222,6 +222,34 @@ class StepGraph:
         return logits
 
 
+def _graph_key(model: Any) -> tuple[Any, ...]:
+    """What a traced step depends on besides the parameters' values: the device, the
+    placement setting, and which tensor every module's parameter slot holds (a module or
+    parameter replaced means another graph)."""
+    slots = tuple(
+        (type(m), name, id(p))
+        for m in model.modules()
+        for name, p in m.__dict__["_parameters"].items()
+    )
+    return (str(model.device), rc.strict_placement(), slots)
+
+
+def _take_step_graph(model: Any) -> tuple[tuple[Any, ...], StepGraph | None]:
+    """The model's step graph for batch 1: the one a previous :func:`stream` left (traced and
+    planned already: tracing and planning the 130M presets' ~1400 nodes costs tens of ms) when
+    nothing it depends on changed, else a new one. The caller holds it alone until it gives
+    it back with :func:`_give_back_step_graph` (a stream running beside traces its own)."""
+    key = _graph_key(model)
+    cached = model.__dict__.pop("_step_graph_cache", None)
+    if cached is not None and cached[0] == key:
+        return key, cached[1]
+    return key, StepGraph.build(model)
+
+
+def _give_back_step_graph(model: Any, key: tuple[Any, ...], graph: StepGraph | None) -> None:
+    model.__dict__["_step_graph_cache"] = (key, graph)
+
+
 def _step(model: Any, tokens: np.ndarray, state: State | None) -> tuple[np.ndarray, State]:
     """Runs the model over ``tokens`` (1, T) from ``state``; returns the logits of the last
     token (V,) and the new state, computed in one graph and cut from the graph history."""
@@ -263,10 +291,13 @@ def stream(
     rng = np.random.default_rng(seed)
     was_training = model.training
     model.eval()
+    graph: StepGraph | None = None
+    key: tuple[Any, ...] | None = None
     try:
         with rc.no_grad():
             logits, state = _step(model, prompt[None, :], None)
-            graph = StepGraph.build(model) if use_graph and max_tokens > 1 else None
+            if use_graph and max_tokens > 1:
+                key, graph = _take_step_graph(model)
             flat: list[np.ndarray] = []
             if graph is not None and graph.resident:
                 graph.start(state)
@@ -286,6 +317,8 @@ def stream(
                 else:
                     logits, state = _step(model, tokens, state)
     finally:
+        if key is not None:
+            _give_back_step_graph(model, key, graph)
         model.train(was_training)
 
 
