@@ -63,9 +63,9 @@ def test_step_graph_kept_between_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     builds = []
     real = StepGraph.build.__func__
 
-    def counting(cls, m, batch=1):  # type: ignore[no-untyped-def]
+    def counting(cls, m, batch=1, carry=False):  # type: ignore[no-untyped-def]
         builds.append(1)
-        return real(cls, m, batch)
+        return real(cls, m, batch, carry)
 
     monkeypatch.setattr(StepGraph, "build", classmethod(counting))
     prompt = [3, 1, 4]

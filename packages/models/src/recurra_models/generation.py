@@ -94,7 +94,9 @@ class StepGraph:
     buffers, and the step ends with ``assign`` nodes that write the new state into the
     buffers it read, in place. A token then costs one upload of the token id, one submission
     and one download of the logits; the state never leaves the device (see :meth:`start` and
-    :meth:`step`).
+    :meth:`step`). A CPU graph built with ``carry=True`` works the same way with host arrays
+    of its own: no state is copied in or out per token, and the parameters are bound once
+    per :meth:`start` (what :func:`stream` uses).
 
     Works for models whose ``forward_with_state`` only uses ``recurra.ops`` on its inputs and
     parameters; :func:`StepGraph.build` returns None when the model cannot be traced (the
@@ -111,20 +113,25 @@ class StepGraph:
         st_out: list[Any],
         layout: list[int],
         resident: bool = False,
+        carry: bool = False,
     ) -> None:
         self.graph, self.params, self.tok = graph, params, tok
         self.st_in, self.logits, self.st_out, self.layout = st_in, logits, st_out, layout
         self.resident = resident
-        self._state: list[Any] = []  # resident: the device buffers the state lives in
+        self.carry = carry or resident
+        # carry: the device buffers (resident) or host arrays the state lives in
+        self._state: list[Any] = []
 
     @classmethod
-    def build(cls, model: Any, batch: int = 1) -> StepGraph | None:
+    def build(cls, model: Any, batch: int = 1, carry: bool = False) -> StepGraph | None:
         """Traces ``model.forward_with_state`` for (batch, 1) tokens; None when the model
         uses something the explicit graph cannot take. A model on a device gives a resident
         graph (every node placed on that device under the current strict-placement
-        setting)."""
+        setting); on the CPU, ``carry`` gives a graph that keeps the state in arrays of its
+        own (:meth:`start`, :meth:`step`) instead of taking and returning it per call."""
         device = str(model.device)
         resident = getattr(model.device, "backend", "cpu") != "cpu"
+        carry = carry or resident
         shapes = [[tuple(t.shape) for t in layer] for layer in model.init_state(batch)]
         g = rc.Graph(backends=[device], strict=rc.strict_placement()) if resident else rc.Graph()
         leaves: dict[int, tuple[Any, Any]] = {}
@@ -149,7 +156,9 @@ class StepGraph:
                 return None
             g.set_output(logits)
             flat_in = [t for layer in st_in for t in layer]
-            if resident:
+            if carry and not all(t.dtype == "float32" for t in flat_in):
+                return None  # host arrays of the carried state are float32
+            if carry:
                 for dst, src in zip(flat_in, flat_out):
                     if src.op in _VIEW_OPS:  # may look into dst itself: copy it first
                         src = rc.ops.contiguous(src)
@@ -171,6 +180,7 @@ class StepGraph:
             flat_out,
             [len(layer) for layer in shapes],
             resident,
+            carry,
         )
 
     def _bind_params(self) -> None:
@@ -186,8 +196,8 @@ class StepGraph:
     ) -> tuple[np.ndarray, list[np.ndarray]]:
         """Logits (batch, 1, V) and the new flat state list for tokens (batch, 1) (a graph
         on the CPU)."""
-        if self.resident:
-            raise RuntimeError("a resident StepGraph carries its state: use start() and step()")
+        if self.carry:
+            raise RuntimeError("this StepGraph carries its state: use start() and step()")
         g = self.graph
         self._bind_params()
         g.set_data(self.tok, tokens)
@@ -198,12 +208,20 @@ class StepGraph:
         return logits, [g.get_data(t) for t in self.st_out]
 
     def start(self, state: State) -> None:
-        """Resident graphs: takes over ``state`` (computed device tensors, e.g. after the
-        prompt) and binds the parameters' buffers; later steps update the state's buffers in
-        place."""
+        """Graphs that carry their state: takes over ``state`` (computed tensors, e.g. after
+        the prompt) and binds the parameters' buffers (as they are now: bind again with
+        another start() after changing them); later steps update the state in place."""
         self._bind_params()
         flat = [t for layer in state for t in layer]
         realize(flat)
+        if not self.resident:  # host arrays, bound once, filled per start
+            if not self._state:
+                self._state = [np.empty(tuple(leaf.shape), np.float32) for leaf in self.st_in]
+                for leaf, arr in zip(self.st_in, self._state):
+                    self.graph._g.bind(leaf.id, arr)
+            for arr, t in zip(self._state, flat):
+                np.copyto(arr, np.asarray(t).reshape(arr.shape))
+            return
         self._state = []
         for leaf, t in zip(self.st_in, flat):
             buf = (t if t.is_on_device else t.to(self.graph.backends[0])).storage
@@ -211,8 +229,8 @@ class StepGraph:
             self.graph._g.bind_device(leaf.id, buf)
 
     def step(self, tokens: np.ndarray) -> np.ndarray:
-        """Resident graphs: the logits (batch, 1, V) of tokens (batch, 1); the state moves
-        one token on, on the device."""
+        """Graphs that carry their state: the logits (batch, 1, V) of tokens (batch, 1); the
+        state moves one token on, in place (on the device for a resident graph)."""
         if not self._state:
             raise RuntimeError("StepGraph.step: call start(state) first")
         g = self.graph
@@ -243,7 +261,7 @@ def _take_step_graph(model: Any) -> tuple[tuple[Any, ...], StepGraph | None]:
     cached = model.__dict__.pop("_step_graph_cache", None)
     if cached is not None and cached[0] == key:
         return key, cached[1]
-    return key, StepGraph.build(model)
+    return key, StepGraph.build(model, carry=True)
 
 
 def _give_back_step_graph(model: Any, key: tuple[Any, ...], graph: StepGraph | None) -> None:
@@ -298,22 +316,16 @@ def stream(
             logits, state = _step(model, prompt[None, :], None)
             if use_graph and max_tokens > 1:
                 key, graph = _take_step_graph(model)
-            flat: list[np.ndarray] = []
-            if graph is not None and graph.resident:
+            if graph is not None:
                 graph.start(state)
-            elif graph is not None:
-                flat = [np.asarray(t) for layer in state for t in layer]
             for i in range(int(max_tokens)):
                 tok = sample_token(logits, temperature, top_k, top_p, rng)
                 yield tok
                 if tok in stops or i == max_tokens - 1:
                     break
                 tokens = np.array([[tok]], np.int32)
-                if graph is not None and graph.resident:
+                if graph is not None:
                     logits = graph.step(tokens).reshape(-1)
-                elif graph is not None:
-                    out, flat = graph(tokens, flat)
-                    logits = out.reshape(-1)
                 else:
                     logits, state = _step(model, tokens, state)
     finally:
