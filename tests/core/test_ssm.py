@@ -128,6 +128,9 @@ SCAN_LAYOUTS = [
     (2, 6, 4, 3, 16, 2, True),  # head_dim 3 with one decay per state
     (3, 1, 8, 8, 16, 4, False),  # one-token sequences (the generation step kernel)
     (2, 1, 3, 5, 17, 1, True),  # one token, one decay per state, d_state past 16
+    (2, 1, 150, 1, 16, 1, True),  # one token of Mamba-1: 300 heads in tasks of 64
+    (1, 1, 70, 1, 17, 2, True),  # one token, head_dim 1, d_state 17, 2 groups
+    (2, 1, 9, 1, 16, 3, False),  # one token, head_dim 1, one decay per head
     (1, 40, 2, 32, 33, 1, True),  # 40 tokens, per-state decay in the rows kernel
 ]
 

@@ -1,5 +1,5 @@
-// ssm_scan, the forward: rows layout (P > 1; one token at a time for generation) and heads
-// layout (P == 1), with the checkpoints a forward saves when asked (see scan.h).
+// ssm_scan, the forward: rows layout (P > 1), heads layout (P == 1), and one token at a time
+// for generation (any P), with the checkpoints a forward saves when asked (see scan.h).
 #include "scan.h"
 
 namespace recurra {
@@ -12,7 +12,7 @@ namespace {
 // Forward, rows layout: one (sequence, head, block of L channels).
 // ======================================================================================
 
-// One token (T == 1, head_dim > 1: a generation step). The rows kernels' transposed, scaled
+// One token (T == 1: a generation step). The rows kernels' transposed, scaled
 // state would cost two passes more over it than the token itself; here each row [p][:] of
 // a (sequence, head) state is read once and written once, vectorized along n:
 // S'[p][n] = a[n] S[p][n] + B[n] dtp x[p], y[p] = C . S'[p].
@@ -337,10 +337,10 @@ void scan_forward(KernelCtx& c) {
   float* ck = saves_checkpoints(c.node.ip) ? sout + d.S * d.H * d.P * d.N : nullptr;
   const int64_t Np = (d.N + 15) / 16 * 16;
   std::vector<Work> work(c.pool.size());
-  if (d.T == 1 && d.P > 1) {  // one token: see step_row
-    c.pool.run(d.S * d.H, [&](int64_t task, int tid) {
-      const int64_t i = task / d.H, h = task % d.H, g = h / d.hpg;
-      float* an = work[tid].get(Np);
+  if (d.T == 1) {  // one token: see step_row
+    // Head ih = (i, h) of sequence i: its P state rows move one token on.
+    auto step_head = [&](int64_t ih, float* an) {
+      const int64_t i = ih / d.H, h = ih % d.H, g = h / d.hpg;
       float dtp, a;
       dt_column(dt + i * d.H + h, d.H, 1, A[h * d.NA], &dtp, &a, nullptr);
       if (d.per_n)
@@ -350,11 +350,18 @@ void scan_forward(KernelCtx& c) {
       const float* Bi = B + (i * d.G + g) * d.N;
       const float* Ci = C + (i * d.G + g) * d.N;
       const float* s0 = s + (ids[i] * d.H + h) * d.P * d.N;
-      const int64_t ih = i * d.H + h;
       for (int64_t p = 0; p < d.P; ++p)
         y[ih * d.P + p] = step_row(s0 + p * d.N, an, dtp * x[ih * d.P + p], Bi, Ci,
                                    sout + (ih * d.P + p) * d.N, d.N);
       if (ck) std::copy(s0, s0 + d.P * d.N, ck + ih * d.P * d.N);  // the state entering chunk 0
+    };
+    // Tasks of whole heads, about 1024 states each: Mamba-1's 1536 heads of one 16-state
+    // row make 24 tasks (one per head cost more in handing out than in work).
+    const int64_t rows = d.S * d.H;
+    const int64_t hpt = std::max<int64_t>(1, 1024 / std::max<int64_t>(1, d.P * d.N));
+    c.pool.run((rows + hpt - 1) / hpt, [&](int64_t task, int tid) {
+      float* an = work[tid].get(Np);
+      for (int64_t ih = task * hpt; ih < std::min(rows, (task + 1) * hpt); ++ih) step_head(ih, an);
     });
     return;
   }
