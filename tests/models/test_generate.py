@@ -114,6 +114,19 @@ def test_sampling_filters() -> None:
     assert np.all(np.abs(counts / n - p) < 4 * np.sqrt(p * (1 - p) / n) + 1e-3)
 
 
+def test_greedy_edge_cases() -> None:
+    # greedy takes the first maximum; NaN counts as -inf; no finite logit at all raises
+    f32 = np.float32
+    assert sample_token(np.array([1, 3, 3, 2], f32), temperature=0.0) == 1
+    assert sample_token(np.array([np.nan, 1, 3, 3], f32), temperature=0.0) == 2
+    assert sample_token(np.array([1, np.inf, 2]), temperature=0.0) == 1
+    assert sample_token(np.array([[0.5, -2.0]], f32), temperature=0.0) == 0
+    assert sample_token([0, 2, 1], temperature=0.0) == 1  # integers, a list
+    for bad in ([np.nan, np.nan], [-np.inf, -np.inf], []):
+        with pytest.raises(ValueError, match="empty or all non-finite"):
+            sample_token(np.array(bad, f32), temperature=0.0)
+
+
 def test_bad_arguments_raise() -> None:
     model = _model("mamba")
     with pytest.raises(ValueError, match="temperature"):

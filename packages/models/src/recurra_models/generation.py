@@ -40,6 +40,12 @@ def sample_token(
     Returns an int. Raises ValueError for bad settings or logits that are not 1-D and
     finite somewhere."""
     _check_sampling(temperature, top_k, top_p)
+    if temperature == 0:  # greedy: a finite first maximum is the answer (no float64 copy)
+        raw = np.asarray(logits).reshape(-1)
+        if raw.size and raw.dtype.kind == "f":
+            i = int(np.argmax(raw))  # a NaN or an infinity there: the full checks below
+            if np.isfinite(raw[i]):
+                return i
     x = np.asarray(logits, dtype=np.float64).reshape(-1)
     if x.size == 0 or not np.isfinite(x).any():
         raise ValueError("sample_token: the logits are empty or all non-finite")
