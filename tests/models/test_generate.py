@@ -85,6 +85,23 @@ def test_step_graph_kept_between_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(builds) == 3 and [x for x, _ in pairs] == [y for _, y in pairs] == got
 
 
+def test_carried_state_copied_only_when_it_views_itself() -> None:
+    import recurra as rc
+    from recurra_models.generation import _views
+
+    g = rc.Graph()
+    a = g.input((2, 3))
+    b = rc.ops.exp(a)
+    assert _views(g, a.reshape(3, 2).T.id, a.id) and _views(g, a.id, a.id)
+    assert not _views(g, b.id, a.id) and not _views(g, b.reshape(6).id, a.id)
+    # Mamba-2's new states are slices of the conv's concat and of the scan's packed result:
+    # assigned as they are, with no contiguous copy of the largest state first.
+    step = StepGraph.build(_model("mamba2"), carry=True)
+    assert step is not None and step.carry
+    ops = [step.graph._g.info(i)["op"] for i in range(step.graph.n_nodes)]
+    assert ops.count("assign") == 4 and "contiguous" not in ops
+
+
 def test_stream_stops_and_zero_tokens() -> None:
     model = _model("mamba")
     first = rm.generate(model, [1], max_tokens=5, temperature=0.0)

@@ -88,6 +88,17 @@ def _prompt(prompt_ids: Any, vocab: int) -> np.ndarray:
 _VIEW_OPS = {"reshape", "permute", "slice", "broadcast_to", "transpose"}
 
 
+def _views(g: Any, node: int, base: int) -> bool:
+    """Whether graph node ``node`` is ``base`` or a view of it through view ops (then an
+    ``assign`` of it into ``base`` would read what it writes)."""
+    while node != base:
+        info = g._g.info(node)
+        if not (info["is_view"] or info["op"] in _VIEW_OPS) or not info["src"]:
+            return False
+        node = info["src"][0]
+    return True
+
+
 class StepGraph:
     """The model's one-token step traced once into an explicit :class:`recurra.Graph`.
 
@@ -166,7 +177,7 @@ class StepGraph:
                 return None  # host arrays of the carried state are float32
             if carry:
                 for dst, src in zip(flat_in, flat_out):
-                    if src.op in _VIEW_OPS:  # may look into dst itself: copy it first
+                    if _views(g, src.id, dst.id):  # looks into dst itself: copy it first
                         src = rc.ops.contiguous(src)
                     g.set_output(g.apply("assign", [dst, src], (), ()))
             else:
