@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import recurra as rc
 import recurra_models as rm
 from recurra_models import nn
 from recurra_models.generation import StepGraph, sample_token
@@ -83,10 +84,13 @@ def test_step_graph_kept_between_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     b = rm.stream(model, prompt, max_tokens=6, temperature=0.0)
     pairs = list(zip(a, b))  # interleaved steps: a second graph for the second stream
     assert len(builds) == 3 and [x for x, _ in pairs] == [y for _, y in pairs] == got
+    # b is left suspended after its last token: no gradient mode leaks out of it
+    assert rc.is_grad_enabled()
+    b.close()
+    assert rc.is_grad_enabled()
 
 
 def test_carried_state_copied_only_when_it_views_itself() -> None:
-    import recurra as rc
     from recurra_models.generation import _views
 
     g = rc.Graph()

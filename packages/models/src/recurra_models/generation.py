@@ -366,18 +366,21 @@ def stream(
     graph: StepGraph | None = None
     key: tuple[Any, ...] | None = None
     try:
+        # no_grad around the computations only, not across the yields: the caller's code
+        # between tokens (another stream, a training step) keeps its own gradient mode.
         with rc.no_grad():
             logits, state = _step(model, prompt[None, :], None)
             if use_graph and max_tokens > 1:
                 key, graph = _take_step_graph(model)
             if graph is not None:
                 graph.start(state)
-            for i in range(int(max_tokens)):
-                tok = sample_token(logits, temperature, top_k, top_p, rng)
-                yield tok
-                if tok in stops or i == max_tokens - 1:
-                    break
-                tokens = np.array([[tok]], np.int32)
+        for i in range(int(max_tokens)):
+            tok = sample_token(logits, temperature, top_k, top_p, rng)
+            yield tok
+            if tok in stops or i == max_tokens - 1:
+                break
+            tokens = np.array([[tok]], np.int32)
+            with rc.no_grad():
                 if graph is not None:
                     logits = graph.step(tokens).reshape(-1)
                 else:

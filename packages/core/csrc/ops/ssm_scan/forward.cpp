@@ -348,14 +348,13 @@ void scan_forward(KernelCtx& c) {
   if (d.T == 1) {  // one token: see step_row
     // Head ih = (i, h) of sequence i: its P state rows move one token on (into s itself
     // when in place: each row is read before it is written, by the same step_row).
-    auto step_head = [&](int64_t ih, float* an) {
+    // dtp: softplus(dt) of the head (computed for a task's heads at once).
+    auto step_head = [&](int64_t ih, float* an, float dtp) {
       const int64_t i = ih / d.H, h = ih % d.H, g = h / d.hpg;
-      float dtp, a;
-      dt_column(dt + i * d.H + h, d.H, 1, A[h * d.NA], &dtp, &a, nullptr);
       if (d.per_n)
         exp_row(A + h * d.NA, dtp, d.N, Np, an);
       else
-        std::fill(an, an + d.N, a);
+        std::fill(an, an + d.N, std::exp(dtp * A[h * d.NA]));
       const float* Bi = B + (i * d.G + g) * d.N;
       const float* Ci = C + (i * d.G + g) * d.N;
       const float* s0 = s + (ids[i] * d.H + h) * d.P * d.N;
@@ -369,8 +368,12 @@ void scan_forward(KernelCtx& c) {
     const int64_t rows = d.S * d.H;
     const int64_t hpt = std::max<int64_t>(1, 1024 / std::max<int64_t>(1, d.P * d.N));
     c.pool.run((rows + hpt - 1) / hpt, [&](int64_t task, int tid) {
-      float* an = work[tid].get(Np);
-      for (int64_t ih = task * hpt; ih < std::min(rows, (task + 1) * hpt); ++ih) step_head(ih, an);
+      const int64_t r0 = task * hpt, r1 = std::min(rows, r0 + hpt);
+      float* an = work[tid].get(Np + hpt);
+      float* dtp = an + Np;
+      // dt of heads r0..r1 are contiguous (dt is (S, 1, H)): one softplus over them all
+      dt_column(dt + r0, 1, r1 - r0, 0.0f, dtp, nullptr, nullptr);
+      for (int64_t ih = r0; ih < r1; ++ih) step_head(ih, an, dtp[ih - r0]);
     });
     return;
   }
