@@ -67,10 +67,15 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     batches = markov_batches(
         model.vocab_size, spec["symbols"], spec["batch"], spec["seq_len"], spec["steps"], 1
     )
+    x = y = None
     for data in batches:
         t0 = time.perf_counter()
-        x = rc.tensor(data[:, :-1].copy(), device=spec["device"])
-        y = rc.tensor(data[:, 1:].copy(), device=spec["device"])
+        if x is None or y is None:
+            x = rc.tensor(data[:, :-1].copy(), device=spec["device"])
+            y = rc.tensor(data[:, 1:].copy(), device=spec["device"])
+        else:  # into the same buffers, as recurra_models.Trainer does (the step replays)
+            x.assign_(data[:, :-1])
+            y.assign_(data[:, 1:])
         ctx = rc.autocast(rc.bfloat16) if half else contextlib.nullcontext()
         with ctx:
             loss = model.loss(x, y)

@@ -1,5 +1,6 @@
 """Where a training step's GPU time goes, by op: a preset's step on a Vulkan device with
-per-node timestamps (RECURRA_VULKAN_PROFILE=1), summed by op over the last of --steps steps.
+per-node timestamps (RECURRA_VULKAN_PROFILE=1), summed by op over the last of --steps steps;
+with --dispatch, per dispatch (RECURRA_VULKAN_PROFILE=dispatch), summed by op/shader[spec].
 
     python bench/profile_gpu.py --preset mamba2-130m --batch 8 --seq-len 512
     python bench/profile_gpu.py --preset mamba2-130m --precision bf16  # under autocast
@@ -63,7 +64,7 @@ def child(args: argparse.Namespace) -> None:
 def run_child(args: argparse.Namespace, profile: bool) -> tuple[list[str], list[float]]:
     env = dict(os.environ)
     if profile:
-        env["RECURRA_VULKAN_PROFILE"] = "1"
+        env["RECURRA_VULKAN_PROFILE"] = "dispatch" if args.dispatch else "1"
     else:
         env.pop("RECURRA_VULKAN_PROFILE", None)
     argv = [sys.executable, __file__, "--child", *sys.argv[1:]]
@@ -88,6 +89,11 @@ def main() -> None:
     ap.add_argument("--recompute", action="store_true")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument(
+        "--dispatch",
+        action="store_true",
+        help="one time per dispatch, by op/shader[specialization constants] (which kernel ran)",
+    )
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -112,9 +118,10 @@ def main() -> None:
     rows: list[tuple[str, Any, Any, Any]] = []
     for op, v in sorted(by_op.items(), key=lambda kv: -sum(kv[1])):
         rows.append((op, len(v), sum(v), 100 * sum(v) / max(total, 1e-9)))
-    print(f"{'op':24s} {'nodes':>6s} {'ms':>9s} {'%':>6s}")
+    width = max([24] + [len(r[0]) for r in rows[: args.top]])
+    print(f"{'op':{width}s} {'nodes':>6s} {'ms':>9s} {'%':>6s}")
     for op, n, ms, pct in rows[: args.top]:
-        print(f"{op:24s} {n:6d} {ms:9.2f} {pct:6.1f}")
+        print(f"{op:{width}s} {n:6d} {ms:9.2f} {pct:6.1f}")
     print("JSON " + json.dumps({"times": times, "by_op": {k: sum(v) for k, v in by_op.items()}}))
 
 

@@ -21,13 +21,10 @@ from typing import Any
 
 import numpy as np
 
-# Ops with a CPU kernel but (at the time of writing) no Vulkan kernel; views are not ops.
-VULKAN_MISSING = [
-    "causal_conv_silu",
-    "causal_conv_silu_back",
-    "gated_rms_norm",
-    "gated_rms_norm_back",
-]
+# Ops with a CPU kernel but no Vulkan kernel; views are not ops. (causal_conv_silu and
+# gated_rms_norm, with their backward ops, were here until the Vulkan backend got fused
+# kernels for them: pass them to --refuse for the plan of RECURRA_VK_UNFUSED=1.)
+VULKAN_MISSING: list[str] = []
 
 
 class _Planned(Exception):
@@ -42,6 +39,7 @@ def step_plan(
     recompute: bool,
     chunk: int | None,
     precision: str = "fp32",
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """The memory plan (graph.memory()'s dict) of one training step, not run."""
     import recurra as rc
@@ -52,11 +50,12 @@ def step_plan(
     arch = resolve(preset, {})[0]
     # the plan does not depend on the values: RWKV's zero init skips its orthogonal draws
     seed: Any = None if arch.startswith("rwkv") else 0
-    model = rm.create(preset, seed=seed, n_layer=n_layer)
+    model = rm.create(preset, seed=seed, n_layer=n_layer).to(device)
     model.gradient_checkpointing(recompute)
     rng = np.random.default_rng(0)
     data = rng.integers(0, min(model.vocab_size, 50000), (batch, seq_len + 1)).astype(np.int32)
-    x, y = rc.tensor(data[:, :-1].copy()), rc.tensor(data[:, 1:].copy())
+    x = rc.tensor(data[:, :-1].copy(), device=device)
+    y = rc.tensor(data[:, 1:].copy(), device=device)
     dtype = {"fp32": None, "bf16": rc.bfloat16, "f16": rc.float16}[precision]
     with rc.autocast(dtype or rc.bfloat16, enabled=dtype is not None):
         loss = model.loss(x, y, chunk_bytes=chunk)
@@ -79,6 +78,17 @@ def step_plan(
     return got
 
 
+def node_groups(plan: dict[str, Any]) -> list[tuple[tuple[Any, ...], tuple[int, int]]]:
+    """The nodes live at the peak grouped by (op, dtype, shape, made in the forward):
+    (count, bytes) per group, largest first."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for _, op, dt, shape, nbytes, fwd in plan["live_nodes_at_peak"]:
+        g = groups.setdefault((op, dt, tuple(shape), fwd), [0, 0])
+        g[0] += 1
+        g[1] += nbytes
+    return sorted(((k, (c, b)) for k, (c, b) in groups.items()), key=lambda kv: -kv[1][1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--preset", default="mamba2-130m")
@@ -91,28 +101,54 @@ def main() -> None:
     )
     ap.add_argument("--precision", choices=["fp32", "bf16", "f16"], default="fp32")
     ap.add_argument("--vulkan-ops", action="store_true", help="refuse what Vulkan lacks")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="plan on this device (e.g. vulkan: its placement, and the scans' checkpoints "
+        "that only a device saves; the weights are uploaded there)",
+    )
     ap.add_argument("--refuse", nargs="*", default=None, help="ops the CPU refuses")
     ap.add_argument("--top", type=int, default=12, help="ops listed at the peak")
+    ap.add_argument(
+        "--nodes", type=int, default=0, help="list this many (op, dtype, shape) groups at the peak"
+    )
+    ap.add_argument(
+        "--keep-casts",
+        action="store_true",
+        help="keep casts for the backward (recurra's behaviour before casts were recomputed)",
+    )
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     from recurra import _core
 
+    if a.device != "cpu":
+        import recurra.backends  # noqa: F401
+
     refuse = a.refuse if a.refuse is not None else (VULKAN_MISSING if a.vulkan_ops else [])
     _core.set_cpu_refused_ops(refuse)
+    _core.set_recompute_casts(not a.keep_casts)
     gib = 1 << 30
     rows = []
     for n in a.n_layer:
-        p = step_plan(a.preset, n, a.batch, a.seq_len, a.recompute, a.loss_chunk, a.precision)
+        p = step_plan(
+            a.preset, n, a.batch, a.seq_len, a.recompute, a.loss_chunk, a.precision, a.device
+        )
         rows.append((n, p))
         if a.json:
             continue
         print(
-            f"{a.preset} n_layer {n} batch {a.batch}x{a.seq_len} recompute {a.recompute} "
+            f"{a.preset} on {a.device} n_layer {n} batch {a.batch}x{a.seq_len} "
+            f"recompute {a.recompute} "
             f"loss_chunk {a.loss_chunk} {a.precision} refused {refuse}: peak_live "
             f"{p['peak_live_bytes'] / gib:.3f} GiB, arena {p['arena_bytes'] / gib:.3f} GiB"
         )
         for op, b in p["live_at_peak"][: a.top]:
             print(f"    {op:24s} {b / gib:7.3f} GiB")
+        if a.nodes:
+            print("    by (op, dtype, shape, forward/backward): count, GiB")
+            for (op, dt, shape, fwd), (cnt, b) in node_groups(p)[: a.nodes]:
+                where = "fwd" if fwd else "bwd"
+                print(f"    {op:18s} {dt:8s} {str(shape):22s} {where} {cnt:4d} {b / gib:7.3f}")
     if len(rows) >= 2:
         (n0, p0), (n1, p1) = rows[0], rows[-1]
         per = (p1["peak_live_bytes"] - p0["peak_live_bytes"]) / (n1 - n0)

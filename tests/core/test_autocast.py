@@ -6,14 +6,17 @@ References are float64 numpy on the same 2-byte-rounded inputs the autocast grap
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 import recurra as rc
-from recurra import ops
+from recurra import _core, ops
+from recurra._tensor import LAZY
 from recurra.ops import spec
 
 BF16 = ml_dtypes.bfloat16
@@ -277,3 +280,126 @@ def test_a_transposed_parameter_is_cast_before_its_view() -> None:
     assert w.grad.dtype == rc.float32 and w.grad.shape == (6, 8)
     # d loss / d W = ones(3, 6)^T @ x rounded to bf16 (out_prod in bf16)
     np.testing.assert_allclose(w.grad.numpy(), np.ones((6, 3)) @ _bf(xv), rtol=2.0**-8, atol=1e-6)
+
+
+# -- casts recomputed for the backward ---------------------------------------------------
+
+
+@contextlib.contextmanager
+def _recompute_casts(on: bool) -> Iterator[None]:
+    """Backward graphs built inside recompute the casts (on) or keep them (off); the lazy
+    plans are dropped on both sides (the setting is not part of a plan's key)."""
+    prev = _core.recompute_casts()
+    _core.set_recompute_casts(on)
+    LAZY.clear()
+    try:
+        yield
+    finally:
+        _core.set_recompute_casts(prev)
+        LAZY.clear()
+
+
+def _two_layers(x, w1, w2, t):
+    """rms_norm(softplus(x @ W1^T) @ W2) . t under autocast: softplus and rms_norm read
+    float32 up-casts of bf16 products in their backward; W1^T is a view of a parameter's
+    cast, W2's cast is a parameter's too."""
+    with rc.autocast():
+        h = x @ w1.T
+        a = ops.softplus(h)
+        y = a @ w2
+        n = ops.rms_norm(y, 1e-6)
+        return h, a, y, ops.sum(n * t)
+
+
+def test_recomputed_casts_give_the_same_gradients() -> None:
+    """Bitwise the gradients of the graph that keeps its casts, and the float64 gradient of
+    the same computation with bf16 rounding where autocast rounds."""
+    xv, w1v, w2v, tv = _rand(16, 8), _rand(12, 8) * 0.5, _rand(12, 6) * 0.5, _rand(16, 6)
+    got = {}
+    for on in (False, True):
+        with _recompute_casts(on):
+            w1, w2 = rc.param(w1v), rc.param(w2v)
+            h, a, y, loss = _two_layers(rc.tensor(xv), w1, w2, rc.tensor(tv))
+            assert (h.dtype, a.dtype, y.dtype) == (rc.bfloat16, rc.float32, rc.bfloat16)
+            loss.backward()
+            got[on] = (loss.numpy(), w1.grad.numpy(), w2.grad.numpy())
+    for kept, recomputed in zip(got[False], got[True]):
+        assert kept.dtype == recomputed.dtype and np.array_equal(kept, recomputed)
+
+    xb, w1b, w2b = _bf(xv), _bf(w1v), _bf(w2v)
+    hb = _bf(xb @ w1b.T)
+    sp = np.log1p(np.exp(hb))
+    ab = _bf(sp)
+    yb = _bf(ab @ w2b)
+    inv = 1 / np.sqrt((yb * yb).mean(1, keepdims=True) + 1e-6)
+    r = yb * inv
+    assert abs(float(got[True][0]) - (r * tv).sum()) < 1e-4 * max(1.0, abs((r * tv).sum()))
+    dy = inv * (tv - r * (tv * r).mean(1, keepdims=True))
+    dw2 = ab.T @ dy
+    dh = (dy @ w2b.T) / (1 + np.exp(-hb))
+    dw1 = dh.T @ xb
+    for g, ref in ((got[True][1], dw1), (got[True][2], dw2)):
+        np.testing.assert_allclose(g, ref, atol=2.0**-6 * np.abs(ref).max())
+
+
+def _peak_copies(on: bool, n_layers: int) -> tuple[int, list[tuple[str, str, tuple[int, ...]]]]:
+    """The planned peak of a graph-API stack of _two_layers-like layers, and the casts and
+    dense copies made by the forward that are live there (op, dtype, shape)."""
+    with _recompute_casts(on):
+        g = rc.Graph()
+        h = g.input((64, 32))
+        ws = [(g.param((32, 32)), g.param((32, 32))) for _ in range(n_layers)]
+        with rc.autocast():
+            for w1, w2 in ws:
+                h = ops.rms_norm(ops.softplus(h @ w1.T) @ w2, 1e-6)
+            loss = ops.sum(h * h)
+        g.build_backward(loss)
+        plan = g.memory()
+    copies = [
+        (op, dt, tuple(shape))
+        for _, op, dt, shape, _, fwd in plan["live_nodes_at_peak"]
+        if op in ("cast", "contiguous") and fwd
+    ]
+    return plan["peak_live_bytes"], copies
+
+
+def test_recomputed_casts_are_not_kept_for_the_backward() -> None:
+    """Kept, each layer's float32 up-casts (softplus's and rms_norm's inputs) and the bf16
+    copies of its weights (W1^T through a dense float32 copy) are alive when the backward
+    starts; recomputed, only the bf16 casts of the float32 activations that the matmuls'
+    backward reads are (their float32 sources are not kept), and the planned peak is
+    smaller by at least the up-casts' extra half (2 of their 4 bytes an element)."""
+    n = 4
+    kept_peak, kept = _peak_copies(False, n)
+    peak, copies = _peak_copies(True, n)
+    assert kept.count(("cast", "float32", (64, 32))) == 2 * n
+    assert kept.count(("cast", "bfloat16", (32, 32))) >= 2 * n - 1
+    assert copies == [("cast", "bfloat16", (64, 32))] * len(copies) and len(copies) <= 2 * n
+    assert peak <= kept_peak - 2 * n * 64 * 32 * 2
+
+
+def test_recomputed_casts_inside_recompute_segments() -> None:
+    """A parameter's cast made in one recompute() segment and read in others (a tied
+    weight, as the chunked LM head's): the same gradients as when the casts are kept."""
+    xv, wv = _rand(12, 8), _rand(10, 8) * 0.5
+    got = {}
+    for on in (False, True):
+        with _recompute_casts(on):
+            w = rc.param(wv)
+            x = rc.tensor(xv)
+            with rc.autocast():
+                total = None
+                for lo in range(0, 12, 4):
+                    with rc.recompute():
+                        part = ops.sum(ops.log_softmax(x[lo : lo + 4] @ w.T))
+                    total = part if total is None else total + part
+            total.backward()
+            got[on] = (total.numpy(), w.grad.numpy())
+    assert all(np.array_equal(a, b) for a, b in zip(got[False], got[True]))
+    xb, wb = _bf(xv), _bf(wv)
+    z = _bf(xb @ wb.T)
+    p = np.exp(z - z.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    dz = 1 - z.shape[1] * p  # d sum(log_softmax(z)) / dz
+    ref = dz.T @ xb
+    np.testing.assert_allclose(got[True][1], ref, atol=2.0**-6 * np.abs(ref).max())

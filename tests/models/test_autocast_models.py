@@ -10,17 +10,22 @@ of the wrong dtype, a missing cast-back, a lost term: errors of order 1)."""
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 import recurra as rc
 import recurra_models as rm
+from recurra import ops
+from recurra._tensor import LAZY
+from recurra_models.lm import causal_conv
 from recurra_optim import AdamW, DynamicLossScale
 
 TINY = {
     "mamba2": {"d_model": 32, "d_state": 8, "head_dim": 8},
     "rwkv7": {"n_embd": 32, "head_size": 8},
 }
+SIZES = {**TINY, "mamba": {"d_model": 32, "d_state": 8}}  # the curve tests' models
 TEXT = "It was the best of times, it was the worst of times, it was the age of wisdom. " * 40
 
 
@@ -67,7 +72,7 @@ def test_loss_and_gradients_close_to_float32(arch: str) -> None:
 
 
 def _trainer(arch: str, precision: str, steps: int, lr: float = 1e-3, **kw):
-    model = rm.create(arch, vocab_size=256, n_layer=2, seed=1, **TINY[arch])
+    model = rm.create(arch, vocab_size=256, n_layer=2, seed=1, **SIZES[arch])
     opt = AdamW(list(model.parameters()), lr=lr, weight_decay=0.01)
     data = rm.ByteTokenizer().encode(TEXT)
     return rm.Trainer(
@@ -104,6 +109,78 @@ def test_bf16_training_curve_follows_float32(arch: str) -> None:
     for p in tr.model.parameters():
         assert p.dtype == rc.float32
     assert tr.precision == "bf16"
+
+
+@pytest.mark.parametrize("arch", list(SIZES))
+def test_recomputed_casts_leave_the_gradients_bitwise_unchanged(arch: str) -> None:
+    """The backward recomputes autocast's casts instead of keeping them: the same loss and
+    gradients, bit for bit, as a backward that keeps them (both against float32 in
+    test_loss_and_gradients_close_to_float32)."""
+    model = rm.create(arch, vocab_size=256, n_layer=2, seed=3, **SIZES[arch])
+    x, y = _batch(2, 24)
+    got = {}
+    for on in (False, True):
+        rc._core.set_recompute_casts(on)
+        LAZY.clear()  # the setting is not part of a cached plan's key
+        try:
+            loss, grads = _grads(model, x, y, rc.bfloat16)
+            got[on] = loss, {n: None if g is None else g.numpy() for n, g in grads.items()}
+        finally:
+            rc._core.set_recompute_casts(True)
+            LAZY.clear()
+    assert got[True][0] == got[False][0]
+    for n, g in got[True][1].items():
+        kept = got[False][1][n]
+        assert (g is None) == (kept is None), n
+        assert g is None or np.array_equal(g, kept), n
+
+
+def test_mamba1_bf16_training_curve_follows_float32() -> None:
+    """Mamba-1 too (its conv's result is rounded to bf16 under autocast, as Mamba-2's):
+    within 2% of the float32 curve at every step."""
+    _, h32 = _train("mamba", "fp32", 50)
+    _, hbf = _train("mamba", "bf16", 50)
+    l32 = np.array([r["loss"] for r in h32])
+    lbf = np.array([r["loss"] for r in hbf])
+    assert l32[-5:].mean() < 0.8 * l32[:5].mean()
+    assert (np.abs(lbf - l32) / l32).max() < 0.02
+
+
+def _bf(a: np.ndarray) -> np.ndarray:
+    return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def test_causal_conv_under_autocast_returns_the_autocast_dtype() -> None:
+    """causal_conv (Mamba's conv + SiLU) runs in float32 and, under autocast, rounds its
+    result to bf16 (as mamba-ssm's causal_conv1d returns its input's dtype): values and the
+    weight's and bias' gradients against float64 on the same bf16 inputs."""
+    rng = np.random.default_rng(3)
+    bsz, t, c, k = 2, 9, 5, 4
+    xv = rng.standard_normal((bsz, t, c)).astype(np.float32)
+    wv = rng.standard_normal((c, k)).astype(np.float32) * 0.5
+    bv = rng.standard_normal(c).astype(np.float32) * 0.1
+    tv = rng.standard_normal((bsz, t, c)).astype(np.float32)
+    w, b = rc.param(wv), rc.param(bv)
+    x = rc.tensor(xv, dtype=rc.bfloat16)
+    assert causal_conv(x.to(rc.float32), None, w, b)[0].dtype == rc.float32  # no autocast
+    with rc.autocast():
+        y, _ = causal_conv(x, None, w, b)
+        assert y.dtype == rc.bfloat16
+        loss = ops.sum(y.to(rc.float32) * rc.tensor(tv))
+    loss.backward()
+
+    xb = _bf(xv)
+    xp = np.concatenate([np.zeros((bsz, k - 1, c)), xb], axis=1)
+    pre = sum(xp[:, j : j + t, :] * wv[:, j].astype(np.float64) for j in range(k)) + bv
+    sig = 1 / (1 + np.exp(-pre))
+    ref = pre * sig
+    got = y.numpy().astype(np.float64)
+    np.testing.assert_allclose(got, ref, rtol=2.0**-8, atol=1e-6)  # one bf16 rounding
+    dpre = _bf(tv) * sig * (1 + pre * (1 - sig))  # the bf16 output's gradient is bf16
+    dw = np.stack([(dpre * xp[:, j : j + t, :]).sum((0, 1)) for j in range(k)], axis=1)
+    db = dpre.sum((0, 1))
+    np.testing.assert_allclose(w.grad.numpy(), dw, atol=2.0**-8 * np.abs(dw).max())
+    np.testing.assert_allclose(b.grad.numpy(), db, atol=2.0**-8 * np.abs(db).max())
 
 
 def test_precision_is_checked() -> None:

@@ -53,6 +53,30 @@ def test_autocast_step_on_the_device_matches_the_cpu(vulkan: str, arch: str) -> 
         assert np.linalg.norm(a.ravel() - b) <= 0.05 * nb, n
 
 
+@pytest.mark.parametrize("arch", list(TINY))
+def test_recomputed_casts_on_the_device(vulkan: str, arch: str) -> None:
+    """The backward's recomputed casts run on the device (strict placement) and give bitwise
+    the loss and gradients of a backward that keeps the casts (the same kernels on the same
+    data); both agree with the CPU in test_autocast_step_on_the_device_matches_the_cpu."""
+    from recurra._tensor import LAZY
+
+    got = {}
+    rc.set_strict_placement(True)
+    try:
+        for on in (False, True):
+            rc._core.set_recompute_casts(on)
+            LAZY.clear()  # the setting is not part of a cached plan's key
+            got[on] = _step(arch, vulkan)
+    finally:
+        rc._core.set_recompute_casts(True)
+        rc.set_strict_placement(False)
+        LAZY.clear()
+    assert got[True][0] == got[False][0]
+    assert got[True][1].keys() == got[False][1].keys()
+    for n, g in got[True][1].items():
+        assert np.array_equal(g, got[False][1][n]), n
+
+
 def test_2_byte_parameter_master_on_the_device(vulkan: str) -> None:
     rng = np.random.default_rng(1)
     w = rng.standard_normal((4, 6)).astype(np.float32)

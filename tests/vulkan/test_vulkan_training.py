@@ -58,3 +58,34 @@ def test_mlp_training_step_runs_whole_on_vulkan(vulkan: str, opt_cls: type, kw: 
     # a steady-state step: nothing up; the loss (and the norm when clipping) down
     assert traffic["host_to_device"]["bytes"] == 0, traffic
     assert traffic["device_to_host"]["bytes"] <= 4 + 8, traffic
+
+
+def test_trainer_steps_replay_their_recording(vulkan: str) -> None:
+    """Trainer's steps on a device after the first name the same buffers (the batch is
+    written into input tensors kept from step to step, a Mamba layer's zero initial state is
+    made once), so the device resubmits the step's recorded work instead of recording ~100
+    dispatches again; and the losses are those of a model trained on the CPU."""
+    import recurra_models as rm
+    from recurra_optim import AdamW
+    from recurra_vulkan import _vk
+
+    index = int(vulkan.partition(":")[2] or 0)
+    data = np.random.default_rng(3).integers(0, 64, 4000).astype(np.int32)
+
+    def fit(device: str) -> list[float]:
+        model = rm.create("mamba2", vocab_size=64, d_model=32, head_dim=16, n_layer=2, seed=1)
+        model = model.to(device)
+        opt = AdamW(list(model.parameters()), lr=1e-3)
+        tr = rm.Trainer(model, opt, data, batch_size=2, seq_len=16, steps=5, seed=2, log_every=0)
+        return [float(h["loss"]) for h in tr.fit() if "loss" in h]
+
+    rc.set_strict_placement(True)
+    try:
+        before = _vk.replay_info(index)
+        losses = fit(vulkan)
+        after = _vk.replay_info(index)
+    finally:
+        rc.set_strict_placement(False)
+    # the forward + backward graph is recorded once, then replayed by the four later steps
+    assert after["replayed"] - before["replayed"] >= 4, (before, after)
+    np.testing.assert_allclose(losses, fit("cpu"), rtol=1e-4)

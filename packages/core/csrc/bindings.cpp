@@ -177,6 +177,20 @@ PYBIND11_MODULE(_core, m) {
         py::list at_peak;  // (op, bytes) live at the peak, largest first
         for (const auto& [op, bytes] : p.live_at_peak) at_peak.append(py::make_tuple(op, bytes));
         d["live_at_peak"] = at_peak;
+        py::list nodes_at_peak;  // (id, op, dtype, shape, bytes, in the forward) of each
+        int n_fwd = s.g.size();  // nodes up to the loss: the forward
+        for (int i = 0; i < s.g.size(); ++i)
+          if (s.g.node(i).flags & kLoss) {
+            n_fwd = i + 1;
+            break;
+          }
+        for (int id : p.live_nodes_at_peak) {
+          const Node& n = s.g.node(id);
+          nodes_at_peak.append(py::make_tuple(id, OpTable::get().at(n.op).name, dtype_name(n.dtype),
+                                              py::tuple(py::cast(n.shape.vec())), n.nbytes(), id < n_fwd));
+        }
+        d["live_nodes_at_peak"] = nodes_at_peak;
+        d["peak_node"] = p.peak_node;
         py::dict segs;  // backend -> bytes of each arena segment
         for (const auto& [b, bytes] : s.g.placement().segment_bytes) segs[py::str(backend_name(b))] = bytes;
         d["segments"] = segs;
@@ -327,6 +341,10 @@ PYBIND11_MODULE(_core, m) {
     }
     return out;
   });
+  m.def("set_recompute_casts", &set_recompute_casts, py::arg("on"),
+        "Whether backward graphs built from now on recompute casts for the rules that read "
+        "them (widening casts and casts of leaves; on by default) instead of keeping them.");
+  m.def("recompute_casts", &recompute_casts);
   m.def("set_cpu_refused_ops", &set_cpu_refused_ops, py::arg("names"),
         "For tests: the CPU kernels of these ops refuse every node, so graphs built from now "
         "on use their decompositions (recurra/op_spec.h); [] restores them.");

@@ -1,6 +1,7 @@
 #include "graph.h"
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstdlib>
 #include <cstdio>
@@ -272,10 +273,70 @@ void Graph::set_segment(int seg) {
   cur_segment_ = seg;
 }
 
+namespace {
+std::atomic<bool> g_recompute_casts{true};
+}  // namespace
+
+void set_recompute_casts(bool on) { g_recompute_casts = on; }
+bool recompute_casts() { return g_recompute_casts; }
+
+// What a backward rule reads in place of forward node s (one of nodes [0, end]): a copy of
+// s appended now when s is a cast that build_backward recomputes (see there), a dense copy
+// (contiguous) of a leaf's view, a cast of one, or a view of any of these; else s itself. made[original] = its copy, so one rule reading s twice makes one.
+int Graph::recast(int s, int end, std::map<int, int>& made) {
+  if (s > end || !recompute_casts()) return s;
+  const auto hit = made.find(s);
+  if (hit != made.end()) return hit->second;
+  if (nodes_[s].is_leaf()) return s;
+  Node c = nodes_[s];  // a copy: appending may move nodes_
+  if (c.is_view()) {
+    const int r = recast(c.src[0], end, made);
+    if (r == c.src[0]) return s;
+    c.src[0] = r;
+    const auto base = made.find(c.view_base);
+    if (base != made.end()) c.view_base = base->second;
+  } else {
+    static const int cast_op = OpTable::get().find("cast");
+    static const int contiguous_op = OpTable::get().find("contiguous");
+    if (c.op != cast_op && c.op != contiguous_op) return s;
+    const Node& from = nodes_[c.src[0]];
+    const bool of_leaf = nodes_[from.is_view() ? from.view_base : from.id].is_leaf();
+    if (c.op == contiguous_op) {
+      if (!of_leaf) return s;  // a dense copy of a leaf's view (W^T): the leaf is kept
+    } else {
+      const bool widens = dtype_size(c.dtype) > dtype_size(from.dtype);
+      const int r = recast(c.src[0], end, made);  // the cast of such a copy
+      if (!widens && !of_leaf && r == c.src[0]) return s;
+      c.src[0] = r;
+    }
+  }
+  c.flags = 0;
+  c.grad = -1;
+  c.data = nullptr;
+  c.dbuf.reset();
+  const int id = push(std::move(c));
+  made[s] = id;
+  return id;
+}
+
+// Points the sources of n (a copy of a node whose rule runs now, or a segment's copy being
+// made) at recomputed casts; needs[] of every copy made is its original's.
+void Graph::recast_sources(Node& n, int end, std::map<int, int>& made, std::vector<char>& needs) {
+  for (int& s : n.src) s = recast(s, end, made);
+  if (n.view_base >= 0) {
+    const auto base = made.find(n.view_base);
+    if (base != made.end()) n.view_base = base->second;
+  }
+  needs.resize(nodes_.size(), 0);
+  for (const auto& [orig, copy] : made) needs[copy] = needs[orig];
+}
+
 // Appends a copy of every op node of segment `seg` among nodes [0, end], in order: the
 // same op, shape and parameters, sources (and view bases) inside the segment replaced by
-// their copies; no flags, no data. clone_of[original] = its copy.
-void Graph::clone_segment(int seg, int end, std::vector<int>& clone_of) {
+// their copies, casts outside it recomputed (recast); no flags, no data.
+// clone_of[original] = its copy.
+void Graph::clone_segment(int seg, int end, std::vector<int>& clone_of, std::vector<char>& needs) {
+  std::map<int, int> made;  // casts outside the segment, recomputed for it
   for (int i = 0; i <= end; ++i) {
     if (nodes_[i].segment != seg || nodes_[i].is_leaf()) continue;
     Node c = nodes_[i];
@@ -286,8 +347,12 @@ void Graph::clone_segment(int seg, int end, std::vector<int>& clone_of) {
     for (int& s : c.src)
       if (clone_of[s] >= 0) s = clone_of[s];
     if (c.view_base >= 0 && clone_of[c.view_base] >= 0) c.view_base = clone_of[c.view_base];
+    recast_sources(c, end, made, needs);
     clone_of[i] = push(std::move(c));
   }
+  needs.resize(nodes_.size(), 0);
+  for (int k = 0; k <= end; ++k)
+    if (clone_of[k] >= 0) needs[clone_of[k]] = needs[k];
 }
 
 void Graph::build_backward(int loss, int seed) {
@@ -340,15 +405,12 @@ void Graph::build_backward(int loss, int seed) {
     if (nodes_[i].is_leaf()) continue;
     int at = i;  // the node whose rule runs: i, or its copy when i is in a segment
     if (nodes_[i].segment != 0) {
-      if (clone_of[i] < 0) {
-        clone_segment(nodes_[i].segment, loss, clone_of);
-        needs.resize(nodes_.size(), 0);
-        for (int k = 0; k <= loss; ++k)
-          if (clone_of[k] >= 0) needs[clone_of[k]] = needs[k];
-      }
+      if (clone_of[i] < 0) clone_segment(nodes_[i].segment, loss, clone_of, needs);
       at = clone_of[i];
     }
     Node n = nodes_[at];  // copy: the rule appends nodes
+    std::map<int, int> recast_made;  // this rule's recomputed casts
+    recast_sources(n, loss, recast_made, needs);
     const std::vector<int> orig_src = nodes_[i].src;
     const OpDef& def = tab.at(n.op);
     if (!def.backward) throw ValueError("backward: op '" + def.name + "' is not differentiable");

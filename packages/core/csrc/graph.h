@@ -160,6 +160,7 @@ struct MemoryPlan {
   size_t peak_live_bytes = 0;
   int peak_node = -1;
   std::vector<std::pair<std::string, size_t>> live_at_peak;
+  std::vector<int> live_nodes_at_peak;  // the same, node by node (ids in graph order)
   size_t n_planned = 0;        // nodes given memory in an arena
   // Per node: the segment of its backend's arena and the byte offset in it (SIZE_MAX: none).
   // A device backend's arena is split into segments no larger than its largest buffer; the
@@ -242,6 +243,13 @@ class Graph {
   // replaced by the copies) when the sweep first reaches one of them, and their backward
   // rules read the copies: the forward of the segment runs again there instead of being
   // kept. Raises ValueError for a segment holding an op that updates memory in place.
+  //
+  // Casts are recomputed the same way, one at a time (set_recompute_casts): a rule, or a
+  // segment's copy, that reads a cast of the forward (not one of that segment's own), or a
+  // view of one, reads a copy of it made right before, when the cast widens (bfloat16 or
+  // float16 -> float32: keeping the 2-byte source is half the memory) or casts a leaf (a
+  // parameter's 2-byte copy: the leaf is kept anyway). The original is then freed after
+  // its last forward reader. Gradients are bitwise the same: a cast repeats exactly.
   void build_backward(int loss, int seed = -1);
 
   // --- running ------------------------------------------------------------------
@@ -284,7 +292,9 @@ class Graph {
  private:
   int push(Node n);
   DType half_dtype_of(const std::string& name, const std::vector<int>& src) const;
-  void clone_segment(int seg, int end, std::vector<int>& clone_of);
+  void clone_segment(int seg, int end, std::vector<int>& clone_of, std::vector<char>& needs);
+  int recast(int s, int end, std::map<int, int>& made);
+  void recast_sources(Node& n, int end, std::map<int, int>& made, std::vector<char>& needs);
   void check_ready() const;
   int location(int id) const;  // backend holding node id's data (views: their base's)
   void assign_backends();
@@ -342,5 +352,10 @@ void register_all_ops(OpTable& t);
 recurra_tensor_desc shape_desc(const Node& n);
 void check_decompositions_against_spec(const OpTable& t);
 void set_cpu_refused_ops(const std::vector<std::string>& names);
+
+// graph.cpp: whether build_backward recomputes casts for the backward rules that read them
+// (see Graph::build_backward; on by default). Process-wide; for tests and measurements.
+void set_recompute_casts(bool on);
+bool recompute_casts();
 
 }  // namespace recurra

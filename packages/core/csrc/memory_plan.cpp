@@ -320,8 +320,10 @@ const MemoryPlan& Graph::plan() {
   if (p.peak_node >= 0) {  // what is live at the peak, by op
     std::map<std::string, size_t> by_op;
     for (int i = 0; i <= p.peak_node; ++i)
-      if (p.offsets[i] != SIZE_MAX && (last[i] >= p.peak_node || i == p.peak_node))
+      if (p.offsets[i] != SIZE_MAX && (last[i] >= p.peak_node || i == p.peak_node)) {
         by_op[tab.at(nodes_[i].op).name] += align_up(std::max<size_t>(nodes_[i].nbytes(), 1));
+        p.live_nodes_at_peak.push_back(i);
+      }
     p.live_at_peak.assign(by_op.begin(), by_op.end());
     std::sort(p.live_at_peak.begin(), p.live_at_peak.end(),
               [](const auto& a, const auto& b) { return a.second > b.second; });

@@ -293,6 +293,21 @@ PYBIND11_MODULE(_vk, m) {
       "in use and their peak; reserved_bytes (all blocks) and its peak; idle_bytes (empty blocks kept for reuse); "
       "blocks; blocks_made (driver allocations since the start). reset_peaks: set the peaks to what is held now (after reading them).");
   m.def(
+      "replay_info",
+      [](int device) {
+        std::pair<uint64_t, uint64_t> c;
+        with_device(device, [&](Device& d) { c = d.replay_counts(); });
+        py::dict out;
+        out["recorded"] = c.first;
+        out["replayed"] = c.second;
+        return out;
+      },
+      py::arg("device") = 0,
+      "How the device's graph computes of 16 nodes or more were submitted since it opened: 'recorded' (the "
+      "dispatches recorded afresh: a node list not seen before, or one whose buffers, offsets or shapes changed) "
+      "and 'replayed' (a kept recording of the same node list resubmitted as is). A training loop whose steps "
+      "replay spends no host time recording.");
+  m.def(
       "coopmat_info",
       [](int device) {
         BackendSummary s = backend_summary();

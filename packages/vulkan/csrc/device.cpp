@@ -686,7 +686,11 @@ void Device::compute(const recurra_node_desc* nodes, int32_t n, const std::funct
   std::vector<uint8_t> key;
   if (keep) {
     key = replay_key(nodes, n);
-    if (replay(key)) return;  // validated and recorded when it was first seen
+    if (replay(key)) {  // validated and recorded when it was first seen
+      ++replayed_;
+      return;
+    }
+    ++recorded_;
   }
   validate();  // before anything is recorded: a failure leaves no half-built work
 

@@ -160,6 +160,8 @@ class Device {
   bool profiling_dispatches() const { return profile_dispatch_ && profiling(); }
   void set_profile_dispatches(bool on) { profile_dispatch_ = on; }
 
+  // (node lists recorded for replay, node lists replayed) since the device opened
+  std::pair<uint64_t, uint64_t> replay_counts() const { return {recorded_, replayed_}; }
  private:
   struct HostBuffer {
     VkBuffer buffer = VK_NULL_HANDLE;
@@ -199,6 +201,8 @@ class Device {
   bool profile_dispatch_ = false;
   bool replay_enabled_ = true;  // RECURRA_VK_REPLAY=0 records every compute afresh
   uint64_t replay_clock_ = 0;
+  uint64_t replayed_ = 0;  // node lists resubmitted from a kept recording
+  uint64_t recorded_ = 0;  // node lists of a replayable size recorded afresh (kept for replay)
   std::vector<ProfileRecord>* sink_ = nullptr;
 };
 

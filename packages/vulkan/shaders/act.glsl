@@ -13,6 +13,14 @@
 #define rc_max(a, b) max(a, b)
 #define rc_isnan(x) isnan(x)
 
+// relu decided on the bits: a negative number below -0 (down to -inf) gives 0, anything else
+// (NaN, -0, positives) passes through, as on the CPU. NVIDIA's compiler turns the float form
+// `x < 0.0 ? 0.0 : x` into max(x, 0.0), which returns 0 for a NaN (seen on the H200).
+float rc_relu(float x) {
+  const uint b = floatBitsToUint(x);
+  return (b > 0x80000000u && b <= 0xff800000u) ? 0.0 : x;
+}
+
 float rc_sigmoid(float x) { return 1.0 / (1.0 + exp(-x)); }
 
 // log(1 + u) accurate for small u (Goldberg's trick: the rounding error of 1 + u cancels).

@@ -40,7 +40,7 @@
 // STAGES (2, the default, or 1).
 // Specialization constants (csrc/coopmat.cpp, csrc/ops/matmul.cpp): 0 the workgroup size
 // WG = NW * the subgroup size (8 to 32), 1 A_T, 2 B_T, 3 VEC_A, 4 VEC_B, 5 DT (2 bfloat16,
-// 3 float16: the rounding of C). The schedule and indexing are transliterated in
+// 3 float16: the rounding of C; 0: C holds float32, the partial sums of a split-K product). The schedule and indexing are transliterated in
 // tests/vulkan/test_vulkan_half_matmul.py (checked against A @ B on the CPU there).
 #version 450
 #extension GL_KHR_cooperative_matrix : require

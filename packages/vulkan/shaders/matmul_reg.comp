@@ -32,12 +32,15 @@
 // storageBuffer16BitAccess): A, B and C hold 2-byte elements of type DT (specialization
 // constant 5: 2 bfloat16, 3 float16, half.glsl). Loads are scalar (VEC_A = VEC_B = VEC_C = 0:
 // the host never sets them), accumulation stays float32, and each C element is rounded once
-// when stored (half.glsl's st: round to nearest even on the bits).
+// when stored (half.glsl's st: round to nearest even on the bits). C_F32 (specialization
+// constant 6, 1): C holds float32 instead (the partial sums of a split-K product).
 #version 450
 #include "common.glsl"
 #ifdef HALF
 #include "half.glsl"
 layout(constant_id = 5) const int DT = DT_BF16;
+layout(constant_id = 6) const int C_F32 = 0;
+const int C_DT = C_F32 != 0 ? DT_F32 : DT;
 #define LDX(xa, i) ld(xa, uint(i), DT)
 #else
 #define LDX(xa, i) FBuf(xa).v[i]
@@ -206,10 +209,10 @@ void main() {
     const vec4 v = acc[i][b];
 #ifdef HALF
     if (row < pc.M) {
-      if (col < pc.N) st(pc.c, uint(o), DT, v.x);
-      if (col + 1 < pc.N) st(pc.c, uint(o + 1), DT, v.y);
-      if (col + 2 < pc.N) st(pc.c, uint(o + 2), DT, v.z);
-      if (col + 3 < pc.N) st(pc.c, uint(o + 3), DT, v.w);
+      if (col < pc.N) st(pc.c, uint(o), C_DT, v.x);
+      if (col + 1 < pc.N) st(pc.c, uint(o + 1), C_DT, v.y);
+      if (col + 2 < pc.N) st(pc.c, uint(o + 2), C_DT, v.z);
+      if (col + 3 < pc.N) st(pc.c, uint(o + 3), C_DT, v.w);
     }
 #else
     if (VEC_C != 0) {

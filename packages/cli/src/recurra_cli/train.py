@@ -160,6 +160,12 @@ def train(
         "dtype, scans/norms/losses in float32, float32 master weights; f16 with a dynamic "
         "loss scale); checkpoints stay float32",
     ),
+    capture: bool = typer.Option(
+        True,
+        "--capture/--no-capture",
+        help="run each step's forward and backward from the captured plan instead of "
+        "recording the model's ops again (recurra.capture; the same results, less host time)",
+    ),
     nproc: int = typer.Option(
         1,
         "--nproc",
@@ -310,6 +316,7 @@ def train(
             log_every=0,  # the bar shows the progress
             parallel=parallel,
             precision=precision,
+            capture=capture,
         )
         if resume:
             resumed_from = trainer.resume(out)

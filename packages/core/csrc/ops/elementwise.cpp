@@ -148,6 +148,7 @@ struct UnaryKernel;
 #define rc_min(a, b) std::min(a, b)
 #define rc_max(a, b) std::max(a, b)
 #define rc_isnan(x) ((x) != (x))
+#define rc_relu(x) ((x) < 0.0f ? 0.0f : (x))  // NaN and -0 pass through
 RECURRA_UNARY_MATHS(RC_MATHS)
 RECURRA_ACTIVATIONS(RC_ACT)
 

@@ -16,6 +16,7 @@ from recurra import _core
 from recurra import backends as backends
 from recurra import ops as ops
 from recurra._autocast import autocast, autocast_dtype, is_autocast_enabled
+from recurra._capture import Captured, CaptureError, capture
 from recurra._core import DeviceBuffer
 from recurra._devices import Device, parse_device
 from recurra._dtype import DType, bfloat16, float16, float32, int32
@@ -40,6 +41,8 @@ except _metadata.PackageNotFoundError:  # running from a source tree
     __version__ = "0+unknown"
 
 __all__ = [
+    "Captured",
+    "CaptureError",
     "DType",
     "Device",
     "DeviceBuffer",
@@ -54,6 +57,7 @@ __all__ = [
     "backends",
     "bfloat16",
     "blas_info",
+    "capture",
     "empty_cache",
     "float16",
     "float32",

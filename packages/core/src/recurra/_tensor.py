@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -22,14 +23,24 @@ from recurra import _core
 from recurra._devices import Device, parse_device
 from recurra._dtype import DType, as_dtype, bits_view, is_dtype
 from recurra._tensorbase import TensorOps
+from recurra.ops import _apply
 from recurra.ops._apply import to_supported
 
-_state = threading.local()
+
+class _State(threading.local):
+    """Per-thread settings; the class attributes are each thread's defaults."""
+
+    grad_enabled = True
+    segment = 0  # the recomputation segment ops are recorded into (0: none)
+    strict: bool | None = None  # strict placement; None: from RECURRA_STRICT
+
+
+_state = _State()
 
 
 def is_grad_enabled() -> bool:
     """True unless inside :func:`no_grad`."""
-    return getattr(_state, "grad_enabled", True)
+    return _state.grad_enabled
 
 
 @contextlib.contextmanager
@@ -62,7 +73,7 @@ def recompute() -> Iterator[None]:
     is recomputed as one). Ops that update memory in place (the optimizers' steps) cannot
     run twice: differentiating a segment that holds one raises ValueError.
     """
-    prev = getattr(_state, "segment", 0)
+    prev = _state.segment
     _state.segment = prev or next(_segment_ids)
     try:
         yield
@@ -75,7 +86,7 @@ def strict_placement() -> bool:
 
     Set with :func:`set_strict_placement` or the environment variable RECURRA_STRICT=1.
     """
-    v = getattr(_state, "strict", None)
+    v = _state.strict
     if v is None:
         import os
 
@@ -90,7 +101,7 @@ def set_strict_placement(flag: bool) -> None:
 
 def _host_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """A numpy array whose memory is counted in recurra's persistent pool."""
-    n = int(np.prod(shape, dtype=np.int64))
+    n = math.prod(shape)
     buf = _core.HostBuffer(max(n, 1) * np.dtype(dtype).itemsize)
     arr: np.ndarray = np.frombuffer(memoryview(buf), dtype=dtype, count=n).reshape(shape)
     return arr
@@ -151,7 +162,7 @@ class Tensor(TensorOps):
         t._ip = ip
         t._fp = fp
         t.shape = shape
-        t.dtype = as_dtype(dtype)
+        t.dtype = dtype if type(dtype) is DType else as_dtype(dtype)
         t._value = value
         t.requires_grad = requires_grad
         t.grad = None
@@ -423,6 +434,11 @@ class _Plan:
         self.loss_id = -1
 
 
+#: device constants of at most this many bytes are kept by value (LazyFrontend.constant)
+_SMALL_BYTES = 256
+_SMALL_KEPT = 256
+
+
 class LazyFrontend:
     """Builds, caches and runs the native graphs behind lazy tensors."""
 
@@ -432,27 +448,51 @@ class LazyFrontend:
         self.hits = 0
         self.misses = 0
         self._lock = threading.RLock()
+        self._small: OrderedDict[Any, Tensor] = OrderedDict()  # see constant()
 
     # -- recording ---------------------------------------------------------------------
     def constant(self, arr: np.ndarray, device: Device | None = None) -> Tensor:
-        """A leaf holding ``arr`` (on the host, or copied to ``device``)."""
+        """A leaf holding ``arr`` (on the host, or copied to ``device``).
+
+        A small constant on a device (a Python number, an index array of a few elements) is
+        uploaded once and kept (the last ``_SMALL_KEPT`` of them, by value): a training step
+        that makes the same constants again then names the same buffers, and the device
+        replays its recording instead of recording it again. Nothing writes into a constant.
+        """
         if device is not None and device.backend != "cpu":
-            return _from_host(arr, device)
+            if arr.nbytes > _SMALL_BYTES:
+                return _from_host(arr, device)
+            key = (str(device), arr.dtype.str, arr.shape, arr.tobytes())
+            with self._lock:
+                t = self._small.get(key)
+                buf = t._value if t is not None else None
+                if t is None or not isinstance(buf, _core.DeviceBuffer) or not buf.valid:
+                    t = self._small[key] = _from_host(arr, device)
+                    if len(self._small) > _SMALL_KEPT:
+                        self._small.popitem(last=False)
+                else:
+                    self._small.move_to_end(key)
+            return t
         return _wrap_value(arr, False, parse_device(None))
 
     def apply(
         self, name: str, srcs: list[Tensor], ip: tuple[int, ...], fp: tuple[float, ...]
     ) -> Tensor:
-        dev = srcs[0].device if srcs else parse_device(None)
-        for s in srcs[1:]:
-            if s.device != dev:
-                raise ValueError(f"{name}: inputs are on different devices ({dev} and {s.device})")
-        dtype, shape = _core.infer(
-            name, [(s.dtype, list(s.shape)) for s in srcs], list(ip), list(fp)
-        )
-        rg = is_grad_enabled() and any(s.requires_grad for s in srcs)
-        t = Tensor._new(name, tuple(srcs), ip, fp, tuple(shape), dtype, None, rg, dev)
-        t._seg = getattr(_state, "segment", 0)
+        rg = False
+        if srcs:
+            dev = srcs[0].device
+            for s in srcs:
+                if s.device is not dev and s.device != dev:
+                    raise ValueError(
+                        f"{name}: inputs are on different devices ({dev} and {s.device})"
+                    )
+                rg = rg or s.requires_grad
+        else:
+            dev = parse_device(None)
+        dtype, shape = _core.infer(name, [(s.dtype, s.shape) for s in srcs], ip, fp)
+        rg = rg and is_grad_enabled()
+        t = Tensor._new(name, tuple(srcs), ip, fp, shape, dtype, None, rg, dev)
+        t._seg = _state.segment
         return t
 
     # -- running -----------------------------------------------------------------------
@@ -464,6 +504,14 @@ class LazyFrontend:
             self._run(outputs, loss, seed)
 
     def _run(self, outputs: list[Tensor], loss: Tensor | None, seed: Tensor | None) -> None:
+        plan, leaves = self._prepare(outputs, loss, seed)
+        self._execute(plan, leaves, outputs, loss is not None)
+
+    def _prepare(
+        self, outputs: list[Tensor], loss: Tensor | None, seed: Tensor | None
+    ) -> tuple[_Plan, list[Tensor]]:
+        """The plan that computes ``outputs`` (and the gradients of ``loss``), from the
+        cache or built now, and the tensors to bind to its leaves, in order."""
         want_grad = loss is not None
         roots = list(outputs) + ([seed] if seed is not None else [])
         order: list[Tensor] = []
@@ -476,18 +524,22 @@ class LazyFrontend:
                 return True
             return t._value is None
 
-        # Iterative post-order DFS (graphs can be deep).
+        # Iterative post-order DFS (graphs can be deep). expanded[i]: whether order[i] is an
+        # op node of the plan (else a leaf: a tensor whose value is bound).
+        expanded: list[bool] = []
         for root in roots:
             if id(root) in index:
                 continue
             stack: list[tuple[Tensor, bool]] = [(root, False)]
             while stack:
                 t, done = stack.pop()
-                if id(t) in index:
+                tid = id(t)
+                if tid in index:
                     continue
                 if done or not expand(t):
-                    index[id(t)] = len(order)
+                    index[tid] = len(order)
                     order.append(t)
+                    expanded.append(done)
                     continue
                 stack.append((t, True))
                 for s in reversed(t._src):
@@ -499,10 +551,10 @@ class LazyFrontend:
         # Recomputation segments matter to the backward only; numbered in order of
         # appearance so that each step's fresh ids give the same key.
         segs: dict[int, int] = {0: 0}
-        for t in order:
-            if expand(t):
+        for t, op in zip(order, expanded):
+            if op:
                 seg = segs.setdefault(t._seg, len(segs)) if want_grad else 0
-                key_parts.append((t._op, t._ip, t._fp, tuple(index[id(s)] for s in t._src), seg))
+                key_parts.append((t._op, t._ip, t._fp, tuple([index[id(s)] for s in t._src]), seg))
             else:
                 is_param = want_grad and t.requires_grad
                 key_parts.append(("leaf", t.dtype, t.shape, is_param))
@@ -510,7 +562,8 @@ class LazyFrontend:
         out_pos = tuple(index[id(t)] for t in outputs)
         loss_pos = index[id(loss)] if loss is not None else -1
         seed_pos = index[id(seed)] if seed is not None else -1
-        devices = tuple(sorted({str(t.device) for t in order}))
+        by_id = {id(t.device): t.device for t in order}  # few distinct Device objects
+        devices = tuple(sorted({str(d) for d in by_id.values()}))
         key = (tuple(key_parts), out_pos, loss_pos, seed_pos, devices, strict_placement())
 
         plan = self._plans.get(key)
@@ -523,7 +576,14 @@ class LazyFrontend:
         else:
             self.hits += 1
             self._plans.move_to_end(key)
+        return plan, leaves
 
+    def _execute(
+        self, plan: _Plan, leaves: list[Tensor], outputs: list[Tensor], want_grad: bool
+    ) -> None:
+        """Binds ``leaves`` to ``plan``'s leaves, computes it, stores the values of
+        ``outputs`` in them and (``want_grad``) accumulates the gradients into ``.grad`` of
+        the leaves that require one."""
         g = plan.graph
         for nid, t in zip(plan.leaf_ids, leaves):
             if t._value is None:
@@ -610,6 +670,7 @@ class LazyFrontend:
 
 
 LAZY = LazyFrontend()
+_apply.LAZY_TENSOR, _apply.LAZY_FRONTEND = Tensor, LAZY
 
 
 def plan_cache_info() -> dict[str, int]:

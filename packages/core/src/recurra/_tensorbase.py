@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any
 
-import numpy as np
+
+@functools.cache
+def _ops() -> Any:
+    """recurra.ops (imported on first use: it imports this module)."""
+    from recurra import ops
+
+    return ops
 
 
 class TensorOps:
@@ -26,7 +34,7 @@ class TensorOps:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     def __len__(self) -> int:
         if not self.shape:
@@ -35,92 +43,76 @@ class TensorOps:
 
     # -- arithmetic ------------------------------------------------------------------
     def __add__(self, o: Any) -> Any:
-        from recurra import ops
-
+        ops = _ops()
         return ops.add(self, o)
 
     def __radd__(self, o: Any) -> Any:
-        from recurra import ops
-
+        ops = _ops()
         return ops.add(o, self)
 
     def __sub__(self, o: Any) -> Any:
-        from recurra import ops
-
+        ops = _ops()
         return ops.sub(self, o)
 
     def __rsub__(self, o: Any) -> Any:
-        from recurra import ops
-
+        ops = _ops()
         return ops.sub(o, self)
 
     def __mul__(self, o: Any) -> Any:
-        from recurra import ops
-
+        ops = _ops()
         return ops.mul(self, o)
 
     def __rmul__(self, o: Any) -> Any:
-        from recurra import ops
-
+        ops = _ops()
         return ops.mul(o, self)
 
     def __truediv__(self, o: Any) -> Any:
-        from recurra import ops
-
+        ops = _ops()
         return ops.div(self, o)
 
     def __rtruediv__(self, o: Any) -> Any:
-        from recurra import ops
-
+        ops = _ops()
         return ops.div(o, self)
 
     def __matmul__(self, o: Any) -> Any:
-        from recurra import ops
-
+        ops = _ops()
         return ops.matmul(self, o)
 
     def __rmatmul__(self, o: Any) -> Any:
-        from recurra import ops
-
+        ops = _ops()
         return ops.matmul(o, self)
 
     def __pow__(self, p: Any) -> Any:
-        from recurra import ops
-
+        ops = _ops()
         return ops.pow(self, p)
 
     def __neg__(self) -> Any:
-        from recurra import ops
-
+        ops = _ops()
         return ops.neg(self)
 
     def __pos__(self) -> Any:
         return self
 
     def __abs__(self) -> Any:
-        from recurra import ops
-
+        ops = _ops()
         return ops.abs(self)
 
     # -- views -----------------------------------------------------------------------
     def reshape(self, *shape: Any) -> Any:
-        from recurra import ops
-
+        ops = _ops()
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
         return ops.reshape(self, shape)
 
     def permute(self, *axes: Any) -> Any:
-        from recurra import ops
-
+        ops = _ops()
         if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
             axes = tuple(axes[0])
         return ops.permute(self, axes)
 
     def transpose(self, *axes: Any) -> Any:
         """``transpose()`` reverses the axes (numpy); ``transpose(a, b)`` swaps two axes."""
-        from recurra import ops
-
+        ops = _ops()
         if not axes:
             return ops.permute(self, tuple(reversed(range(self.ndim))))
         if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
@@ -134,32 +126,26 @@ class TensorOps:
         return self.transpose()
 
     def contiguous(self) -> Any:
-        from recurra import ops
-
+        ops = _ops()
         return ops.contiguous(self)
 
     def broadcast_to(self, shape: Any) -> Any:
-        from recurra import ops
-
+        ops = _ops()
         return ops.broadcast_to(self, shape)
 
     def __getitem__(self, index: Any) -> Any:
-        from recurra import ops
-
+        ops = _ops()
         return ops.getitem(self, index)
 
     # -- reductions --------------------------------------------------------------------
     def sum(self, axis: int | None = None, keepdims: bool = False) -> Any:
-        from recurra import ops
-
+        ops = _ops()
         return ops.sum(self, axis=axis, keepdims=keepdims)
 
     def mean(self, axis: int | None = None, keepdims: bool = False) -> Any:
-        from recurra import ops
-
+        ops = _ops()
         return ops.mean(self, axis=axis, keepdims=keepdims)
 
     def max(self, axis: int | None = None, keepdims: bool = False) -> Any:
-        from recurra import ops
-
+        ops = _ops()
         return ops.max(self, axis=axis, keepdims=keepdims)

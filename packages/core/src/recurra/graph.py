@@ -225,7 +225,9 @@ class Graph:
         bytes of each arena segment per backend: a device's arena is split into buffers no
         larger than its largest allocation), ``peak_live_bytes`` (the most bytes alive at
         once: arena_bytes less fragmentation) and ``live_at_peak`` (``(op, bytes)`` pairs,
-        largest first: which ops made what is alive then - where to look to save memory)."""
+        largest first: which ops made what is alive then - where to look to save memory);
+        ``live_nodes_at_peak`` lists the same node by node, ``(id, op, dtype, shape, bytes,
+        made by the forward)``, and ``peak_node`` is the node at which the peak is reached."""
         return dict(self._g.plan())
 
     @property

@@ -276,18 +276,26 @@ def causal_conv(x: Any, state: Any | None, weight: Any, bias: Any | None) -> tup
 
     ``x`` (B, T, C), ``state`` (B, C, K-1) (the last K-1 inputs, None for zeros),
     ``weight`` (C, K), ``bias`` (C,). Returns (silu(conv(x) + bias) of shape (B, T, C),
-    the new state (B, C, K-1))."""
+    the new state (B, C, K-1)).
+
+    Under :class:`recurra.autocast` the conv computes in float32 and its result is rounded
+    to the autocast dtype, as mamba-ssm's causal_conv1d returns its input's dtype: the
+    activations the scan and the rest of the block keep for the backward are 2-byte (their
+    float32 up-casts are recomputed there), not a float32 copy of the conv's output."""
     b, t, c = x.shape
     k = weight.shape[-1]
+    half = rc.autocast_dtype()
     if state is None:  # one op (fused where the backend has the kernel)
-        return ops.causal_conv_silu(x, weight, bias), conv_state_after(x, k)
+        y = ops.causal_conv_silu(x, weight, bias)
+        return (y if half is None else y.to(half)), conv_state_after(x, k)
     xt = x.permute(0, 2, 1)  # (B, C, T)
     sx = ops.concat([state, xt], axis=2)
     y = ops.ssm_conv(sx, weight)  # (B, T, C)
     if bias is not None:
         y = y + bias
     new_state = sx[:, :, t:] if k > 1 else sx[:, :, :0]
-    return ops.silu(y), new_state
+    y = ops.silu(y)
+    return (y if half is None else y.to(half)), new_state
 
 
 def conv_state_after(x: Any, k: int) -> Any:

@@ -244,5 +244,18 @@ class MambaLM(MambaFamilyLM):
         ]
 
 
+#: the zero initial states made last, by (shape, device): one tensor serves every layer and
+#: every step (nothing writes into it), so a step neither uploads its zeros again nor names a
+#: new buffer (a device then replays the step's recording)
+_ZEROS: dict[tuple[tuple[int, ...], str], Any] = {}
+
+
 def _zeros(shape: tuple[int, ...], device: Any) -> Any:
-    return rc.tensor(np.zeros(shape, np.float32), device=device)
+    key = (tuple(shape), str(device))
+    z = _ZEROS.get(key)
+    buf = z.storage if z is not None else None
+    if z is None or (buf is not None and not getattr(buf, "valid", True)):  # a device closed
+        if len(_ZEROS) >= 4 and key not in _ZEROS:
+            _ZEROS.pop(next(iter(_ZEROS)))
+        z = _ZEROS[key] = rc.tensor(np.zeros(shape, np.float32), device=device)
+    return z

@@ -447,6 +447,20 @@ class Trainer:
             (``recurra_optim.DynamicLossScale``; pass ``loss_scale=`` for another one): a
             step whose gradients overflow is skipped (recorded with ``"skipped": True``)
             and the scale halved; its state is saved in checkpoints.
+        capture: run each training step (forward and backward, one graph) through
+            ``recurra.capture`` instead of running the model's Python again: the first
+            step of a batch shape traces ``model.loss``, later steps compute its cached
+            plan with the new batch and the current weights (the same bits as uncaptured,
+            without the host time of recording thousands of ops per step). True (the
+            default) uses it where it is safe: a ``CausalLM`` of recurra_models (whose
+            loss builds the same graph for the same shapes) without ``parallel`` (and with
+            no loss scale or a ``DynamicLossScale``, whose scale is passed as a tensor); the
+            model's ``training``, gradient checkpointing and loss chunking settings are
+            part of the capture's signature (changing them traces again), and a
+            parameter replaced by a new tensor is noticed. Evaluation batches are captured
+            the same way (forward only). False: every step runs ``model.loss`` as written
+            (needed for a subclass whose loss depends on host-side state that changes
+            between steps).
 
     Raises ValueError for bad sizes or data too short for ``seq_len``, TypeError for
     ``gradient_checkpointing`` on a model without ``gradient_checkpointing()``.
@@ -473,6 +487,7 @@ class Trainer:
         parallel: Any = None,
         precision: str = "fp32",
         loss_scale: Any = None,
+        capture: bool = True,
     ) -> None:
         self.precision, self.autocast_dtype = _parse_precision(precision)
         if loss_scale is None and self.precision == "f16":
@@ -527,6 +542,7 @@ class Trainer:
                 "use precision='bf16'"
             )
         self.last_skipped = False  # whether the last train_step skipped its update
+        self._inputs: dict[Any, tuple[Any, Any]] = {}  # see _on_device
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self._data_hash = data_hash(self.data)
@@ -537,21 +553,91 @@ class Trainer:
                     f"gradient_checkpointing() method; {type(model).__name__} has none"
                 )
             model.gradient_checkpointing(bool(gradient_checkpointing))
+        self._train_fn: Any = None
+        self._eval_fn: Any = None
+        if capture and parallel is None:
+            from recurra_models.lm import CausalLM
+            from recurra_optim import DynamicLossScale
+
+            scaled_ok = loss_scale is None or type(loss_scale) is DynamicLossScale
+            if isinstance(model, CausalLM) and scaled_ok:
+                self._train_fn = rc.capture(
+                    self._captured_loss, backward=True, params=model.parameters, key=self._key
+                )
+                self._eval_fn = rc.capture(self._model_loss, params=model.parameters, key=self._key)
+        self._scale: Any = None  # the loss scale as a tensor (captured steps), see train_step
+
+    @property
+    def captured(self) -> bool:
+        """Whether training steps run through ``recurra.capture`` (see ``capture``)."""
+        return self._train_fn is not None
+
+    def _key(self) -> Any:
+        """The host-side settings of the model that change its loss graph."""
+        m = self.model
+        return (
+            m.training,
+            m.is_gradient_checkpointing,
+            m.loss_chunk_bytes,
+            m.loss_chunk_above,
+            self.precision,
+        )
+
+    def _captured_loss(self, x: Any, y: Any, scale: Any = None) -> Any:
+        loss = self._model_loss(x, y)
+        # The loss scale is an argument (a tensor), so that its changing value is not frozen
+        # into the capture; ``loss * scale`` is the op DynamicLossScale.scale records.
+        return loss if scale is None else (loss * scale, loss)
 
     # -- pieces --------------------------------------------------------------------------
-    def _forward_loss(self, x: np.ndarray, y: np.ndarray) -> Any:
+    def _on_device(self, x: np.ndarray, y: np.ndarray) -> tuple[Any, Any]:
+        """The batch in input tensors of the model's device kept from step to step: each step
+        writes its tokens into the same buffers, so a device can replay the step's recorded
+        work instead of recording it again (its node list names the same buffers)."""
+        vocab = getattr(self.model, "vocab_size", None)
+        for a in (x, y):  # as the model checks arrays (tensors it takes as they are)
+            if vocab is not None and a.size and (int(a.min()) < 0 or int(a.max()) >= vocab):
+                raise ValueError(
+                    f"token ids must be in [0, {vocab}), got min {int(a.min())}, max {int(a.max())}"
+                )
+        key = (x.shape, y.shape)
+        held = self._inputs.get(key)
+        if held is None:
+            dev = getattr(self.model, "device", None)
+            held = (rc.tensor(x, device=dev), rc.tensor(y, device=dev))
+            self._inputs = {key: held}  # the batch shape of the step before is let go
+        else:
+            held[0].assign_(x)
+            held[1].assign_(y)
+        return held
+
+    def _model_loss(self, xt: Any, yt: Any) -> Any:
+        """The model's loss on input tensors, under the trainer's precision."""
         if self.autocast_dtype is None:
-            return self.model.loss(x, y)
+            return self.model.loss(xt, yt)
         with rc.autocast(self.autocast_dtype):
-            return self.model.loss(x, y)
+            return self.model.loss(xt, yt)
+
+    def _forward_loss(self, x: np.ndarray, y: np.ndarray) -> Any:
+        return self._model_loss(*self._on_device(x, y))
 
     def train_step(self, step: int) -> float:
         """One optimizer step on batch ``step``; returns the loss (before the update)."""
         x, y = batch_at(self.data, self.batch_size, self.seq_len, self.seed, step)
         self.model.train()
-        loss = self._forward_loss(x[self._rows], y[self._rows])
         scaler = self.loss_scale
-        (scaler.scale(loss) if scaler is not None else loss).backward()
+        if self._train_fn is not None:
+            xt, yt = self._on_device(x[self._rows], y[self._rows])
+            if scaler is None:
+                loss = self._train_fn(xt, yt)
+            else:
+                if self._scale is None or self._scale.device != xt.device:
+                    self._scale = rc.tensor(np.float32(1), device=xt.device)
+                self._scale.assign_(np.float32(scaler.scale_value))  # the same buffer each step
+                loss = self._train_fn(xt, yt, self._scale)[1]
+        else:
+            loss = self._forward_loss(x[self._rows], y[self._rows])
+            (scaler.scale(loss) if scaler is not None else loss).backward()
         value = float(loss.item())
         self.last_skipped = False
         if self.parallel is not None:
@@ -581,7 +667,12 @@ class Trainer:
                     x, y = batch_at(
                         self.eval_data, self.batch_size, self.seq_len, self.seed + 1_000_003, k
                     )
-                    total += float(self._forward_loss(x[self._rows], y[self._rows]).item())
+                    x, y = x[self._rows], y[self._rows]
+                    if self._eval_fn is not None:
+                        loss = self._eval_fn(*self._on_device(x, y))
+                    else:
+                        loss = self._forward_loss(x, y)
+                    total += float(loss.item())
         finally:
             self.model.train(was)
         if self.parallel is not None:

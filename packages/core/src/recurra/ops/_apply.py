@@ -8,6 +8,7 @@ and Python scalars become constants of that frontend.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +16,19 @@ import numpy as np
 
 from recurra import _autocast
 from recurra._dtype import as_dtype, bfloat16
+
+# The lazy tensor class and its frontend, set by recurra._tensor (which imports this module
+# first): sources that are all lazy tensors skip coerce()'s search and conversions, the
+# common case of recording a model's ops.
+LAZY_TENSOR: type | None = None
+LAZY_FRONTEND: Any = None
+
+
+def coerce_one(x: Any) -> Any:
+    """``x`` as a tensor of its frontend (coerce() of one source)."""
+    if type(x) is LAZY_TENSOR:
+        return x
+    return coerce([x])[1][0]
 
 
 def _frontend_of(srcs: Sequence[Any]) -> Any:
@@ -115,10 +129,14 @@ def apply(name: str, srcs: Sequence[Any], ip: Sequence[int] = (), fp: Sequence[f
     frontend. Raises ValueError/TypeError for bad shapes,
     parameters or dtypes (checked now, not when the graph runs).
     """
-    fe, ts = coerce(srcs)
+    lazy = LAZY_TENSOR
+    if srcs and all(type(s) is lazy for s in srcs):
+        fe, ts = LAZY_FRONTEND, list(srcs)
+    else:
+        fe, ts = coerce(srcs)
     if _autocast.STATE.dtype is not None:  # inside recurra.autocast: the op's cast policy
         ts = list(_autocast.cast_sources(name, ts))
-    return fe.apply(name, ts, tuple(int(v) for v in ip), tuple(float(v) for v in fp))
+    return fe.apply(name, ts, tuple(map(int, ip)), tuple(map(float, fp)))
 
 
 def apply_multi(
@@ -137,13 +155,13 @@ def apply_multi(
     ssm_scan's checkpoints, which the scheduler keeps or drops per backend), cut off here.
     """
     packed = apply(name, srcs, ip, fp)
-    total = sum(int(np.prod(s, dtype=np.int64)) for s in shapes)
+    sizes = [math.prod(int(d) for d in s) for s in shapes]
+    total = sum(sizes)
     if len(packed.shape) != 1 or packed.shape[0] < total or (packed.shape[0] > total and not tail):
         raise ValueError(f"{name}: packed result has shape {packed.shape}, expected ({total},)")
     outs = []
     off = 0
-    for s in shapes:
-        n = int(np.prod(s, dtype=np.int64))
+    for s, n in zip(shapes, sizes):
         piece = apply("slice", [packed], ip=(off, off + n, 1))
         outs.append(apply("reshape", [piece], ip=tuple(int(d) for d in s)))
         off += n

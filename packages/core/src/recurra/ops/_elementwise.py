@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import math
 import typing
 from collections.abc import Sequence
 from typing import Any
@@ -11,7 +12,7 @@ import numpy as np
 
 from recurra._dtype import as_dtype
 from recurra.ops import _exports
-from recurra.ops._apply import apply, coerce
+from recurra.ops._apply import apply, coerce_one
 
 
 def cast(x: Any, dtype: Any) -> Any:
@@ -23,7 +24,7 @@ def cast(x: Any, dtype: Any) -> Any:
 
     Raises TypeError for an int32 ``x`` or target."""
     d = as_dtype(dtype)
-    _, (t,) = coerce([x])
+    t = coerce_one(x)
     if t.dtype == d:
         return t
     if not d.is_floating or t.dtype == "int32":
@@ -175,15 +176,15 @@ def softplus(x: Any) -> Any:
 
 def reshape(x: Any, shape: Sequence[int] | int) -> Any:
     """A view with a new shape (one axis may be -1). Copies only if x is not contiguous."""
-    _, (x,) = coerce([x])
+    x = coerce_one(x)
     if isinstance(shape, (int, np.integer)):
         shape = (int(shape),)
-    shape = [int(s) for s in shape]
-    n = x.size
-    if shape.count(-1) > 1:
-        raise ValueError("reshape: only one axis can be -1")
+    shape = list(map(int, shape))
     if -1 in shape:
-        rest = int(np.prod([s for s in shape if s != -1], dtype=np.int64))
+        if shape.count(-1) > 1:
+            raise ValueError("reshape: only one axis can be -1")
+        n = x.size
+        rest = math.prod(s for s in shape if s != -1)
         if rest == 0 or n % rest:
             raise ValueError(f"reshape: cannot reshape {x.shape} to {tuple(shape)}")
         shape[shape.index(-1)] = n // rest
@@ -199,7 +200,7 @@ def permute(x: Any, axes: Sequence[int]) -> Any:
 
 def transpose(x: Any, a: int = -2, b: int = -1) -> Any:
     """A view with axes a and b swapped (no copy)."""
-    _, (x,) = coerce([x])
+    x = coerce_one(x)
     nd = x.ndim
     if nd < 2:
         return x
@@ -223,22 +224,28 @@ def broadcast_to(x: Any, shape: Sequence[int]) -> Any:
 
 def getitem(x: Any, index: Any) -> Any:
     """Basic indexing: integers, slices with positive steps, ``...`` and ``None``."""
-    _, (x,) = coerce([x])
+    x = coerce_one(x)
     if not isinstance(index, tuple):
         index = (index,)
-    n_real = builtins.sum(1 for i in index if i is not None and i is not Ellipsis)
-    if builtins.sum(1 for i in index if i is Ellipsis) > 1:
+    nd = x.ndim
+    n_real = n_ellipsis = 0
+    for i in index:
+        if i is Ellipsis:
+            n_ellipsis += 1
+        elif i is not None:
+            n_real += 1
+    if n_ellipsis > 1:
         raise IndexError("an index can only have a single ellipsis")
-    if n_real > x.ndim:
-        raise IndexError(f"too many indices for a tensor of {x.ndim} axes")
+    if n_real > nd:
+        raise IndexError(f"too many indices for a tensor of {nd} axes")
     expanded: list[Any] = []
     for i in index:
         if i is Ellipsis:
-            expanded.extend([slice(None)] * (x.ndim - n_real))
+            expanded.extend([slice(None)] * (nd - n_real))
         else:
             expanded.append(i)
-    while builtins.sum(1 for i in expanded if i is not None) < x.ndim:
-        expanded.append(slice(None))
+    if not n_ellipsis:
+        expanded.extend([slice(None)] * (nd - n_real))
     spec: list[int] = []
     out_shape: list[int] = []
     axis = 0
@@ -247,25 +254,25 @@ def getitem(x: Any, index: Any) -> Any:
             out_shape.append(1)
             continue
         dim = x.shape[axis]
-        if isinstance(i, (int, np.integer)):
-            j = int(i)
-            if not -dim <= j < dim:
-                raise IndexError(f"index {j} is out of bounds for axis {axis} with size {dim}")
-            j %= dim
-            spec += [j, j + 1, 1]
-        elif isinstance(i, slice):
+        if isinstance(i, slice):
             start, stop, step = i.indices(dim)
             if step <= 0:
                 raise ValueError("slicing with a negative or zero step is not supported")
             stop = builtins.max(stop, start)
             spec += [start, stop, step]
             out_shape.append(len(range(start, stop, step)))
+        elif isinstance(i, (int, np.integer)):
+            j = int(i)
+            if not -dim <= j < dim:
+                raise IndexError(f"index {j} is out of bounds for axis {axis} with size {dim}")
+            j %= dim
+            spec += [j, j + 1, 1]
         else:
             raise TypeError(f"unsupported index {i!r}: use integers, slices, ... or None")
         axis += 1
+    shape = x.shape
     trivial = all(
-        spec[3 * k] == 0 and spec[3 * k + 1] == x.shape[k] and spec[3 * k + 2] == 1
-        for k in range(x.ndim)
+        spec[3 * k] == 0 and spec[3 * k + 1] == shape[k] and spec[3 * k + 2] == 1 for k in range(nd)
     )
     y = x if trivial else apply("slice", [x], ip=spec)
     if tuple(out_shape) != tuple(y.shape):

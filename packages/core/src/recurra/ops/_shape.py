@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from recurra.ops import _exports
-from recurra.ops._apply import apply, coerce
+from recurra.ops._apply import apply, coerce, coerce_one
 
 
 def _axis(op: str, axis: int, nd: int) -> int:
@@ -50,7 +50,7 @@ def pad(x: Any, pad_width: Any, value: float = 0.0) -> Any:
     is the interior slice of the output's gradient. Raises ValueError for negative widths
     or a wrong number of pairs, TypeError for non-integer widths.
     """
-    _, (x,) = coerce([x])
+    x = coerce_one(x)
     widths = np.asarray(pad_width)
     if widths.dtype.kind not in "iu":
         raise TypeError(f"pad: pad_width must hold integers, got {pad_width!r}")
@@ -63,7 +63,7 @@ def pad(x: Any, pad_width: Any, value: float = 0.0) -> Any:
         ) from None
     if (pairs < 0).any():
         raise ValueError(f"pad: pad widths must be >= 0, got {pad_width!r}")
-    return apply("pad", [x], ip=[int(v) for v in pairs.reshape(-1)], fp=(float(value),))
+    return apply("pad", [x], ip=pairs.reshape(-1).tolist(), fp=(float(value),))
 
 
 def cumsum(x: Any, axis: int = -1, *, reverse: bool = False) -> Any:
@@ -72,7 +72,7 @@ def cumsum(x: Any, axis: int = -1, *, reverse: bool = False) -> Any:
     Returns a float32 tensor of x's shape. Raises ValueError for an axis out of range and
     TypeError for a non-float32 x.
     """
-    _, (x,) = coerce([x])
+    x = coerce_one(x)
     ax = _axis("cumsum", axis, x.ndim)
     return apply("cumsum", [x], ip=(ax, int(bool(reverse))))
 

@@ -47,7 +47,7 @@
   A(LOG, 5, rc_log(x), 1.0f / x)                                                               \
   A(CLAMP, 7, rc_isnan(x) ? x : rc_min(rc_max(x, p0), p1), /* fp: min, max */                  \
     (x >= p0 && x <= p1) ? 1.0f : (rc_isnan(x) ? x : 0.0f))                                    \
-  A(RELU, 8, x < 0.0f ? 0.0f : x, x > 0.0f ? 1.0f : (x <= 0.0f ? 0.0f : x))                    \
+  A(RELU, 8, rc_relu(x), x > 0.0f ? 1.0f : (x <= 0.0f ? 0.0f : x))                              \
   A(SILU, 9, x * rc_sigmoid(x), rc_sigmoid(x) * (1.0f + x * (1.0f - rc_sigmoid(x))))           \
   A(GELU, 10, 0.5f * x * (1.0f + rc_erf(x * 0.70710678118654752f)), /* exact: x Phi(x) */      \
     0.5f * (1.0f + rc_erf(x * 0.70710678118654752f)) +                                         \
