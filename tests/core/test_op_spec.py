@@ -91,5 +91,7 @@ def test_ssm_scan_takes_only_known_flags():
     s += [("int32", [1])]
     _core.infer("ssm_scan", s, [0], [])
     _core.infer("ssm_scan", s, [ops.op_codes()["SSM_SCAN_SAVE_CHECKPOINTS"]], [])
-    with pytest.raises(ValueError, match="save_checkpoints"):
-        _core.infer("ssm_scan", s, [4], [])
+    with pytest.raises(ValueError, match="RECURRA_SSM_SCAN_"):
+        _core.infer("ssm_scan", s, [8], [])
+    with pytest.raises(ValueError, match="one token"):  # 4 tokens: not in place
+        _core.infer("ssm_scan", s, [ops.op_codes()["SSM_SCAN_STATE_IN_PLACE"]], [])

@@ -128,6 +128,9 @@ SCAN_LAYOUTS = [
     (2, 6, 4, 3, 16, 2, True),  # head_dim 3 with one decay per state
     (3, 1, 8, 8, 16, 4, False),  # one-token sequences (the generation step kernel)
     (2, 1, 3, 5, 17, 1, True),  # one token, one decay per state, d_state past 16
+    (2, 1, 150, 1, 16, 1, True),  # one token of Mamba-1: 300 heads in tasks of 64
+    (1, 1, 70, 1, 17, 2, True),  # one token, head_dim 1, d_state 17, 2 groups
+    (2, 1, 9, 1, 16, 3, False),  # one token, head_dim 1, one decay per head
     (1, 40, 2, 32, 33, 1, True),  # 40 tokens, per-state decay in the rows kernel
 ]
 
@@ -402,3 +405,66 @@ def test_ssm_scan_errors():
     y, _ = ops.ssm_scan(*args[:6], np.array([-1, 0], np.int32))
     with pytest.raises(ValueError, match="ids"):
         y.numpy()
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        (2, 1, 150, 1, 16, 1, True),  # Mamba-1's step
+        (3, 1, 4, 16, 32, 2, False),  # Mamba-2's step
+        (2, 1, 3, 5, 17, 1, True),
+    ],
+)
+def test_ssm_scan_state_in_place(layout):
+    # RECURRA_SSM_SCAN_STATE_IN_PLACE: y alone as the result, the final states written into
+    # s's rows ids[i] (the other rows untouched), against the reference.
+    args = scan_inputs(*layout[:6], per_state=layout[6], n_rows=layout[0] + 2)
+    y_ref, st_ref = ssm_scan_ref(*args)
+    flag = rc.ops.op_codes()["SSM_SCAN_STATE_IN_PLACE"]
+    g = rc.Graph()
+    leaves = []
+    for a in args:
+        t = g.input(a.shape, "int32" if a.dtype.kind == "i" else "float32")
+        g.set_data(t, a)
+        leaves.append(t)
+    y = g.apply("ssm_scan", leaves, (flag,), ())
+    g.set_output(y)
+    for _ in range(2):  # twice: the second step starts from the first one's states
+        g.compute()
+        s_now = g.get_data(leaves[0])
+        np.testing.assert_allclose(
+            g.get_data(y).reshape(y_ref.shape), y_ref, rtol=1e-4, atol=2e-5 * np.abs(y_ref).max()
+        )
+        ids = args[6]
+        np.testing.assert_allclose(s_now[ids], st_ref, rtol=1e-4, atol=2e-5 * np.abs(st_ref).max())
+        rest = np.setdiff1d(np.arange(args[0].shape[0]), ids)
+        np.testing.assert_array_equal(s_now[rest], f32(args[0][rest]))
+        args[0] = s_now.astype(np.float64)
+        y_ref, st_ref = ssm_scan_ref(*args)
+
+
+def test_ssm_scan_state_in_place_errors():
+    flag = rc.ops.op_codes()["SSM_SCAN_STATE_IN_PLACE"]
+    args = scan_inputs(2, 3, 4, 2, 8, 1, per_state=False)
+    g = rc.Graph()
+    leaves = [g.input(a.shape, "int32" if a.dtype.kind == "i" else "float32") for a in args]
+    with pytest.raises(ValueError, match="one token"):
+        g.apply("ssm_scan", leaves, (flag,), ())
+    one = scan_inputs(2, 1, 4, 2, 8, 1, per_state=False, ids=[1, 1])
+    g = rc.Graph()
+    leaves = [g.input(a.shape, "int32" if a.dtype.kind == "i" else "float32") for a in one]
+    for t, a in zip(leaves, one):
+        g.set_data(t, a)
+    with pytest.raises(ValueError, match="into a leaf only"):
+        g.apply("ssm_scan", [rc.ops.exp(leaves[0]), *leaves[1:]], (flag,), ())
+    y = g.apply("ssm_scan", leaves, (flag,), ())
+    g.set_output(y)
+    with pytest.raises(ValueError, match="distinct ids"):
+        g.compute()
+    # no gradient through a scan that overwrites its state
+    g = rc.Graph()
+    xs = g.param(one[1].shape)
+    leaves = [g.input(a.shape, "int32" if a.dtype.kind == "i" else "float32") for a in one]
+    y = g.apply("ssm_scan", [leaves[0], xs, *leaves[2:]], (flag,), ())
+    with pytest.raises(ValueError, match="no gradient"):
+        g.build_backward(rc.ops.sum(y))

@@ -6,7 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import recurra as rc
 import recurra_models as rm
+from recurra_models import nn
 from recurra_models.generation import StepGraph, sample_token
 
 
@@ -50,6 +52,63 @@ def test_step_graph_equals_lazy_path(arch: str) -> None:
     assert not np.allclose(before, after)
 
 
+def _lazy_greedy(model: object, prompt: list[int], n: int) -> list[int]:
+    return rm.generate(model, prompt, max_tokens=n, temperature=0.0, use_graph=False)
+
+
+def test_step_graph_kept_between_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    # generate() keeps its traced step graph on the model for the next call; a new value of
+    # a parameter is seen, a replaced parameter means a new trace, and two streams at once
+    # each have a graph of their own.
+    model = _model("mamba")
+    builds = []
+    real = StepGraph.build.__func__
+
+    def counting(cls, m, batch=1, carry=False):  # type: ignore[no-untyped-def]
+        builds.append(1)
+        return real(cls, m, batch, carry)
+
+    monkeypatch.setattr(StepGraph, "build", classmethod(counting))
+    prompt = [3, 1, 4]
+    first = rm.generate(model, prompt, max_tokens=6, temperature=0.0)
+    assert first == rm.generate(model, prompt, max_tokens=6, temperature=0.0)
+    assert len(builds) == 1
+    w = model.lm_head.weight
+    w.assign_(w.numpy()[::-1].copy())  # new values, same tensor: no new trace
+    got = rm.generate(model, prompt, max_tokens=6, temperature=0.0)
+    assert len(builds) == 1 and got == _lazy_greedy(model, prompt, 6)
+    model.lm_head.weight = nn.Parameter(w.numpy() * -1.0)  # a new tensor in the slot: traced again
+    got = rm.generate(model, prompt, max_tokens=6, temperature=0.0)
+    assert len(builds) == 2 and got == _lazy_greedy(model, prompt, 6)
+    a = rm.stream(model, prompt, max_tokens=6, temperature=0.0)
+    b = rm.stream(model, prompt, max_tokens=6, temperature=0.0)
+    pairs = list(zip(a, b))  # interleaved steps: a second graph for the second stream
+    assert len(builds) == 3 and [x for x, _ in pairs] == [y for _, y in pairs] == got
+    # b is left suspended after its last token: no gradient mode leaks out of it
+    assert rc.is_grad_enabled()
+    b.close()
+    assert rc.is_grad_enabled()
+
+
+def test_carried_state_copied_only_when_it_views_itself() -> None:
+    from recurra_models.generation import _views
+
+    g = rc.Graph()
+    a = g.input((2, 3))
+    b = rc.ops.exp(a)
+    assert _views(g, a.reshape(3, 2).T.id, a.id) and _views(g, a.id, a.id)
+    assert not _views(g, b.id, a.id) and not _views(g, b.reshape(6).id, a.id)
+    # Mamba-2's conv states are slices of the conv's concat: assigned as they are, with no
+    # contiguous copy first; its scan states are written in place by the scans (no assign).
+    step = StepGraph.build(_model("mamba2"), carry=True)
+    assert step is not None and step.carry
+    infos = [step.graph._g.info(i) for i in range(step.graph.n_nodes)]
+    ops = [i["op"] for i in infos]
+    assert ops.count("assign") == 2 and "contiguous" not in ops
+    scans = [i for i in infos if i["op"] == "ssm_scan"]
+    assert len(scans) == 2 and all(i["src"][0] in {t.id for t in step.st_in} for i in scans)
+
+
 def test_stream_stops_and_zero_tokens() -> None:
     model = _model("mamba")
     first = rm.generate(model, [1], max_tokens=5, temperature=0.0)
@@ -77,6 +136,19 @@ def test_sampling_filters() -> None:
     n = 4000
     counts = np.bincount([sample_token(logits, t, rng=rng) for _ in range(n)], minlength=5)
     assert np.all(np.abs(counts / n - p) < 4 * np.sqrt(p * (1 - p) / n) + 1e-3)
+
+
+def test_greedy_edge_cases() -> None:
+    # greedy takes the first maximum; NaN counts as -inf; no finite logit at all raises
+    f32 = np.float32
+    assert sample_token(np.array([1, 3, 3, 2], f32), temperature=0.0) == 1
+    assert sample_token(np.array([np.nan, 1, 3, 3], f32), temperature=0.0) == 2
+    assert sample_token(np.array([1, np.inf, 2]), temperature=0.0) == 1
+    assert sample_token(np.array([[0.5, -2.0]], f32), temperature=0.0) == 0
+    assert sample_token([0, 2, 1], temperature=0.0) == 1  # integers, a list
+    for bad in ([np.nan, np.nan], [-np.inf, -np.inf], []):
+        with pytest.raises(ValueError, match="empty or all non-finite"):
+            sample_token(np.array(bad, f32), temperature=0.0)
 
 
 def test_bad_arguments_raise() -> None:

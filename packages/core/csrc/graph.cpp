@@ -388,7 +388,7 @@ void Graph::build_backward(int loss, int seed) {
   const OpTable& tab = OpTable::get();
   std::map<int, int> in_place;  // segment -> a node of it that updates memory in place
   for (int i = 0; i <= loss; ++i)
-    if (nodes_[i].segment != 0 && !nodes_[i].is_leaf() && tab.at(nodes_[i].op).writes_src)
+    if (nodes_[i].segment != 0 && !nodes_[i].is_leaf() && tab.at(nodes_[i].op).writes_any_src(nodes_[i]))
       in_place.emplace(nodes_[i].segment, i);
   for (int i = 0; i <= loss && !in_place.empty(); ++i) {
     const auto it = in_place.find(nodes_[i].segment);

@@ -120,10 +120,17 @@ struct OpDef {
   // it refuses is decomposed, see decompose.cpp; e.g. ssm_scan refuses to save checkpoints
   // its CPU backward would not read).
   std::function<bool(const Graph& g, const Node& n)> cpu_supports;
-  // Null for ordinary ops. For ops that update sources in place (the optimizer steps):
-  // whether source i is written. The scheduler runs such a node where the written memory
-  // lives, never on a copy of it.
+  // Null for ordinary ops. For ops that update sources in place (the optimizer steps,
+  // assign, ssm_scan with RECURRA_SSM_SCAN_STATE_IN_PLACE): whether source i is written.
+  // The scheduler runs such a node where the written memory lives, never on a copy of it.
   std::function<bool(const Node& node, size_t src)> writes_src;
+  // Whether node n (of this op) writes any of its sources.
+  bool writes_any_src(const Node& n) const {
+    if (!writes_src) return false;
+    for (size_t i = 0; i < n.src.size(); ++i)
+      if (writes_src(n, i)) return true;
+    return false;
+  }
 };
 
 // The op table. Each ops/*.cpp file has a register_*_ops(OpTable&) function; ops.cpp

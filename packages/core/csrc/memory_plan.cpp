@@ -216,7 +216,7 @@ const MemoryPlan& Graph::plan() {
   std::vector<char> read(n, 0);
   for (int j = n - 1; j > first_loss; --j) {
     const Node& nd = nodes_[j];
-    const bool effect = !nd.is_leaf() && !nd.is_view() && tab.at(nd.op).writes_src;
+    const bool effect = !nd.is_leaf() && !nd.is_view() && tab.at(nd.op).writes_any_src(nd);
     keep[j] = nd.is_leaf() || (nd.flags & (kOutput | kLoss)) || effect || read[j];
     if (keep[j])
       for (int s : srcs_of(j)) read[s] = 1;

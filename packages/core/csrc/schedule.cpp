@@ -113,7 +113,7 @@ void Graph::assign_backends() {
       continue;
     }
     const OpDef& def = tab.at(nd.op);
-    if (def.writes_src) {
+    if (def.writes_any_src(nd)) {
       place_.where[j] = place_in_place_op(j);
       continue;
     }

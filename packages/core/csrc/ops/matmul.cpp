@@ -18,6 +18,7 @@
 
 #include "../blas.h"
 #include "../graph.h"
+#include "gemv.h"
 #include "kernel_util.h"
 
 namespace recurra {
@@ -30,10 +31,12 @@ struct Mat {
   int64_t rows = 0, cols = 0, rs = 0, cs = 0;
 };
 
-bool blas_disabled() {
-  const char* e = std::getenv("RECURRA_NO_BLAS");
+bool env_flag(const char* name) {
+  const char* e = std::getenv(name);
   return e && e[0] && std::strcmp(e, "0") != 0;
 }
+
+bool blas_disabled() { return env_flag("RECURRA_NO_BLAS"); }
 
 // dst (rows x cols, dense row-major) = m.
 void copy_dense(float* __restrict dst, const Mat& m) {
@@ -202,6 +205,25 @@ bool blas_gemm(const Gemm& g, int64_t m, int64_t n, int64_t k, std::vector<float
 
 bool pooled_blas_gemm(std::vector<Gemm> jobs, int64_t m, int64_t n, int64_t k, ThreadPool& tp);
 
+// Products with one row of A whose B is a transposed row-major matrix (x @ W.T, W stored
+// (n, k): a Linear layer in a token step), or one column of B whose A is row-major (W @ x):
+// matrix-vector products on gemv.h's kernel, which streams W once over the threads. False
+// (nothing written) when some product has another layout.
+bool try_gemv(const std::vector<Gemm>& jobs, int64_t m, int64_t n, int64_t k, ThreadPool& tp) {
+  auto rows_of_b = [&](const Gemm& g) { return g.b.rs == 1 && (n == 1 || g.b.cs >= k); };
+  auto rows_of_a = [&](const Gemm& g) { return g.a.cs == 1 && (m == 1 || g.a.rs >= k); };
+  for (const Gemm& g : jobs) {
+    if (!((m == 1 && rows_of_b(g)) || (n == 1 && rows_of_a(g)))) return false;
+  }
+  for (const Gemm& g : jobs) {
+    if (m == 1 && rows_of_b(g))  // c[0, j] = sum_p a[0, p] * b[p, j], b[p, j] at p + j * cs
+      gemv_rows(g.b.p, g.b.cs, g.a.p, g.a.cs, g.c, 1, n, k, tp);
+    else  // c[i, 0] = sum_p a[i, p] * b[p, 0]
+      gemv_rows(g.a.p, g.a.rs, g.b.p, g.b.rs, g.c, g.ldc, m, k, tp);
+  }
+  return true;
+}
+
 // ---- the batched engine -----------------------------------------------------------------
 
 // Can axes (dims, strides) be walked as one axis of uniform stride? Sets that stride.
@@ -281,6 +303,9 @@ void batched_gemm(KernelCtx& c, const TensorView& av, const int64_t* a_mat_strid
       jobs.push_back(g);
     }
   }
+  // RECURRA_NO_GEMV=1 (read at every call) sends matrix-vector products to BLAS / the
+  // blocked kernel instead, for benchmarks to compare in one process.
+  if ((mm == 1 || n == 1) && !env_flag("RECURRA_NO_GEMV") && try_gemv(jobs, mm, n, k, c.pool)) return;
   if (!blas_disabled() && pooled_blas_gemm(jobs, mm, n, k, c.pool)) return;
   fallback_gemm(jobs, mm, n, k, c.pool);
 }

@@ -26,6 +26,11 @@ inline bool saves_checkpoints(const std::vector<int64_t>& ip) {
   return !ip.empty() && (ip[RECURRA_P_SCAN_FLAGS] & RECURRA_SSM_SCAN_SAVE_CHECKPOINTS) != 0;
 }
 
+// Whether an ssm_scan node writes its final states into its source s in place.
+inline bool state_in_place(const std::vector<int64_t>& ip) {
+  return !ip.empty() && (ip[RECURRA_P_SCAN_FLAGS] & RECURRA_SSM_SCAN_STATE_IN_PLACE) != 0;
+}
+
 namespace ssm {
 
 typedef float vf __attribute__((vector_size(64)));

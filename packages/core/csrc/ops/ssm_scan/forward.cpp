@@ -1,5 +1,5 @@
-// ssm_scan, the forward: rows layout (P > 1; one token at a time for generation) and heads
-// layout (P == 1), with the checkpoints a forward saves when asked (see scan.h).
+// ssm_scan, the forward: rows layout (P > 1), heads layout (P == 1), and one token at a time
+// for generation (any P), with the checkpoints a forward saves when asked (see scan.h).
 #include "scan.h"
 
 namespace recurra {
@@ -12,13 +12,13 @@ namespace {
 // Forward, rows layout: one (sequence, head, block of L channels).
 // ======================================================================================
 
-// One token (T == 1, head_dim > 1: a generation step). The rows kernels' transposed, scaled
+// One token (T == 1: a generation step). The rows kernels' transposed, scaled
 // state would cost two passes more over it than the token itself; here each row [p][:] of
 // a (sequence, head) state is read once and written once, vectorized along n:
 // S'[p][n] = a[n] S[p][n] + B[n] dtp x[p], y[p] = C . S'[p].
-RC_SIMD float step_row(const float* __restrict s, const float* __restrict an, float bu,
-                       const float* __restrict B, const float* __restrict C, float* __restrict out,
-                       int64_t N) {
+// out may be s itself (a state written in place): each vector is loaded before it is stored.
+RC_SIMD float step_row(const float* s, const float* __restrict an, float bu, const float* __restrict B,
+                       const float* __restrict C, float* out, int64_t N) {
   vf acc = {};
   int64_t n = 0;
   for (; n + 16 <= N; n += 16) {
@@ -333,28 +333,47 @@ void scan_forward(KernelCtx& c) {
   const int32_t* ids = c.src[6].i32();
   check_ids(ids, d, "ssm_scan");
   float* y = c.dst.f32();
-  float* sout = y + d.S * d.T * d.H * d.P;
+  const bool in_place = state_in_place(c.node.ip);
+  float* sout = in_place ? nullptr : y + d.S * d.T * d.H * d.P;
   float* ck = saves_checkpoints(c.node.ip) ? sout + d.S * d.H * d.P * d.N : nullptr;
   const int64_t Np = (d.N + 15) / 16 * 16;
+  if (in_place) {  // the rows ids[i] are written: no row twice (infer checked T == 1)
+    std::vector<char> seen(d.R, 0);
+    for (int64_t i = 0; i < d.S; ++i) {
+      if (seen[ids[i]]) throw ValueError("ssm_scan: writing the state in place needs distinct ids");
+      seen[ids[i]] = 1;
+    }
+  }
   std::vector<Work> work(c.pool.size());
-  if (d.T == 1 && d.P > 1) {  // one token: see step_row
-    c.pool.run(d.S * d.H, [&](int64_t task, int tid) {
-      const int64_t i = task / d.H, h = task % d.H, g = h / d.hpg;
-      float* an = work[tid].get(Np);
-      float dtp, a;
-      dt_column(dt + i * d.H + h, d.H, 1, A[h * d.NA], &dtp, &a, nullptr);
+  if (d.T == 1) {  // one token: see step_row
+    // Head ih = (i, h) of sequence i: its P state rows move one token on (into s itself
+    // when in place: each row is read before it is written, by the same step_row).
+    // dtp: softplus(dt) of the head (computed for a task's heads at once).
+    auto step_head = [&](int64_t ih, float* an, float dtp) {
+      const int64_t i = ih / d.H, h = ih % d.H, g = h / d.hpg;
       if (d.per_n)
         exp_row(A + h * d.NA, dtp, d.N, Np, an);
       else
-        std::fill(an, an + d.N, a);
+        std::fill(an, an + d.N, std::exp(dtp * A[h * d.NA]));
       const float* Bi = B + (i * d.G + g) * d.N;
       const float* Ci = C + (i * d.G + g) * d.N;
       const float* s0 = s + (ids[i] * d.H + h) * d.P * d.N;
-      const int64_t ih = i * d.H + h;
+      float* s1 = in_place ? const_cast<float*>(s0) : sout + ih * d.P * d.N;
       for (int64_t p = 0; p < d.P; ++p)
-        y[ih * d.P + p] = step_row(s0 + p * d.N, an, dtp * x[ih * d.P + p], Bi, Ci,
-                                   sout + (ih * d.P + p) * d.N, d.N);
+        y[ih * d.P + p] = step_row(s0 + p * d.N, an, dtp * x[ih * d.P + p], Bi, Ci, s1 + p * d.N, d.N);
       if (ck) std::copy(s0, s0 + d.P * d.N, ck + ih * d.P * d.N);  // the state entering chunk 0
+    };
+    // Tasks of whole heads, about 1024 states each: Mamba-1's 1536 heads of one 16-state
+    // row make 24 tasks (one per head cost more in handing out than in work).
+    const int64_t rows = d.S * d.H;
+    const int64_t hpt = std::max<int64_t>(1, 1024 / std::max<int64_t>(1, d.P * d.N));
+    c.pool.run((rows + hpt - 1) / hpt, [&](int64_t task, int tid) {
+      const int64_t r0 = task * hpt, r1 = std::min(rows, r0 + hpt);
+      float* an = work[tid].get(Np + hpt);
+      float* dtp = an + Np;
+      // dt of heads r0..r1 are contiguous (dt is (S, 1, H)): one softplus over them all
+      dt_column(dt + r0, 1, r1 - r0, 0.0f, dtp, nullptr, nullptr);
+      for (int64_t ih = r0; ih < r1; ++ih) step_head(ih, an, dtp[ih - r0]);
     });
     return;
   }

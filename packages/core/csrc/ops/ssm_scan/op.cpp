@@ -166,15 +166,24 @@ void register_ssm_ops(OpTable& t) {
     d.infer = [](Graph& g, Node& n) {
       if (n.src.size() != 7) fail_shape(g, n, "takes (s, x, dt, A, B, C, ids)");
       const Dims dm = scan_check(g, n, 0);
-      constexpr int64_t kFlags = RECURRA_SSM_SCAN_SAVE_CHECKPOINTS | RECURRA_SSM_SCAN_CHECKPOINTS_AUTO;
+      constexpr int64_t kFlags = RECURRA_SSM_SCAN_SAVE_CHECKPOINTS | RECURRA_SSM_SCAN_CHECKPOINTS_AUTO |
+                                 RECURRA_SSM_SCAN_STATE_IN_PLACE;
       if (n.ip.size() > 1 || (n.ip.size() == 1 && (n.ip[RECURRA_P_SCAN_FLAGS] & ~kFlags) != 0))
-        throw ValueError("ssm_scan: the only parameter is save_checkpoints (0 or 1)");
+        throw ValueError("ssm_scan: the only parameter is a set of RECURRA_SSM_SCAN_* flags");
       const bool ck = saves_checkpoints(n.ip);
       if (ck && dm.P != 1 && dm.per_n)
         throw ValueError("ssm_scan: checkpoints are saved for head_dim 1 or one decay per head only");
       n.dtype = DType::f32;
+      if (state_in_place(n.ip)) {
+        if (n.ip[RECURRA_P_SCAN_FLAGS] != RECURRA_SSM_SCAN_STATE_IN_PLACE || dm.T != 1)
+          fail_shape(g, n, "writes the state in place for one token without checkpoints only");
+        if (!g.node(n.src[0]).is_leaf()) fail_shape(g, n, "writes the state in place into a leaf only");
+        n.shape = Shape{dm.S * dm.H * dm.P};  // y alone
+        return;
+      }
       n.shape = Shape{scan_packed(dm) + (ck ? ck_floats(dm) : 0)};
     };
+    d.writes_src = [](const Node& n, size_t i) { return i == 0 && state_in_place(n.ip); };
     d.forward = scan_forward;
     // CHECKPOINTS_AUTO is resolved before placement (decompose.cpp); of the checkpoint
     // layouts, the CPU backward reads those of head_dim 1 only (see kCkChunk).
@@ -186,6 +195,8 @@ void register_ssm_ops(OpTable& t) {
       bool any = false;
       for (int i = 0; i < 6; ++i) any |= k.needs(i);
       if (!any) return;
+      if (state_in_place(k.node.ip))
+        throw ValueError("ssm_scan: a scan that writes its state in place has no gradient");
       std::vector<int> src{k.grad_out};
       src.insert(src.end(), k.node.src.begin(), k.node.src.end());
       if (saves_checkpoints(k.node.ip)) src.push_back(k.node.id);  // its checkpoints

@@ -107,6 +107,10 @@ RECURRA_CODE_(RECURRA_UNARY_COUNT, 0 RECURRA_UNARY_MATHS(RECURRA_MATHS_ONE_)
                                                the backend placing the scan reads them (the
                                                CPU: head_dim 1), else by no flag: no backend
                                                sees it */
+#define RECURRA_SSM_SCAN_STATE_IN_PLACE 4 /* one token (n_tok 1), distinct ids, no checkpoints:
+                                             the final states are written into s's rows
+                                             ids[i] in place and the output is y alone (the
+                                             CPU's generation step; no gradient) */
 
 /* The optimizer ops' hyper-parameter slots: source 0 is a (2 * RECURRA_HYPER_SLOTS,) f32
  * tensor, slot i the float pair (hi, lo) at [2i, 2i + 1] holding the double hi + lo. */
