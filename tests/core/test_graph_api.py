@@ -141,8 +141,10 @@ def test_weight_gradient_of_x_at_w_transposed_is_one_product():
     g.set_loss(loss)
     n_forward = g.memory()["n_planned"]
     g.build_backward(loss)
-    # matmul, mul, sum_to forward; backward: fill, broadcast copy, mul, the weight product
-    assert g.memory()["n_planned"] == n_forward + 4
+    # matmul, mul, sum_to forward; backward: fill, broadcast copy, mul in the arena, and
+    # the weight product with memory of its own (a parameter's gradient: 4 x 5 floats)
+    assert g.memory()["n_planned"] == n_forward + 3
+    assert g.memory()["own_bytes"] == 128
     for t, v in ((x, xv), (w, wv), (r, rv)):
         g.set_data(t, v)
     g.compute()

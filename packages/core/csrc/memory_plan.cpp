@@ -267,6 +267,56 @@ const MemoryPlan& Graph::plan() {
   MemoryPlan p;
   p.offsets.assign(n, SIZE_MAX);
   p.segments.assign(n, 0);
+  // Outputs with memory of their own (kOwnMemory): no place in the arena (compute() makes
+  // their buffers, take_buffers()/take_host() hand them over).
+  p.own.assign(n, 0);
+  for (int j = 0; j < n; ++j) {
+    const Node& nd = nodes_[j];
+    if (keep[j] && !nd.is_leaf() && !nd.is_view() && (nd.flags & kOwnMemory) && (nd.flags & kOutput)) {
+      p.own[j] = 1;
+      p.own_bytes += align_up(std::max<size_t>(nd.nbytes(), 1));
+    }
+  }
+  // In place: an elementwise node (each output element read from the same element of its
+  // sources and nothing else) takes over the memory of a source that dies at it, when that
+  // source has its size and dtype, lives in the same arena and is read through an identity
+  // view (itself, or a dense reshape at offset 0). The kernels read each element before
+  // writing it, on the CPU (binary/unary/act_grad rows load a[i] then store d[i]; the strided
+  // unary path already transforms its output in place) and on Vulkan (binary.comp, unary.comp,
+  // act_grad.comp: each invocation loads its elements, then stores the same ones; the
+  // recorder puts a barrier between the source's earlier readers and this write).
+  std::vector<char> elementwise(tab.size(), 0);
+  for (const char* name : {"add", "sub", "mul", "div", "act_grad"}) {
+    const int id = tab.find(name);
+    if (id >= 0) elementwise[id] = 1;
+  }
+  for (int id = 0; id < tab.size(); ++id)
+    if (tab.spec(id).unary >= 0) elementwise[id] = 1;
+  std::vector<int> taken_by(n, -1);  // a source whose memory node taken_by[s] took over
+  auto identity_view = [&](int s, int base) {
+    if (s == base) return true;
+    const Node& v = nodes_[s];
+    TensorView tv;
+    tv.shape = v.shape;
+    std::copy(v.strides, v.strides + kMaxDims, tv.strides);
+    return v.view_offset == 0 && v.numel() == nodes_[base].numel() && tv.is_contiguous();
+  };
+  auto in_place_source = [&](int j) -> int {
+    const Node& nd = nodes_[j];
+    if (!elementwise[nd.op] || merged.count(j) || p.own[j]) return -1;
+    for (int s : nd.src) {
+      const int base = base_of(s);
+      const Node& bn = nodes_[base];
+      if (bn.is_leaf() || p.offsets[base] == SIZE_MAX || taken_by[base] >= 0 || last[base] != j ||
+          place_.where[base] != place_.where[j] || bn.dtype != nd.dtype || bn.numel() != nd.numel() ||
+          bn.nbytes() != nd.nbytes() || !identity_view(s, base))
+        continue;
+      bool ok = true;  // every source reading this memory reads it element for element
+      for (int o : nd.src) ok = ok && (base_of(o) != base || identity_view(o, base));
+      if (ok) return base;
+    }
+    return -1;
+  };
   std::map<int, SegmentedArena> alloc;  // per backend
   auto arena = [&](int b) -> SegmentedArena& {
     auto it = alloc.find(b);
@@ -298,16 +348,28 @@ const MemoryPlan& Graph::plan() {
       }
       ++split_i;
     }
-    const auto slot = arena(place_.where[j]).alloc(nd.nbytes());
-    live += align_up(std::max<size_t>(nd.nbytes(), 1));
-    if (live > p.peak_live_bytes) p.peak_live_bytes = live, p.peak_node = j;
-    p.segments[j] = slot.segment;
-    p.offsets[j] = slot.offset;
-    p.unplanned_bytes += align_up(std::max<size_t>(nd.nbytes(), 1));
-    p.n_planned++;
+    const size_t bytes = align_up(std::max<size_t>(nd.nbytes(), 1));
+    if (!p.own[j]) {
+      const int reuse = in_place_source(j);
+      if (reuse >= 0) {
+        taken_by[reuse] = j;
+        p.segments[j] = p.segments[reuse];
+        p.offsets[j] = p.offsets[reuse];
+        p.n_in_place++;
+        p.in_place_bytes += bytes;
+      } else {
+        const auto slot = arena(place_.where[j]).alloc(nd.nbytes());
+        live += bytes;
+        p.segments[j] = slot.segment;
+        p.offsets[j] = slot.offset;
+      }
+      if (live > p.peak_live_bytes) p.peak_live_bytes = live, p.peak_node = j;
+      p.unplanned_bytes += bytes;
+      p.n_planned++;
+    }
     if (last[j] < 0) dies_at[j].push_back(j);  // dead on arrival
     for (int d : dies_at[j])
-      if (p.offsets[d] != SIZE_MAX) {
+      if (p.offsets[d] != SIZE_MAX && taken_by[d] < 0) {
         arena(place_.where[d]).release(p.segments[d], p.offsets[d], nodes_[d].nbytes());
         live -= align_up(std::max<size_t>(nodes_[d].nbytes(), 1));
       }
@@ -320,7 +382,8 @@ const MemoryPlan& Graph::plan() {
   if (p.peak_node >= 0) {  // what is live at the peak, by op
     std::map<std::string, size_t> by_op;
     for (int i = 0; i <= p.peak_node; ++i)
-      if (p.offsets[i] != SIZE_MAX && (last[i] >= p.peak_node || i == p.peak_node))
+      if (p.offsets[i] != SIZE_MAX && (last[i] >= p.peak_node || i == p.peak_node) &&
+          (taken_by[i] < 0 || taken_by[i] > p.peak_node))
         by_op[tab.at(nodes_[i].op).name] += align_up(std::max<size_t>(nodes_[i].nbytes(), 1));
     p.live_at_peak.assign(by_op.begin(), by_op.end());
     std::sort(p.live_at_peak.begin(), p.live_at_peak.end(),

@@ -225,7 +225,10 @@ class Graph:
         bytes of each arena segment per backend: a device's arena is split into buffers no
         larger than its largest allocation), ``peak_live_bytes`` (the most bytes alive at
         once: arena_bytes less fragmentation) and ``live_at_peak`` (``(op, bytes)`` pairs,
-        largest first: which ops made what is alive then - where to look to save memory)."""
+        largest first: which ops made what is alive then - where to look to save memory),
+        ``own_bytes`` (parameters' gradients: memory of their own, outside the arenas, handed
+        over as ``.grad``), ``n_in_place``/``in_place_bytes`` (elementwise nodes that write
+        over a source dying there, and the bytes that saved)."""
         return dict(self._g.plan())
 
     @property
