@@ -129,6 +129,20 @@ def run_steps(a: argparse.Namespace, n_layer: int) -> None:
             f"peaks: persistent {per['peak_bytes'] / gib:.3f}, "
             f"transient {tr['peak_bytes'] / gib:.3f}"
         )
+        if a.device.startswith("vulkan"):
+            import recurra_vulkan
+
+            info = recurra_vulkan.memory_info(0, reset_peaks=True)
+            pools = ", ".join(
+                f"{k} {v['bytes_in_use'] / gib:.3f} (peak {v['peak_bytes'] / gib:.3f})"
+                for k, v in info.items()
+                if isinstance(v, dict) and "bytes_in_use" in v
+            )
+            print(
+                f"    vulkan: reserved {info['reserved_bytes'] / gib:.3f} GiB, peak reserved "
+                f"{info['peak_reserved_bytes'] / gib:.3f}, idle {info['idle_bytes'] / gib:.3f}; "
+                f"{pools}"
+            )
 
 
 def main() -> None:

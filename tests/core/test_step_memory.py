@@ -27,9 +27,11 @@ RNG = np.random.default_rng(7)
 N = 1 << 16  # 256 KiB of float32 per tensor: the plan's sizes are exact multiples of 64
 
 
-def input_leaf(g: _core.Graph, a: np.ndarray, device: str | None) -> int:
-    """An input leaf bound to (a device copy of) ``a``."""
-    nid = g.leaf("float32", list(a.shape), _core.FLAG_INPUT)
+def input_leaf(
+    g: _core.Graph, a: np.ndarray, device: str | None, flags: int = _core.FLAG_INPUT
+) -> int:
+    """A leaf (an input unless ``flags`` say otherwise) bound to (a device copy of) ``a``."""
+    nid = g.leaf("float32", list(a.shape), flags)
     if device:
         buf = _core.DeviceBuffer(device, a.nbytes)
         buf.upload(a)
@@ -213,3 +215,25 @@ def test_a_step_holds_each_gradient_once() -> None:
     grad = rc.memory_stats()["persistent"]["bytes"] - persistent
     assert grad == x.nbytes
     assert arena + grad < 3.5 * x.nbytes, (arena, grad)
+
+
+@pytest.mark.parametrize("device", [None, pytest.param("vulkan", marks=pytest.mark.vulkan)])
+def test_a_gradient_summed_over_uses_grows_in_its_own_buffer(device: str | None) -> None:
+    # p used three times: its gradient is (m2 + m1) + m0, m_i = c_i times the loss's
+    # gradient. The sum's first term and the inner add are computed straight into the
+    # gradient's own buffer (an own chain): the arena holds one term at a time, not the
+    # running sum and a term.
+    x = RNG.standard_normal(N).astype(np.float32)
+    cs = [RNG.standard_normal(N).astype(np.float32) for _ in range(3)]
+    g = _core.Graph()
+    if device:
+        g.set_backends([device], True)
+    p = input_leaf(g, x, device, _core.FLAG_PARAM)
+    terms = [g.op("sum", [g.op("mul", [p, input_leaf(g, c, device)])], [0], []) for c in cs]
+    loss = g.op("add", [g.op("add", [terms[0], terms[1]]), terms[2]])
+    g.build_backward(loss)
+    plan = g.plan()
+    assert plan["own_bytes"] == N * 4
+    assert plan["arena_bytes"] < 1.5 * N * 4, plan
+    g.compute()
+    np.testing.assert_array_equal(g.read(g.grad(p)), (cs[2] + cs[1]) + cs[0])

@@ -159,9 +159,10 @@ recurra_tensor_desc Graph::desc_on(int id, int backend) const {
   const Node& b = nodes_[base];
   size_t off = 0;
   if (location(base) == backend) {
-    if (b.is_leaf() || owns_memory(base)) {
-      check_own_held(base, "compute");
-      d.buffer = b.dbuf->handle();
+    const int owner = memory_owner(plan_, base);
+    if (b.is_leaf() || owns_memory(owner)) {
+      check_own_held(owner, "compute");
+      d.buffer = nodes_[owner].dbuf->handle();
     } else {
       d.buffer = arena_segment(backend, plan_.segments[base]).handle();
       off = plan_.offsets[base];
@@ -181,9 +182,10 @@ void Graph::fill_mirror(const Placement::Mirror& m) {
   if (bytes == 0) return;
   const int src = location(m.base);
   // Where the source bytes are.
+  const int owner = memory_owner(plan_, m.base);
   auto download_src = [&](void* dst) {
-    if (b.is_leaf() || owns_memory(m.base))
-      b.dbuf->download(0, dst, bytes);
+    if (b.is_leaf() || owns_memory(owner))
+      nodes_[owner].dbuf->download(0, dst, bytes);
     else
       arena_segment(src, plan_.segments[m.base]).download(plan_.offsets[m.base], dst, bytes);
   };
@@ -247,6 +249,8 @@ void Graph::make_own_buffers() {
         nd.dbuf = std::make_shared<DeviceBuffer>(b, std::max<size_t>(nd.nbytes(), 4), Pool::persistent);
     }
   }
+  for (int j = 0; j < size(); ++j)  // nodes computed into those buffers (own chains)
+    if (memory_owner(plan_, j) != j) nodes_[j].data = nodes_[memory_owner(plan_, j)].data;
 }
 
 void Graph::check_own_held(int id, const char* what) const {
@@ -338,7 +342,8 @@ void Graph::read(int id, void* out) {
   const int base = n.is_view() ? n.view_base : id;
   const int loc = location(base);
   const size_t esz = dtype_size(n.dtype);
-  check_own_held(base, "read");
+  const int owner = memory_owner(plan_, base);
+  check_own_held(owner, "read");
   std::vector<uint8_t> staging;
   const uint8_t* mem;
   if (loc == kCpuBackend) {
@@ -348,8 +353,8 @@ void Graph::read(int id, void* out) {
   } else {
     const Node& b = nodes_[base];
     staging.resize(b.nbytes());
-    if (b.is_leaf() || owns_memory(base))
-      b.dbuf->download(0, staging.data(), b.nbytes());
+    if (b.is_leaf() || owns_memory(owner))
+      nodes_[owner].dbuf->download(0, staging.data(), b.nbytes());
     else
       arena_segment(loc, plan_.segments[base]).download(plan_.offsets[base], staging.data(), b.nbytes());
     mem = staging.data();

@@ -301,15 +301,25 @@ const MemoryPlan& Graph::plan() {
     std::copy(v.strides, v.strides + kMaxDims, tv.strides);
     return v.view_offset == 0 && v.numel() == nodes_[base].numel() && tv.is_contiguous();
   };
-  auto in_place_source = [&](int j) -> int {
+  // Own chains: a node with memory of its own (or computed into such memory) that could
+  // write over a source dying at it has that source computed straight into its buffer: a
+  // gradient summed over chunks or uses (the LM head's, a tied weight's) grows in the
+  // parameter's gradient buffer instead of the arena. chain_root[s]: the node whose buffer
+  // s is computed into (MemoryPlan::segments holds -2 - it; see schedule.h).
+  std::vector<int> chain_root(n, -1);
+  // The source node j may write over: `chain` for the chains above (decided before the
+  // arena is planned), else among the sources planned in the arena so far.
+  auto writable_source = [&](int j, bool chain) -> int {
     const Node& nd = nodes_[j];
-    if (!elementwise[nd.op] || merged.count(j) || p.own[j]) return -1;
+    if (!elementwise[nd.op] || merged.count(j)) return -1;
     for (int s : nd.src) {
       const int base = base_of(s);
       const Node& bn = nodes_[base];
-      if (bn.is_leaf() || p.offsets[base] == SIZE_MAX || taken_by[base] >= 0 || last[base] != j ||
-          place_.where[base] != place_.where[j] || bn.dtype != nd.dtype || bn.numel() != nd.numel() ||
-          bn.nbytes() != nd.nbytes() || !identity_view(s, base))
+      const bool free = chain ? !p.own[base] && chain_root[base] < 0
+                              : p.offsets[base] != SIZE_MAX && taken_by[base] < 0;
+      if (bn.is_leaf() || !free || last[base] != j || place_.where[base] != place_.where[j] ||
+          bn.dtype != nd.dtype || bn.numel() != nd.numel() || bn.nbytes() != nd.nbytes() ||
+          !identity_view(s, base))
         continue;
       bool ok = true;  // every source reading this memory reads it element for element
       for (int o : nd.src) ok = ok && (base_of(o) != base || identity_view(o, base));
@@ -317,6 +327,11 @@ const MemoryPlan& Graph::plan() {
     }
     return -1;
   };
+  for (int j = n - 1; j >= 0; --j) {
+    const int root = p.own[j] ? j : chain_root[j];
+    const int s = root >= 0 ? writable_source(j, true) : -1;
+    if (s >= 0) chain_root[s] = root;
+  }
   std::map<int, SegmentedArena> alloc;  // per backend
   auto arena = [&](int b) -> SegmentedArena& {
     auto it = alloc.find(b);
@@ -349,8 +364,12 @@ const MemoryPlan& Graph::plan() {
       ++split_i;
     }
     const size_t bytes = align_up(std::max<size_t>(nd.nbytes(), 1));
-    if (!p.own[j]) {
-      const int reuse = in_place_source(j);
+    if (chain_root[j] >= 0) {  // computed into a later node's own buffer
+      p.segments[j] = -2 - chain_root[j];
+      p.n_in_place++;
+      p.in_place_bytes += bytes;
+    } else if (!p.own[j]) {
+      const int reuse = writable_source(j, false);
       if (reuse >= 0) {
         taken_by[reuse] = j;
         p.segments[j] = p.segments[reuse];
