@@ -441,9 +441,13 @@ const MemoryPlan& Graph::plan() {
     if (b == kCpuBackend) continue;
     auto& bufs = dev_arena_[b];
     bufs.resize(std::max(bufs.size(), segs.size()));
-    // Buffers too small go first, so that their memory is free for the new ones.
+    // Buffers of another size go first, so that their memory is free for the new ones. One
+    // larger than its segment is given back too: a graph planned before its leaves were bound
+    // (the tensor API plans when it builds) had every device leaf mirrored into its arena,
+    // and kept that arena (a model's parameters' worth) after the plan with the leaves bound.
     for (size_t i = 0; i < bufs.size(); ++i)
-      if (bufs[i] && (i >= segs.size() || bufs[i]->nbytes() < segs[i] || !bufs[i]->valid())) bufs[i].reset();
+      if (bufs[i] && (i >= segs.size() || bufs[i]->nbytes() != std::max<size_t>(segs[i], 64) || !bufs[i]->valid()))
+        bufs[i].reset();
     bufs.resize(segs.size());
     for (size_t i = 0; i < segs.size(); ++i)
       if (!bufs[i]) bufs[i] = std::make_shared<DeviceBuffer>(b, std::max<size_t>(segs[i], 64), Pool::transient);

@@ -601,7 +601,8 @@ class LazyFrontend:
             for t in order:
                 if not expand(t) and t.requires_grad:
                     plan.grad_ids.append(g.grad(ids[index[id(t)]]))
-        g.plan()
+        # Planned at the first compute, once the leaves are bound: planned now, every device
+        # leaf would count as host memory and be mirrored into the device arena.
         return plan
 
     def cache_info(self) -> dict[str, int]:
