@@ -237,3 +237,25 @@ def test_a_gradient_summed_over_uses_grows_in_its_own_buffer(device: str | None)
     assert plan["arena_bytes"] < 1.5 * N * 4, plan
     g.compute()
     np.testing.assert_array_equal(g.read(g.grad(p)), (cs[2] + cs[1]) + cs[0])
+
+
+@pytest.mark.vulkan
+def test_a_device_step_arena_has_no_mirror_of_its_parameters() -> None:
+    # The first run of a graph plans it once its leaves are bound. Planned earlier (strict
+    # placement), the device parameter counted as host memory and was mirrored into the
+    # arena: exp(p) and p's mirror, 2 n floats at the first step's peak, not 1 (the sum's
+    # dense gradient is computed into p's gradient buffer).
+    x = (RNG.standard_normal(4 * N) * 0.1).astype(np.float32)
+    p = rc.param(x, device="vulkan")
+    LAZY.clear()
+    gc.collect()
+    transient = rc.memory_stats()["transient"]["bytes"]
+    rc.reset_peak_memory()
+    rc.set_strict_placement(True)
+    try:
+        ops.sum(ops.exp(p)).backward()
+    finally:
+        rc.set_strict_placement(False)
+    arena = rc.memory_stats()["transient"]["peak_bytes"] - transient
+    assert arena < 1.5 * x.nbytes, arena
+    np.testing.assert_allclose(p.grad.numpy(), np.exp(x.astype(np.float64)), rtol=2e-6)
