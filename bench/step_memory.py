@@ -10,7 +10,17 @@ one a device uses. ``--vulkan-ops`` makes the CPU refuse the ops the Vulkan back
 kernel for (``--refuse`` names them), so the plan holds their decompositions as a device's
 does. With two or more depths the per-layer and fixed parts are fitted (peak = fixed +
 per_layer * n_layer, from the first and last depth). Nothing is computed: sizes of any
-depth fit the planner's host memory.
+depth fit the planner's host memory. ``own`` is the parameters' gradients, which have
+memory of their own (handed over as ``p.grad``, not planned in the arena); a step holds
+arena + own at its end.
+
+``--run-steps K`` runs K AdamW steps for real instead (on ``--device``, with strict
+placement there) and prints, after each ``step(); zero_grad()``, what stays allocated
+between steps (persistent bytes: parameters and moments) and the step's peaks
+(``recurra.memory_stats()``); with a small ``--batch``/``--seq-len`` this fits the CPU:
+
+    python bench/step_memory.py --preset rwkv7-0.1b --n-layer 12 --run-steps 3 \\
+        --batch 1 --seq-len 32
 """
 
 from __future__ import annotations
@@ -89,6 +99,62 @@ def node_groups(plan: dict[str, Any]) -> list[tuple[tuple[Any, ...], tuple[int, 
     return sorted(((k, (c, b)) for k, (c, b) in groups.items()), key=lambda kv: -kv[1][1])
 
 
+def run_steps(a: argparse.Namespace, n_layer: int) -> None:
+    """Real AdamW steps: memory between steps and peaks, per step."""
+    import recurra as rc
+    import recurra_models as rm
+    import recurra_optim as optim
+    from recurra_models.presets import resolve
+
+    arch = resolve(a.preset, {})[0]
+    model = rm.create(a.preset, seed=None if arch.startswith("rwkv") else 0, n_layer=n_layer)
+    model.gradient_checkpointing(a.recompute)
+    if a.device != "cpu":
+        model = model.to(a.device)
+        rc.set_strict_placement(True)
+    params = list(model.parameters())
+    n_param = sum(int(np.prod(p.shape)) for p in params)
+    opt = optim.AdamW(params, lr=1e-4)
+    rng = np.random.default_rng(0)
+    gib = 1 << 30
+    size = f"{n_param / 1e6:.1f}M parameters ({4 * n_param / gib:.3f} GiB)"
+    print(f"{a.preset} n_layer {n_layer}: {size}")
+    for i in range(a.run_steps):
+        shape = (a.batch, a.seq_len + 1)
+        data = rng.integers(0, min(model.vocab_size, 50000), shape).astype(np.int32)
+        x = rc.tensor(data[:, :-1].copy(), device=a.device)
+        y = rc.tensor(data[:, 1:].copy(), device=a.device)
+        rc.reset_peak_memory()
+        loss = model.loss(x, y, chunk_bytes=a.loss_chunk)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        value = loss.item()
+        del loss
+        st = rc.memory_stats()
+        per, tr = st["persistent"], st["transient"]
+        print(
+            f"step {i}: loss {value:.4f}; between steps: persistent {per['bytes'] / gib:.3f} GiB "
+            f"(parameters + moments {12 * n_param / gib:.3f}), transient {tr['bytes'] / gib:.3f}; "
+            f"peaks: persistent {per['peak_bytes'] / gib:.3f}, "
+            f"transient {tr['peak_bytes'] / gib:.3f}"
+        )
+        if a.device.startswith("vulkan"):
+            import recurra_vulkan
+
+            info = recurra_vulkan.memory_info(0, reset_peaks=True)
+            pools = ", ".join(
+                f"{k} {v['bytes_in_use'] / gib:.3f} (peak {v['peak_bytes'] / gib:.3f})"
+                for k, v in info.items()
+                if isinstance(v, dict) and "bytes_in_use" in v
+            )
+            print(
+                f"    vulkan: reserved {info['reserved_bytes'] / gib:.3f} GiB, peak reserved "
+                f"{info['peak_reserved_bytes'] / gib:.3f}, idle {info['idle_bytes'] / gib:.3f}; "
+                f"{pools}"
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--preset", default="mamba2-130m")
@@ -105,7 +171,8 @@ def main() -> None:
         "--device",
         default="cpu",
         help="plan on this device (e.g. vulkan: its placement, and the scans' checkpoints "
-        "that only a device saves; the weights are uploaded there)",
+        "that only a device saves; the weights are uploaded there); with --run-steps: where "
+        "the steps run",
     )
     ap.add_argument("--refuse", nargs="*", default=None, help="ops the CPU refuses")
     ap.add_argument("--top", type=int, default=12, help="ops listed at the peak")
@@ -118,6 +185,7 @@ def main() -> None:
         help="keep casts for the backward (recurra's behaviour before casts were recomputed)",
     )
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--run-steps", type=int, default=0, help="run AdamW steps for real")
     a = ap.parse_args()
     from recurra import _core
 
@@ -128,6 +196,10 @@ def main() -> None:
     _core.set_cpu_refused_ops(refuse)
     _core.set_recompute_casts(not a.keep_casts)
     gib = 1 << 30
+    if a.run_steps:
+        for n in a.n_layer:
+            run_steps(a, n)
+        return
     rows = []
     for n in a.n_layer:
         p = step_plan(
@@ -140,7 +212,10 @@ def main() -> None:
             f"{a.preset} on {a.device} n_layer {n} batch {a.batch}x{a.seq_len} "
             f"recompute {a.recompute} "
             f"loss_chunk {a.loss_chunk} {a.precision} refused {refuse}: peak_live "
-            f"{p['peak_live_bytes'] / gib:.3f} GiB, arena {p['arena_bytes'] / gib:.3f} GiB"
+            f"{p['peak_live_bytes'] / gib:.3f} GiB, arena {p['arena_bytes'] / gib:.3f} GiB, "
+            f"own {p.get('own_bytes', 0) / gib:.3f} GiB (arena + own "
+            f"{(p['arena_bytes'] + p.get('own_bytes', 0)) / gib:.3f}), in place "
+            f"{p.get('n_in_place', 0)} nodes ({p.get('in_place_bytes', 0) / gib:.3f} GiB)"
         )
         for op, b in p["live_at_peak"][: a.top]:
             print(f"    {op:24s} {b / gib:7.3f} GiB")

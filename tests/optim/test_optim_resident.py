@@ -372,3 +372,32 @@ def test_ten_device_steps_equal_ten_host_steps(vulkan: str, cls: type, kw: dict)
         return w.numpy()
 
     np.testing.assert_allclose(run(vulkan), run("cpu"), rtol=1e-5, atol=0)
+
+
+# -- a step lets go of the gradients it was bound to ------------------------------------------
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("vulkan", marks=pytest.mark.vulkan)])
+def test_a_cached_step_keeps_no_gradient_alive(device: str) -> None:
+    # The cached fused step binds this step's gradients; holding them until the next step
+    # kept a model's worth of gradient memory alive through the next forward and backward.
+    # After step() + zero_grad() the gradient's memory must be free, and the plan reused.
+    n = 1 << 18  # 1 MiB: a host gradient of this size lives in the persistent pool
+    w0 = RNG.standard_normal(n).astype(np.float32)
+    gs = [RNG.standard_normal(n).astype(np.float32) for _ in range(3)]
+    w = recurra.param(w0, device=device)
+    opt = optim.Adam([w], lr=0.01)
+    steps = []
+    for i, g in enumerate(gs):
+        w.grad = recurra.tensor(g, device=device)
+        gc.collect()
+        with_grad = persistent()["bytes"]
+        opt.step()
+        opt.zero_grad()
+        gc.collect()
+        freed = with_grad - persistent()["bytes"]
+        # (the first step builds the plan: a device keeps its hyper-parameters beside it)
+        assert freed == 4 * n if i else 4 * n - 4096 <= freed <= 4 * n, (i, freed)
+        steps.append(next(iter(opt._plans.values())).step)
+    assert len(opt._plans) == 1 and steps[0] is steps[1] is steps[2]
+    assert_close(w.numpy(), adam(w0, gs, 0.01, (0.9, 0.999), 1e-8))

@@ -66,7 +66,7 @@ def test_exp_tanh_graph_of_120m_elements_trains(vulkan: str) -> None:
 
 
 def test_graph_of_3_gib_intermediates_matches_numpy(vulkan: str) -> None:
-    rows, cols = 1024, 125_000  # 128M elements: 512 MB a tensor
+    rows, cols = 1280, 125_000  # 160M elements: 640 MB a tensor
     rng = np.random.default_rng(5)
     xs = rng.uniform(-1, 1, (rows, cols)).astype(np.float32)
     ws = rng.uniform(0.5, 1.5, cols).astype(np.float32)
@@ -80,8 +80,10 @@ def test_graph_of_3_gib_intermediates_matches_numpy(vulkan: str) -> None:
     g.set_data(x, xs)
     g.set_data(w, ws)
     plan = g.memory()
-    assert plan["arena_bytes"] > 2.5 * GiB
-    check_segments(plan, vk_info()["max_buffer_bytes"])
+    # ~3 GiB of intermediates: the arena (past one 2 GiB allocation) and x's gradient, which
+    # has memory of its own (elementwise nodes write over sources that die there)
+    assert plan["arena_bytes"] + plan["own_bytes"] > 2.5 * GiB
+    assert len(check_segments(plan, vk_info()["max_buffer_bytes"])) >= 2
     g.compute()
 
     n = rows * cols

@@ -95,18 +95,43 @@ class PyGraph {
   // instead of fresh pages (see host_alloc); small ones (a loss) are plain numpy arrays.
   py::array read(int id) {
     const Node& n = g.node(id);
-    std::vector<py::ssize_t> shape(n.shape.d, n.shape.d + n.shape.ndim);
     if (n.nbytes() < (size_t{1} << 20)) {
-      py::array out(np_dtype(n.dtype), shape);
+      py::array out(np_dtype(n.dtype), shape_of(n));
       g.read(id, out.mutable_data());
       return out;
     }
     auto buf = std::make_shared<HostBuffer>(std::max<size_t>(n.nbytes(), 1), Pool::persistent);
     g.read(id, buf->data());
-    auto* keep = new std::shared_ptr<HostBuffer>(buf);
-    py::capsule base(keep, [](void* p) { delete static_cast<std::shared_ptr<HostBuffer>*>(p); });
-    return py::array(np_dtype(n.dtype), shape, buf->data(), base);
+    return wrap(n, std::move(buf));
   }
+
+  // The node's value as an array: a node computed on the CPU with memory of its own
+  // (kOwnMemory) hands that memory over (no copy; the graph holds none until the next
+  // compute); any other node is read() (a copy).
+  py::array take(int id) {
+    auto buf = g.take_host(id);
+    return buf ? wrap(g.node(id), std::move(buf)) : read(id);
+  }
+
+  void unbind(int id) {
+    g.unbind(id);
+    keep.resize(g.size());
+    keep[id] = py::none();
+  }
+
+ private:
+  static std::vector<py::ssize_t> shape_of(const Node& n) {
+    return std::vector<py::ssize_t>(n.shape.d, n.shape.d + n.shape.ndim);
+  }
+  // An array of node n's shape and dtype over `buf` (dense), which it keeps alive.
+  static py::array wrap(const Node& n, std::shared_ptr<HostBuffer> buf) {
+    void* data = buf->data();
+    auto* owner = new std::shared_ptr<HostBuffer>(std::move(buf));
+    py::capsule base(owner, [](void* p) { delete static_cast<std::shared_ptr<HostBuffer>*>(p); });
+    return py::array(np_dtype(n.dtype), shape_of(n), data, base);
+  }
+
+ public:
 
   py::dict info(int id) {
     const Node& n = g.node(id);
@@ -151,6 +176,7 @@ PYBIND11_MODULE(_core, m) {
   m.attr("FLAG_OUTPUT") = static_cast<uint32_t>(kOutput);
   m.attr("FLAG_LOSS") = static_cast<uint32_t>(kLoss);
   m.attr("FLAG_CONST") = static_cast<uint32_t>(kConst);
+  m.attr("FLAG_OWN_MEMORY") = static_cast<uint32_t>(kOwnMemory);
 
   py::class_<PyGraph>(m, "Graph")
       .def(py::init<>())
@@ -174,6 +200,9 @@ PYBIND11_MODULE(_core, m) {
         d["unplanned_bytes"] = p.unplanned_bytes;
         d["n_planned"] = p.n_planned;
         d["peak_live_bytes"] = p.peak_live_bytes;
+        d["own_bytes"] = p.own_bytes;
+        d["n_in_place"] = p.n_in_place;
+        d["in_place_bytes"] = p.in_place_bytes;
         py::list at_peak;  // (op, bytes) live at the peak, largest first
         for (const auto& [op, bytes] : p.live_at_peak) at_peak.append(py::make_tuple(op, bytes));
         d["live_at_peak"] = at_peak;
@@ -202,6 +231,11 @@ PYBIND11_MODULE(_core, m) {
         s.g.compute();
       })
       .def("read", &PyGraph::read)
+      .def("take", &PyGraph::take, py::arg("id"),
+           "The value of a node after compute: handed over (no copy) when the node has memory "
+           "of its own on the CPU (FLAG_OWN_MEMORY), else a copy as read().")
+      .def("unbind", &PyGraph::unbind, py::arg("id"),
+           "Lets go of a leaf's memory; the plan stays (bind memory of the same backend again).")
       .def("bind_device", &PyGraph::bind_device)
       .def("set_backends", [](PyGraph& s, const std::vector<std::string>& names, bool strict) {
              std::vector<int> ids;
@@ -225,6 +259,17 @@ PYBIND11_MODULE(_core, m) {
            [](PyGraph& s, const std::vector<int>& ids) {
              py::gil_scoped_release nogil;
              return s.g.copy_to_device_buffers(ids);
+           })
+      .def("take_buffers",
+           [](PyGraph& s, const std::vector<int>& ids) {
+             py::gil_scoped_release nogil;
+             return s.g.take_buffers(ids);
+           },
+           "As copy_to_device_buffers, but a node with memory of its own hands its buffer "
+           "over instead of a copy (the graph holds none until the next compute).")
+      .def("owns_memory", [](PyGraph& s, int id) {
+             s.g.plan();
+             return s.g.owns_memory(id);
            })
       .def("info", &PyGraph::info)
       .def("__len__", [](PyGraph& s) { return s.g.size(); });

@@ -90,11 +90,19 @@ void Graph::bind(int id, void* data) {
   if (!n.is_leaf()) throw ValueError("bind: node " + std::to_string(id) + " is not a leaf");
   for (auto& mr : place_.mirrors)
     if (mr.base == id) mr.filled = false;
-  if (n.dbuf) {
-    n.dbuf.reset();
-    planned_ = false;  // the leaf moved to the host
-  }
+  n.dbuf.reset();
+  if (n.leaf_backend != kCpuBackend) planned_ = false;  // the leaf moved to the host
+  n.leaf_backend = kCpuBackend;
   n.data = data;
+}
+
+void Graph::unbind(int id) {
+  Node& n = node(id);
+  if (!n.is_leaf()) throw ValueError("unbind: node " + std::to_string(id) + " is not a leaf");
+  for (auto& mr : place_.mirrors)
+    if (mr.base == id) mr.filled = false;
+  n.dbuf.reset();
+  n.data = nullptr;
 }
 
 void Graph::bind_device(int id, std::shared_ptr<DeviceBuffer> buf) {
@@ -105,7 +113,8 @@ void Graph::bind_device(int id, std::shared_ptr<DeviceBuffer> buf) {
   if (!buf || buf->nbytes() < n.nbytes())
     throw ValueError("bind: the device buffer is smaller than leaf " + std::to_string(id) + " (" +
                      std::to_string(n.nbytes()) + " bytes)");
-  if (!n.dbuf || n.dbuf->backend() != buf->backend()) planned_ = false;
+  if (n.leaf_backend != buf->backend()) planned_ = false;
+  n.leaf_backend = buf->backend();
   n.dbuf = std::move(buf);
   n.data = nullptr;
 }
@@ -150,8 +159,10 @@ recurra_tensor_desc Graph::desc_on(int id, int backend) const {
   const Node& b = nodes_[base];
   size_t off = 0;
   if (location(base) == backend) {
-    if (b.is_leaf()) {
-      d.buffer = b.dbuf->handle();
+    const int owner = memory_owner(plan_, base);
+    if (b.is_leaf() || owns_memory(owner)) {
+      check_own_held(owner, "compute");
+      d.buffer = nodes_[owner].dbuf->handle();
     } else {
       d.buffer = arena_segment(backend, plan_.segments[base]).handle();
       off = plan_.offsets[base];
@@ -171,9 +182,10 @@ void Graph::fill_mirror(const Placement::Mirror& m) {
   if (bytes == 0) return;
   const int src = location(m.base);
   // Where the source bytes are.
+  const int owner = memory_owner(plan_, m.base);
   auto download_src = [&](void* dst) {
-    if (b.is_leaf())
-      b.dbuf->download(0, dst, bytes);
+    if (b.is_leaf() || owns_memory(owner))
+      nodes_[owner].dbuf->download(0, dst, bytes);
     else
       arena_segment(src, plan_.segments[m.base]).download(plan_.offsets[m.base], dst, bytes);
   };
@@ -221,6 +233,33 @@ void Graph::check_ready() const {
                        " has no data; set it before computing");
 }
 
+void Graph::make_own_buffers() {
+  for (int j = 0; j < size(); ++j) {
+    if (!owns_memory(j)) continue;
+    Node& nd = nodes_[j];
+    const int b = place_.where[j];
+    if (b == kCpuBackend) {
+      nd.dbuf.reset();
+      if (!nd.hbuf) nd.hbuf = std::make_shared<HostBuffer>(std::max<size_t>(nd.nbytes(), 1), Pool::persistent);
+      nd.data = nd.hbuf->data();
+    } else {
+      nd.hbuf.reset();
+      nd.data = nullptr;
+      if (!nd.dbuf || nd.dbuf->backend() != b || !nd.dbuf->valid())
+        nd.dbuf = std::make_shared<DeviceBuffer>(b, std::max<size_t>(nd.nbytes(), 4), Pool::persistent);
+    }
+  }
+  for (int j = 0; j < size(); ++j)  // nodes computed into those buffers (own chains)
+    if (memory_owner(plan_, j) != j) nodes_[j].data = nodes_[memory_owner(plan_, j)].data;
+}
+
+void Graph::check_own_held(int id, const char* what) const {
+  const Node& n = nodes_[id];
+  if (owns_memory(id) && !n.hbuf && !n.dbuf)
+    throw StateError(std::string(what) + ": the value of node " + std::to_string(id) +
+                     " was handed over (take); compute the graph again first");
+}
+
 namespace {
 
 int64_t elapsed_ns(std::chrono::steady_clock::time_point t0) {
@@ -249,6 +288,7 @@ std::string profile_key(const Node& n, const std::string& op, const std::vector<
 void Graph::compute() {
   plan();
   check_ready();
+  make_own_buffers();
   const OpTable& tab = OpTable::get();
   const PoolLease lease;  // set_num_threads waits for this computation to end
   ThreadPool& tp = lease.pool();
@@ -302,6 +342,8 @@ void Graph::read(int id, void* out) {
   const int base = n.is_view() ? n.view_base : id;
   const int loc = location(base);
   const size_t esz = dtype_size(n.dtype);
+  const int owner = memory_owner(plan_, base);
+  check_own_held(owner, "read");
   std::vector<uint8_t> staging;
   const uint8_t* mem;
   if (loc == kCpuBackend) {
@@ -311,8 +353,8 @@ void Graph::read(int id, void* out) {
   } else {
     const Node& b = nodes_[base];
     staging.resize(b.nbytes());
-    if (b.is_leaf())
-      b.dbuf->download(0, staging.data(), b.nbytes());
+    if (b.is_leaf() || owns_memory(owner))
+      nodes_[owner].dbuf->download(0, staging.data(), b.nbytes());
     else
       arena_segment(loc, plan_.segments[base]).download(plan_.offsets[base], staging.data(), b.nbytes());
     mem = staging.data();
@@ -378,6 +420,42 @@ std::vector<std::shared_ptr<DeviceBuffer>> Graph::copy_to_device_buffers(const s
     check_status(loc, e.table->synchronize(e.table->ctx, e.device), "synchronize");
   }
   return out;
+}
+
+std::vector<std::shared_ptr<DeviceBuffer>> Graph::take_buffers(const std::vector<int>& ids) {
+  plan();
+  std::vector<std::shared_ptr<DeviceBuffer>> out(ids.size());
+  std::vector<int> copy_ids;
+  std::vector<size_t> copy_at, hand;
+  std::vector<char> handed(nodes_.size(), 0);
+  for (size_t k = 0; k < ids.size(); ++k) {
+    const int id = ids[k];
+    node(id);
+    if (owns_memory(id) && location(id) != kCpuBackend && !handed[id]) {
+      check_own_held(id, "take_buffers");
+      handed[id] = 1;
+      hand.push_back(k);
+    } else {
+      copy_ids.push_back(id);
+      copy_at.push_back(k);
+    }
+  }
+  // Copies first: a node asked for twice is copied from the buffer it then hands over.
+  if (!copy_ids.empty()) {
+    auto copies = copy_to_device_buffers(copy_ids);
+    for (size_t q = 0; q < copies.size(); ++q) out[copy_at[q]] = std::move(copies[q]);
+  }
+  for (size_t k : hand) out[k] = std::move(nodes_[ids[k]].dbuf);
+  return out;
+}
+
+std::shared_ptr<HostBuffer> Graph::take_host(int id) {
+  Node& n = node(id);
+  plan();
+  if (!owns_memory(id) || location(id) != kCpuBackend) return nullptr;
+  check_own_held(id, "take");
+  n.data = nullptr;
+  return std::move(n.hbuf);
 }
 
 }  // namespace recurra

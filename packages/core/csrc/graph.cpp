@@ -344,6 +344,7 @@ void Graph::clone_segment(int seg, int end, std::vector<int>& clone_of, std::vec
     c.grad = -1;
     c.data = nullptr;
     c.dbuf.reset();
+    c.hbuf.reset();
     for (int& s : c.src)
       if (clone_of[s] >= 0) s = clone_of[s];
     if (c.view_base >= 0 && clone_of[c.view_base] >= 0) c.view_base = clone_of[c.view_base];
@@ -432,7 +433,7 @@ void Graph::build_backward(int loss, int seed) {
   for (int i = 0; i <= loss; ++i) {
     if (!needs[i] || grads[i] < 0) continue;
     nodes_[i].grad = grads[i];
-    if (nodes_[i].flags & kParam) nodes_[grads[i]].flags |= kOutput;
+    if (nodes_[i].flags & kParam) nodes_[grads[i]].flags |= kOutput | kOwnMemory;
   }
 }
 

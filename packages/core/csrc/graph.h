@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "backend_registry.h"
+#include "memory.h"
 #include "recurra/op_spec.h"
 #include "common.h"
 #include "threadpool.h"
@@ -29,6 +30,12 @@ enum NodeFlags : uint32_t {
   kLoss = 1u << 3,    // the scalar that build_backward differentiates
   kConst = 1u << 4,   // a leaf whose data does not change while bound: a device copy of it
                       // (a mirror) is filled once, not at every compute
+  // An output (a parameter's gradient; build_backward sets it) with memory of its own
+  // instead of a place in the arena: a persistent buffer on the backend that computes it,
+  // made by compute() when the node holds none. take_buffers()/take_host() hand it to the
+  // caller (no copy; the graph then holds none until the next compute), so a result is
+  // never held twice (in the arena and in its copy). Views and leaves ignore the flag.
+  kOwnMemory = 1u << 5,
 };
 
 // A strided window on memory that a kernel reads or writes.
@@ -68,9 +75,14 @@ struct Node {
   int segment = 0;
 
   // Runtime state, filled by plan()/bind(): where the data lives. A leaf is bound either to
-  // host memory (`data`) or to a buffer of a plugin backend (`dbuf`).
+  // host memory (`data`) or to a buffer of a plugin backend (`dbuf`); an op node with memory
+  // of its own (kOwnMemory) holds it in `hbuf` (host) or `dbuf` (device) until it is taken.
   void* data = nullptr;
   std::shared_ptr<DeviceBuffer> dbuf;
+  std::shared_ptr<HostBuffer> hbuf;
+  // A leaf: the backend of the memory it was last bound to (kept by unbind(), so that binding
+  // the same kind of memory again keeps the plan).
+  int leaf_backend = kCpuBackend;
 
   bool is_leaf() const;
   bool is_view() const { return view_base >= 0; }
@@ -162,6 +174,13 @@ struct MemoryPlan {
   std::vector<std::pair<std::string, size_t>> live_at_peak;
   std::vector<int> live_nodes_at_peak;  // the same, node by node (ids in graph order)
   size_t n_planned = 0;        // nodes given memory in an arena
+  // Outputs with memory of their own (kOwnMemory): per node, and their bytes in all.
+  std::vector<char> own;
+  size_t own_bytes = 0;
+  // Nodes that write their result over a source that dies there (elementwise ops; see
+  // memory_plan.cpp), and the bytes that saved.
+  size_t n_in_place = 0;
+  size_t in_place_bytes = 0;
   // Per node: the segment of its backend's arena and the byte offset in it (SIZE_MAX: none).
   // A device backend's arena is split into segments no larger than its largest buffer; the
   // host's arena is one segment.
@@ -261,6 +280,9 @@ class Graph {
   void bind(int id, void* data);
   // Binds a leaf to memory of a plugin backend.
   void bind_device(int id, std::shared_ptr<DeviceBuffer> buf);
+  // Lets go of a leaf's memory (compute() then raises until it is bound again); the plan is
+  // kept: binding memory of the same backend again costs no planning.
+  void unbind(int id);
   // Plugin backends to try, in priority order, before the CPU. Strict: a node no listed
   // backend supports raises instead of falling back to the CPU.
   void set_backends(std::vector<int> ids, bool strict);
@@ -273,6 +295,14 @@ class Graph {
   std::shared_ptr<DeviceBuffer> copy_to_device_buffer(int id);
   // The same for several nodes: one compute call and one wait per backend.
   std::vector<std::shared_ptr<DeviceBuffer>> copy_to_device_buffers(const std::vector<int>& ids);
+  // As copy_to_device_buffers, but a node with memory of its own (kOwnMemory) hands its
+  // buffer over instead of copying it (a node asked for twice is copied for the others).
+  std::vector<std::shared_ptr<DeviceBuffer>> take_buffers(const std::vector<int>& ids);
+  // Host result of a node computed on the CPU with memory of its own: its buffer, handed
+  // over (the graph then holds none until the next compute). Null for any other node.
+  std::shared_ptr<HostBuffer> take_host(int id);
+  // Whether node id has memory of its own (after plan()).
+  bool owns_memory(int id) const { return id >= 0 && id < static_cast<int>(plan_.own.size()) && plan_.own[id]; }
   // Runs every non-leaf node on the CPU, in order. Raises if a leaf is unbound.
   void compute();
 
@@ -313,6 +343,8 @@ class Graph {
   DeviceBuffer& arena_segment(int backend, int segment) const;
   TensorView host_view(int id, int consumer_backend) const;
   void fill_mirror(const Placement::Mirror& m);
+  void make_own_buffers();  // compute(): memory for the kOwnMemory nodes that hold none
+  void check_own_held(int id, const char* what) const;  // raises if a taken result is read
   void run_device_split(const Placement::Split& sp);
 
   std::vector<Node> nodes_;

@@ -267,6 +267,71 @@ const MemoryPlan& Graph::plan() {
   MemoryPlan p;
   p.offsets.assign(n, SIZE_MAX);
   p.segments.assign(n, 0);
+  // Outputs with memory of their own (kOwnMemory): no place in the arena (compute() makes
+  // their buffers, take_buffers()/take_host() hand them over).
+  p.own.assign(n, 0);
+  for (int j = 0; j < n; ++j) {
+    const Node& nd = nodes_[j];
+    if (keep[j] && !nd.is_leaf() && !nd.is_view() && (nd.flags & kOwnMemory) && (nd.flags & kOutput)) {
+      p.own[j] = 1;
+      p.own_bytes += align_up(std::max<size_t>(nd.nbytes(), 1));
+    }
+  }
+  // In place: an elementwise node (each output element read from the same element of its
+  // sources and nothing else) takes over the memory of a source that dies at it, when that
+  // source has its size and dtype, lives in the same arena and is read through an identity
+  // view (itself, or a dense reshape at offset 0). The kernels read each element before
+  // writing it, on the CPU (binary/unary/act_grad rows load a[i] then store d[i]; the strided
+  // unary path already transforms its output in place) and on Vulkan (binary.comp, unary.comp,
+  // act_grad.comp: each invocation loads its elements, then stores the same ones; the
+  // recorder puts a barrier between the source's earlier readers and this write).
+  std::vector<char> elementwise(tab.size(), 0);
+  for (const char* name : {"add", "sub", "mul", "div", "act_grad"}) {
+    const int id = tab.find(name);
+    if (id >= 0) elementwise[id] = 1;
+  }
+  for (int id = 0; id < tab.size(); ++id)
+    if (tab.spec(id).unary >= 0) elementwise[id] = 1;
+  std::vector<int> taken_by(n, -1);  // a source whose memory node taken_by[s] took over
+  auto identity_view = [&](int s, int base) {
+    if (s == base) return true;
+    const Node& v = nodes_[s];
+    TensorView tv;
+    tv.shape = v.shape;
+    std::copy(v.strides, v.strides + kMaxDims, tv.strides);
+    return v.view_offset == 0 && v.numel() == nodes_[base].numel() && tv.is_contiguous();
+  };
+  // Own chains: a node with memory of its own (or computed into such memory) that could
+  // write over a source dying at it has that source computed straight into its buffer: a
+  // gradient summed over chunks or uses (the LM head's, a tied weight's) grows in the
+  // parameter's gradient buffer instead of the arena. chain_root[s]: the node whose buffer
+  // s is computed into (MemoryPlan::segments holds -2 - it; see schedule.h).
+  std::vector<int> chain_root(n, -1);
+  // The source node j may write over: `chain` for the chains above (decided before the
+  // arena is planned), else among the sources planned in the arena so far.
+  auto writable_source = [&](int j, bool chain) -> int {
+    const Node& nd = nodes_[j];
+    if (!elementwise[nd.op] || merged.count(j)) return -1;
+    for (int s : nd.src) {
+      const int base = base_of(s);
+      const Node& bn = nodes_[base];
+      const bool free = chain ? !p.own[base] && chain_root[base] < 0
+                              : p.offsets[base] != SIZE_MAX && taken_by[base] < 0;
+      if (bn.is_leaf() || !free || last[base] != j || place_.where[base] != place_.where[j] ||
+          bn.dtype != nd.dtype || bn.numel() != nd.numel() || bn.nbytes() != nd.nbytes() ||
+          !identity_view(s, base))
+        continue;
+      bool ok = true;  // every source reading this memory reads it element for element
+      for (int o : nd.src) ok = ok && (base_of(o) != base || identity_view(o, base));
+      if (ok) return base;
+    }
+    return -1;
+  };
+  for (int j = n - 1; j >= 0; --j) {
+    const int root = p.own[j] ? j : chain_root[j];
+    const int s = root >= 0 ? writable_source(j, true) : -1;
+    if (s >= 0) chain_root[s] = root;
+  }
   std::map<int, SegmentedArena> alloc;  // per backend
   auto arena = [&](int b) -> SegmentedArena& {
     auto it = alloc.find(b);
@@ -298,16 +363,32 @@ const MemoryPlan& Graph::plan() {
       }
       ++split_i;
     }
-    const auto slot = arena(place_.where[j]).alloc(nd.nbytes());
-    live += align_up(std::max<size_t>(nd.nbytes(), 1));
-    if (live > p.peak_live_bytes) p.peak_live_bytes = live, p.peak_node = j;
-    p.segments[j] = slot.segment;
-    p.offsets[j] = slot.offset;
-    p.unplanned_bytes += align_up(std::max<size_t>(nd.nbytes(), 1));
-    p.n_planned++;
+    const size_t bytes = align_up(std::max<size_t>(nd.nbytes(), 1));
+    if (chain_root[j] >= 0) {  // computed into a later node's own buffer
+      p.segments[j] = -2 - chain_root[j];
+      p.n_in_place++;
+      p.in_place_bytes += bytes;
+    } else if (!p.own[j]) {
+      const int reuse = writable_source(j, false);
+      if (reuse >= 0) {
+        taken_by[reuse] = j;
+        p.segments[j] = p.segments[reuse];
+        p.offsets[j] = p.offsets[reuse];
+        p.n_in_place++;
+        p.in_place_bytes += bytes;
+      } else {
+        const auto slot = arena(place_.where[j]).alloc(nd.nbytes());
+        live += bytes;
+        p.segments[j] = slot.segment;
+        p.offsets[j] = slot.offset;
+      }
+      if (live > p.peak_live_bytes) p.peak_live_bytes = live, p.peak_node = j;
+      p.unplanned_bytes += bytes;
+      p.n_planned++;
+    }
     if (last[j] < 0) dies_at[j].push_back(j);  // dead on arrival
     for (int d : dies_at[j])
-      if (p.offsets[d] != SIZE_MAX) {
+      if (p.offsets[d] != SIZE_MAX && taken_by[d] < 0) {
         arena(place_.where[d]).release(p.segments[d], p.offsets[d], nodes_[d].nbytes());
         live -= align_up(std::max<size_t>(nodes_[d].nbytes(), 1));
       }
@@ -320,7 +401,8 @@ const MemoryPlan& Graph::plan() {
   if (p.peak_node >= 0) {  // what is live at the peak, by op
     std::map<std::string, size_t> by_op;
     for (int i = 0; i <= p.peak_node; ++i)
-      if (p.offsets[i] != SIZE_MAX && (last[i] >= p.peak_node || i == p.peak_node)) {
+      if (p.offsets[i] != SIZE_MAX && (last[i] >= p.peak_node || i == p.peak_node) &&
+          (taken_by[i] < 0 || taken_by[i] > p.peak_node))
         by_op[tab.at(nodes_[i].op).name] += align_up(std::max<size_t>(nodes_[i].nbytes(), 1));
         p.live_nodes_at_peak.push_back(i);
       }
@@ -361,9 +443,13 @@ const MemoryPlan& Graph::plan() {
     if (b == kCpuBackend) continue;
     auto& bufs = dev_arena_[b];
     bufs.resize(std::max(bufs.size(), segs.size()));
-    // Buffers too small go first, so that their memory is free for the new ones.
+    // Buffers of another size go first, so that their memory is free for the new ones. One
+    // larger than its segment is given back too: a graph planned before its leaves were bound
+    // (the tensor API plans when it builds) had every device leaf mirrored into its arena,
+    // and kept that arena (a model's parameters' worth) after the plan with the leaves bound.
     for (size_t i = 0; i < bufs.size(); ++i)
-      if (bufs[i] && (i >= segs.size() || bufs[i]->nbytes() < segs[i] || !bufs[i]->valid())) bufs[i].reset();
+      if (bufs[i] && (i >= segs.size() || bufs[i]->nbytes() != std::max<size_t>(segs[i], 64) || !bufs[i]->valid()))
+        bufs[i].reset();
     bufs.resize(segs.size());
     for (size_t i = 0; i < segs.size(); ++i)
       if (!bufs[i]) bufs[i] = std::make_shared<DeviceBuffer>(b, std::max<size_t>(segs[i], 64), Pool::transient);

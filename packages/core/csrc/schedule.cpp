@@ -57,7 +57,7 @@ DeviceBuffer& Graph::arena_segment(int backend, int segment) const {
 int Graph::location(int id) const {
   const Node& n = nodes_[id];
   if (n.is_view()) return location(n.view_base);
-  if (n.is_leaf()) return n.dbuf ? n.dbuf->backend() : kCpuBackend;
+  if (n.is_leaf()) return n.leaf_backend;
   return place_.where[id];
 }
 
@@ -105,7 +105,7 @@ void Graph::assign_backends() {
   for (int j = 0; j < n; ++j) {
     const Node& nd = nodes_[j];
     if (nd.is_leaf()) {
-      place_.where[j] = nd.dbuf ? nd.dbuf->backend() : kCpuBackend;
+      place_.where[j] = nd.leaf_backend;
       continue;
     }
     if (nd.is_view()) {

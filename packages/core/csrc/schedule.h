@@ -16,6 +16,13 @@ inline size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 // shape_desc (a node's dense descriptor): graph.h, defined in decompose.cpp.
 
+// The node whose memory holds node id's result: id itself, or for a node computed straight
+// into the own buffer of a later one (an own chain, see memory_plan.cpp: no arena slot, its
+// MemoryPlan::segments entry is -2 - that node) that node.
+inline int memory_owner(const MemoryPlan& p, int id) {
+  return id < static_cast<int>(p.segments.size()) && p.segments[id] <= -2 ? -2 - p.segments[id] : id;
+}
+
 // ---- merged slice gradients ----------------------------------------------------------
 //
 // A tensor cut into pieces along its last axis (a projection split into its parts) gets the

@@ -356,12 +356,14 @@ def _results(g: Any, items: list[tuple[int, Device]]) -> list[Any]:
     """The values of nodes ``(nid, device)`` after compute, each kept on its device.
 
     Results computed on their tensor's device are copied out of the graph's arena together
-    (one submission and one wait per device, not one per tensor)."""
+    (one submission and one wait per device, not one per tensor); a result with memory of
+    its own (a parameter's gradient, FLAG_OWN_MEMORY) is handed over instead of copied."""
     out: list[Any] = [None] * len(items)
     on_device: list[int] = []
+    first: dict[int, int] = {}  # node -> the first item that took it (later ones copy)
     for k, (nid, device) in enumerate(items):
         if device.backend == "cpu":
-            out[k] = g.read(nid)
+            out[k] = g.take(nid) if first.setdefault(nid, k) == k else out[first[nid]].copy()
         elif g.backend_of(nid) == str(device):
             on_device.append(k)
         else:  # computed elsewhere (CPU fallback): move it to the tensor's device
@@ -370,7 +372,7 @@ def _results(g: Any, items: list[tuple[int, Device]]) -> list[Any]:
             buf.upload(bits_view(host))
             out[k] = buf
     if on_device:
-        bufs = g.copy_to_device_buffers([items[k][0] for k in on_device])
+        bufs = g.take_buffers([items[k][0] for k in on_device])
         for k, buf in zip(on_device, bufs):
             out[k] = buf
     return out
@@ -659,7 +661,8 @@ class LazyFrontend:
             for t in order:
                 if not expand(t) and t.requires_grad:
                     plan.grad_ids.append(g.grad(ids[index[id(t)]]))
-        g.plan()
+        # Planned at the first compute, once the leaves are bound: planned now, every device
+        # leaf would count as host memory and be mirrored into the device arena.
         return plan
 
     def cache_info(self) -> dict[str, int]:

@@ -307,6 +307,11 @@ class Optimizer:
                 fs.set_hyper(u, hv)
                 plan.hyper_sig[u] = sig
         fs.run()
+        # The cached step lets go of this step's gradients: bound until the next step they
+        # would stay alive after zero_grad() (a model's worth of gradient memory held through
+        # the next forward and backward). Rebinding them costs no planning.
+        for u in range(len(rows)):
+            fs.unbind_column(u, 1)
         for buf, host in uploads:
             buf.upload(host)
         for _, ps in rows:

@@ -267,8 +267,19 @@ class FusedStep:
         for t, a in enumerate(arrays):
             self.bind(update, t, source, a)
 
+    def unbind_column(self, update: int, source: int) -> None:
+        """Lets go of source ``source`` of every tensor of update ``update`` (the gradients,
+        once the step ran): the step then keeps none of that memory alive between steps. The
+        plan stays: binding arrays or buffers of the same device again costs no planning, and
+        :meth:`run` raises until they are bound."""
+        for t, row in enumerate(self._bound[update]):
+            if row[source] is not None:
+                self._g.unbind(self._leaf[update][t][source])
+                row[source] = None
+
     def bound(self, update: int, tensor: int, source: int) -> Any:
-        """The object source ``source`` of tensor ``tensor`` is bound to now."""
+        """The object source ``source`` of tensor ``tensor`` is bound to now (None after
+        :meth:`unbind_column`)."""
         return self._bound[update][tensor][source]
 
     def run(self) -> None:
