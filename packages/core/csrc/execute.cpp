@@ -245,7 +245,10 @@ void Graph::make_own_buffers() {
     } else {
       nd.hbuf.reset();
       nd.data = nullptr;
-      if (!nd.dbuf || nd.dbuf->backend() != b || !nd.dbuf->valid())
+      if (!nd.dbuf && nd.given && nd.given.use_count() == 1)  // see Node::given
+        nd.dbuf = std::move(nd.given);
+      nd.given.reset();  // (still held elsewhere: that memory is its holder's now)
+      if (!nd.dbuf || nd.dbuf->backend() != b || !nd.dbuf->valid() || nd.dbuf->nbytes() < nd.nbytes())
         nd.dbuf = std::make_shared<DeviceBuffer>(b, std::max<size_t>(nd.nbytes(), 4), Pool::persistent);
     }
   }
@@ -445,7 +448,11 @@ std::vector<std::shared_ptr<DeviceBuffer>> Graph::take_buffers(const std::vector
     auto copies = copy_to_device_buffers(copy_ids);
     for (size_t q = 0; q < copies.size(); ++q) out[copy_at[q]] = std::move(copies[q]);
   }
-  for (size_t k : hand) out[k] = std::move(nodes_[ids[k]].dbuf);
+  for (size_t k : hand) {
+    Node& nd = nodes_[ids[k]];
+    out[k] = nd.dbuf;
+    nd.given = std::move(nd.dbuf);
+  }
   return out;
 }
 

@@ -314,6 +314,7 @@ int Graph::recast(int s, int end, std::map<int, int>& made) {
   c.grad = -1;
   c.data = nullptr;
   c.dbuf.reset();
+  c.given.reset();
   const int id = push(std::move(c));
   made[s] = id;
   return id;
@@ -344,6 +345,7 @@ void Graph::clone_segment(int seg, int end, std::vector<int>& clone_of, std::vec
     c.grad = -1;
     c.data = nullptr;
     c.dbuf.reset();
+    c.given.reset();
     c.hbuf.reset();
     for (int& s : c.src)
       if (clone_of[s] >= 0) s = clone_of[s];

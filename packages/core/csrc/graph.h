@@ -80,6 +80,10 @@ struct Node {
   void* data = nullptr;
   std::shared_ptr<DeviceBuffer> dbuf;
   std::shared_ptr<HostBuffer> hbuf;
+  // An own-memory node's device buffer as last handed over by take_buffers: the next compute
+  // writes into it again when nobody else holds it any more (a gradient the optimizer used
+  // and let go), so the node list names the same buffer and a device can replay its recording.
+  std::shared_ptr<DeviceBuffer> given;
   // A leaf: the backend of the memory it was last bound to (kept by unbind(), so that binding
   // the same kind of memory again keeps the plan).
   int leaf_backend = kCpuBackend;

@@ -402,7 +402,7 @@ const MemoryPlan& Graph::plan() {
     std::map<std::string, size_t> by_op;
     for (int i = 0; i <= p.peak_node; ++i)
       if (p.offsets[i] != SIZE_MAX && (last[i] >= p.peak_node || i == p.peak_node) &&
-          (taken_by[i] < 0 || taken_by[i] > p.peak_node))
+          (taken_by[i] < 0 || taken_by[i] > p.peak_node)) {
         by_op[tab.at(nodes_[i].op).name] += align_up(std::max<size_t>(nodes_[i].nbytes(), 1));
         p.live_nodes_at_peak.push_back(i);
       }
