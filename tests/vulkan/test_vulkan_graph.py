@@ -65,3 +65,70 @@ def test_a_replayed_recording_sees_new_data_and_new_buffers(vulkan: str) -> None
     g._g.bind_device(w.id, bufs[0]._value)
     g.compute()
     np.testing.assert_allclose(g.get_data(h), want(xv, wv0), rtol=1e-5, atol=1e-6)
+
+
+def _split_graph(device: str | None, cuts, dtype: str, axis: int = 2):
+    """loss = sum_i sum(p[a_i:b_i] * r[a_i:b_i]) over slices of one parameter p along `axis`
+    (the last: a projection cut into pieces, as Mamba-2's; the first: never merged), on
+    `device` with strict placement."""
+    shape = (3, 5, 12) if axis == 2 else (12, 5, 3)
+    g = rc.Graph(backends=[device], strict=True) if device else rc.Graph()
+    p = g.param(shape)
+    r = g.input(shape, dtype=dtype)
+    q = p if dtype == "float32" else ops.cast(p, dtype)  # the chain in the dtype
+
+    def cut(t, a, b):
+        return t[:, :, a:b] if axis == 2 else t[a:b]
+
+    terms = [ops.mul(cut(q, a, b), cut(r, a, b)) for a, b in cuts]
+    loss = ops.apply("sum_to", [ops.cast(terms[0], "float32")], ip=())
+    for t in terms[1:]:
+        loss = ops.add(loss, ops.apply("sum_to", [ops.cast(t, "float32")], ip=()))
+    g.set_loss(loss)
+    g.build_backward(loss)
+    return g, p, r
+
+
+@pytest.mark.parametrize(
+    "cuts,merged",
+    [
+        ([(0, 4), (4, 11), (11, 12)], True),  # covering the last axis: one copy per piece
+        ([(7, 12), (0, 7)], True),  # in any order
+        ([(0, 4), (6, 12)], False),  # a gap: a device writes no zeros, so slice_grads run
+        ([(0, 6), (3, 12)], False),  # overlapping: the gradients add up
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gradients_of_last_axis_slices_are_copied_into_their_windows(
+    vulkan: str, cuts, merged: bool, dtype: str
+) -> None:
+    # The zero-padded slice_grads and the adds of them are not run on the device when the
+    # pieces cover the gradient (each piece copied into its window instead): fewer nodes
+    # planned than the same graph cut along the first axis (never merged), and the same
+    # gradient as the CPU's, bit for bit.
+    import ml_dtypes
+
+    npdt = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    rng = np.random.default_rng(len(cuts))
+    pv = rng.standard_normal((3, 5, 12)).astype(npdt).astype(np.float32)
+    rv = rng.standard_normal((3, 5, 12)).astype(npdt)
+    grads = []
+    for device in (vulkan, None):
+        g, p, r = _split_graph(device, cuts, dtype)
+        g.set_data(p, pv)
+        g.set_data(r, rv)
+        g.compute()
+        grads.append(np.asarray(p.grad.numpy()))
+        if device:
+            planned = g.memory()["n_planned"]
+    want = np.zeros((3, 5, 12), np.float64)
+    for a, b in cuts:
+        want[:, :, a:b] += rv[:, :, a:b].astype(np.float64)
+    np.testing.assert_array_equal(grads[0], want.astype(npdt).astype(np.float32))
+    np.testing.assert_array_equal(grads[0].view(np.uint8), grads[1].view(np.uint8))
+    baseline = _split_graph(vulkan, cuts, dtype, axis=0)[0].memory()["n_planned"]
+    if merged:
+        assert planned < baseline, (planned, baseline)
+    else:
+        assert planned == baseline, (planned, baseline)

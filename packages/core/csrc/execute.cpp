@@ -207,10 +207,43 @@ void Graph::run_device_split(const Placement::Split& sp) {
   const BackendEntry& e = backend_entry(sp.backend);
   if (e.closed) throw StateError(e.name + " was released; rebuild the graph on another device");
   const OpTable& tab = OpTable::get();
-  std::vector<recurra_node_desc> descs(sp.nodes.size());
-  for (size_t k = 0; k < sp.nodes.size(); ++k) {
-    const Node& nd = nodes_[sp.nodes[k]];
-    recurra_node_desc& d = descs[k];
+  const std::unordered_map<int, Scatter>* merged = nullptr;
+  {
+    std::lock_guard<std::mutex> lk(g_scatter_mu);
+    const auto it = g_scatters.find(this);
+    if (it != g_scatters.end()) merged = &it->second;  // stable until the next plan()
+  }
+  std::vector<recurra_node_desc> descs;
+  descs.reserve(sp.nodes.size());
+  for (int j : sp.nodes) {
+    const Node& nd = nodes_[j];
+    const Scatter* sc = nullptr;
+    if (merged) {
+      const auto it = merged->find(j);
+      if (it != merged->end()) sc = &it->second;
+    }
+    if (sc) {
+      // A merged add of slice gradients (see Scatter): each piece copied in place into its
+      // window of the output's last axis; the pieces cover it (plan() checked).
+      const recurra_tensor_desc whole = desc_on(j, sp.backend);
+      const int last = whole.ndim - 1;
+      for (size_t k = 0; k < sc->parts.size(); ++k) {
+        recurra_node_desc d{};
+        d.op = "assign";
+        d.n_src = 2;
+        d.src[0] = whole;
+        d.src[0].shape[last] = sc->end[k] - sc->begin[k];
+        d.src[0].offset += static_cast<size_t>(sc->begin[k]) * dtype_size(nd.dtype);
+        d.src[1] = desc_on(sc->parts[k], sp.backend);
+        d.dst = d.src[0];  // assign's (1,) result: the window's first element
+        d.dst.ndim = 1;
+        d.dst.shape[0] = 1;
+        d.dst.strides[0] = 1;
+        descs.push_back(d);
+      }
+      continue;
+    }
+    recurra_node_desc d{};
     d.op = tab.at(nd.op).name.c_str();
     d.dst = desc_on(nd.id, sp.backend);
     d.n_src = static_cast<int32_t>(nd.src.size());
@@ -219,6 +252,7 @@ void Graph::run_device_split(const Placement::Split& sp) {
     d.ip = nd.ip.data();
     d.n_fp = static_cast<int32_t>(nd.fp.size());
     d.fp = nd.fp.data();
+    descs.push_back(d);
   }
   check_status(sp.backend, e.table->compute(e.table->ctx, e.device, descs.data(), static_cast<int32_t>(descs.size())),
                "compute");

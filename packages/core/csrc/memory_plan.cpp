@@ -10,6 +10,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "backend_registry.h"
 #include "graph.h"
 #include "memory.h"
 #include "schedule.h"
@@ -170,6 +171,40 @@ bool merge_scatters(const Scatter& a, const Scatter& b, Scatter* out) {
   return true;
 }
 
+// Whether the pieces cover columns [0, width) of the last axis (merge_scatters keeps them
+// sorted and apart).
+bool covers(const Scatter& sc, int64_t width) {
+  int64_t at = 0;
+  for (size_t i = 0; i < sc.parts.size(); ++i) {
+    if (sc.begin[i] != at) return false;
+    at = sc.end[i];
+  }
+  return at == width;
+}
+
+// Whether device backend b copies into a strided window of a tensor in place (an assign
+// whose destination is a window of a wider row), as a merged add runs there.
+bool assigns_into_windows(int b, DType dt) {
+  const BackendEntry& e = backend_entry(b);
+  if (e.closed) return false;
+  recurra_tensor_desc w{}, src{}, one{};
+  w.dtype = src.dtype = one.dtype = static_cast<recurra_dtype>(static_cast<int>(dt));
+  w.ndim = src.ndim = 2;
+  for (int i = 0; i < RECURRA_MAX_DIMS; ++i) w.shape[i] = src.shape[i] = one.shape[i] = 1;
+  w.shape[0] = w.shape[1] = src.shape[0] = src.shape[1] = 2;
+  w.strides[0] = 4, w.strides[1] = 1;
+  src.strides[0] = 2, src.strides[1] = 1;
+  one.ndim = 1;
+  one.strides[0] = 1;
+  recurra_node_desc d{};
+  d.op = "assign";
+  d.dst = one;
+  d.n_src = 2;
+  d.src[0] = w;
+  d.src[1] = src;
+  return e.table->supports_op(e.table->ctx, e.device, &d) == 1;
+}
+
 }  // namespace
 
 const MemoryPlan& Graph::plan() {
@@ -180,26 +215,44 @@ const MemoryPlan& Graph::plan() {
 
   auto base_of = [&](int id) { return nodes_[id].view_base >= 0 ? nodes_[id].view_base : id; };
 
-  // Adds of slice gradients that run as one scatter (see Scatter); only when nothing is
-  // placed on a device backend (which has no scatter kernel).
+  // Adds of slice gradients that run as one scatter (see Scatter): on the CPU (float32), or
+  // on a device whose backend copies into a strided window in place (an assign into it),
+  // when the pieces cover the whole last axis there (no zeros are written on a device).
+  // Every node of the chain is placed where the add is.
   const OpTable& tab = OpTable::get();
   std::vector<int> readers(n, 0);
   for (int j = 0; j < n; ++j)
     for (int s : nodes_[j].src) ++readers[s];
   std::unordered_map<int, Scatter> merged;
-  if (backends_.empty()) {
+  {
     const int add_op = tab.find("add");
+    std::map<std::pair<int, int>, bool> window_ok;  // (backend, dtype): takes window assigns
+    auto takes = [&](int b, DType dt) {
+      if (b == kCpuBackend) return dt == DType::f32;
+      const auto key = std::make_pair(b, static_cast<int>(dt));
+      auto it = window_ok.find(key);
+      if (it == window_ok.end()) it = window_ok.emplace(key, assigns_into_windows(b, dt)).first;
+      return it->second;
+    };
     for (int j = 0; j < n; ++j) {
       const Node& nd = nodes_[j];
-      if (nd.op != add_op || nd.src.size() != 2 || nd.dtype != DType::f32) continue;
+      if (nd.op != add_op || nd.src.size() != 2 || !takes(place_.where[j], nd.dtype)) continue;
       Scatter a, b, m;
       bool ok = true;
       for (int k = 0; k < 2 && ok; ++k) {
         const Node& s = nodes_[nd.src[k]];
         ok = s.shape == nd.shape && readers[nd.src[k]] == 1 && !(s.flags & (kOutput | kLoss)) &&
-             nd.src[0] != nd.src[1] && scatter_parts(*this, merged, nd.src[k], k == 0 ? &a : &b);
+             nd.src[0] != nd.src[1] && place_.where[nd.src[k]] == place_.where[j] &&
+             scatter_parts(*this, merged, nd.src[k], k == 0 ? &a : &b);
       }
       if (ok && merge_scatters(a, b, &m)) merged[j] = std::move(m);
+    }
+    for (auto it = merged.begin(); it != merged.end();) {
+      const Node& nd = nodes_[it->first];
+      if (place_.where[it->first] != kCpuBackend && !covers(it->second, nd.shape.d[nd.shape.ndim - 1]))
+        it = merged.erase(it);  // (an add that does merge keeps its own copy of the pieces)
+      else
+        ++it;
     }
   }
   auto srcs_of = [&](int j) -> const std::vector<int>& {

@@ -30,7 +30,9 @@ inline int memory_owner(const MemoryPlan& p, int id) {
 // slice_grad writes a whole zero-padded tensor and every add reads two. When all of it runs
 // on the CPU, plan() has each such add run instead as one scatter of the pieces' gradients
 // g_i (each output element written once), and the slice_grads and inner adds, now unread,
-// are not run. The graph's nodes stay as they are; the substitution lives here, per graph.
+// are not run. On a device the same add runs as one in-place copy ("assign") of each piece
+// into its window of the output, when the pieces cover the last axis and the backend takes
+// such windows. The graph's nodes stay as they are; the substitution lives here, per graph.
 
 struct Scatter {
   std::vector<int> parts;      // the nodes written into the output, by begin

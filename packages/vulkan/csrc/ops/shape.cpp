@@ -11,6 +11,7 @@
 //   cumsum:     x dense, ip [axis, reverse]
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "half_ops.h"
 #include "ops.h"
@@ -96,11 +97,27 @@ void contiguous_record(NodeCall& c) {
 
 // ---- assign (in place into source 0) ---------------------------------------------------
 
+// Whether no two elements of the view share memory: its axes, by stride, each step past
+// everything the smaller ones reach.
+bool apart(const recurra_tensor_desc& d) {
+  std::vector<int> ax;
+  for (int i = 0; i < d.ndim; ++i)
+    if (d.shape[i] > 1) ax.push_back(i);
+  std::sort(ax.begin(), ax.end(), [&](int a, int b) { return d.strides[a] < d.strides[b]; });
+  int64_t reach = 0;  // the largest offset the smaller axes reach
+  for (int i : ax) {
+    if (d.strides[i] <= reach) return false;
+    reach += d.strides[i] * (d.shape[i] - 1);
+  }
+  return true;
+}
+
 std::string assign_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 2);
   if (!why.empty()) return why;
   if (n.src[0].dtype != n.src[1].dtype || !same_shape(n.src[0], n.src[1])) return "assign keeps shape and dtype";
-  if (!is_dense(n.src[0])) return "assign writes a dense tensor";
+  // a dense tensor, or a window of one (the core's merged slice gradients, one piece each)
+  if (!apart(n.src[0])) return "assign writes a tensor whose elements lie apart";
   return "";
 }
 
