@@ -173,6 +173,11 @@ class Mamba2Mixer(nn.Module):
         a = (-ops.exp(self.A_log)).reshape(nh, 1)
         s0 = state[1] if state is not None else _zeros((b, nh, p, n), h.device)
         y, s1 = ops.ssm_scan(s0, x, dt, a, bm, cm, np.arange(b, dtype=np.int32))
+        half = rc.autocast_dtype()
+        if half is not None:
+            # as mamba-ssm's chunked scan returns its input's dtype: the gated norm (float32)
+            # then keeps the 2-byte y for its backward, not the scan's float32 packed result
+            y = y.to(half)
         y = self.norm(y.reshape(b, t, di), z, x=x.reshape(b, t, di), d=self.D)
         return self.out_proj(y), [conv_state, s1]
 
