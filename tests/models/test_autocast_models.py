@@ -159,6 +159,38 @@ def test_mamba2_keeps_no_float32_scan_result_under_autocast() -> None:
     assert fwd.count(("cast", "bfloat16", y_shape)) == 3, fwd
 
 
+def _mamba2_step(model, x, y) -> tuple[float, dict[str, np.ndarray], int]:
+    """Loss, gradients and planned peak (peak_live_bytes) of one fresh bf16 step."""
+    LAZY.clear()
+    model.zero_grad()
+    loss, grads = _grads(model, x, y, rc.bfloat16)
+    plan = next(reversed(LAZY._plans.values())).graph.plan()
+    LAZY.clear()
+    return loss, {n: g.numpy() for n, g in grads.items()}, int(plan["peak_live_bytes"])
+
+
+def test_mamba2_norm_and_out_proj_recomputed_under_autocast(monkeypatch) -> None:
+    """Under autocast the gated norm and out_proj of each Mamba-2 mixer are recomputed in the
+    backward (RECOMPUTE_NORM_PROJ): the same loss and gradients, bit for bit, as when the
+    norm's 2-byte output is kept, and a planned peak smaller by at least that output of all
+    but one layer (n_tok * d_inner * 2 bytes each)."""
+    from recurra_models import mamba2
+
+    n_layer, b, t = 4, 2, 24
+    model = rm.create("mamba2", vocab_size=256, n_layer=n_layer, seed=3, **TINY["mamba2"])
+    x, y = _batch(b, t)
+    monkeypatch.setattr(mamba2, "RECOMPUTE_NORM_PROJ", False)
+    loss0, g0, peak0 = _mamba2_step(model, x, y)
+    monkeypatch.setattr(mamba2, "RECOMPUTE_NORM_PROJ", True)
+    loss1, g1, peak1 = _mamba2_step(model, x, y)
+    assert loss0 == loss1
+    assert g0.keys() == g1.keys()
+    for n, g in g1.items():
+        assert np.array_equal(g, g0[n]), n
+    d_inner = 2 * TINY["mamba2"]["d_model"]
+    assert peak1 <= peak0 - (n_layer - 1) * b * t * d_inner * 2, (peak0, peak1)
+
+
 def test_mamba1_bf16_training_curve_follows_float32() -> None:
     """Mamba-1 too (its conv's result is rounded to bf16 under autocast, as Mamba-2's):
     within 2% of the float32 curve at every step."""
