@@ -135,6 +135,62 @@ def test_recomputed_casts_leave_the_gradients_bitwise_unchanged(arch: str) -> No
         assert g is None or np.array_equal(g, kept), n
 
 
+def test_mamba2_keeps_no_float32_scan_result_under_autocast() -> None:
+    """Under autocast Mamba-2 rounds the scan's y to bf16 before the gated norm (as
+    mamba-ssm's scan returns its input's dtype), so the backward keeps that 2-byte y, not
+    the scan's float32 packed (y, final states) result: at the planned peak of a step no
+    float32 node of the forward is as large as a layer's y (the float32 ones left are the
+    embedding rows and the final norm's output, d_model wide), and every layer keeps a bf16
+    y."""
+    model = rm.create("mamba2", vocab_size=256, n_layer=3, seed=3, **TINY["mamba2"])
+    x, y = _batch(2, 24)
+    LAZY.clear()
+    with rc.autocast(rc.bfloat16):
+        loss = model.loss(x, y)
+    loss.backward()
+    plan = next(reversed(LAZY._plans.values())).graph.plan()
+    LAZY.clear()
+    d_inner, head_dim = 2 * TINY["mamba2"]["d_model"], TINY["mamba2"]["head_dim"]
+    y_shape = (2, 24, d_inner // head_dim, head_dim)
+    fwd = [(op, dt, tuple(sh)) for _, op, dt, sh, _, f in plan["live_nodes_at_peak"] if f]
+    big = [n for n in fwd if n[1] == "float32" and np.prod(n[2]) >= np.prod(y_shape)]
+    assert not big, fwd
+    assert not [n for n in fwd if n[0] == "ssm_scan"], fwd
+    assert fwd.count(("cast", "bfloat16", y_shape)) == 3, fwd
+
+
+def _mamba2_step(model, x, y) -> tuple[float, dict[str, np.ndarray], int]:
+    """Loss, gradients and planned peak (peak_live_bytes) of one fresh bf16 step."""
+    LAZY.clear()
+    model.zero_grad()
+    loss, grads = _grads(model, x, y, rc.bfloat16)
+    plan = next(reversed(LAZY._plans.values())).graph.plan()
+    LAZY.clear()
+    return loss, {n: g.numpy() for n, g in grads.items()}, int(plan["peak_live_bytes"])
+
+
+def test_mamba2_norm_and_out_proj_recomputed_under_autocast(monkeypatch) -> None:
+    """Under autocast the gated norm and out_proj of each Mamba-2 mixer are recomputed in the
+    backward (RECOMPUTE_NORM_PROJ): the same loss and gradients, bit for bit, as when the
+    norm's 2-byte output is kept, and a planned peak smaller by at least that output of all
+    but one layer (n_tok * d_inner * 2 bytes each)."""
+    from recurra_models import mamba2
+
+    n_layer, b, t = 4, 2, 24
+    model = rm.create("mamba2", vocab_size=256, n_layer=n_layer, seed=3, **TINY["mamba2"])
+    x, y = _batch(b, t)
+    monkeypatch.setattr(mamba2, "RECOMPUTE_NORM_PROJ", False)
+    loss0, g0, peak0 = _mamba2_step(model, x, y)
+    monkeypatch.setattr(mamba2, "RECOMPUTE_NORM_PROJ", True)
+    loss1, g1, peak1 = _mamba2_step(model, x, y)
+    assert loss0 == loss1
+    assert g0.keys() == g1.keys()
+    for n, g in g1.items():
+        assert np.array_equal(g, g0[n]), n
+    d_inner = 2 * TINY["mamba2"]["d_model"]
+    assert peak1 <= peak0 - (n_layer - 1) * b * t * d_inner * 2, (peak0, peak1)
+
+
 def test_mamba1_bf16_training_curve_follows_float32() -> None:
     """Mamba-1 too (its conv's result is rounded to bf16 under autocast, as Mamba-2's):
     within 2% of the float32 curve at every step."""

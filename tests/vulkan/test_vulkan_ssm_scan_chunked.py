@@ -365,3 +365,41 @@ def test_lazy_api_on_vulkan_saves_checkpoints_and_grads_match_cpu(monkeypatch):
     _, want = grads(None)
     for k, g, w in zip(PARTS_BACK, got, want):
         assert nmse(g, w) <= NMSE_MAX, k
+
+
+@pytest.mark.parametrize("checkpoints", [None, True, False])
+def test_autocast_scan_recomputes_its_checkpoints(checkpoints, monkeypatch):
+    """Under recurra.autocast a scan with one decay per head saves no checkpoints unless
+    asked (checkpoints=True): the chunked backward recomputes the chunk states from the kept
+    inputs instead (no float32 states kept for a mixed-precision step). Every node on the
+    device (strict placement); the gradients equal the CPU's in each case."""
+    from recurra.ops import _ssm
+
+    monkeypatch.delenv("RECURRA_VK_SSM", raising=False)
+    srcs = inputs(3, 2, 150, 4, 16, 17, 2, [2, 0], seed=14)
+    R = rand(np.random.default_rng(15), 2, 150, 4, 16)
+    flags = []
+    real = _ssm.apply_multi
+
+    def spy(name, ts, **kw):
+        flags.append(tuple(kw.get("ip", ())))
+        return real(name, ts, **kw)
+
+    def grads(device, cast):
+        ps = [rc.param(a, device=device) for a in srcs[:6]]
+        with rc.autocast(enabled=cast):
+            y, st = rc.ops.ssm_scan(*ps, srcs[6], checkpoints=checkpoints)
+            loss = (y * rc.tensor(R, device=device)).sum() + st.sum()
+        loss.backward()
+        return [np.asarray(p.grad.numpy()) for p in ps]
+
+    monkeypatch.setattr(_ssm, "apply_multi", spy)
+    rc.set_strict_placement(True)
+    try:
+        got = grads("vulkan", True)
+    finally:
+        rc.set_strict_placement(False)
+    assert flags == [(_ssm.op_codes()["SSM_SCAN_CHECKPOINTS_AUTO"],) if checkpoints else ()]
+    want = grads(None, False)
+    for k, g, w in zip(PARTS_BACK, got, want):
+        assert nmse(g, w) <= NMSE_MAX, k

@@ -16,6 +16,7 @@ then a final RMSNorm and the LM head (untied by default, like Hugging Face's con
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -34,6 +35,15 @@ from recurra_models.lm import (
 from recurra_models.mamba import MambaBlock, MambaFamilyLM, _Conv1d, _zeros
 
 __all__ = ["GatedRMSNorm", "Mamba2Block", "Mamba2Config", "Mamba2LM", "Mamba2Mixer"]
+
+# Under autocast the gated norm and out_proj of a mixer form one recomputation segment
+# (recurra.recompute): the backward runs them again (one more out_proj product and norm
+# per layer) right before their gradients, so that the norm's 2-byte output, out_proj's
+# input (d_inner * 2 bytes per token, 12.5 MB per Mamba2-130m layer at 8 x 512), is not
+# kept through the step; the segment's inputs (y, z, x) are kept for the norm's gradient
+# anyway. False keeps that output (the plan of before; tests compare the two: the same
+# gradients, bit for bit). Float32 steps do not recompute.
+RECOMPUTE_NORM_PROJ = True
 
 
 @dataclass
@@ -173,8 +183,21 @@ class Mamba2Mixer(nn.Module):
         a = (-ops.exp(self.A_log)).reshape(nh, 1)
         s0 = state[1] if state is not None else _zeros((b, nh, p, n), h.device)
         y, s1 = ops.ssm_scan(s0, x, dt, a, bm, cm, np.arange(b, dtype=np.int32))
-        y = self.norm(y.reshape(b, t, di), z, x=x.reshape(b, t, di), d=self.D)
-        return self.out_proj(y), [conv_state, s1]
+        half = rc.autocast_dtype()
+        if half is None:
+            y = self.norm(y.reshape(b, t, di), z, x=x.reshape(b, t, di), d=self.D)
+            return self.out_proj(y), [conv_state, s1]
+        # Under autocast: y rounded to the autocast dtype, as mamba-ssm's chunked scan returns
+        # its input's dtype, so that the gated norm (float32) keeps the 2-byte y for its
+        # backward, not the scan's float32 packed result; then (RECOMPUTE_NORM_PROJ) the norm
+        # and out_proj in a recomputation segment (see there).
+        y = y.to(half)
+        seg = rc.recompute() if RECOMPUTE_NORM_PROJ else contextlib.nullcontext()
+        z = z.contiguous()  # the segment's input (z's own copy, as the norm reads it)
+        with seg:
+            y = self.norm(y.reshape(b, t, di), z, x=x.reshape(b, t, di), d=self.D)
+            out = self.out_proj(y)
+        return out, [conv_state, s1]
 
 
 class Mamba2Block(MambaBlock):

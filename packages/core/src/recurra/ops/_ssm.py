@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from recurra import _autocast
 from recurra._tensor import is_grad_enabled
 from recurra.ops import _exports
 from recurra.ops._apply import apply, apply_multi
@@ -35,7 +36,9 @@ def ssm_conv(sx: Any, c: Any) -> Any:
     return apply("ssm_conv", [sx, c])
 
 
-def ssm_scan(s: Any, x: Any, dt: Any, A: Any, B: Any, C: Any, ids: Any) -> tuple[Any, Any]:
+def ssm_scan(
+    s: Any, x: Any, dt: Any, A: Any, B: Any, C: Any, ids: Any, *, checkpoints: bool | None = None
+) -> tuple[Any, Any]:
     """Mamba's selective scan (Mamba-1 and Mamba-2).
 
     Shapes: ``s`` (n_rows, n_head, head_dim, d_state) initial states; ``x`` (n_seqs, n_tok,
@@ -46,6 +49,15 @@ def ssm_scan(s: Any, x: Any, dt: Any, A: Any, B: Any, C: Any, ids: Any) -> tuple
 
     Returns ``(y, state)``: y with the shape of x, and the final state of each sequence,
     (n_seqs, n_head, head_dim, d_state), in sequence order. Both are differentiable.
+
+    ``checkpoints``: whether a forward followed by a gradient saves the states its backward
+    reads where the backend placing it takes them (head_dim 1, and on a device one decay per
+    head: the state entering each 64-token chunk, S*H*P*N floats per chunk, 50 MB per
+    Mamba2-130m layer at 8 x 512 tokens). ``None`` (default): saved, except for one decay
+    per head under :class:`recurra.autocast`, where the chunked backward recomputes them
+    from the kept inputs instead (its chunk-state pass, as mamba-ssm's chunked scan does),
+    so that a mixed-precision step keeps no float32 states. ``False`` never saves them
+    (the backward recomputes); ``True`` saves them where they apply.
 
     Raises ValueError for inconsistent shapes or ids outside [0, n_rows) (the latter when
     the graph runs), TypeError for non-float inputs or non-integer ids.
@@ -62,7 +74,9 @@ def ssm_scan(s: Any, x: Any, dt: Any, A: Any, B: Any, C: Any, ids: Any) -> tuple
     # Asks for the backward's checkpoints when a gradient will be taken; the core saves them
     # where the backend placing the scan reads them. They follow y and the states in the
     # packed result (cut off here).
-    save = _wants_checkpoints(xs, ss, A, srcs)
+    save = checkpoints is not False and _wants_checkpoints(xs, ss, A, srcs)
+    if save and checkpoints is None and xs[3] != 1 and _autocast.STATE.dtype is not None:
+        save = False  # one decay per head under autocast: recomputed (see the docstring)
     flags = (op_codes()["SSM_SCAN_CHECKPOINTS_AUTO"],) if save else ()
     y, state, *_ = apply_multi("ssm_scan", srcs, shapes=shapes, ip=flags, tail=True)
     return y, state
