@@ -1,7 +1,8 @@
 """Training runs for the recurra_dist tests: imported by the tests (the one-process
 reference) and run under ``mpiexec`` (the data-parallel runs).
 
-    mpiexec -n 2 python dp_worker.py equal OUT.npz [vulkan]
+    mpiexec -n 2 python dp_worker.py equal OUT.npz [vulkan]   # every case with and without
+                                                             # overlap ("CASE" / "CASE/late")
     mpiexec -n 2 python dp_worker.py fail {raise,exit,kill,sysexit,hang} OUT_DIR
     mpiexec -n 3 python dp_worker.py train OUT_DIR STEPS [--resume]
 
@@ -57,8 +58,11 @@ def run(
     callback: Any = None,
     timeout: float | None = 600.0,
     device: str = "cpu",
+    overlap: bool = True,
 ) -> tuple[list[float], dict[str, np.ndarray], bool]:
-    """Trains ``case`` on ``device``; returns (losses, final weights, ranks bit-identical)."""
+    """Trains ``case`` on ``device``; returns (losses, final weights, ranks bit-identical).
+    With ``parallel``, the weights get an entry ``"@overlapped"``: how many exchanges began
+    during the backward."""
     import recurra_models as rm
 
     model, opt = make(case, device)
@@ -69,7 +73,7 @@ def run(
         if recurra_dist.init().rank != 0:  # other weights elsewhere: rank 0's must win
             for p in model.parameters():
                 p.assign_(p.numpy() + 1.0)
-        dp = recurra_dist.DataParallel(model, opt, bucket_mb=0.01, timeout=timeout)
+        dp = recurra_dist.DataParallel(model, opt, bucket_mb=0.01, timeout=timeout, overlap=overlap)
     trainer = rm.Trainer(
         model,
         opt,
@@ -87,7 +91,10 @@ def run(
         trainer.resume()
     hist = trainer.fit(callback)
     same = dp.consistent() if dp is not None else True
-    return [float(r["loss"]) for r in hist], model.state_dict(), same
+    weights = model.state_dict()
+    if dp is not None:
+        weights["@overlapped"] = np.asarray(dp.overlapped)
+    return [float(r["loss"]) for r in hist], weights, same
 
 
 def _save(path: str, results: dict[str, tuple[list[float], dict[str, np.ndarray], bool]]) -> None:
@@ -108,6 +115,8 @@ def main(argv: list[str]) -> None:
     if mode == "equal":  # [DEVICE]: vulkan puts rank r on vulkan:<local rank % GPUs>
         device = ctx.device(argv[2]) if len(argv) > 2 else "cpu"
         results = {case: run(case, True, device=device) for case in CASES}
+        for case in CASES:
+            results[f"{case}/late"] = run(case, True, device=device, overlap=False)
         if ctx.rank == 0:
             _save(argv[1], results)
     elif mode == "fail":

@@ -203,13 +203,14 @@ void Graph::fill_mirror(const Placement::Mirror& m) {
   dst.upload(m.offset, tmp.data(), bytes);
 }
 
-void Graph::run_device_split(const Placement::Split& sp) {
+void Graph::run_device_split(const Placement::Split& sp, size_t begin, size_t end) {
   const BackendEntry& e = backend_entry(sp.backend);
   if (e.closed) throw StateError(e.name + " was released; rebuild the graph on another device");
+  if (begin >= end) return;
   const OpTable& tab = OpTable::get();
-  std::vector<recurra_node_desc> descs(sp.nodes.size());
-  for (size_t k = 0; k < sp.nodes.size(); ++k) {
-    const Node& nd = nodes_[sp.nodes[k]];
+  std::vector<recurra_node_desc> descs(end - begin);
+  for (size_t k = 0; k < descs.size(); ++k) {
+    const Node& nd = nodes_[sp.nodes[begin + k]];
     recurra_node_desc& d = descs[k];
     d.op = tab.at(nd.op).name.c_str();
     d.dst = desc_on(nd.id, sp.backend);
@@ -288,10 +289,36 @@ std::string profile_key(const Node& n, const std::string& op, const std::vector<
 
 }  // namespace
 
-void Graph::compute() {
+void Graph::compute(const std::vector<std::vector<int>>& groups, const std::function<void(int)>& ready) {
   plan();
   check_ready();
   make_own_buffers();
+  // fire[p]: the groups whose nodes are all final once the first p nodes (in the order the
+  // splits run them) are computed. A view is final with its base, a leaf at once; a node
+  // that runs in no split (merged away) counts as final at the end.
+  std::vector<std::vector<int>> fire;
+  if (ready && !groups.empty()) {
+    std::vector<int64_t> pos(nodes_.size(), -1);
+    int64_t total = 0;
+    for (const auto& sp : place_.splits)
+      for (int j : sp.nodes) pos[j] = total++;
+    fire.assign(static_cast<size_t>(total) + 1, {});
+    for (size_t k = 0; k < groups.size(); ++k) {
+      int64_t at = 0;
+      for (int id : groups[k]) {
+        int b = node(id).id;
+        while (nodes_[b].is_view()) b = nodes_[b].view_base;
+        if (!nodes_[b].is_leaf()) at = std::max(at, pos[b] >= 0 ? pos[b] + 1 : total);
+      }
+      fire[at].push_back(static_cast<int>(k));
+    }
+  }
+  int64_t done = 0;  // nodes computed so far
+  auto report = [&]() {
+    if (!fire.empty())
+      for (int k : fire[done]) ready(k);
+  };
+  report();
   const OpTable& tab = OpTable::get();
   const PoolLease lease;  // set_num_threads waits for this computation to end
   ThreadPool& tp = lease.pool();
@@ -304,9 +331,19 @@ void Graph::compute() {
       mr.filled = (nodes_[mr.base].flags & kConst) != 0;
     }
     if (sp.backend != kCpuBackend) {
-      const auto t0 = std::chrono::steady_clock::now();
-      run_device_split(sp);
-      if (profile_enabled()) profile_record(backend_name(sp.backend) + " split", elapsed_ns(t0));
+      // In parts ending where a group completes: each part is computed and waited for,
+      // then its groups are reported.
+      size_t begin = 0;
+      for (size_t k = 0; k < sp.nodes.size(); ++k) {
+        const bool cut = !fire.empty() && !fire[done + static_cast<int64_t>(k) + 1].empty();
+        if (!cut && k + 1 < sp.nodes.size()) continue;
+        const auto t0 = std::chrono::steady_clock::now();
+        run_device_split(sp, begin, k + 1);
+        if (profile_enabled()) profile_record(backend_name(sp.backend) + " split", elapsed_ns(t0));
+        done += static_cast<int64_t>(k + 1 - begin);
+        begin = k + 1;
+        report();
+      }
       continue;
     }
     const std::unordered_map<int, Scatter>* merged = nullptr;
@@ -325,6 +362,8 @@ void Graph::compute() {
         for (int q : sc.parts) parts.push_back(host_view(q, kCpuBackend));
         scatter_last_axis(host_view(j, kCpuBackend), parts, sc.begin, tp);
         if (prof) profile_record(profile_key(n, "scatter", parts), elapsed_ns(t0));
+        ++done;
+        report();
         continue;
       }
       KernelCtx ctx{n, host_view(j, kCpuBackend), {}, tp};
@@ -335,6 +374,8 @@ void Graph::compute() {
       else
         tab.at(n.op).forward(ctx);
       if (prof) profile_record(profile_key(n, tab.at(n.op).name, ctx.src), elapsed_ns(t0));
+      ++done;
+      report();
     }
   }
 }
