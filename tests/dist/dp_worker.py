@@ -59,8 +59,10 @@ def run(
     timeout: float | None = 600.0,
     device: str = "cpu",
     overlap: bool = True,
+    capture: bool = True,
 ) -> tuple[list[float], dict[str, np.ndarray], bool]:
-    """Trains ``case`` on ``device``; returns (losses, final weights, ranks bit-identical).
+    """Trains ``case`` on ``device`` (``capture``: the Trainer's captured steps); returns
+    (losses, final weights, ranks bit-identical).
     With ``parallel``, the weights get an entry ``"@overlapped"``: how many exchanges began
     during the backward."""
     import recurra_models as rm
@@ -86,6 +88,7 @@ def run(
         checkpoint_every=1 if out_dir else 0,
         log_every=0,
         parallel=dp,
+        capture=capture,
     )
     if resume:
         trainer.resume()
@@ -94,6 +97,8 @@ def run(
     weights = model.state_dict()
     if dp is not None:
         weights["@overlapped"] = np.asarray(dp.overlapped)
+        if steps and dp.world_size > 1:  # the last step exchanged: its timers make sense
+            assert dp.last_span_s >= dp.last_exchange_s > 0, (dp.last_span_s, dp.last_exchange_s)
     return [float(r["loss"]) for r in hist], weights, same
 
 
@@ -137,7 +142,9 @@ def main(argv: list[str]) -> None:
         run("adamw_clip", True, steps=6, out_dir=out_dir, callback=die, timeout=5.0)
     elif mode == "train":
         out_dir, steps = argv[1], int(argv[2])
-        res = run("adamw_accum", True, steps=steps, out_dir=out_dir, resume="--resume" in argv)
+        # backward() as written (the other modes run captured steps)
+        resume = "--resume" in argv
+        res = run("adamw_accum", True, steps=steps, out_dir=out_dir, resume=resume, capture=False)
         if ctx.rank == 0:
             _save(os.path.join(out_dir, f"result-{steps}.npz"), {"adamw_accum": res})
     else:

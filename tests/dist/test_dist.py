@@ -146,6 +146,7 @@ def test_resume_on_another_world_size(mpiexec, tmp_path):
     assert r.returncode == 0, r.stderr
     losses, weights, same = _load(tmp_path / "result-8.npz", "adamw_accum")
     assert same
+    assert _overlapped(tmp_path / "result-8.npz", "adamw_accum") == STEPS // 2  # 3 ranks
     ref = run("adamw_accum", parallel=False, steps=2 * STEPS)
     worst = _compare(losses, weights, ref)
     print(f"resume 2 -> 3 ranks: max rel diff {worst:.2e}")

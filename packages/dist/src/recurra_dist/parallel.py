@@ -194,10 +194,11 @@ class DataParallel:
         if early.started:  # begun during the backward
             stale = self.any(not early.current())  # every rank takes the same way
             if not stale:
+                inside, t_first, nbytes = early.inside_s, early.t_first, early.nbytes
                 early.finish(scale=np.float32(1.0 / n))
                 self.overlapped += 1
-                dt = time.perf_counter() - t0
-                self._timed(early.inside_s + dt, time.perf_counter() - early.t_first, early.nbytes)
+                t1 = time.perf_counter()
+                self._timed(inside + t1 - t0, t1 - t_first, nbytes)
                 return
             early.drain()  # gradients changed since the backward: exchange them now
         present = np.array([p.grad is not None for p in self.params], np.int32)
