@@ -358,12 +358,13 @@ class _Early:
         )
         self.flags_req = dp.ctx.comm.Iallreduce(_in_place(), self.present, op=_op("MAX"))
         self.started = True
-        self.t_first = t0
         self.inside_s = time.perf_counter() - t0
         return True
 
     def ready(self, k: int, read: Any) -> None:
         t0 = time.perf_counter()
+        if not self.t_first:  # (the graph's forward ran before this)
+            self.t_first = t0
         b = self.dp.buckets[k]
         for j, i in enumerate(self.groups[k]):
             view, prev = b.view(j), self.params[i].grad
