@@ -363,8 +363,8 @@ class _Early:
 
     def ready(self, k: int, read: Any) -> None:
         t0 = time.perf_counter()
-        if not self.t_first:  # (the graph's forward ran before this)
-            self.t_first = t0
+        if not self.t_first:  # (the graph's forward ran since begin(): not counted)
+            self.t_first = t0 - self.inside_s
         b = self.dp.buckets[k]
         for j, i in enumerate(self.groups[k]):
             view, prev = b.view(j), self.params[i].grad
