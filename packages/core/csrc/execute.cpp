@@ -333,14 +333,15 @@ void Graph::compute(const std::vector<std::vector<int>>& groups, const std::func
     if (sp.backend != kCpuBackend) {
       // In parts ending where a group completes: each part is computed and waited for,
       // then its groups are reported.
+      const int64_t first = done;  // the split's first node's position
       size_t begin = 0;
       for (size_t k = 0; k < sp.nodes.size(); ++k) {
-        const bool cut = !fire.empty() && !fire[done + static_cast<int64_t>(k) + 1].empty();
+        const bool cut = !fire.empty() && !fire[first + static_cast<int64_t>(k) + 1].empty();
         if (!cut && k + 1 < sp.nodes.size()) continue;
         const auto t0 = std::chrono::steady_clock::now();
         run_device_split(sp, begin, k + 1);
         if (profile_enabled()) profile_record(backend_name(sp.backend) + " split", elapsed_ns(t0));
-        done += static_cast<int64_t>(k + 1 - begin);
+        done = first + static_cast<int64_t>(k + 1);
         begin = k + 1;
         report();
       }
