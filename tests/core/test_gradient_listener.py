@@ -60,6 +60,7 @@ class Recorder:
         self.params, self.groups = params, groups
         self.events: list[Any] = []
         self.values: dict[int, np.ndarray] = {}
+        self.packed: dict[int, np.ndarray] = {}
         self.present: list[bool] = []
         self.listen = True
         self.fail_at: int | None = None
@@ -73,7 +74,12 @@ class Recorder:
         self.events.append(k)
         if k == self.fail_at:
             raise KeyError("stop here")
-        for i in self.groups[k]:
+        group = self.groups[k]
+        if all(self.present[i] for i in group):  # read together too: the same values
+            flat = np.empty(sum(self.params[i].size for i in group), np.float32)
+            read(group, flat)
+            self.packed[k] = flat
+        for i in group:
             if self.present[i]:
                 out = np.empty(self.params[i].shape, np.float32)
                 read(i, out)
@@ -118,13 +124,25 @@ def test_groups_are_reported_last_layer_first_with_the_final_gradients(recorder_
     assert ps[3].grad is None
 
 
-def test_a_group_waits_for_its_last_gradient(recorder_for) -> None:
-    ps = _params()
+def _check_packed(rec: Recorder) -> None:
+    """What read(group, out) gave: the group's gradients one after the other."""
+    assert rec.packed
+    for k, flat in rec.packed.items():
+        parts = [rec.values[i].reshape(-1) for i in rec.groups[k]]
+        assert flat.tobytes() == np.concatenate(parts).tobytes()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("vulkan", marks=pytest.mark.vulkan)])
+def test_a_group_waits_for_its_last_gradient(recorder_for, device, request) -> None:
+    dev = request.getfixturevalue("vulkan") if device == "vulkan" else "cpu"
+    ps = _params(device=dev)
     x, y = _data()
     rec = recorder_for(ps, [[0, 2], [1]])  # w0 is final after w1
-    _loss(ps, rc.tensor(x), rc.tensor(y)).backward()
+    _loss(ps, rc.tensor(x, device=dev), rc.tensor(y, device=dev)).backward()
     assert rec.events == ["begin", 1, 0, "end"]
     assert set(rec.values) == {0, 1, 2}
+    _check_packed(rec)
+    assert set(rec.packed) == {0, 1}
 
 
 def test_read_gives_this_backwards_gradient_not_the_sum(recorder_for) -> None:
@@ -203,3 +221,4 @@ def test_device_splits_are_cut_where_a_group_completes(recorder_for, vulkan) -> 
         np.testing.assert_allclose(rec.values[i], ref, rtol=2e-4, atol=1e-6)
         assert ps[i].grad is not None
         assert rec.values[i].tobytes() == ps[i].grad.numpy().tobytes()
+    _check_packed(rec)

@@ -272,6 +272,21 @@ PYBIND11_MODULE(_core, m) {
             s.g.read(id, dst);
           },
           py::arg("id"), py::arg("out"), "Copies node id's value into `out` (read() without a new array).")
+      .def(
+          "read_packed",
+          [](PyGraph& s, const std::vector<int>& ids, py::array out) {
+            size_t bytes = 0;
+            for (int id : ids) bytes += s.g.node(id).nbytes();
+            if (!(out.flags() & py::array::c_style) || !out.writeable() || static_cast<size_t>(out.nbytes()) != bytes)
+              throw ValueError("read_packed: the nodes need a writable C-contiguous array of " + std::to_string(bytes) +
+                               " bytes");
+            void* dst = out.mutable_data();
+            py::gil_scoped_release nogil;
+            s.g.read_packed(ids, dst);
+          },
+          py::arg("ids"), py::arg("out"),
+          "The values of `ids` one after the other into `out` (those on a device packed there: one "
+          "download per device).")
       .def("take", &PyGraph::take, py::arg("id"),
            "The value of a node after compute: handed over (no copy) when the node has memory "
            "of its own on the CPU (FLAG_OWN_MEMORY), else a copy as read().")

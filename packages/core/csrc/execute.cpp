@@ -427,6 +427,59 @@ void Graph::read(int id, void* out) {
   }
 }
 
+void Graph::read_packed(const std::vector<int>& ids, void* out) {
+  plan();
+  auto* dst = static_cast<uint8_t*>(out);
+  std::map<int, std::vector<std::pair<int, size_t>>> by_backend;  // (node, offset in out)
+  size_t off = 0;
+  for (int id : ids) {
+    const Node& n = node(id);
+    const int base = n.is_view() ? n.view_base : id;
+    const int loc = location(base);
+    if (loc == kCpuBackend || n.numel() == 0)
+      read(id, dst + off);
+    else
+      by_backend[loc].push_back({id, off});
+    off += n.nbytes();
+  }
+  for (const auto& [loc, items] : by_backend) {
+    size_t bytes = 0;
+    for (const auto& it : items) bytes += nodes_[it.first].nbytes();
+    DeviceBuffer packed(loc, std::max<size_t>(bytes, 4), Pool::persistent);
+    const BackendEntry& e = backend_entry(loc);
+    std::vector<recurra_node_desc> descs(items.size());
+    size_t at = 0;
+    for (size_t q = 0; q < items.size(); ++q) {
+      const Node& n = nodes_[items[q].first];
+      const int owner = memory_owner(plan_, n.is_view() ? n.view_base : n.id);
+      check_own_held(owner, "read");
+      recurra_node_desc& d = descs[q];
+      d = recurra_node_desc{};
+      d.op = "contiguous";
+      d.dst = shape_desc(n);
+      int64_t st[kMaxDims];
+      contiguous_strides(n.shape, st);
+      for (int i = 0; i < n.shape.ndim; ++i) d.dst.strides[i] = st[i];
+      d.dst.buffer = packed.handle();
+      d.dst.offset = at;
+      d.n_src = 1;
+      d.src[0] = desc_on(n.id, loc);
+      at += n.nbytes();
+    }
+    check_status(loc, e.table->compute(e.table->ctx, e.device, descs.data(), static_cast<int32_t>(descs.size())),
+                 "copy");
+    check_status(loc, e.table->synchronize(e.table->ctx, e.device), "synchronize");
+    std::vector<uint8_t> staging(bytes);
+    packed.download(0, staging.data(), bytes);
+    at = 0;
+    for (const auto& [id, o] : items) {
+      const size_t nb = nodes_[id].nbytes();
+      std::memcpy(dst + o, staging.data() + at, nb);
+      at += nb;
+    }
+  }
+}
+
 std::shared_ptr<DeviceBuffer> Graph::copy_to_device_buffer(int id) { return copy_to_device_buffers({id}).at(0); }
 
 std::vector<std::shared_ptr<DeviceBuffer>> Graph::copy_to_device_buffers(const std::vector<int>& ids) {

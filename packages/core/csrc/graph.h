@@ -295,6 +295,9 @@ class Graph {
   const Placement& placement() { plan(); return place_; }
   // Copies a node's value to host memory `out` (numel * 4 bytes, contiguous).
   void read(int id, void* out);
+  // The values of `ids`, one after the other (dense), into `out`: the nodes on a device are
+  // packed there first (one compute call, one wait and one download per device).
+  void read_packed(const std::vector<int>& ids, void* out);
   // A new persistent buffer on the node's backend holding a dense copy of its value.
   std::shared_ptr<DeviceBuffer> copy_to_device_buffer(int id);
   // The same for several nodes: one compute call and one wait per backend.

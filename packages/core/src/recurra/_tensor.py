@@ -437,7 +437,9 @@ class GradientListener(Protocol):
     computes a gradient for ``params[i]``. A false result: the listener sits this one out.
     ``ready(k, read)``: every gradient of ``params[i]``, ``i`` in ``groups[k]``, is final;
     ``read(i, out)`` copies this backward's gradient of ``params[i]`` (not yet added to
-    ``params[i].grad``) into the C-contiguous array ``out`` of its dtype and size.
+    ``params[i].grad``) into the C-contiguous array ``out`` of its dtype and size;
+    ``read([i, j, ...], out)`` those of several parameters one after the other (on a
+    device: packed there, one download). It must not compute tensors.
     Groups are reported in the order they complete. ``end()``: the gradients are in ``.grad``.
     """
 
@@ -445,7 +447,7 @@ class GradientListener(Protocol):
     groups: list[list[int]]
 
     def begin(self, present: list[bool]) -> bool: ...
-    def ready(self, k: int, read: Callable[[int, np.ndarray], None]) -> None: ...
+    def ready(self, k: int, read: Callable[[int | list[int], np.ndarray], None]) -> None: ...
     def end(self) -> None: ...
 
 
@@ -489,10 +491,15 @@ def _compute_reporting(g: Any, listening: list[tuple[Any, list[int]]]) -> None:
     def ready(j: int) -> None:
         lst, k, gids = owner[j]
 
-        def read(i: int, out: np.ndarray) -> None:
-            if gids[i] < 0:
-                raise ValueError(f"this backward computes no gradient for parameter {i}")
-            g.read_into(gids[i], out)
+        def read(which: int | list[int], out: np.ndarray) -> None:
+            idx = [which] if isinstance(which, int) else list(which)
+            missing = [i for i in idx if gids[i] < 0]
+            if missing:
+                raise ValueError(f"this backward computes no gradient for parameter {missing[0]}")
+            if isinstance(which, int):
+                g.read_into(gids[which], out)
+            else:
+                g.read_packed([gids[i] for i in idx], out)
 
         lst.ready(k, read)
 

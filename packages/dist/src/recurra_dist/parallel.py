@@ -365,8 +365,11 @@ class _Early:
         t0 = time.perf_counter()
         if not self.t_first:  # (the graph's forward ran since begin(): not counted)
             self.t_first = t0 - self.inside_s
-        b = self.dp.buckets[k]
-        for j, i in enumerate(self.groups[k]):
+        b, group = self.dp.buckets[k], self.groups[k]
+        if all(self.mine[i] and self.params[i].grad is None for i in group):
+            read(group, b.buffer)  # on a device: one download for the bucket
+            group = []
+        for j, i in enumerate(group):
             view, prev = b.view(j), self.params[i].grad
             if self.mine[i]:
                 read(i, view)
