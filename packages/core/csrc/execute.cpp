@@ -427,6 +427,26 @@ void Graph::read(int id, void* out) {
   }
 }
 
+namespace {
+
+// A "contiguous" node copying node n (seen as `src`) densely to `offset` bytes into dst.
+recurra_node_desc dense_copy(const Node& n, const recurra_tensor_desc& src, const DeviceBuffer& dst,
+                             size_t offset) {
+  recurra_node_desc d{};
+  d.op = "contiguous";
+  d.dst = shape_desc(n);
+  int64_t st[kMaxDims];
+  contiguous_strides(n.shape, st);
+  for (int i = 0; i < n.shape.ndim; ++i) d.dst.strides[i] = st[i];
+  d.dst.buffer = dst.handle();
+  d.dst.offset = offset;
+  d.n_src = 1;
+  d.src[0] = src;
+  return d;
+}
+
+}  // namespace
+
 void Graph::read_packed(const std::vector<int>& ids, void* out) {
   plan();
   auto* dst = static_cast<uint8_t*>(out);
@@ -453,17 +473,7 @@ void Graph::read_packed(const std::vector<int>& ids, void* out) {
       const Node& n = nodes_[items[q].first];
       const int owner = memory_owner(plan_, n.is_view() ? n.view_base : n.id);
       check_own_held(owner, "read");
-      recurra_node_desc& d = descs[q];
-      d = recurra_node_desc{};
-      d.op = "contiguous";
-      d.dst = shape_desc(n);
-      int64_t st[kMaxDims];
-      contiguous_strides(n.shape, st);
-      for (int i = 0; i < n.shape.ndim; ++i) d.dst.strides[i] = st[i];
-      d.dst.buffer = packed.handle();
-      d.dst.offset = at;
-      d.n_src = 1;
-      d.src[0] = desc_on(n.id, loc);
+      descs[q] = dense_copy(n, desc_on(n.id, loc), packed, at);
       at += n.nbytes();
     }
     check_status(loc, e.table->compute(e.table->ctx, e.device, descs.data(), static_cast<int32_t>(descs.size())),
@@ -500,18 +510,7 @@ std::vector<std::shared_ptr<DeviceBuffer>> Graph::copy_to_device_buffers(const s
     const BackendEntry& e = backend_entry(loc);
     std::vector<recurra_node_desc> descs(ks.size());
     for (size_t q = 0; q < ks.size(); ++q) {
-      const Node& n = nodes_[ids[ks[q]]];
-      recurra_node_desc& d = descs[q];
-      d = recurra_node_desc{};
-      d.op = "contiguous";
-      d.dst = shape_desc(n);
-      int64_t st[kMaxDims];
-      contiguous_strides(n.shape, st);
-      for (int i = 0; i < n.shape.ndim; ++i) d.dst.strides[i] = st[i];
-      d.dst.buffer = out[ks[q]]->handle();
-      d.dst.offset = 0;
-      d.n_src = 1;
-      d.src[0] = desc_on(n.id, loc);
+      descs[q] = dense_copy(nodes_[ids[ks[q]]], desc_on(ids[ks[q]], loc), *out[ks[q]], 0);
     }
     check_status(loc, e.table->compute(e.table->ctx, e.device, descs.data(), static_cast<int32_t>(descs.size())),
                  "copy");
