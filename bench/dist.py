@@ -3,6 +3,8 @@ the same per-rank batch (weak scaling), and the time of the gradient exchange pe
 
     python bench/dist.py --nproc 2                            # CPU, a tiny Mamba-2
     python bench/dist.py --nproc 2 --device vulkan --model mamba2-130m --batch 8 --seq-len 512
+    python bench/dist.py --nproc 2 --device vulkan --model mamba2-130m --batch 8 --seq-len 512 \
+        --steps 5 --overlap on      # one GPU: both ranks share it; --overlap off for the other
 
 The N-rank run is made twice: with the exchange overlapped with the backward (each bucket
 starts as soon as its gradients are final) and after it (--overlap on/off: one of them).

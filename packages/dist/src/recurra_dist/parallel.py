@@ -392,6 +392,10 @@ class _Early:
 
     def end(self) -> None:
         self.grads = [p.grad for p in self.params]
+        if self.reqs:
+            t0 = time.perf_counter()
+            _mpi().Request.Testall(self.reqs)  # progress while the caller reads the loss
+            self.inside_s += time.perf_counter() - t0
 
     # -- after the backward ------------------------------------------------------------------
     def current(self) -> bool:
