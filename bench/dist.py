@@ -3,6 +3,15 @@ the same per-rank batch (weak scaling), and the time of the gradient exchange pe
 
     python bench/dist.py --nproc 2                            # CPU, a tiny Mamba-2
     python bench/dist.py --nproc 2 --device vulkan --model mamba2-130m --batch 8 --seq-len 512
+    python bench/dist.py --nproc 2 --device vulkan --model mamba2-130m --batch 8 --seq-len 512 \
+        --steps 5 --overlap on      # one GPU: both ranks share it; --overlap off for the other
+
+The N-rank run is made twice: with the exchange overlapped with the backward (each bucket
+starts as soon as its gradients are final) and after it (--overlap on/off: one of them).
+Per step it reports the exchange's exposed time (what the step waits for: the packing and
+MPI calls inside the backward plus the wait after it), its span (first bucket packed to
+the last one written back; without overlap the same as exposed) and, once, the exchange
+alone (after a backward, every rank ready, no overlap).
 
 Each run is `mpiexec -n K python bench/dist.py --worker ...`: every rank builds the model on
 its device (`--device vulkan`: vulkan:<local rank % GPUs>), trains --warmup untimed steps,
@@ -43,6 +52,12 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
     ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument(
+        "--overlap",
+        choices=["both", "on", "off"],
+        default="both",
+        help="exchange during the backward, after it, or both runs",
+    )
     ap.add_argument("--timeout", type=float, default=580.0, help="seconds per mpiexec run")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -75,7 +90,8 @@ def worker(args: argparse.Namespace) -> None:
     model = rm.create(args.model, seed=0, **_config(args))
     model.to(dev)
     opt = recurra_optim.AdamW(list(model.parameters()), lr=1e-4, weight_decay=0.01)
-    dp = recurra_dist.DataParallel(model, opt, ctx, bucket_mb=args.bucket_mb)
+    overlap = args.overlap == "on"
+    dp = recurra_dist.DataParallel(model, opt, ctx, bucket_mb=args.bucket_mb, overlap=overlap)
     vocab = int(model.config.vocab_size)
     data = np.random.default_rng(0).integers(0, vocab, size=1 << 20).astype(np.int32)
     global_batch = args.batch * ctx.world_size
@@ -90,7 +106,7 @@ def worker(args: argparse.Namespace) -> None:
         checkpoint_every=0,
         parallel=dp,
     )
-    times, exchange = [], []
+    times, exchange, span = [], [], []
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             rc.reset_transfer_stats()
@@ -101,10 +117,12 @@ def worker(args: argparse.Namespace) -> None:
         if step >= args.warmup:
             times.append(dt)
             exchange.append(dp.last_exchange_s)
+            span.append(dp.last_span_s)
     moved = rc.transfer_stats()
     # the exchange alone (all ranks ready: no waiting for a slower one), on one backward's
     # gradients
     x, y = rm.batch_at(data, global_batch, args.seq_len, 0, 0)
+    dp.overlap = False
     model.loss(x[dp.shard(global_batch)], y[dp.shard(global_batch)]).backward()
     alone = []
     for _ in range(max(3, args.steps)):
@@ -116,6 +134,7 @@ def worker(args: argparse.Namespace) -> None:
     # the slowest rank sets the pace
     times = [max(v) for v in zip(*ctx.comm.allgather(times))]
     exchange = [max(v) for v in zip(*ctx.comm.allgather(exchange))]
+    span = [max(v) for v in zip(*ctx.comm.allgather(span))]
     if ctx.rank == 0:
         step_s = statistics.median(times)
         out = {
@@ -125,7 +144,10 @@ def worker(args: argparse.Namespace) -> None:
             "batch_per_rank": args.batch,
             "seq_len": args.seq_len,
             "step_s": step_s,
+            "overlap": overlap and ctx.world_size > 1,
+            "overlapped_steps": dp.overlapped,
             "exchange_s": statistics.median(exchange),
+            "exchange_span_s": statistics.median(span),
             "exchange_alone_s": statistics.median(alone) if ctx.world_size > 1 else 0.0,
             "exchange_mb": dp.last_bytes / 1e6,
             "tokens_per_s": global_batch * args.seq_len / step_s,
@@ -158,6 +180,19 @@ def _run(args: argparse.Namespace, n: int, argv: list[str]) -> dict:
     sys.exit(f"bench/dist.py: {n} ranks failed (exit {r.returncode}):\n{r.stdout}\n{r.stderr}")
 
 
+def _without(argv: list[str], flag: str) -> list[str]:
+    """``argv`` less ``flag VALUE`` and ``flag=VALUE``."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
+
+
 def main() -> None:
     args = _args()
     if args.worker:
@@ -169,16 +204,20 @@ def main() -> None:
         f"recurra_dist: {args.model} on {args.device}, {args.batch} x {args.seq_len} tokens per "
         f"rank, {args.steps} timed steps, {args.threads} thread(s) per rank, load {load:.1f}"
     )
+    argv = _without(argv, "--overlap")  # each run gets its own
+    modes = ["off", "on"] if args.overlap == "both" else [args.overlap]
+    runs = [(1, "off")] + ([(args.nproc, m) for m in modes] if args.nproc > 1 else [])
     results = []
-    for n in sorted({1, args.nproc}):
-        res = _run(args, n, argv)
+    for n, mode in runs:
+        res = _run(args, n, [*argv, f"--overlap={mode}"])
         results.append(res)
         step_ms, ex_ms = 1e3 * res["step_s"], 1e3 * res["exchange_s"]
+        how = "overlapped" if res["overlap"] else "after    " if n > 1 else "         "
         print(
-            f"  {n} rank(s): {res['tokens_per_s']:10.0f} tokens/s   step {step_ms:8.1f} ms   "
-            f"exchange {ex_ms:7.1f} ms ({100 * ex_ms / step_ms:.0f}% of the step; "
-            f"{1e3 * res['exchange_alone_s']:.1f} ms without waiting for the slowest rank; "
-            f"{res['exchange_mb']:.1f} MB)"
+            f"  {n} rank(s) {how}: {res['tokens_per_s']:10.0f} tokens/s   step {step_ms:8.1f} "
+            f"ms   exchange exposed {ex_ms:7.1f} ms ({100 * ex_ms / step_ms:.0f}% of the "
+            f"step), span {1e3 * res['exchange_span_s']:.1f} ms, alone "
+            f"{1e3 * res['exchange_alone_s']:.1f} ms ({res['exchange_mb']:.1f} MB)"
         )
     ratio = results[-1]["tokens_per_s"] / results[0]["tokens_per_s"]
     print(f"  {args.nproc} ranks / 1 rank: {ratio:.2f}x tokens/s (ideal {args.nproc}.00x)")

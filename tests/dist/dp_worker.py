@@ -1,7 +1,8 @@
 """Training runs for the recurra_dist tests: imported by the tests (the one-process
 reference) and run under ``mpiexec`` (the data-parallel runs).
 
-    mpiexec -n 2 python dp_worker.py equal OUT.npz [vulkan]
+    mpiexec -n 2 python dp_worker.py equal OUT.npz [vulkan]   # every case with and without
+                                                             # overlap ("CASE" / "CASE/late")
     mpiexec -n 2 python dp_worker.py fail {raise,exit,kill,sysexit,hang} OUT_DIR
     mpiexec -n 3 python dp_worker.py train OUT_DIR STEPS [--resume]
 
@@ -57,8 +58,13 @@ def run(
     callback: Any = None,
     timeout: float | None = 600.0,
     device: str = "cpu",
+    overlap: bool = True,
+    capture: bool = True,
 ) -> tuple[list[float], dict[str, np.ndarray], bool]:
-    """Trains ``case`` on ``device``; returns (losses, final weights, ranks bit-identical)."""
+    """Trains ``case`` on ``device`` (``capture``: the Trainer's captured steps); returns
+    (losses, final weights, ranks bit-identical).
+    With ``parallel``, the weights get an entry ``"@overlapped"``: how many exchanges began
+    during the backward."""
     import recurra_models as rm
 
     model, opt = make(case, device)
@@ -69,7 +75,7 @@ def run(
         if recurra_dist.init().rank != 0:  # other weights elsewhere: rank 0's must win
             for p in model.parameters():
                 p.assign_(p.numpy() + 1.0)
-        dp = recurra_dist.DataParallel(model, opt, bucket_mb=0.01, timeout=timeout)
+        dp = recurra_dist.DataParallel(model, opt, bucket_mb=0.01, timeout=timeout, overlap=overlap)
     trainer = rm.Trainer(
         model,
         opt,
@@ -82,12 +88,18 @@ def run(
         checkpoint_every=1 if out_dir else 0,
         log_every=0,
         parallel=dp,
+        capture=capture,
     )
     if resume:
         trainer.resume()
     hist = trainer.fit(callback)
     same = dp.consistent() if dp is not None else True
-    return [float(r["loss"]) for r in hist], model.state_dict(), same
+    weights = model.state_dict()
+    if dp is not None:
+        weights["@overlapped"] = np.asarray(dp.overlapped)
+        if steps and dp.world_size > 1:  # the last step exchanged: its timers make sense
+            assert dp.last_span_s >= dp.last_exchange_s > 0, (dp.last_span_s, dp.last_exchange_s)
+    return [float(r["loss"]) for r in hist], weights, same
 
 
 def _save(path: str, results: dict[str, tuple[list[float], dict[str, np.ndarray], bool]]) -> None:
@@ -108,6 +120,8 @@ def main(argv: list[str]) -> None:
     if mode == "equal":  # [DEVICE]: vulkan puts rank r on vulkan:<local rank % GPUs>
         device = ctx.device(argv[2]) if len(argv) > 2 else "cpu"
         results = {case: run(case, True, device=device) for case in CASES}
+        for case in CASES:
+            results[f"{case}/late"] = run(case, True, device=device, overlap=False)
         if ctx.rank == 0:
             _save(argv[1], results)
     elif mode == "fail":
@@ -128,7 +142,9 @@ def main(argv: list[str]) -> None:
         run("adamw_clip", True, steps=6, out_dir=out_dir, callback=die, timeout=5.0)
     elif mode == "train":
         out_dir, steps = argv[1], int(argv[2])
-        res = run("adamw_accum", True, steps=steps, out_dir=out_dir, resume="--resume" in argv)
+        # backward() as written (the other modes run captured steps)
+        resume = "--resume" in argv
+        res = run("adamw_accum", True, steps=steps, out_dir=out_dir, resume=resume, capture=False)
         if ctx.rank == 0:
             _save(os.path.join(out_dir, f"result-{steps}.npz"), {"adamw_accum": res})
     else:

@@ -23,17 +23,38 @@ def _load(path: Path, case: str) -> tuple[np.ndarray, dict[str, np.ndarray], boo
     z = np.load(path)
     prefix = f"{case}/w/"
     weights = {k[len(prefix) :]: z[k] for k in z.files if k.startswith(prefix)}
+    weights.pop("@overlapped", None)
     return z[f"{case}/losses"], weights, bool(z[f"{case}/consistent"])
+
+
+def _overlapped(path: Path, case: str) -> int:
+    """How many exchanges of the run began during the backward."""
+    return int(np.load(path)[f"{case}/w/@overlapped"])
 
 
 def _compare(losses: np.ndarray, weights: dict[str, np.ndarray], ref: tuple) -> float:
     ref_losses, ref_weights, _ = ref
+    ref_weights = {k: v for k, v in ref_weights.items() if k != "@overlapped"}
     assert len(losses) == len(ref_losses)
     worst = _rel(losses, np.asarray(ref_losses))
     assert set(weights) == set(ref_weights)
     for k, w in weights.items():
         worst = max(worst, _rel(w, ref_weights[k]))
     return worst
+
+
+def _check_overlap(path: Path, case: str, steps: int) -> None:
+    """The overlapped run (the default) began every exchange during the backward, the other
+    none, and both end with the same bits."""
+    k = int(CASES[case][1].get("accumulate_steps", 1))
+    assert _overlapped(path, case) == steps // k, case
+    assert _overlapped(path, f"{case}/late") == 0, case
+    losses, weights, _ = _load(path, case)
+    late_losses, late_weights, same = _load(path, f"{case}/late")
+    assert same
+    assert losses.tobytes() == late_losses.tobytes(), f"{case}: other losses without overlap"
+    for name, w in weights.items():
+        assert w.tobytes() == late_weights[name].tobytes(), f"{case}: {name} without overlap"
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +77,7 @@ def test_ranks_match_one_process(mpiexec, tmp_path, reference, n):
         # the training did something: the weights moved from the initial ones
         init = run(case, parallel=False, steps=0)[1]
         assert max(_rel(weights[k], init[k]) for k in init) > 1e-4
+        _check_overlap(out, case, STEPS)
 
 
 @pytest.mark.vulkan
@@ -70,6 +92,7 @@ def test_ranks_on_vulkan_match_one_process_on_vulkan(mpiexec, vulkan, tmp_path):
         worst = _compare(losses, weights, run(case, parallel=False, device=vulkan))
         print(f"2 ranks on vulkan, {case}: max rel diff {worst:.2e}")
         assert worst < RTOL, f"{case}: 2 ranks differ from one process by {worst:.2e}"
+        _check_overlap(out, case, STEPS)
 
 
 def test_reference_differs_from_a_smaller_batch(reference):
@@ -123,6 +146,7 @@ def test_resume_on_another_world_size(mpiexec, tmp_path):
     assert r.returncode == 0, r.stderr
     losses, weights, same = _load(tmp_path / "result-8.npz", "adamw_accum")
     assert same
+    assert _overlapped(tmp_path / "result-8.npz", "adamw_accum") == STEPS // 2  # 3 ranks
     ref = run("adamw_accum", parallel=False, steps=2 * STEPS)
     worst = _compare(losses, weights, ref)
     print(f"resume 2 -> 3 ranks: max rel diff {worst:.2e}")

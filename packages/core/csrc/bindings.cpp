@@ -230,7 +230,63 @@ PYBIND11_MODULE(_core, m) {
         py::gil_scoped_release nogil;
         s.g.compute();
       })
+      .def(
+          "compute_reporting",
+          [](PyGraph& s, const std::vector<std::vector<int>>& groups, py::function ready) {
+            // ready(k) runs with the GIL; an exception it raises stops the computation and
+            // is raised here, as it was.
+            struct Stop {};
+            std::unique_ptr<py::error_already_set> err;
+            auto call = [&](int k) {
+              py::gil_scoped_acquire gil;
+              try {
+                ready(k);
+              } catch (py::error_already_set& e) {
+                err = std::make_unique<py::error_already_set>(std::move(e));
+                throw Stop{};
+              }
+            };
+            try {
+              py::gil_scoped_release nogil;
+              s.g.compute(groups, call);
+            } catch (Stop&) {
+              throw std::move(*err);
+            }
+          },
+          py::arg("groups"), py::arg("ready"),
+          "compute(), calling ready(k) as soon as every node of groups[k] holds its final "
+          "value while the rest still runs (a device split is cut there).")
       .def("read", &PyGraph::read)
+      .def(
+          "read_into",
+          [](PyGraph& s, int id, py::array out) {
+            const Node& n = s.g.node(id);
+            if (!(out.flags() & py::array::c_style) || !out.writeable() ||
+                static_cast<size_t>(out.nbytes()) != n.nbytes() ||
+                out.dtype().itemsize() != static_cast<py::ssize_t>(dtype_size(n.dtype)))
+              throw ValueError("read_into: node " + std::to_string(id) + " needs a writable C-contiguous array of " +
+                               std::to_string(n.numel()) + " elements of " + std::to_string(dtype_size(n.dtype)) +
+                               " bytes");
+            void* dst = out.mutable_data();
+            py::gil_scoped_release nogil;
+            s.g.read(id, dst);
+          },
+          py::arg("id"), py::arg("out"), "Copies node id's value into `out` (read() without a new array).")
+      .def(
+          "read_packed",
+          [](PyGraph& s, const std::vector<int>& ids, py::array out) {
+            size_t bytes = 0;
+            for (int id : ids) bytes += s.g.node(id).nbytes();
+            if (!(out.flags() & py::array::c_style) || !out.writeable() || static_cast<size_t>(out.nbytes()) != bytes)
+              throw ValueError("read_packed: the nodes need a writable C-contiguous array of " + std::to_string(bytes) +
+                               " bytes");
+            void* dst = out.mutable_data();
+            py::gil_scoped_release nogil;
+            s.g.read_packed(ids, dst);
+          },
+          py::arg("ids"), py::arg("out"),
+          "The values of `ids` one after the other into `out` (those on a device packed there: one "
+          "download per device).")
       .def("take", &PyGraph::take, py::arg("id"),
            "The value of a node after compute: handed over (no copy) when the node has memory "
            "of its own on the CPU (FLAG_OWN_MEMORY), else a copy as read().")

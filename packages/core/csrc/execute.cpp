@@ -203,9 +203,10 @@ void Graph::fill_mirror(const Placement::Mirror& m) {
   dst.upload(m.offset, tmp.data(), bytes);
 }
 
-void Graph::run_device_split(const Placement::Split& sp) {
+void Graph::run_device_split(const Placement::Split& sp, size_t begin, size_t end) {
   const BackendEntry& e = backend_entry(sp.backend);
   if (e.closed) throw StateError(e.name + " was released; rebuild the graph on another device");
+  if (begin >= end) return;
   const OpTable& tab = OpTable::get();
   const std::unordered_map<int, Scatter>* merged = nullptr;
   {
@@ -214,8 +215,9 @@ void Graph::run_device_split(const Placement::Split& sp) {
     if (it != g_scatters.end()) merged = &it->second;  // stable until the next plan()
   }
   std::vector<recurra_node_desc> descs;
-  descs.reserve(sp.nodes.size());
-  for (int j : sp.nodes) {
+  descs.reserve(end - begin);
+  for (size_t q = begin; q < end; ++q) {
+    const int j = sp.nodes[q];
     const Node& nd = nodes_[j];
     const Scatter* sc = nullptr;
     if (merged) {
@@ -322,10 +324,36 @@ std::string profile_key(const Node& n, const std::string& op, const std::vector<
 
 }  // namespace
 
-void Graph::compute() {
+void Graph::compute(const std::vector<std::vector<int>>& groups, const std::function<void(int)>& ready) {
   plan();
   check_ready();
   make_own_buffers();
+  // fire[p]: the groups whose nodes are all final once the first p nodes (in the order the
+  // splits run them) are computed. A view is final with its base, a leaf at once; a node
+  // that runs in no split (merged away) counts as final at the end.
+  std::vector<std::vector<int>> fire;
+  if (ready && !groups.empty()) {
+    std::vector<int64_t> pos(nodes_.size(), -1);
+    int64_t total = 0;
+    for (const auto& sp : place_.splits)
+      for (int j : sp.nodes) pos[j] = total++;
+    fire.assign(static_cast<size_t>(total) + 1, {});
+    for (size_t k = 0; k < groups.size(); ++k) {
+      int64_t at = 0;
+      for (int id : groups[k]) {
+        int b = node(id).id;
+        while (nodes_[b].is_view()) b = nodes_[b].view_base;
+        if (!nodes_[b].is_leaf()) at = std::max(at, pos[b] >= 0 ? pos[b] + 1 : total);
+      }
+      fire[at].push_back(static_cast<int>(k));
+    }
+  }
+  int64_t done = 0;  // nodes computed so far
+  auto report = [&]() {
+    if (!fire.empty())
+      for (int k : fire[done]) ready(k);
+  };
+  report();
   const OpTable& tab = OpTable::get();
   const PoolLease lease;  // set_num_threads waits for this computation to end
   ThreadPool& tp = lease.pool();
@@ -338,9 +366,20 @@ void Graph::compute() {
       mr.filled = (nodes_[mr.base].flags & kConst) != 0;
     }
     if (sp.backend != kCpuBackend) {
-      const auto t0 = std::chrono::steady_clock::now();
-      run_device_split(sp);
-      if (profile_enabled()) profile_record(backend_name(sp.backend) + " split", elapsed_ns(t0));
+      // In parts ending where a group completes: each part is computed and waited for,
+      // then its groups are reported.
+      const int64_t first = done;  // the split's first node's position
+      size_t begin = 0;
+      for (size_t k = 0; k < sp.nodes.size(); ++k) {
+        const bool cut = !fire.empty() && !fire[first + static_cast<int64_t>(k) + 1].empty();
+        if (!cut && k + 1 < sp.nodes.size()) continue;
+        const auto t0 = std::chrono::steady_clock::now();
+        run_device_split(sp, begin, k + 1);
+        if (profile_enabled()) profile_record(backend_name(sp.backend) + " split", elapsed_ns(t0));
+        done = first + static_cast<int64_t>(k + 1);
+        begin = k + 1;
+        report();
+      }
       continue;
     }
     const std::unordered_map<int, Scatter>* merged = nullptr;
@@ -359,6 +398,8 @@ void Graph::compute() {
         for (int q : sc.parts) parts.push_back(host_view(q, kCpuBackend));
         scatter_last_axis(host_view(j, kCpuBackend), parts, sc.begin, tp);
         if (prof) profile_record(profile_key(n, "scatter", parts), elapsed_ns(t0));
+        ++done;
+        report();
         continue;
       }
       KernelCtx ctx{n, host_view(j, kCpuBackend), {}, tp};
@@ -369,6 +410,8 @@ void Graph::compute() {
       else
         tab.at(n.op).forward(ctx);
       if (prof) profile_record(profile_key(n, tab.at(n.op).name, ctx.src), elapsed_ns(t0));
+      ++done;
+      report();
     }
   }
 }
@@ -419,6 +462,69 @@ void Graph::read(int id, void* out) {
   }
 }
 
+namespace {
+
+// A "contiguous" node copying node n (seen as `src`) densely to `offset` bytes into dst.
+recurra_node_desc dense_copy(const Node& n, const recurra_tensor_desc& src, const DeviceBuffer& dst,
+                             size_t offset) {
+  recurra_node_desc d{};
+  d.op = "contiguous";
+  d.dst = shape_desc(n);
+  int64_t st[kMaxDims];
+  contiguous_strides(n.shape, st);
+  for (int i = 0; i < n.shape.ndim; ++i) d.dst.strides[i] = st[i];
+  d.dst.buffer = dst.handle();
+  d.dst.offset = offset;
+  d.n_src = 1;
+  d.src[0] = src;
+  return d;
+}
+
+}  // namespace
+
+void Graph::read_packed(const std::vector<int>& ids, void* out) {
+  plan();
+  auto* dst = static_cast<uint8_t*>(out);
+  std::map<int, std::vector<std::pair<int, size_t>>> by_backend;  // (node, offset in out)
+  size_t off = 0;
+  for (int id : ids) {
+    const Node& n = node(id);
+    const int base = n.is_view() ? n.view_base : id;
+    const int loc = location(base);
+    if (loc == kCpuBackend || n.numel() == 0)
+      read(id, dst + off);
+    else
+      by_backend[loc].push_back({id, off});
+    off += n.nbytes();
+  }
+  for (const auto& [loc, items] : by_backend) {
+    size_t bytes = 0;
+    for (const auto& it : items) bytes += nodes_[it.first].nbytes();
+    DeviceBuffer packed(loc, std::max<size_t>(bytes, 4), Pool::persistent);
+    const BackendEntry& e = backend_entry(loc);
+    std::vector<recurra_node_desc> descs(items.size());
+    size_t at = 0;
+    for (size_t q = 0; q < items.size(); ++q) {
+      const Node& n = nodes_[items[q].first];
+      const int owner = memory_owner(plan_, n.is_view() ? n.view_base : n.id);
+      check_own_held(owner, "read");
+      descs[q] = dense_copy(n, desc_on(n.id, loc), packed, at);
+      at += n.nbytes();
+    }
+    check_status(loc, e.table->compute(e.table->ctx, e.device, descs.data(), static_cast<int32_t>(descs.size())),
+                 "copy");
+    check_status(loc, e.table->synchronize(e.table->ctx, e.device), "synchronize");
+    std::vector<uint8_t> staging(bytes);
+    packed.download(0, staging.data(), bytes);
+    at = 0;
+    for (const auto& [id, o] : items) {
+      const size_t nb = nodes_[id].nbytes();
+      std::memcpy(dst + o, staging.data() + at, nb);
+      at += nb;
+    }
+  }
+}
+
 std::shared_ptr<DeviceBuffer> Graph::copy_to_device_buffer(int id) { return copy_to_device_buffers({id}).at(0); }
 
 std::vector<std::shared_ptr<DeviceBuffer>> Graph::copy_to_device_buffers(const std::vector<int>& ids) {
@@ -439,18 +545,7 @@ std::vector<std::shared_ptr<DeviceBuffer>> Graph::copy_to_device_buffers(const s
     const BackendEntry& e = backend_entry(loc);
     std::vector<recurra_node_desc> descs(ks.size());
     for (size_t q = 0; q < ks.size(); ++q) {
-      const Node& n = nodes_[ids[ks[q]]];
-      recurra_node_desc& d = descs[q];
-      d = recurra_node_desc{};
-      d.op = "contiguous";
-      d.dst = shape_desc(n);
-      int64_t st[kMaxDims];
-      contiguous_strides(n.shape, st);
-      for (int i = 0; i < n.shape.ndim; ++i) d.dst.strides[i] = st[i];
-      d.dst.buffer = out[ks[q]]->handle();
-      d.dst.offset = 0;
-      d.n_src = 1;
-      d.src[0] = desc_on(n.id, loc);
+      descs[q] = dense_copy(nodes_[ids[ks[q]]], desc_on(ids[ks[q]], loc), *out[ks[q]], 0);
     }
     check_status(loc, e.table->compute(e.table->ctx, e.device, descs.data(), static_cast<int32_t>(descs.size())),
                  "copy");

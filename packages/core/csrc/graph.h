@@ -295,6 +295,9 @@ class Graph {
   const Placement& placement() { plan(); return place_; }
   // Copies a node's value to host memory `out` (numel * 4 bytes, contiguous).
   void read(int id, void* out);
+  // The values of `ids`, one after the other (dense), into `out`: the nodes on a device are
+  // packed there first (one compute call, one wait and one download per device).
+  void read_packed(const std::vector<int>& ids, void* out);
   // A new persistent buffer on the node's backend holding a dense copy of its value.
   std::shared_ptr<DeviceBuffer> copy_to_device_buffer(int id);
   // The same for several nodes: one compute call and one wait per backend.
@@ -308,7 +311,11 @@ class Graph {
   // Whether node id has memory of its own (after plan()).
   bool owns_memory(int id) const { return id >= 0 && id < static_cast<int>(plan_.own.size()) && plan_.own[id]; }
   // Runs every non-leaf node on the CPU, in order. Raises if a leaf is unbound.
-  void compute();
+  void compute() { compute({}, nullptr); }
+  // The same, calling ready(k) as soon as every node of groups[k] holds its final value
+  // while the rest still runs (a device split is cut there: its first part is computed and
+  // waited for first). Groups are reported in the order they complete (ties: by index).
+  void compute(const std::vector<std::vector<int>>& groups, const std::function<void(int)>& ready);
 
   // Whether node n (inferred, need not be in the graph yet) runs as it is where it would be
   // placed: on the first open backend of set_backends() that takes it, or, with none
@@ -349,7 +356,7 @@ class Graph {
   void fill_mirror(const Placement::Mirror& m);
   void make_own_buffers();  // compute(): memory for the kOwnMemory nodes that hold none
   void check_own_held(int id, const char* what) const;  // raises if a taken result is read
-  void run_device_split(const Placement::Split& sp);
+  void run_device_split(const Placement::Split& sp, size_t begin, size_t end);
 
   std::vector<Node> nodes_;
   MemoryPlan plan_;

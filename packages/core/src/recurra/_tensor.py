@@ -13,9 +13,10 @@ import contextlib
 import itertools
 import math
 import threading
+import weakref
 from collections import OrderedDict
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -425,6 +426,86 @@ def param(data: Any, device: str | Device | None = None, dtype: Any = None) -> T
     return t
 
 
+class GradientListener(Protocol):
+    """Told by every backward that computes gradients of some of its ``params`` when each
+    group of them is final, while the rest of the backward still runs (registered with
+    :func:`add_gradient_listener`; recurra_dist starts the exchange of a bucket of gradients
+    there). Gradients of the last layers are computed first, so a group of them completes
+    early.
+
+    ``begin(present)``: before the computation; ``present[i]``: whether this backward
+    computes a gradient for ``params[i]``. A false result: the listener sits this one out.
+    ``ready(k, read)``: every gradient of ``params[i]``, ``i`` in ``groups[k]``, is final;
+    ``read(i, out)`` copies this backward's gradient of ``params[i]`` (not yet added to
+    ``params[i].grad``) into the C-contiguous array ``out`` of its dtype and size;
+    ``read([i, j, ...], out)`` those of several parameters one after the other (on a
+    device: packed there, one download). It must not compute tensors.
+    Groups are reported in the order they complete. ``end()``: the gradients are in ``.grad``.
+    """
+
+    params: list[Tensor]
+    groups: list[list[int]]
+
+    def begin(self, present: list[bool]) -> bool: ...
+    def ready(self, k: int, read: Callable[[int | list[int], np.ndarray], None]) -> None: ...
+    def end(self) -> None: ...
+
+
+_LISTENERS: list[weakref.ref[Any]] = []
+
+
+def add_gradient_listener(listener: GradientListener) -> None:
+    """Registers ``listener`` (held weakly: it ends with its owner) for every backward."""
+    _LISTENERS[:] = [r for r in _LISTENERS if r() is not None and r() is not listener]
+    _LISTENERS.append(weakref.ref(listener))
+
+
+def remove_gradient_listener(listener: GradientListener) -> None:
+    _LISTENERS[:] = [r for r in _LISTENERS if r() is not None and r() is not listener]
+
+
+def _listening(plan: _Plan, params: list[Tensor]) -> list[tuple[Any, list[int]]]:
+    """The listeners interested in this backward, each with the gradient node of each of
+    its parameters (-1: none in this backward)."""
+    gid_of = {id(p): gid for gid, p in zip(plan.grad_ids, params) if gid >= 0}
+    out = []
+    for ref in list(_LISTENERS):
+        lst = ref()
+        if lst is None:
+            continue
+        gids = [gid_of.get(id(p), -1) for p in lst.params]
+        if any(gid >= 0 for gid in gids) and lst.begin([gid >= 0 for gid in gids]):
+            out.append((lst, gids))
+    return out
+
+
+def _compute_reporting(g: Any, listening: list[tuple[Any, list[int]]]) -> None:
+    """``g.compute()``, telling each listener when each of its groups is final."""
+    node_groups: list[list[int]] = []
+    owner: list[tuple[Any, int, list[int]]] = []
+    for lst, gids in listening:
+        for k, group in enumerate(lst.groups):
+            node_groups.append([gids[i] for i in group if gids[i] >= 0])
+            owner.append((lst, k, gids))
+
+    def ready(j: int) -> None:
+        lst, k, gids = owner[j]
+
+        def read(which: int | list[int], out: np.ndarray) -> None:
+            idx = [which] if isinstance(which, int) else list(which)
+            missing = [i for i in idx if gids[i] < 0]
+            if missing:
+                raise ValueError(f"this backward computes no gradient for parameter {missing[0]}")
+            if isinstance(which, int):
+                g.read_into(gids[which], out)
+            else:
+                g.read_packed([gids[i] for i in idx], out)
+
+        lst.ready(k, read)
+
+    g.compute_reporting(node_groups, ready)
+
+
 class _Plan:
     __slots__ = ("graph", "leaf_ids", "out_ids", "grad_ids", "loss_id")
 
@@ -596,8 +677,12 @@ class LazyFrontend:
             else:
                 assert value is not None  # computed just above
                 g.bind(nid, bits_view(value))
-        g.compute()
         params = [t for t in leaves if t.requires_grad] if want_grad else []
+        listening = _listening(plan, params) if want_grad and _LISTENERS else []
+        if listening:
+            _compute_reporting(g, listening)
+        else:
+            g.compute()
         graded = [(gid, p) for gid, p in zip(plan.grad_ids, params) if gid >= 0]
         values = _results(
             g,
@@ -617,6 +702,8 @@ class LazyFrontend:
                     ).detach()
             # Results of this run that nobody asked for stay pending: recomputing is cheap
             # and keeping them would pin memory.
+            for lst, _ in listening:
+                lst.end()
 
     def _build(
         self,

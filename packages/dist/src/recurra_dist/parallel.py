@@ -68,12 +68,22 @@ class DataParallel:
         bucket_mb: the size of a bucket, in megabytes of float32 gradients.
         timeout: seconds a collective may take before :class:`ExchangeTimeout` is raised
             (None: wait for ever; a rank that dies is noticed by the launcher anyway).
+        overlap: start each bucket's exchange during the backward, as soon as its gradients
+            are final (the buckets hold the last layers' parameters first, whose gradients
+            the backward computes first), instead of after it. The results are bitwise the
+            same (the same buckets, summed in the same order); it needs float32 gradients
+            (else it stays off: ``overlap`` is then False).
 
     Raises ValueError when the ranks' models differ (parameter count or shapes), or a
     parameter of the model is not in the optimizer.
 
-    Attributes (timers, in seconds, of the last :meth:`sync_gradients` and in total):
-        last_exchange_s, total_exchange_s, exchanges, last_bytes.
+    Attributes (timers, in seconds, of the last exchange and in total):
+        last_exchange_s, total_exchange_s: the exposed time, what the step waits for (with
+        overlap: the packing and MPI calls inside the backward plus :meth:`sync_gradients`);
+        last_span_s: with overlap, from the first bucket's packing to the end of
+        :meth:`sync_gradients` (the exchange's whole time, the hidden part included; without
+        overlap it is last_exchange_s); overlapped: how many exchanges began during the
+        backward; exchanges; last_bytes.
     """
 
     def __init__(
@@ -84,6 +94,7 @@ class DataParallel:
         *,
         bucket_mb: float = 25.0,
         timeout: float | None = 600.0,
+        overlap: bool = True,
     ) -> None:
         if not bucket_mb > 0:
             raise ValueError(f"DataParallel: bucket_mb must be > 0, got {bucket_mb!r}")
@@ -102,12 +113,20 @@ class DataParallel:
                 f"optimizer (first: parameter {missing[0]}); give the optimizer all of them"
             )
         self._check_same_model()
-        self.buckets = _make_buckets(self.params, int(bucket_mb * (1 << 20)) // 4)
+        # The last parameters first: the backward completes their gradients first.
+        self.buckets = _make_buckets(self.params[::-1], int(bucket_mb * (1 << 20)) // 4)
         self.last_exchange_s = 0.0
+        self.last_span_s = 0.0
         self.total_exchange_s = 0.0
         self.exchanges = 0
+        self.overlapped = 0  # exchanges begun during the backward
         self.last_bytes = 0
         self.broadcast_parameters()
+        fp32 = all(p.dtype == rc.float32 for p in self.params)
+        self.overlap = bool(overlap) and fp32  # may be switched between steps
+        self._early = _Early(self)
+        if fp32 and self.world_size > 1:
+            rc.add_gradient_listener(self._early)
 
     # -- the job ---------------------------------------------------------------------------
     @property
@@ -168,9 +187,20 @@ class DataParallel:
         t0 = time.perf_counter()
         comm, n = self.ctx.comm, self.world_size
         if n == 1:  # the mean over one rank: nothing to do
-            self.last_exchange_s, self.last_bytes = 0.0, 0
+            self.last_exchange_s, self.last_span_s, self.last_bytes = 0.0, 0.0, 0
             self.exchanges += 1
             return
+        early = self._early
+        if early.started:  # begun during the backward
+            stale = self.any(not early.current())  # every rank takes the same way
+            if not stale:
+                inside, t_first, nbytes = early.inside_s, early.t_first, early.nbytes
+                early.finish(scale=np.float32(1.0 / n))
+                self.overlapped += 1
+                t1 = time.perf_counter()
+                self._timed(inside + t1 - t0, t1 - t_first, nbytes)
+                return
+            early.drain()  # gradients changed since the backward: exchange them now
         present = np.array([p.grad is not None for p in self.params], np.int32)
         self._wait([comm.Iallreduce(_in_place(), present, op=_op("MAX"))])
         flags = iter(present.tolist())
@@ -200,8 +230,12 @@ class DataParallel:
         while pending:
             self._finish(*pending.pop(0), scale)
         dt = time.perf_counter() - t0
-        self.last_exchange_s = dt
-        self.total_exchange_s += dt
+        self._timed(dt, dt, nbytes)
+
+    def _timed(self, exposed: float, span: float, nbytes: int) -> None:
+        self.last_exchange_s = exposed
+        self.last_span_s = span
+        self.total_exchange_s += exposed
         self.exchanges += 1
         self.last_bytes = nbytes
 
@@ -229,7 +263,7 @@ class DataParallel:
         if self.will_update:
             self.sync_gradients()
         else:
-            self.last_exchange_s = 0.0
+            self.last_exchange_s = self.last_span_s = 0.0
         self.optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -276,6 +310,128 @@ class DataParallel:
                         f"rank {self.rank}: an MPI collective waited more than "
                         f"{self.timeout:g} s; a rank is gone or stuck"
                     )
+
+
+class _Early:
+    """The exchange started during the backward (a recurra gradient listener): each bucket
+    is packed and its ``MPI_Iallreduce`` started as soon as its gradients are final, in
+    bucket order (the same on every rank), while the backward goes on; the requests are
+    tested at every bucket (MPI progresses them during MPI calls).
+    :meth:`DataParallel.sync_gradients` then waits for them and writes the means back."""
+
+    def __init__(self, dp: DataParallel) -> None:
+        self.dp = dp
+        self.params = dp.params
+        index = {id(p): i for i, p in enumerate(dp.params)}
+        self.groups = [[index[id(p)] for p in b.params] for b in dp.buckets]
+        self.started = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.reqs: list[Any] = []  # per bucket started, in order
+        self.packed = [False] * len(self.groups)
+        self.mine: list[bool] = []
+        self.present: np.ndarray | None = None
+        self.flags_req: Any = None
+        self.grads: list[Any] = []
+        self.nbytes = 0
+        self.inside_s = 0.0
+        self.t_first = 0.0
+
+    # -- the listener --------------------------------------------------------------------
+    def begin(self, present: list[bool]) -> bool:
+        dp = self.dp
+        if not dp.overlap or not dp.will_update:
+            return False
+        t0 = time.perf_counter()
+        if self.started:  # a backward whose exchange nobody finished: let it end first
+            self.drain()
+        for p in self.params:
+            g = p.grad
+            if g is not None and (
+                not isinstance(g, Tensor) or g.dtype != rc.float32 or g.shape != p.shape
+            ):
+                return False  # a gradient set by hand: exchanged after the backward
+        self.mine = present
+        self.present = np.array(
+            [bool(f) or p.grad is not None for f, p in zip(present, self.params)], np.int32
+        )
+        self.flags_req = dp.ctx.comm.Iallreduce(_in_place(), self.present, op=_op("MAX"))
+        self.started = True
+        self.inside_s = time.perf_counter() - t0
+        return True
+
+    def ready(self, k: int, read: Any) -> None:
+        t0 = time.perf_counter()
+        if not self.t_first:  # (the graph's forward ran since begin(): not counted)
+            self.t_first = t0 - self.inside_s
+        b, group = self.dp.buckets[k], self.groups[k]
+        if all(self.mine[i] and self.params[i].grad is None for i in group):
+            read(group, b.buffer)  # on a device: one download for the bucket
+            group = []
+        for j, i in enumerate(group):
+            view, prev = b.view(j), self.params[i].grad
+            if self.mine[i]:
+                read(i, view)
+                if prev is not None:  # the sum backward() makes: prev + this gradient
+                    extra = np.empty_like(view)
+                    _read_into(prev, extra)
+                    np.add(extra, view, out=view)
+            elif prev is not None:
+                _read_into(prev, view)
+            else:
+                view[...] = 0.0
+        self.packed[k] = True
+        comm = self.dp.ctx.comm
+        while len(self.reqs) < len(self.packed) and self.packed[len(self.reqs)]:
+            buf = self.dp.buckets[len(self.reqs)].buffer
+            self.reqs.append(comm.Iallreduce(_in_place(), buf, op=_op("SUM")))
+            self.nbytes += buf.nbytes
+        _mpi().Request.Testall(self.reqs)  # progress for the buckets in flight
+        self.inside_s += time.perf_counter() - t0
+
+    def end(self) -> None:
+        self.grads = [p.grad for p in self.params]
+        if self.reqs:
+            t0 = time.perf_counter()
+            _mpi().Request.Testall(self.reqs)  # progress while the caller reads the loss
+            self.inside_s += time.perf_counter() - t0
+
+    # -- after the backward ------------------------------------------------------------------
+    def current(self) -> bool:
+        """Whether the gradients are those of the backward the exchange began in."""
+        return (
+            len(self.reqs) == len(self.groups)
+            and len(self.grads) == len(self.params)
+            and all(p.grad is g for p, g in zip(self.params, self.grads))
+        )
+
+    def finish(self, scale: np.float32) -> None:
+        dp = self.dp
+        dp._wait([self.flags_req])
+        assert self.present is not None
+        flags = iter(self.present.tolist())
+        for b, req in zip(dp.buckets, self.reqs):
+            act = [bool(next(flags)) for _ in b.params]
+            if any(act):
+                dp._finish(b, act, req, _packed_device(b, act), scale)
+            else:
+                dp._wait([req])
+        self.started = False
+        self._reset()
+
+    def drain(self) -> None:
+        """Lets the requests in flight end (every rank started the same ones) and forgets
+        them. Buckets the backward did not reach are started, so the collectives match."""
+        dp = self.dp
+        comm = dp.ctx.comm
+        while len(self.reqs) < len(self.groups):
+            self.reqs.append(
+                comm.Iallreduce(_in_place(), dp.buckets[len(self.reqs)].buffer, op=_op("SUM"))
+            )
+        dp._wait([self.flags_req, *self.reqs])
+        self.started = False
+        self._reset()
 
 
 # -- helpers -----------------------------------------------------------------------------------

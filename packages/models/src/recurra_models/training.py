@@ -211,14 +211,15 @@ class Trainer:
             plan with the new batch and the current weights (the same bits as uncaptured,
             without the host time of recording thousands of ops per step). True (the
             default) uses it where it is safe: a ``CausalLM`` of recurra_models (whose
-            loss builds the same graph for the same shapes) without ``parallel`` (and with
-            no loss scale or a ``DynamicLossScale``, whose scale is passed as a tensor); the
-            model's ``training``, gradient checkpointing and loss chunking settings are
-            part of the capture's signature (changing them traces again), and a
-            parameter replaced by a new tensor is noticed. Evaluation batches are captured
-            the same way (forward only). False: every step runs ``model.loss`` as written
-            (needed for a subclass whose loss depends on host-side state that changes
-            between steps).
+            loss builds the same graph for the same shapes) with no loss scale or a
+            ``DynamicLossScale`` (whose scale is passed as a tensor), with or without
+            ``parallel`` (a captured step tells it when each bucket's gradients are final,
+            as backward() does); the model's ``training``, gradient checkpointing and loss
+            chunking settings are part of the capture's signature (changing them traces
+            again), and a parameter replaced by a new tensor is noticed. Evaluation
+            batches are captured the same way (forward only). False: every step runs
+            ``model.loss`` as written (needed for a subclass whose loss depends on
+            host-side state that changes between steps).
 
     Raises ValueError for bad sizes or data too short for ``seq_len``, TypeError for
     ``gradient_checkpointing`` on a model without ``gradient_checkpointing()``.
@@ -313,7 +314,7 @@ class Trainer:
             model.gradient_checkpointing(bool(gradient_checkpointing))
         self._train_fn: Any = None
         self._eval_fn: Any = None
-        if capture and parallel is None:
+        if capture:
             from recurra_models.lm import CausalLM
             from recurra_optim import DynamicLossScale
 
