@@ -104,18 +104,9 @@ def _curve(device: str, precision: str, steps: int) -> np.ndarray:
     model = rm.create("mamba2", vocab_size=256, n_layer=2, seed=1, **TINY["mamba2"])
     model.to(device)
     opt = AdamW(list(model.parameters()), lr=3e-3, weight_decay=0.01)
-    data = rm.ByteTokenizer().encode(TEXT)
-    tr = rm.Trainer(
-        model,
-        opt,
-        data,
-        batch_size=2,
-        seq_len=130,  # three 64-token chunks (the last of 2 tokens): the chunked kernels
-        steps=steps,
-        seed=5,
-        log_every=0,
-        precision=precision,
-    )
+    # three 64-token chunks (the last of 2 tokens): the chunked scan kernels
+    run = dict(batch_size=2, seq_len=130, steps=steps, seed=5, log_every=0, precision=precision)
+    tr = rm.Trainer(model, opt, rm.ByteTokenizer().encode(TEXT), **run)
     return np.array([r["loss"] for r in tr.fit()])
 
 
