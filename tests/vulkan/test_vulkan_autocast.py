@@ -77,6 +77,25 @@ def test_recomputed_casts_on_the_device(vulkan: str, arch: str) -> None:
         assert np.array_equal(g, got[False][1][n]), n
 
 
+def test_mamba2_kept_variant_on_the_device(vulkan: str, monkeypatch) -> None:
+    """Mamba-2 under autocast with the scan's checkpoints saved and its norm + out_proj kept
+    (mamba2.SCAN_CHECKPOINTS / RECOMPUTE_NORM_PROJ: what bench/mixed_precision.py's
+    bf16-keep runs) against the default (recomputed): the same loss and gradients up to the
+    kernels' float32 summation order (with checkpoints the chunked scan runs at any length,
+    without them the sequential one below 128 tokens) and a bf16 rounding flipped by it."""
+    from recurra_models import mamba2
+
+    l_new, g_new = _step("mamba2", vulkan)
+    monkeypatch.setattr(mamba2, "SCAN_CHECKPOINTS", True)
+    monkeypatch.setattr(mamba2, "RECOMPUTE_NORM_PROJ", False)
+    l_old, g_old = _step("mamba2", vulkan)
+    assert l_new == pytest.approx(l_old, rel=1e-3)
+    assert g_new.keys() == g_old.keys()
+    for n, a in g_new.items():
+        b = g_old[n].astype(np.float64).ravel()
+        assert np.linalg.norm(a.ravel() - b) <= 1e-2 * max(np.linalg.norm(b), 1e-6), n
+
+
 def test_2_byte_parameter_master_on_the_device(vulkan: str) -> None:
     rng = np.random.default_rng(1)
     w = rng.standard_normal((4, 6)).astype(np.float32)
@@ -104,18 +123,9 @@ def _curve(device: str, precision: str, steps: int) -> np.ndarray:
     model = rm.create("mamba2", vocab_size=256, n_layer=2, seed=1, **TINY["mamba2"])
     model.to(device)
     opt = AdamW(list(model.parameters()), lr=3e-3, weight_decay=0.01)
-    data = rm.ByteTokenizer().encode(TEXT)
-    tr = rm.Trainer(
-        model,
-        opt,
-        data,
-        batch_size=2,
-        seq_len=130,  # three 64-token chunks (the last of 2 tokens): the chunked kernels
-        steps=steps,
-        seed=5,
-        log_every=0,
-        precision=precision,
-    )
+    # three 64-token chunks (the last of 2 tokens): the chunked scan kernels
+    run = dict(batch_size=2, seq_len=130, steps=steps, seed=5, log_every=0, precision=precision)
+    tr = rm.Trainer(model, opt, rm.ByteTokenizer().encode(TEXT), **run)
     return np.array([r["loss"] for r in tr.fit()])
 
 

@@ -105,10 +105,20 @@ def _scan_state_in_place(g: Any, leaves: list[Any]) -> Iterator[None]:
     plain = rc.ops.ssm_scan
     flag = rc.ops.op_codes()["SSM_SCAN_STATE_IN_PLACE"]
 
-    def scan(s: Any, x: Any, dt: Any, A: Any, B: Any, C: Any, ids: Any) -> tuple[Any, Any]:
+    def scan(
+        s: Any,
+        x: Any,
+        dt: Any,
+        A: Any,
+        B: Any,
+        C: Any,
+        ids: Any,
+        *,
+        checkpoints: bool | None = None,
+    ) -> tuple[Any, Any]:
         mine = isinstance(s, rc.GraphTensor) and s.graph is g and s.id in ids_of
         if not mine or len(x.shape) != 4 or x.shape[1] != 1:
-            return plain(s, x, dt, A, B, C, ids)
+            return plain(s, x, dt, A, B, C, ids, checkpoints=checkpoints)
         if not isinstance(ids, rc.GraphTensor):
             ids = g.constant(np.asarray(ids, np.int32))
         y = g.apply("ssm_scan", [s, x, dt, A, B, C, ids], (flag,), ())

@@ -44,6 +44,10 @@ __all__ = ["GatedRMSNorm", "Mamba2Block", "Mamba2Config", "Mamba2LM", "Mamba2Mix
 # anyway. False keeps that output (the plan of before; tests compare the two: the same
 # gradients, bit for bit). Float32 steps do not recompute.
 RECOMPUTE_NORM_PROJ = True
+# The scan's ``checkpoints`` argument (ops.ssm_scan): None saves the states entering each
+# chunk except under autocast (the chunked device backward then recomputes them); True
+# saves them under autocast too (the plan of before, for comparisons).
+SCAN_CHECKPOINTS: bool | None = None
 
 
 @dataclass
@@ -182,7 +186,8 @@ class Mamba2Mixer(nn.Module):
         cm = cm.reshape(b, t, g, n)
         a = (-ops.exp(self.A_log)).reshape(nh, 1)
         s0 = state[1] if state is not None else _zeros((b, nh, p, n), h.device)
-        y, s1 = ops.ssm_scan(s0, x, dt, a, bm, cm, np.arange(b, dtype=np.int32))
+        ids = np.arange(b, dtype=np.int32)
+        y, s1 = ops.ssm_scan(s0, x, dt, a, bm, cm, ids, checkpoints=SCAN_CHECKPOINTS)
         half = rc.autocast_dtype()
         if half is None:
             y = self.norm(y.reshape(b, t, di), z, x=x.reshape(b, t, di), d=self.D)
