@@ -151,3 +151,22 @@ def test_resume_on_another_world_size(mpiexec, tmp_path):
     worst = _compare(losses, weights, ref)
     print(f"resume 2 -> 3 ranks: max rel diff {worst:.2e}")
     assert worst < RTOL
+
+
+def test_a_launcher_of_another_mpi_is_refused(tmp_path):
+    # mpiexec said the job has 2 processes, but the MPI library mpi4py loaded sees 1 (each
+    # process a singleton: the H200's system Open MPI under the mpich wheel's mpiexec). Each
+    # rank would train alone; init() refuses instead, naming the library.
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMPI_COMM_WORLD_SIZE="2")
+    for var in ("PMI_SIZE", "PMI_RANK", "PMI_FD", "PMI_PORT", "OMPI_COMM_WORLD_RANK"):
+        env.pop(var, None)
+    code = "import recurra_dist; recurra_dist.init()"
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode != 0
+    assert "mpiexec started 2 processes" in r.stderr and "sees a job of 1" in r.stderr, r.stderr

@@ -97,6 +97,16 @@ def init(comm: Any = None, *, abort_on_error: bool = True) -> Context:
     MPI = _mpi()
     own = comm is None
     if own:
+        launched = launched_world_size()
+        if launched > 1 and MPI.COMM_WORLD.Get_size() == 1:
+            # Each process would train alone, believing it is the whole job.
+            library = MPI.Get_library_version().splitlines()[0].strip()
+            raise RuntimeError(
+                f"recurra_dist: mpiexec started {launched} processes, but the MPI library "
+                f"mpi4py loaded ({library}) sees a job of 1: it is not the MPI of that "
+                "mpiexec. Launch with the mpiexec of the same MPI, or point mpi4py at the "
+                "launcher's library (MPI4PY_LIBMPI=/path/to/libmpi.so.12 for the mpich wheel)"
+            )
         comm = MPI.COMM_WORLD.Dup()
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     ctx = Context(comm, comm.Get_rank(), comm.Get_size(), local.Get_rank(), local.Get_size())
