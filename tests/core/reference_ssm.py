@@ -62,23 +62,14 @@ def ssm_scan_ref(
     return y, states
 
 
-def ssm_scan_vjp_ref(
-    s: np.ndarray,
-    x: np.ndarray,
-    dt: np.ndarray,
-    A: np.ndarray,
-    B: np.ndarray,
-    C: np.ndarray,
-    ids: np.ndarray,
-    gy: np.ndarray,
-    gs: np.ndarray,
-) -> list[np.ndarray]:
-    """Gradients of sum(y * gy) + sum(states * gs) of ssm_scan_ref in float64, by reverse
+def ssm_scan_vjp_ref(args: list[np.ndarray], gy: np.ndarray, gs: np.ndarray) -> list[np.ndarray]:
+    """Gradients of sum(y * gy) + sum(states * gs) of ssm_scan_ref(*args) in float64, by reverse
     mode over the recurrence S_t = a_t S_{t-1} + (softplus(dt_t) x_t) B_t^T, y_t = S_t C_t
     with every state kept (ids distinct). Returns [ds, dx, ddt, dA, dB, dC], shaped like
     s, x, dt, A, B, C."""
-    s, x, dt, A, B, C, gy, gs = (np.asarray(v, np.float64) for v in (s, x, dt, A, B, C, gy, gs))
-    n_seqs, n_tok, n_head, _ = x.shape
+    s, x, dt, A, B, C, gy, gs = (np.asarray(v, np.float64) for v in (*args[:6], gy, gs))
+    ids = args[6]
+    n_tok, n_head = x.shape[1], x.shape[2]
     n_group, d_state = B.shape[2], B.shape[3]
     grp = np.arange(n_head) // (n_head // n_group)
     dtp = softplus(dt)  # (S, T, H)

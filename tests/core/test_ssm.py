@@ -235,7 +235,7 @@ def test_ssm_scan_backward_mamba2_size_matches_float64_vjp(per_state, d_state):
     got = _grads(args, rc.get_num_threads())
     gy = np.random.default_rng(7).standard_normal(got[0].shape)
     gs = np.random.default_rng(8).standard_normal(got[1].shape)
-    want = ssm_scan_vjp_ref(*args, f32(gy).astype(np.float64), f32(gs).astype(np.float64))
+    want = ssm_scan_vjp_ref(args, f32(gy).astype(np.float64), f32(gs).astype(np.float64))
     for name, g, w in zip(["ds", "dx", "ddt", "dA", "dB", "dC"], got[2:], want):
         np.testing.assert_allclose(g, w, rtol=1e-3, atol=3e-5 * np.abs(w).max(), err_msg=name)
 
