@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gradcheck import check_grads
-from reference_ssm import ssm_conv_ref, ssm_scan_ref
+from reference_ssm import ssm_conv_ref, ssm_scan_ref, ssm_scan_vjp_ref
 
 import recurra as rc
 from recurra import ops
@@ -222,6 +222,22 @@ def test_ssm_scan_threads_agree(layout, restore_threads):
     two = _grads(args, 2)
     for a, b in zip(one, two):
         np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6 * np.abs(a).max())
+
+
+@pytest.mark.parametrize("per_state,d_state", [(False, 128), (True, 20)])
+def test_ssm_scan_backward_mamba2_size_matches_float64_vjp(per_state, d_state):
+    # Mamba-2's head size (64 x 128 states): the rows backward's full-size units (the
+    # 8-lane sweeps without AVX-512), two tokens per sweep, anchors past the first K = 64
+    # tokens and renormalisations (dt up to ~5 with A down to -e^1.5: decays to e^-22 a token),
+    # against a float64 reverse-mode reference that keeps every state.
+    args = scan_inputs(2, 150, 3, 64, d_state, 1, per_state=per_state, n_rows=2, ids=[1, 0])
+    args[2][:, 40:44] = 5.0
+    got = _grads(args, rc.get_num_threads())
+    gy = np.random.default_rng(7).standard_normal(got[0].shape)
+    gs = np.random.default_rng(8).standard_normal(got[1].shape)
+    want = ssm_scan_vjp_ref(args, f32(gy).astype(np.float64), f32(gs).astype(np.float64))
+    for name, g, w in zip(["ds", "dx", "ddt", "dA", "dB", "dC"], got[2:], want):
+        np.testing.assert_allclose(g, w, rtol=1e-3, atol=3e-5 * np.abs(w).max(), err_msg=name)
 
 
 def test_ssm_scan_backward_matches_float64_gradient():

@@ -62,95 +62,136 @@ void rows_bwd_begin(RowsBwd& f) {
   f.P = 1.0f;
 }
 
+// A vector type's loads, stores and broadcasts: vf (16 floats) or v8 (8 floats, AVX2).
+template <class V>
+struct Lanes;
+template <>
+struct Lanes<vf> {
+  static constexpr int n = 16;
+  static vf load(const float* p) { return vload(p); }
+  static void store(float* p, vf v) { vstore(p, v); }
+  static vf splat(float s) { return vsplat(s); }
+};
+template <>
+struct Lanes<v8> {
+  static constexpr int n = 8;
+  static v8 load(const float* p) { return v8load(p); }
+  static void store(float* p, v8 v) { v8store(p, v); }
+  static v8 splat(float s) { return v8splat(s); }
+};
+
 // Forward sweep of M tokens: for each token m in turn, S[p][:] += u[m][p] b[m] and
 // dc[m] = sum_p dy[m][p] S[p][:]. One load and one store of the state serve all M tokens.
-template <int NV, int M>
+// NV vectors of type V per row: with AVX2, v8 and NV = 2 keep 12 registers of 16 live (the
+// 16-float version would need 2 x 14 and spill on every element); lane for lane the same
+// operations in the same order either way.
+template <class V, int NV, int M>
 RC_INLINE void fwd_pn_chunk(float* __restrict S, const float* const* b, const float* const* u,
                             const float* const* dy, float* const* dc, int64_t n0, int64_t pl, int64_t Np) {
-  vf bv[M][NV], acc[M][NV];
+  using Ln = Lanes<V>;
+  constexpr int W = Ln::n;
+  V bv[M][NV], acc[M][NV];
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < NV; ++j) {
-      bv[m][j] = vload(b[m] + n0 + 16 * j);
-      acc[m][j] = vf{};
+      bv[m][j] = Ln::load(b[m] + n0 + W * j);
+      acc[m][j] = V{};
     }
   for (int64_t p = 0; p < pl; ++p) {
     float* sp = S + p * Np + n0;
-    vf sv[NV];
-    for (int j = 0; j < NV; ++j) sv[j] = vload(sp + 16 * j);
+    V sv[NV];
+    for (int j = 0; j < NV; ++j) sv[j] = Ln::load(sp + W * j);
     for (int m = 0; m < M; ++m) {
-      const vf up = vsplat(u[m][p]), dp = vsplat(dy[m][p]);
+      const V up = Ln::splat(u[m][p]), dp = Ln::splat(dy[m][p]);
       for (int j = 0; j < NV; ++j) {
         sv[j] += up * bv[m][j];
         acc[m][j] += dp * sv[j];
       }
     }
-    for (int j = 0; j < NV; ++j) vstore(sp + 16 * j, sv[j]);
+    for (int j = 0; j < NV; ++j) Ln::store(sp + W * j, sv[j]);
   }
   for (int m = 0; m < M; ++m)
-    for (int j = 0; j < NV; ++j) vstore(dc[m] + n0 + 16 * j, acc[m][j]);
+    for (int j = 0; j < NV; ++j) Ln::store(dc[m] + n0 + W * j, acc[m][j]);
 }
 
 template <int M>
 RC_INLINE void fwd_pn(float* S, const float* const* b, const float* const* u, const float* const* dy,
                       float* const* dc, int64_t pl, int64_t Np) {
-  constexpr int NV = 4;  // with AVX2 1 (wide_registers)
+  constexpr int NV = 4;
+  if (!wide_registers()) {  // AVX2: 16 lanes as two 8-float registers (Np is a multiple of 16)
+    for (int64_t n = 0; n < Np; n += 16) fwd_pn_chunk<v8, 2, M>(S, b, u, dy, dc, n, pl, Np);
+    return;
+  }
   int64_t n = 0;
-  if (wide_registers())
-    for (; n + 16 * NV <= Np; n += 16 * NV) fwd_pn_chunk<NV, M>(S, b, u, dy, dc, n, pl, Np);
-  for (; n < Np; n += 16) fwd_pn_chunk<1, M>(S, b, u, dy, dc, n, pl, Np);
+  for (; n + 16 * NV <= Np; n += 16 * NV) fwd_pn_chunk<vf, NV, M>(S, b, u, dy, dc, n, pl, Np);
+  for (; n < Np; n += 16) fwd_pn_chunk<vf, 1, M>(S, b, u, dy, dc, n, pl, Np);
 }
 
 // Reverse sweep of M tokens: for each token m in turn, lam[p][:] += dy[m][p] c[m];
 // db[m] = sum_p u[m][p] lam[p][:]; du[m][p] = lam[p][:] . bh[m] (lane sums taken at the end
-// from dupart[m], 16 lanes per p).
-template <int NV, int M, bool FIRST>
+// from dupart[m], 16 lanes per p: lane l sums the n with n % 16 == l). NV vectors of type V
+// per row; with AVX2 v8 and NV = 1 (M = 2: 12 live registers of 16), whose du partial sums go
+// to lanes n0 % 16 .. + 7, so the sums and their order are those of the 16-float version.
+template <class V, int NV, int M, bool FIRST>
 RC_INLINE void rev_pn_chunk(float* __restrict lam, const float* const* c, const float* const* bh,
                             const float* const* u, const float* const* dy, float* const* db,
                             float* const* dupart, int64_t n0, int64_t pl, int64_t Np) {
-  vf cv[M][NV], bv[M][NV], acc[M][NV];
+  using Ln = Lanes<V>;
+  constexpr int W = Ln::n;
+  const int64_t lo = n0 & 15 & -W;  // 0 for vf
+  V cv[M][NV], bv[M][NV], acc[M][NV];
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < NV; ++j) {
-      cv[m][j] = vload(c[m] + n0 + 16 * j);
-      bv[m][j] = vload(bh[m] + n0 + 16 * j);
-      acc[m][j] = vf{};
+      cv[m][j] = Ln::load(c[m] + n0 + W * j);
+      bv[m][j] = Ln::load(bh[m] + n0 + W * j);
+      acc[m][j] = V{};
     }
   for (int64_t p = 0; p < pl; ++p) {
     float* lp = lam + p * Np + n0;
-    vf lv[NV];
-    for (int j = 0; j < NV; ++j) lv[j] = vload(lp + 16 * j);
+    V lv[NV];
+    for (int j = 0; j < NV; ++j) lv[j] = Ln::load(lp + W * j);
     for (int m = 0; m < M; ++m) {
-      const vf up = vsplat(u[m][p]), dp = vsplat(dy[m][p]);
-      vf du = FIRST ? vf{} : vload(dupart[m] + 16 * p);
+      const V up = Ln::splat(u[m][p]), dp = Ln::splat(dy[m][p]);
+      float* dq = dupart[m] + 16 * p + lo;
+      V du = FIRST ? V{} : Ln::load(dq);
       for (int j = 0; j < NV; ++j) {
         lv[j] += dp * cv[m][j];
         acc[m][j] += up * lv[j];
         du += lv[j] * bv[m][j];
       }
-      vstore(dupart[m] + 16 * p, du);
+      Ln::store(dq, du);
     }
-    for (int j = 0; j < NV; ++j) vstore(lp + 16 * j, lv[j]);
+    for (int j = 0; j < NV; ++j) Ln::store(lp + W * j, lv[j]);
   }
   for (int m = 0; m < M; ++m)
-    for (int j = 0; j < NV; ++j) vstore(db[m] + n0 + 16 * j, acc[m][j]);
+    for (int j = 0; j < NV; ++j) Ln::store(db[m] + n0 + W * j, acc[m][j]);
 }
 
 template <int M>
 RC_INLINE void rev_pn(float* lam, const float* const* c, const float* const* bh, const float* const* u,
                       const float* const* dy, float* const* db, float* const* dupart, float* const* du,
                       int64_t pl, int64_t Np) {
-  constexpr int NV = 4;  // with AVX2 1 (wide_registers)
+  constexpr int NV = 4;
   int64_t n = 0;
-  const bool wide = wide_registers();
-  if (wide && Np >= 16 * NV) {
-    rev_pn_chunk<NV, M, true>(lam, c, bh, u, dy, db, dupart, 0, pl, Np);
-    n = 16 * NV;
+  if (!wide_registers()) {  // AVX2: 8 lanes at a time (Np is a multiple of 16)
+    rev_pn_chunk<v8, 1, M, true>(lam, c, bh, u, dy, db, dupart, 0, pl, Np);
+    rev_pn_chunk<v8, 1, M, true>(lam, c, bh, u, dy, db, dupart, 8, pl, Np);
+    for (n = 16; n < Np; n += 8) rev_pn_chunk<v8, 1, M, false>(lam, c, bh, u, dy, db, dupart, n, pl, Np);
   } else {
-    rev_pn_chunk<1, M, true>(lam, c, bh, u, dy, db, dupart, 0, pl, Np);
-    n = 16;
+    if (Np >= 16 * NV) {
+      rev_pn_chunk<vf, NV, M, true>(lam, c, bh, u, dy, db, dupart, 0, pl, Np);
+      n = 16 * NV;
+    } else {
+      rev_pn_chunk<vf, 1, M, true>(lam, c, bh, u, dy, db, dupart, 0, pl, Np);
+      n = 16;
+    }
+    for (; n + 16 * NV <= Np; n += 16 * NV) rev_pn_chunk<vf, NV, M, false>(lam, c, bh, u, dy, db, dupart, n, pl, Np);
+    for (; n < Np; n += 16) rev_pn_chunk<vf, 1, M, false>(lam, c, bh, u, dy, db, dupart, n, pl, Np);
   }
-  if (wide)
-    for (; n + 16 * NV <= Np; n += 16 * NV) rev_pn_chunk<NV, M, false>(lam, c, bh, u, dy, db, dupart, n, pl, Np);
-  for (; n < Np; n += 16) rev_pn_chunk<1, M, false>(lam, c, bh, u, dy, db, dupart, n, pl, Np);
+  if (!wide_registers()) {  // the sums of hsum16x16, in its order, without 16-float shuffles
+    for (int m = 0; m < M; ++m)
+      for (int64_t p = 0; p < pl; ++p) du[m][p] = hsum8(v8load(dupart[m] + 16 * p) + v8load(dupart[m] + 16 * p + 8));
+    return;
+  }
   for (int m = 0; m < M; ++m)
     for (int64_t p0 = 0; p0 < pl; p0 += 16) {
       vf r = hsum16x16(dupart[m] + 16 * p0);
@@ -160,10 +201,10 @@ RC_INLINE void rev_pn(float* lam, const float* const* c, const float* const* bh,
 
 // z[n] = sum_p lam[p][n] * S[p][n]
 RC_INLINE void dot_pn(const float* lam, const float* S, float* z, int64_t pl, int64_t Np) {
-  for (int64_t n = 0; n < Np; n += 16) {
-    vf acc = {};
-    for (int64_t p = 0; p < pl; ++p) acc += vload(lam + p * Np + n) * vload(S + p * Np + n);
-    vstore(z + n, acc);
+  for (int64_t n = 0; n < Np; n += 8) {
+    v8 acc = {};
+    for (int64_t p = 0; p < pl; ++p) acc += v8load(lam + p * Np + n) * v8load(S + p * Np + n);
+    v8store(z + n, acc);
   }
 }
 
@@ -197,7 +238,7 @@ RC_INLINE void decay_pn(float* X, float* acc, const float* Ah, float d, float* a
 // leaves [2^-60, 2^60] (also when it is 0 or NaN) X is multiplied out and 1 is returned.
 RC_INLINE float renorm_head(float* X, int64_t n, float p) {
   if (in_range(p)) return p;
-  for (int64_t k = 0; k < n; k += 16) vstore(X + k, vload(X + k) * p);
+  for (int64_t k = 0; k < n; k += 8) v8store(X + k, v8load(X + k) * p);
   return 1.0f;
 }
 
@@ -211,6 +252,12 @@ RC_INLINE void row_put(float* p, int64_t n0, int64_t N, vf v, bool add) {
     vstore(p + n0, v);
   else
     vstore_part(p + n0, v, N - n0);
+}
+
+// The per-token steps of one decay per head work on 8-float vectors (row8_at, scan.h).
+// out[n] = B_t[n] * k (n < Np).
+RC_INLINE void scaled_row(const float* Bt, float k, int64_t N, int64_t Np, float* out) {
+  for (int64_t n0 = 0; n0 < Np; n0 += 8) v8store(out + n0, row8_at(Bt, n0, N) * k);
 }
 
 
@@ -243,6 +290,20 @@ RC_INLINE void fwd_post(RowsBwd& f, int64_t t, const float* S, const float* dc, 
   const bool per_n = f.a == nullptr;
   const float* Ct = f.C + t * f.bs;
   float* dCt = f.dC + t * f.bs;
+  if (!per_n) {  // one decay per head (see row8_at)
+    v8 zacc = {};
+    for (int64_t n0 = 0; n0 < Np; n0 += 8) {
+      const v8 dcn = v8load(dc + n0) * P;
+      row8_put(dCt, n0, N, dcn, !first);
+      zacc += row8_at(Ct, n0, N) * dcn;
+    }
+    f.zc[t] = hsum8(zacc);
+    if (is_anchor(t, f.K, f.T)) {
+      float* at = f.anch + (t / f.K) * pl * Np;
+      for (int64_t k = 0; k < pl * Np; k += 8) v8store(at + k, v8load(S + k) * P);
+    }
+    return;
+  }
   vf zacc = {};
   for (int64_t n0 = 0; n0 < Np; n0 += 16) {
     const vf dcn = vload(dc + n0) * (per_n ? vload(Pv + n0) : vsplat(P));
@@ -287,10 +348,8 @@ RC_SIMD void rows_bwd_fwd(RowsBwd& f, int64_t t0, int64_t t1, bool first) {
       const float p0 = P * f.a[t], p1 = p0 * f.a[t + 1];
       if (in_range(p0) && in_range(p1)) {
         const float i0 = 1.0f / p0, i1 = 1.0f / p1;
-        for (int64_t n0 = 0; n0 < Np; n0 += 16) {
-          vstore(bt + n0, row_at(Bt, n0, N) * i0);
-          vstore(bt2 + n0, row_at(Bt + f.bs, n0, N) * i1);
-        }
+        scaled_row(Bt, i0, N, Np, bt);
+        scaled_row(Bt + f.bs, i1, N, Np, bt2);
         stage_rows(f, t, s0);
         stage_rows(f, t + 1, s1);
         const float* bb[2] = {bt, bt2};
@@ -308,7 +367,7 @@ RC_SIMD void rows_bwd_fwd(RowsBwd& f, int64_t t0, int64_t t1, bool first) {
     if (!per_n) {
       P = renorm_head(S, pl * Np, P * f.a[t]);
       const float ip = 1.0f / P;
-      for (int64_t n0 = 0; n0 < Np; n0 += 16) vstore(bt + n0, row_at(Bt, n0, N) * ip);
+      scaled_row(Bt, ip, N, Np, bt);
     } else {
       decay_pn(S, Pv, f.Ah, f.dtp[t], an, N, Np, pl);
       for (int64_t n0 = 0; n0 < Np; n0 += 16) vstore(bt + n0, row_at(Bt, n0, N) / vload(Pv + n0));
@@ -341,13 +400,8 @@ void rows_bwd_mid(RowsBwd& f) {
 // cr = C_t / R, bh = B_t * R (one decay per head).
 RC_INLINE void rev_pre(const RowsBwd& f, int64_t t, float R, float* cr, float* bh) {
   const int64_t N = f.N, Np = (N + 15) / 16 * 16;
-  const float ir = 1.0f / R;
-  const float* Bt = f.B + t * f.bs;
-  const float* Ct = f.C + t * f.bs;
-  for (int64_t n0 = 0; n0 < Np; n0 += 16) {
-    vstore(cr + n0, row_at(Ct, n0, N) * ir);
-    vstore(bh + n0, row_at(Bt, n0, N) * R);
-  }
+  scaled_row(f.C + t * f.bs, 1.0f / R, N, Np, cr);
+  scaled_row(f.B + t * f.bs, R, N, Np, bh);
 }
 
 // After a token of the reverse sweep (one decay per head): dx, dB into the slot, the
@@ -360,30 +414,26 @@ RC_INLINE void rev_post(RowsBwd& f, int64_t t, float R, const float* lam, const 
   const float* xt = f.x + t * f.xs;
   float* dBt = f.dB + t * f.bs;
   float* dxt = f.dx + t * f.xs;
-  vf ddv = {};
-  for (int64_t p0 = 0; p0 < pl; p0 += 16) {
-    const int64_t m = std::min<int64_t>(16, pl - p0);
-    const vf dv = vload(du + p0);  // du is padded to a multiple of 16
-    if (m == 16)
-      vstore(dxt + p0, dv * d);
-    else
-      vstore_part(dxt + p0, dv * d, m);
-    ddv += dv * (m == 16 ? vload(xt + p0) : vload_part(xt + p0, m));
+  v8 ddv = {};
+  for (int64_t p0 = 0; p0 < pl; p0 += 8) {  // du is padded to a multiple of 16
+    const v8 dv = v8load(du + p0);
+    row8_put(dxt, p0, pl, dv * d, false);
+    ddv += dv * row8_at(xt, p0, pl);
   }
-  float dd = hsum(ddv);
+  float dd = hsum8(ddv);
   if (is_anchor(t, f.K, f.T)) {  // Z_t exactly from the stored state
     dot_pn(lam, f.anch + (t / f.K) * pl * Np, Z, pl, Np);
-    vf z = {};
-    for (int64_t n0 = 0; n0 < Np; n0 += 16) z += vload(Z + n0);
-    f.Zs = hsum(z) * R;
+    v8 z = {};
+    for (int64_t n0 = 0; n0 < Np; n0 += 8) z += v8load(Z + n0);
+    f.Zs = hsum8(z) * R;
   }
-  vf bdb = {};
-  for (int64_t n0 = 0; n0 < Np; n0 += 16) {
-    const vf dbn = vload(db + n0) * R;
-    row_put(dBt, n0, N, dbn, !first);
-    bdb += row_at(Bt, n0, N) * dbn;
+  v8 bdb = {};
+  for (int64_t n0 = 0; n0 < Np; n0 += 8) {
+    const v8 dbn = v8load(db + n0) * R;
+    row8_put(dBt, n0, N, dbn, !first);
+    bdb += row8_at(Bt, n0, N) * dbn;
   }
-  const float G = f.Zs - hsum(bdb);
+  const float G = f.Zs - hsum8(bdb);
   f.dAs += G * d;
   dd += G * f.Ah[0];
   if (t > 0) f.Zs = G + f.zc[t - 1];
@@ -505,9 +555,12 @@ void rows_bwd_end(const RowsBwd& f) {
   }
 }
 
+// Channels per unit: a state block of about 16 KB (32 KB without AVX-512, where the 8-lane
+// sweeps are cheaper per element than the per-token steps around them, which a larger
+// block shares among more channels).
 int64_t rows_bwd_block(const Dims& d) {
   const int64_t Np = (d.N + 15) / 16 * 16;
-  return std::max<int64_t>(1, std::min<int64_t>(d.P, 4096 / Np));
+  return std::max<int64_t>(1, std::min<int64_t>(d.P, (wide_registers() ? 4096 : 8192) / Np));
 }
 
 }  // namespace

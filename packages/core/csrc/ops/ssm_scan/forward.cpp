@@ -124,6 +124,47 @@ RC_INLINE void rows_fwd_tokens(float* __restrict St, const float* const* b, cons
     for (int v = 0; v < V; ++v) out[m][v] = e[m][v] + o[m][v];
 }
 
+// rows_fwd_tokens for one 16-lane vector (V = 1) on AVX2, from x to y: two passes of 8
+// lanes. The 16-float version keeps 16 vectors of two registers each live and spills on
+// every element; here 8 + 4 broadcasts of 16 registers. Lane for lane the same operations
+// in the same order: u = x us, S[n][:] += b[n] u, y = ys sum_n c[n] S[n][:].
+template <int M>
+RC_INLINE void rows_fwd_tokens_half(float* __restrict St, const float* const* b, const float* const* c,
+                                    const float* const* x, const float* us, float* const* y, const float* ys,
+                                    int64_t pl, int64_t N) {
+  constexpr int L = 16;
+  for (int64_t h = 0; h < 16; h += 8) {
+    v8 uv[M], e[M], o[M];
+    for (int m = 0; m < M; ++m) {
+      uv[m] = row8_at(x[m], h, pl) * us[m];
+      e[m] = o[m] = v8{};
+    }
+    int64_t n = 0;
+    for (; n + 2 <= N; n += 2) {
+      float* sp = St + n * L + h;
+      v8 s0 = v8load(sp), s1 = v8load(sp + L);
+      for (int m = 0; m < M; ++m) {
+        s0 += b[m][n] * uv[m];
+        s1 += b[m][n + 1] * uv[m];
+        e[m] += c[m][n] * s0;
+        o[m] += c[m][n + 1] * s1;
+      }
+      v8store(sp, s0);
+      v8store(sp + L, s1);
+    }
+    if (n < N) {
+      float* sp = St + n * L + h;
+      v8 s0 = v8load(sp);
+      for (int m = 0; m < M; ++m) {
+        s0 += b[m][n] * uv[m];
+        e[m] += c[m][n] * s0;
+      }
+      v8store(sp, s0);
+    }
+    for (int m = 0; m < M; ++m) row8_put(y[m], h, pl, (e[m] + o[m]) * ys[m], false);
+  }
+}
+
 template <int V>
 RC_INLINE void load_u(const float* xt, int64_t pl, float scale, vf* u) {
   for (int v = 0; v < V; ++v) {
@@ -203,6 +244,22 @@ RC_INLINE void rows_fwd_run(RowsFwd& f, int64_t t0, int64_t t1) {
           q *= f.a[t + m];
           pm[m] = q;
           ok &= in_range(q);
+        }
+        if (ok && V == 1 && !wide_registers()) {
+          const float *bm[kM], *cm[kM], *xm[kM];
+          float* ym[kM];
+          float us[kM];
+          for (int m = 0; m < kM; ++m) {
+            bm[m] = Bt + m * f.bs;
+            cm[m] = Ct + m * f.bs;
+            xm[m] = xt + m * f.xs;
+            ym[m] = yt + m * f.xs;
+            us[m] = f.dtp[t + m] / pm[m];
+          }
+          rows_fwd_tokens_half<kM>(St, bm, cm, xm, us, ym, pm, pl, N);
+          P = pm[kM - 1];
+          t += kM;
+          continue;
         }
         if (ok) {
           vf um[kM][V], om[kM][V];

@@ -168,6 +168,35 @@ inline bool wide_registers() {
   return wide;
 }
 
+// 8-float vectors for the AVX2 variants of the token loops: one register each there, so a
+// loop can be sized to the 16 registers (a 16-float vf is two).
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+RC_INLINE v8 v8load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
+RC_INLINE void v8store(float* p, v8 v) { *reinterpret_cast<v8u*>(p) = v; }
+RC_INLINE v8 v8splat(float s) { return __builtin_shuffle(v8{s}, v8i{}); }
+
+// Without AVX-512 a 16-float vector that lives across a loop (an accumulator, a select) is
+// kept in memory and every broadcast into it is 16 scalar stores, which cost more than a
+// token's sweep over the state: the per-token steps around the sweeps use 8-float vectors.
+// Lanes n0 .. n0 + 7 of a row of N floats (zero past N), and their store.
+RC_INLINE v8 row8_at(const float* p, int64_t n0, int64_t N) {
+  if (n0 + 8 <= N) return v8load(p + n0);
+  v8 v = {};
+  for (int64_t l = 0; n0 + l < N; ++l) v[l] = p[n0 + l];
+  return v;
+}
+RC_INLINE void row8_put(float* p, int64_t n0, int64_t N, v8 v, bool add) {
+  if (add) v += row8_at(p, n0, N);
+  if (n0 + 8 <= N) {
+    v8store(p + n0, v);
+  } else {
+    for (int64_t l = 0; n0 + l < N; ++l) p[n0 + l] = v[l];
+  }
+}
+RC_INLINE float hsum8(v8 v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
+
 constexpr int64_t kPrefetch = 4;  // tokens ahead: rows of x, y, dt are far apart in memory
 
 // Prefetches the `len` floats at p (for writing when w).
