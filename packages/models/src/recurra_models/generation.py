@@ -165,8 +165,12 @@ class StepGraph:
         layout: list[int],
         resident: bool = False,
         carry: bool = False,
+        constants: list[tuple[Any, str, Any]] | None = None,
     ) -> None:
         self.graph, self.params, self.tok = graph, params, tok
+        # (module, name, leaf): weight-only values (module.step_constants()) that the graph
+        # takes as inputs, computed from the parameters whenever they are bound
+        self.constants = constants or []
         self.st_in, self.logits, self.st_out, self.layout = st_in, logits, st_out, layout
         self.resident = resident
         self.carry = carry or resident
@@ -187,7 +191,16 @@ class StepGraph:
         g = rc.Graph(backends=[device], strict=rc.strict_placement()) if resident else rc.Graph()
         leaves: dict[int, tuple[Any, Any]] = {}
         swapped: list[tuple[Any, str, Any]] = []
+        constants: list[tuple[Any, str, Any]] = []
         try:
+            if not resident:  # weight-only values as inputs, computed once per start()
+                with rc.no_grad():
+                    for m in model.modules():
+                        if not hasattr(m, "step_constants"):
+                            continue
+                        made = {k: g.input(tuple(v.shape)) for k, v in m.step_constants().items()}
+                        constants += [(m, k, leaf) for k, leaf in made.items()]
+                        m.__dict__["_step_inputs"] = made
             for m in model.modules():
                 for name, p in list(m.__dict__["_parameters"].items()):
                     if p is None:
@@ -225,6 +238,8 @@ class StepGraph:
         finally:
             for m, name, p in swapped:
                 object.__setattr__(m, name, p)
+            for m, _, _ in constants:
+                m.__dict__.pop("_step_inputs", None)
         return cls(
             g,
             list(leaves.values()),
@@ -235,6 +250,7 @@ class StepGraph:
             [len(layer) for layer in shapes],
             resident,
             carry,
+            constants,
         )
 
     def _bind_params(self) -> None:
@@ -244,6 +260,13 @@ class StepGraph:
                 g._g.bind_device(leaf.id, p.storage)
             else:
                 g._g.bind(leaf.id, p._realized())
+        with rc.no_grad():  # the graph keeps the arrays it is bound to
+            values: dict[int, dict[str, Any]] = {}
+            for m, name, leaf in self.constants:
+                if id(m) not in values:
+                    values[id(m)] = m.step_constants()
+                arr = np.ascontiguousarray(values[id(m)][name].numpy(), np.float32)
+                g._g.bind(leaf.id, arr)
 
     def __call__(
         self, tokens: np.ndarray, state: list[np.ndarray]
