@@ -125,15 +125,17 @@ def test_carried_state_copied_only_when_it_views_itself() -> None:
     b = rc.ops.exp(a)
     assert _views(g, a.reshape(3, 2).T.id, a.id) and _views(g, a.id, a.id)
     assert not _views(g, b.id, a.id) and not _views(g, b.reshape(6).id, a.id)
-    # Mamba-2's conv states are slices of the conv's concat: assigned as they are, with no
-    # contiguous copy first; its scan states are written in place by the scans (no assign).
+    # Mamba-2's conv states are shifted in place by conv_step nodes and its scan states
+    # written in place by the scans: no assign, concat or contiguous copy.
     step = StepGraph.build(_model("mamba2"), carry=True)
     assert step is not None and step.carry
     infos = [step.graph._g.info(i) for i in range(step.graph.n_nodes)]
     ops = [i["op"] for i in infos]
-    assert ops.count("assign") == 2 and "contiguous" not in ops
-    scans = [i for i in infos if i["op"] == "ssm_scan"]
-    assert len(scans) == 2 and all(i["src"][0] in {t.id for t in step.st_in} for i in scans)
+    assert not {"assign", "concat", "contiguous"} & set(ops)
+    carried = {t.id for t in step.st_in}
+    for op in ("ssm_scan", "conv_step"):
+        nodes = [i for i in infos if i["op"] == op]
+        assert len(nodes) == 2 and all(i["src"][0] in carried for i in nodes)
 
 
 def test_stream_stops_and_zero_tokens() -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 import recurra as rc
+from recurra_models import lm
 from recurra_models.lm import State, realize
 
 __all__ = ["StepGraph", "generate", "sample_token", "stream"]
@@ -90,7 +91,7 @@ def _prompt(prompt_ids: Any, vocab: int) -> np.ndarray:
 _VIEW_OPS = {"reshape", "permute", "slice", "broadcast_to", "transpose"}
 
 
-_TRACE_LOCK = threading.Lock()  # one trace at a time patches rc.ops.ssm_scan
+_TRACE_LOCK = threading.Lock()  # one trace at a time patches rc.ops.ssm_scan, lm's conv hook
 
 
 @contextmanager
@@ -100,10 +101,18 @@ def _scan_state_in_place(g: Any, leaves: list[Any]) -> Iterator[None]:
     that leaf in place (RECURRA_SSM_SCAN_STATE_IN_PLACE) and returns the leaf as the new
     state, which then needs no ``assign``: the largest state of a Mamba-2 step (18.9 MB for
     the 130M preset) is read once and written once per token, not also copied. Any other
-    call goes to the op as it is."""
+    call goes to the op as it is. Likewise the one-token causal conv of such a state is one
+    ``conv_step`` node (conv, bias and SiLU, the state shifted in place) instead of a
+    concat, the conv, the bias, the SiLU and an ``assign`` of the new state."""
     ids_of = {t.id for t in leaves}
     plain = rc.ops.ssm_scan
     flag = rc.ops.op_codes()["SSM_SCAN_STATE_IN_PLACE"]
+
+    def conv(x: Any, state: Any, weight: Any, bias: Any) -> tuple[Any, Any] | None:
+        if not (isinstance(state, rc.GraphTensor) and state.graph is g and state.id in ids_of):
+            return None
+        srcs = [state, x, weight] + ([] if bias is None else [bias])
+        return g.apply("conv_step", srcs, (), ()), state
 
     def scan(s: Any, x: Any, dt: Any, A: Any, B: Any, C: Any, ids: Any) -> tuple[Any, Any]:
         mine = isinstance(s, rc.GraphTensor) and s.graph is g and s.id in ids_of
@@ -116,10 +125,12 @@ def _scan_state_in_place(g: Any, leaves: list[Any]) -> Iterator[None]:
 
     with _TRACE_LOCK:
         rc.ops.ssm_scan = scan
+        lm._conv_step_hook = conv
         try:
             yield
         finally:
             rc.ops.ssm_scan = plain
+            lm._conv_step_hook = None
 
 
 def _views(g: Any, node: int, base: int) -> bool:
