@@ -108,8 +108,11 @@ RC_SIMD void step_heads(const StepFwd& f, int64_t h0, int64_t h1, float* __restr
     rb += nacc;
     nacc = 0;
   };
-  for (int64_t ih = h0; ih < h1; ++ih) {
-    const int64_t i = ih / d.H, h = ih % d.H, g = h / d.hpg;
+  // (sequence i, head h, group g) of ih, counted along (no divisions per head)
+  int64_t i = h0 / d.H, h = h0 % d.H, g = h / d.hpg, hg = h % d.hpg;
+  for (int64_t ih = h0; ih < h1; ++ih, ++h, ++hg) {
+    if (h == d.H) h = 0, hg = 0, g = 0, ++i;
+    if (hg == d.hpg) hg = 0, ++g;
     const float dtp = dtps[ih - h0];
     const float* Ah = f.A + h * d.NA;
     if (d.per_n) {
