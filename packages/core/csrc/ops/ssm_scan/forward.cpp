@@ -12,11 +12,13 @@ namespace {
 // Forward, rows layout: one (sequence, head, block of L channels).
 // ======================================================================================
 
-// One token (T == 1: a generation step). The rows kernels' transposed, scaled state would
-// cost two passes more over it than the token itself; here each row [p][:] of a (sequence,
-// head) state is read once and written once, vectorized along n:
-// S'[p][n] = a[n] S[p][n] + B[n] dtp x[p], y[p] = C . S'[p].
-// out may be s itself (a state written in place): each vector is loaded before it is stored.
+// ---- One token (T == 1: a generation step) ----
+// The rows kernels' transposed, scaled state would cost two passes more over it than the
+// token itself; here each row [p][:] of a (sequence, head) state is read once and written
+// once, vectorized along n: S'[p][n] = a[n] S[p][n] + B[n] dtp x[p], y[p] = C . S'[p]. The
+// output may be the state itself (written in place): each vector is loaded before it is
+// stored.
+
 // out[n] = exp(d * A[n]) for n < N (zeros up to the next multiple of 16): the decays of one
 // head of a step. GCC's vector-extension vexp keeps its clamps in scalar code in the AVX2
 // clone of step_heads (a store-forwarding stall per lane: most of a Mamba-1 step), so on
