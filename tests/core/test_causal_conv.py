@@ -124,3 +124,56 @@ def test_errors():
         fused(x, np.zeros((4, 4), np.float32), np.zeros(3, np.float32)).numpy()
     with pytest.raises(TypeError):
         fused(x.astype(np.int32), np.zeros((4, 4), np.float32)).numpy()
+
+
+# ---- conv_step: one token with the state shifted in place (generation) -------------------
+
+
+def _step_graph(state, x, w, b):
+    g = rc.Graph()
+    leaves = []
+    for a in [state, x, w] + ([] if b is None else [b]):
+        t = g.input(a.shape)
+        g.set_data(t, a)
+        leaves.append(t)
+    y = g.apply("conv_step", leaves, (), ())
+    g.set_output(y)
+    return g, leaves, y
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("s,d,k", [(1, 37, 4), (2, 5, 2), (3, 16, 3)], ids=str)
+def test_conv_step_against_the_whole_sequence(bias, s, d, k):
+    # Three steps from a random state: each y equals the causal conv of the full history
+    # (float64), and the state after each is the last k - 1 inputs.
+    hist = RNG.standard_normal((s, k - 1, d)).astype(np.float32)
+    w = RNG.standard_normal((d, k)).astype(np.float32)
+    b = RNG.standard_normal(d).astype(np.float32) if bias else None
+    xs = RNG.standard_normal((s, 3, d)).astype(np.float32)
+    g, leaves, y = _step_graph(np.ascontiguousarray(hist.transpose(0, 2, 1)), xs[:, :1], w, b)
+    for t in range(3):
+        g.set_data(leaves[1], np.ascontiguousarray(xs[:, t : t + 1]))
+        g.compute()
+        seq = np.concatenate([hist, xs[:, : t + 1]], axis=1)  # (s, k - 1 + t + 1, d)
+        want = ref(seq, w, b)[:, -1:]  # zeros before hist do not reach the last output
+        np.testing.assert_allclose(g.get_data(y), want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(g.get_data(leaves[0]), seq[:, -(k - 1) :].transpose(0, 2, 1))
+
+
+def test_conv_step_errors():
+    st = np.zeros((1, 4, 3), np.float32)
+    w = np.zeros((4, 4), np.float32)
+    with pytest.raises(ValueError, match="x must be"):
+        _step_graph(st, np.zeros((1, 2, 4), np.float32), w, None)
+    with pytest.raises(ValueError, match="c must be"):
+        _step_graph(st, np.zeros((1, 1, 4), np.float32), np.zeros((4, 3), np.float32), None)
+    with pytest.raises(ValueError, match="bias"):
+        _step_graph(st, np.zeros((1, 1, 4), np.float32), w, np.zeros(3, np.float32))
+    g = rc.Graph()
+    a = g.input((1, 4, 3))
+    with pytest.raises(ValueError, match="leaf"):
+        g.apply("conv_step", [rc.ops.exp(a), g.input((1, 1, 4)), g.input((4, 4))], (), ())
+    p = rc.param(st)
+    y = rc.ops.apply("conv_step", [p, rc.tensor(np.ones((1, 1, 4), np.float32)), rc.tensor(w)])
+    with pytest.raises(ValueError, match="no gradient"):
+        y.sum().backward()

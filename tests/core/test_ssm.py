@@ -131,6 +131,8 @@ SCAN_LAYOUTS = [
     (2, 1, 150, 1, 16, 1, True),  # one token of Mamba-1: 300 heads in tasks of 64
     (1, 1, 70, 1, 17, 2, True),  # one token, head_dim 1, d_state 17, 2 groups
     (2, 1, 9, 1, 16, 3, False),  # one token, head_dim 1, one decay per head
+    (1, 1, 1100, 1, 16, 1, True),  # one token of Mamba-1 split over the pool, a partial task
+    (1, 1, 5, 72, 48, 1, False),  # one token of Mamba-2 split over the pool, 72 rows a head
     (1, 40, 2, 32, 33, 1, True),  # 40 tokens, per-state decay in the rows kernel
 ]
 

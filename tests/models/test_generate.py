@@ -90,6 +90,33 @@ def test_step_graph_kept_between_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     assert rc.is_grad_enabled()
 
 
+@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
+def test_step_graph_takes_weight_only_values_as_inputs(arch: str) -> None:
+    # -exp(A_log) is computed from the weights once per start(), not in every step: the
+    # traced step has no exp node, and a new A_log is seen after the next start().
+    model = _model(arch)
+    step = StepGraph.build(model, carry=True)
+    assert step is not None and len(step.constants) == 2  # one per layer
+    ops = [step.graph._g.info(i)["op"] for i in range(step.graph.n_nodes)]
+    assert "exp" not in ops and "neg" not in ops
+    tok = np.array([[5]], np.int32)
+    with rc.no_grad():
+        step.start(model.init_state(1))
+    np.testing.assert_allclose(step.step(tok), model(tok).numpy(), rtol=1e-5, atol=1e-6)
+    for layer in model.backbone.layers:
+        a = layer.mixer.A_log
+        a.assign_(a.numpy() * 0.5 - 1.0)
+    with rc.no_grad():
+        step.start(model.init_state(1))
+    step.step(np.array([[7]], np.int32))  # a state that depends on A before the token read
+    after = step.step(tok)
+    _, st = model.forward_with_state(np.array([[7]], np.int32))
+    ref, _ = model.forward_with_state(tok, st)
+    np.testing.assert_allclose(after, ref.numpy(), rtol=1e-5, atol=1e-6)
+    lazy = rm.generate(model, [7, 5], max_tokens=3, temperature=0.0, use_graph=False)
+    assert rm.generate(model, [7, 5], max_tokens=3, temperature=0.0) == lazy
+
+
 def test_carried_state_copied_only_when_it_views_itself() -> None:
     from recurra_models.generation import _views
 
@@ -98,15 +125,17 @@ def test_carried_state_copied_only_when_it_views_itself() -> None:
     b = rc.ops.exp(a)
     assert _views(g, a.reshape(3, 2).T.id, a.id) and _views(g, a.id, a.id)
     assert not _views(g, b.id, a.id) and not _views(g, b.reshape(6).id, a.id)
-    # Mamba-2's conv states are slices of the conv's concat: assigned as they are, with no
-    # contiguous copy first; its scan states are written in place by the scans (no assign).
+    # Mamba-2's conv states are shifted in place by conv_step nodes and its scan states
+    # written in place by the scans: no assign, concat or contiguous copy.
     step = StepGraph.build(_model("mamba2"), carry=True)
     assert step is not None and step.carry
     infos = [step.graph._g.info(i) for i in range(step.graph.n_nodes)]
     ops = [i["op"] for i in infos]
-    assert ops.count("assign") == 2 and "contiguous" not in ops
-    scans = [i for i in infos if i["op"] == "ssm_scan"]
-    assert len(scans) == 2 and all(i["src"][0] in {t.id for t in step.st_in} for i in scans)
+    assert not {"assign", "concat", "contiguous"} & set(ops)
+    carried = {t.id for t in step.st_in}
+    for op in ("ssm_scan", "conv_step"):
+        nodes = [i for i in infos if i["op"] == op]
+        assert len(nodes) == 2 and all(i["src"][0] in carried for i in nodes)
 
 
 def test_stream_stops_and_zero_tokens() -> None:

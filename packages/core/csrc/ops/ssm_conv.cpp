@@ -20,6 +20,8 @@
 // [position][16 channels] tile, and every output row y[s, t, ch0 : ch0 + 16] is then a
 // sum of W vector FMAs. The backward transposes d_sx back the same way. d_c is summed by
 // the one task that owns its 16 channels, in a fixed order (no thread-count dependence).
+#include <cmath>
+
 #include "lane_math.h"
 #include "ssm.h"
 
@@ -371,6 +373,34 @@ void conv_check(Graph& g, Node& n, int off, int64_t* S, int64_t* D, int64_t* W, 
   *T = sx[2] - (c[1] - 1);
 }
 
+// conv_step (state (S, D, W - 1), x (S, 1, D), c (D, W)[, bias (D,)]): one token of a
+// generation step. y[s, 0, ch] = silu(bias[ch] + sum_k c[ch, k] window[k]) over the window
+// [state[s, ch, :], x[s, 0, ch]], and the state moves on by one position in place (the
+// window's last W - 1 values): no concatenated copy, no separate bias, SiLU or state copy
+// nodes. A few thousand channels: the calling thread alone.
+void conv_step_forward(KernelCtx& c) {
+  const Shape& ss = c.src[0].shape;
+  const int64_t S = ss[0], D = ss[1], K = ss[2], W = K + 1;
+  float* st = const_cast<float*>(c.src[0].f32());
+  const float* x = c.src[1].f32();
+  const float* w = c.src[2].f32();
+  const float* b = c.src.size() == 4 ? c.src[3].f32() : nullptr;
+  float* y = c.dst.f32();
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t ch = 0; ch < D; ++ch) {
+      float* sr = st + (s * D + ch) * K;
+      const float* wr = w + ch * W;
+      const float xv = x[s * D + ch];
+      float acc = 0.0f;  // ssm_conv's order, then the bias
+      for (int64_t k = 0; k < K; ++k) acc += wr[k] * sr[k];
+      acc += wr[K] * xv;
+      if (b) acc += b[ch];
+      for (int64_t k = 0; k + 1 < K; ++k) sr[k] = sr[k + 1];
+      if (K > 0) sr[K - 1] = xv;
+      y[s * D + ch] = acc / (1.0f + std::exp(-acc));
+    }
+}
+
 }  // namespace
 
 void register_ssm_conv_ops(OpTable& t) {
@@ -469,6 +499,31 @@ void register_ssm_conv_ops(OpTable& t) {
       n.shape = Shape{xs.numel() + cs.numel() + (n.src.size() == 4 ? cs[0] : 0)};
     };
     d.forward = causal_conv_back_forward;
+    t.add(std::move(d));
+  }
+  {
+    OpDef d;
+    d.name = "conv_step";
+    d.contiguous_srcs = 0b1111;
+    d.infer = [](Graph& g, Node& n) {
+      if (n.src.size() != 3 && n.src.size() != 4) fail_shape(g, n, "takes (state, x, c) or (state, x, c, bias)");
+      for (size_t i = 0; i < n.src.size(); ++i) require_f32(g, n, static_cast<int>(i));
+      const Shape st = g.node(n.src[0]).shape, xs = g.node(n.src[1]).shape, cs = g.node(n.src[2]).shape;
+      if (st.ndim != 3) fail_shape(g, n, "state must be (n_seqs, d_inner, d_conv - 1)");
+      if (xs != Shape{st[0], 1, st[1]}) fail_shape(g, n, "x must be (n_seqs, 1, d_inner) of the state's sizes");
+      if (cs != Shape{st[1], st[2] + 1}) fail_shape(g, n, "c must be (d_inner, d_conv) of the state's sizes");
+      if (n.src.size() == 4 && g.node(n.src[3]).shape != Shape{st[1]}) fail_shape(g, n, "bias must be (d_inner,)");
+      if (!g.node(n.src[0]).is_leaf()) fail_shape(g, n, "writes the state in place into a leaf only");
+      n.dtype = DType::f32;
+      n.shape = xs;
+    };
+    d.writes_src = [](const Node&, size_t i) { return i == 0; };
+    d.forward = conv_step_forward;
+    d.backward = [](GradSink& k) {
+      for (size_t i = 0; i < k.node.src.size(); ++i)
+        if (k.needs(static_cast<int>(i)))
+          throw ValueError("conv_step: a step that writes its state in place has no gradient");
+    };
     t.add(std::move(d));
   }
 }

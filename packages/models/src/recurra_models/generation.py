@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 import recurra as rc
+from recurra_models import lm
 from recurra_models.lm import State, realize
 
 __all__ = ["StepGraph", "generate", "sample_token", "stream"]
@@ -90,7 +91,7 @@ def _prompt(prompt_ids: Any, vocab: int) -> np.ndarray:
 _VIEW_OPS = {"reshape", "permute", "slice", "broadcast_to", "transpose"}
 
 
-_TRACE_LOCK = threading.Lock()  # one trace at a time patches rc.ops.ssm_scan
+_TRACE_LOCK = threading.Lock()  # one trace at a time patches rc.ops.ssm_scan, lm's conv hook
 
 
 @contextmanager
@@ -100,10 +101,18 @@ def _scan_state_in_place(g: Any, leaves: list[Any]) -> Iterator[None]:
     that leaf in place (RECURRA_SSM_SCAN_STATE_IN_PLACE) and returns the leaf as the new
     state, which then needs no ``assign``: the largest state of a Mamba-2 step (18.9 MB for
     the 130M preset) is read once and written once per token, not also copied. Any other
-    call goes to the op as it is."""
+    call goes to the op as it is. Likewise the one-token causal conv of such a state is one
+    ``conv_step`` node (conv, bias and SiLU, the state shifted in place) instead of a
+    concat, the conv, the bias, the SiLU and an ``assign`` of the new state."""
     ids_of = {t.id for t in leaves}
     plain = rc.ops.ssm_scan
     flag = rc.ops.op_codes()["SSM_SCAN_STATE_IN_PLACE"]
+
+    def conv(x: Any, state: Any, weight: Any, bias: Any) -> tuple[Any, Any] | None:
+        if not (isinstance(state, rc.GraphTensor) and state.graph is g and state.id in ids_of):
+            return None
+        srcs = [state, x, weight] + ([] if bias is None else [bias])
+        return g.apply("conv_step", srcs, (), ()), state
 
     def scan(
         s: Any,
@@ -126,10 +135,12 @@ def _scan_state_in_place(g: Any, leaves: list[Any]) -> Iterator[None]:
 
     with _TRACE_LOCK:
         rc.ops.ssm_scan = scan
+        lm._conv_step_hook = conv
         try:
             yield
         finally:
             rc.ops.ssm_scan = plain
+            lm._conv_step_hook = None
 
 
 def _views(g: Any, node: int, base: int) -> bool:
@@ -175,8 +186,12 @@ class StepGraph:
         layout: list[int],
         resident: bool = False,
         carry: bool = False,
+        constants: list[tuple[Any, str, Any]] | None = None,
     ) -> None:
         self.graph, self.params, self.tok = graph, params, tok
+        # (module, name, leaf): weight-only values (module.step_constants()) that the graph
+        # takes as inputs, computed from the parameters whenever they are bound
+        self.constants = constants or []
         self.st_in, self.logits, self.st_out, self.layout = st_in, logits, st_out, layout
         self.resident = resident
         self.carry = carry or resident
@@ -197,7 +212,16 @@ class StepGraph:
         g = rc.Graph(backends=[device], strict=rc.strict_placement()) if resident else rc.Graph()
         leaves: dict[int, tuple[Any, Any]] = {}
         swapped: list[tuple[Any, str, Any]] = []
+        constants: list[tuple[Any, str, Any]] = []
         try:
+            if not resident:  # weight-only values as inputs, computed once per start()
+                with rc.no_grad():
+                    for m in model.modules():
+                        if not hasattr(m, "step_constants"):
+                            continue
+                        made = {k: g.input(tuple(v.shape)) for k, v in m.step_constants().items()}
+                        constants += [(m, k, leaf) for k, leaf in made.items()]
+                        m.__dict__["_step_inputs"] = made
             for m in model.modules():
                 for name, p in list(m.__dict__["_parameters"].items()):
                     if p is None:
@@ -235,6 +259,8 @@ class StepGraph:
         finally:
             for m, name, p in swapped:
                 object.__setattr__(m, name, p)
+            for m, _, _ in constants:
+                m.__dict__.pop("_step_inputs", None)
         return cls(
             g,
             list(leaves.values()),
@@ -245,6 +271,7 @@ class StepGraph:
             [len(layer) for layer in shapes],
             resident,
             carry,
+            constants,
         )
 
     def _bind_params(self) -> None:
@@ -254,6 +281,13 @@ class StepGraph:
                 g._g.bind_device(leaf.id, p.storage)
             else:
                 g._g.bind(leaf.id, p._realized())
+        with rc.no_grad():  # the graph keeps the arrays it is bound to
+            values: dict[int, dict[str, Any]] = {}
+            for m, name, leaf in self.constants:
+                if id(m) not in values:
+                    values[id(m)] = m.step_constants()
+                arr = np.ascontiguousarray(values[id(m)][name].numpy(), np.float32)
+                g._g.bind(leaf.id, arr)
 
     def __call__(
         self, tokens: np.ndarray, state: list[np.ndarray]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -271,6 +271,12 @@ def chunked_cross_entropy(h: Any, head: Any, targets: Any, rows: int) -> Any:
 # -- shared Mamba helpers -------------------------------------------------------------------
 
 
+#: while a generation step graph that carries its state is traced: a function (x, state,
+#: weight, bias) -> (y, new state) or None that may run a one-token conv with the state
+#: updated in place (recurra_models.generation); None otherwise
+_conv_step_hook: Callable[..., tuple[Any, Any] | None] | None = None
+
+
 def causal_conv(x: Any, state: Any | None, weight: Any, bias: Any | None) -> tuple[Any, Any]:
     """Depthwise causal conv over time with SiLU, as in Mamba.
 
@@ -288,6 +294,11 @@ def causal_conv(x: Any, state: Any | None, weight: Any, bias: Any | None) -> tup
     if state is None:  # one op (fused where the backend has the kernel)
         y = ops.causal_conv_silu(x, weight, bias)
         return (y if half is None else y.to(half)), conv_state_after(x, k)
+    step = _conv_step_hook
+    if step is not None and t == 1 and half is None:
+        done = step(x, state, weight, bias)
+        if done is not None:
+            return done
     xt = x.permute(0, 2, 1)  # (B, C, T)
     sx = ops.concat([state, xt], axis=2)
     y = ops.ssm_conv(sx, weight)  # (B, T, C)

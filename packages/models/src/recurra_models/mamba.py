@@ -128,13 +128,24 @@ class MambaMixer(nn.Module):
         dt = self.dt_proj(dbc[:, :, :r])  # (B, T, d_inner), bias added before softplus
         bm = dbc[:, :, r : r + n].reshape(b, t, 1, n)
         cm = dbc[:, :, r + n :].reshape(b, t, 1, n)
-        a = -ops.exp(self.A_log)  # (d_inner, d_state)
+        a = step_constant(self, "A")  # -exp(A_log) (d_inner, d_state)
         s0 = state[1] if state is not None else _zeros((b, di, 1, n), h.device)
         y, s1 = ops.ssm_scan(
             s0, x.reshape(b, t, di, 1), dt, a, bm, cm, np.arange(b, dtype=np.int32)
         )
         y = y.reshape(b, t, di) + x * self.D
         return self.out_proj(y * ops.silu(z)), [conv_state, s1]
+
+    def step_constants(self) -> dict[str, Any]:
+        """The weight-only values of the forward: A = -exp(A_log) (see step_constant)."""
+        return {"A": -ops.exp(self.A_log)}
+
+
+def step_constant(module: Any, name: str) -> Any:
+    """``module.step_constants()[name]``, or while a step graph is traced the graph input
+    that stands for it (computed from the weights once per StepGraph.start, not per token)."""
+    traced = module.__dict__.get("_step_inputs")
+    return traced[name] if traced is not None else module.step_constants()[name]
 
 
 class _Conv1d(nn.Module):

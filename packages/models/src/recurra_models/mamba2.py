@@ -32,7 +32,7 @@ from recurra_models.lm import (
     causal_conv,
     init_dt_bias,
 )
-from recurra_models.mamba import MambaBlock, MambaFamilyLM, _Conv1d, _zeros
+from recurra_models.mamba import MambaBlock, MambaFamilyLM, _Conv1d, _zeros, step_constant
 
 __all__ = ["GatedRMSNorm", "Mamba2Block", "Mamba2Config", "Mamba2LM", "Mamba2Mixer"]
 
@@ -184,7 +184,7 @@ class Mamba2Mixer(nn.Module):
         x = x.reshape(b, t, nh, p)
         bm = bm.reshape(b, t, g, n)
         cm = cm.reshape(b, t, g, n)
-        a = (-ops.exp(self.A_log)).reshape(nh, 1)
+        a = step_constant(self, "A")  # -exp(A_log) per head (n_heads, 1)
         s0 = state[1] if state is not None else _zeros((b, nh, p, n), h.device)
         ids = np.arange(b, dtype=np.int32)
         y, s1 = ops.ssm_scan(s0, x, dt, a, bm, cm, ids, checkpoints=SCAN_CHECKPOINTS)
@@ -203,6 +203,10 @@ class Mamba2Mixer(nn.Module):
             y = self.norm(y.reshape(b, t, di), z, x=x.reshape(b, t, di), d=self.D)
             out = self.out_proj(y)
         return out, [conv_state, s1]
+
+    def step_constants(self) -> dict[str, Any]:
+        """The weight-only values of the forward: A = -exp(A_log) as (n_heads, 1)."""
+        return {"A": (-ops.exp(self.A_log)).reshape(self.cfg.n_heads, 1)}
 
 
 class Mamba2Block(MambaBlock):

@@ -12,27 +12,156 @@ namespace {
 // Forward, rows layout: one (sequence, head, block of L channels).
 // ======================================================================================
 
-// One token (T == 1: a generation step). The rows kernels' transposed, scaled
-// state would cost two passes more over it than the token itself; here each row [p][:] of
-// a (sequence, head) state is read once and written once, vectorized along n:
-// S'[p][n] = a[n] S[p][n] + B[n] dtp x[p], y[p] = C . S'[p].
-// out may be s itself (a state written in place): each vector is loaded before it is stored.
-RC_SIMD float step_row(const float* s, const float* __restrict an, float bu, const float* __restrict B,
-                       const float* __restrict C, float* out, int64_t N) {
-  vf acc = {};
-  int64_t n = 0;
-  for (; n + 16 <= N; n += 16) {
-    const vf v = vload(an + n) * vload(s + n) + vload(B + n) * bu;
-    vstore(out + n, v);
-    acc += vload(C + n) * v;
+// ---- One token (T == 1: a generation step) ----
+// The rows kernels' transposed, scaled state would cost two passes more over it than the
+// token itself; here each row [p][:] of a (sequence, head) state is read once and written
+// once, vectorized along n: S'[p][n] = a[n] S[p][n] + B[n] dtp x[p], y[p] = C . S'[p]. The
+// output may be the state itself (written in place): each vector is loaded before it is
+// stored.
+
+// out[n] = exp(d * A[n]) for n < N (zeros up to the next multiple of 16): the decays of one
+// head of a step. GCC's vector-extension vexp keeps its clamps in scalar code in the AVX2
+// clone of step_heads (a store-forwarding stall per lane: most of a Mamba-1 step), so on
+// AVX2 + FMA this is vexp's arithmetic written with intrinsics, 8 lanes at a time.
+using DecayRow = void (*)(const float* A, float d, int64_t N, float* out);
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx2,fma"))) void decay_row_avx2(const float* A, float d, int64_t N, float* out) {
+  const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(88.0f), dv = _mm256_set1_ps(d);
+  const __m256 magic = _mm256_set1_ps(12582912.0f);
+  const __m256i magic_bits = _mm256_castps_si256(magic);
+  const int64_t Np = (N + 15) / 16 * 16;
+  for (int64_t n = 0; n < Np; n += 8) {
+    __m256 x;
+    if (n + 8 <= N) {
+      x = _mm256_mul_ps(_mm256_loadu_ps(A + n), dv);
+    } else {
+      alignas(32) float t[8] = {};
+      for (int64_t l = 0; l < N - n; ++l) t[l] = A[n + l];
+      x = _mm256_mul_ps(_mm256_load_ps(t), dv);
+    }
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(hi, _mm256_max_ps(lo, x));  // lo > x ? lo : x, then hi < x ? hi : x
+    const __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), magic);
+    const __m256 k = _mm256_sub_ps(t, magic);
+    const __m256i ki = _mm256_sub_epi32(_mm256_castps_si256(t), magic_bits);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440054690583e-4f), r);
+    __m256 p = _mm256_set1_ps(1.3836826e-3f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3748158e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1668225e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666420e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.9999991e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(ki, _mm256_set1_epi32(127)), 23);
+    __m256 res = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    res = _mm256_andnot_ps(under, res);
+    if (n + 8 > N) {  // lanes past N: 0, as exp_row leaves them
+      alignas(32) float t[8];
+      _mm256_store_ps(t, res);
+      for (int64_t l = std::max<int64_t>(0, N - n); l < 8; ++l) t[l] = 0.0f;
+      res = _mm256_load_ps(t);
+    }
+    _mm256_storeu_ps(out + n, res);
   }
-  if (n < N) {
-    const int64_t m = N - n;
-    const vf v = vload_part(an + n, m) * vload_part(s + n, m) + vload_part(B + n, m) * bu;
-    vstore_part(out + n, v, m);
-    acc += vload_part(C + n, m) * v;
+}
+#endif
+
+void decay_row_plain(const float* A, float d, int64_t N, float* out) { exp_row(A, d, N, (N + 15) / 16 * 16, out); }
+
+DecayRow best_decay_row() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx2) return decay_row_avx2;
+#endif
+  return decay_row_plain;
+}
+
+struct StepFwd {
+  Dims d;
+  const float *s, *x, *dt, *A, *B, *C;
+  const int32_t* ids;
+  float* y;
+  float* sout;  // nullptr: in place
+  float* ck;    // the state entering the token, or nullptr
+  DecayRow decay;
+};
+
+// Heads [h0, h1) of the flat (sequence, head) index, all in one function: per head one
+// softplus, its decays (one vector per 16 states, or one exp for a per-head decay), then
+// its P rows; the rows' dot products C . S' are kept as 16-lane partial sums and reduced
+// 16 rows at a time (hsum16x16), which is what makes Mamba-1's 1536 heads of one 16-state
+// row cheap. `an` holds Np floats, `acc` 16 rows of 16, `dtp` h1 - h0 rounded up to 16.
+RC_SIMD void step_heads(const StepFwd& f, int64_t h0, int64_t h1, float* __restrict an, float* __restrict acc,
+                        float* __restrict dtps) {
+  const Dims& d = f.d;
+  // dt of heads h0..h1 are contiguous (dt is (S, 1, H)): their softplus 16 at a time
+  dt_column(f.dt + h0, 1, h1 - h0, 0.0f, dtps, nullptr, nullptr);
+  const int64_t N = d.N, P = d.P, nfull = N / 16 * 16, tail = N - nfull;
+  int64_t rb = h0 * P;  // first row of the pending partial sums
+  int nacc = 0;
+  auto flush = [&]() {
+    const vf r = hsum16x16(acc);
+    if (nacc == 16)
+      vstore(f.y + rb, r);
+    else
+      vstore_part(f.y + rb, r, nacc);
+    rb += nacc;
+    nacc = 0;
+  };
+  // (sequence i, head h, group g) of ih, counted along (no divisions per head)
+  int64_t i = h0 / d.H, h = h0 % d.H, g = h / d.hpg, hg = h % d.hpg;
+  for (int64_t ih = h0; ih < h1; ++ih, ++h, ++hg) {
+    if (h == d.H) h = 0, hg = 0, g = 0, ++i;
+    if (hg == d.hpg) hg = 0, ++g;
+    const float dtp = dtps[ih - h0];
+    const float* Ah = f.A + h * d.NA;
+    if (d.per_n) {
+      f.decay(Ah, dtp, N, an);
+    } else {
+      const vf a = vsplat(std::exp(dtp * Ah[0]));
+      for (int64_t n = 0; n < N; n += 16) vstore(an + n, a);
+    }
+    const float* Bi = f.B + (i * d.G + g) * N;
+    const float* Ci = f.C + (i * d.G + g) * N;
+    const float* s0 = f.s + (f.ids[i] * d.H + h) * P * N;
+    float* s1 = f.sout ? f.sout + ih * P * N : const_cast<float*>(s0);
+    if (f.ck) std::copy(s0, s0 + P * N, f.ck + ih * P * N);  // the state entering chunk 0
+    const float* xh = f.x + ih * P;
+    for (int64_t p = 0; p < P; ++p) {
+      const float bu = dtp * xh[p];
+      const float* sr = s0 + p * N;
+      float* orow = s1 + p * N;
+      vf e = {}, o = {};
+      int64_t n = 0;
+      for (; n + 32 <= nfull; n += 32) {
+        const vf v0 = vload(an + n) * vload(sr + n) + vload(Bi + n) * bu;
+        const vf v1 = vload(an + n + 16) * vload(sr + n + 16) + vload(Bi + n + 16) * bu;
+        vstore(orow + n, v0);
+        vstore(orow + n + 16, v1);
+        e += vload(Ci + n) * v0;
+        o += vload(Ci + n + 16) * v1;
+      }
+      if (n < nfull) {
+        const vf v = vload(an + n) * vload(sr + n) + vload(Bi + n) * bu;
+        vstore(orow + n, v);
+        e += vload(Ci + n) * v;
+      }
+      if (tail) {
+        const vf v = vload_part(an + nfull, tail) * vload_part(sr + nfull, tail) +
+                     vload_part(Bi + nfull, tail) * bu;
+        vstore_part(orow + nfull, v, tail);
+        o += vload_part(Ci + nfull, tail) * v;
+      }
+      vstore(acc + nacc * 16, e + o);
+      if (++nacc == 16) flush();
+    }
   }
-  return hsum(acc);
+  if (nacc) {
+    for (int k = nacc; k < 16; ++k) vstore(acc + k * 16, vf{});
+    flush();
+  }
 }
 
 struct RowsFwd {
@@ -402,36 +531,23 @@ void scan_forward(KernelCtx& c) {
     }
   }
   std::vector<Work> work(c.pool.size());
-  if (d.T == 1) {  // one token: see step_row
-    // Head ih = (i, h) of sequence i: its P state rows move one token on (into s itself
-    // when in place: each row is read before it is written, by the same step_row).
-    // dtp: softplus(dt) of the head (computed for a task's heads at once).
-    auto step_head = [&](int64_t ih, float* an, float dtp) {
-      const int64_t i = ih / d.H, h = ih % d.H, g = h / d.hpg;
-      if (d.per_n)
-        exp_row(A + h * d.NA, dtp, d.N, Np, an);
-      else
-        std::fill(an, an + d.N, std::exp(dtp * A[h * d.NA]));
-      const float* Bi = B + (i * d.G + g) * d.N;
-      const float* Ci = C + (i * d.G + g) * d.N;
-      const float* s0 = s + (ids[i] * d.H + h) * d.P * d.N;
-      float* s1 = in_place ? const_cast<float*>(s0) : sout + ih * d.P * d.N;
-      for (int64_t p = 0; p < d.P; ++p)
-        y[ih * d.P + p] = step_row(s0 + p * d.N, an, dtp * x[ih * d.P + p], Bi, Ci, s1 + p * d.N, d.N);
-      if (ck) std::copy(s0, s0 + d.P * d.N, ck + ih * d.P * d.N);  // the state entering chunk 0
-    };
-    // Tasks of whole heads, about 1024 states each: Mamba-1's 1536 heads of one 16-state
-    // row make 24 tasks (one per head cost more in handing out than in work).
-    const int64_t rows = d.S * d.H;
+  if (d.T == 1) {  // one token: see step_heads
+    const StepFwd f{d, s, x, dt, A, B, C, ids, y, in_place ? nullptr : sout, ck, best_decay_row()};
+    // Tasks of whole heads, about 1024 states each and 16 rows at least: Mamba-1's 1536
+    // heads of one 16-state row make 24 tasks (one per head cost more in handing out than
+    // in work). A small step runs on the calling thread alone.
+    const int64_t heads = d.S * d.H;
     const int64_t hpt = std::max<int64_t>(1, 1024 / std::max<int64_t>(1, d.P * d.N));
-    c.pool.run((rows + hpt - 1) / hpt, [&](int64_t task, int tid) {
-      const int64_t r0 = task * hpt, r1 = std::min(rows, r0 + hpt);
-      float* an = work[tid].get(Np + hpt);
-      float* dtp = an + Np;
-      // dt of heads r0..r1 are contiguous (dt is (S, 1, H)): one softplus over them all
-      dt_column(dt + r0, 1, r1 - r0, 0.0f, dtp, nullptr, nullptr);
-      for (int64_t ih = r0; ih < r1; ++ih) step_head(ih, an, dtp[ih - r0]);
-    });
+    const int64_t ntask = (heads + hpt - 1) / hpt;
+    auto task = [&](int64_t k, int tid) {
+      float* an = work[tid].get(Np + 16 * 16 + (hpt + 15) / 16 * 16);
+      step_heads(f, k * hpt, std::min(heads, (k + 1) * hpt), an, an + Np, an + Np + 16 * 16);
+    };
+    if (heads * d.P * d.N <= (int64_t{16} << 10) || c.pool.size() == 1) {
+      for (int64_t k = 0; k < ntask; ++k) task(k, 0);
+    } else {
+      c.pool.run(ntask, task);
+    }
     return;
   }
   if (d.P == 1) {

@@ -256,6 +256,9 @@ typedef struct recurra_op_spec {
     "permute, pad, ssm_conv, add, silu")                                                        \
   X(causal_conv_silu_back, 3, 4, 0, 0, 0, 0, -1, "dy, x, c, [bias]", "", "",                    \
     "packed: dx, dc, [dbias]", "", "")                                                          \
+  X(conv_step, 3, 4, 0, 0, 0, 0, -1, "state (S, D, K - 1) (a leaf), x (S, 1, D), c (D, K), [bias]",\
+    "", "", "silu(bias + conv of [state, x]), x's shape; the state moves on by x in place", "",   \
+    "")                                                                                         \
   X(ssm_scan, 7, 7, 0, 1, 0, 0, -1, "s, x, dt, A, B, C, ids", "[flags: RECURRA_SSM_SCAN_*]", "",\
     "packed: y (x's shape), final states (S, H, P, N), [checkpoints]", "ssm_scan_back",         \
     "ssm_scan")                                                                                 \
