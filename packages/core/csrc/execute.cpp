@@ -203,17 +203,23 @@ void Graph::fill_mirror(const Placement::Mirror& m) {
   dst.upload(m.offset, tmp.data(), bytes);
 }
 
+namespace {
+
+// The adds plan() merged for graph g (see Scatter), or null; stable until g's next plan().
+const std::unordered_map<int, Scatter>* merged_adds(const Graph* g) {
+  std::lock_guard<std::mutex> lk(g_scatter_mu);
+  const auto it = g_scatters.find(g);
+  return it == g_scatters.end() ? nullptr : &it->second;
+}
+
+}  // namespace
+
 void Graph::run_device_split(const Placement::Split& sp, size_t begin, size_t end) {
   const BackendEntry& e = backend_entry(sp.backend);
   if (e.closed) throw StateError(e.name + " was released; rebuild the graph on another device");
   if (begin >= end) return;
   const OpTable& tab = OpTable::get();
-  const std::unordered_map<int, Scatter>* merged = nullptr;
-  {
-    std::lock_guard<std::mutex> lk(g_scatter_mu);
-    const auto it = g_scatters.find(this);
-    if (it != g_scatters.end()) merged = &it->second;  // stable until the next plan()
-  }
+  const std::unordered_map<int, Scatter>* merged = merged_adds(this);
   std::vector<recurra_node_desc> descs;
   descs.reserve(end - begin);
   for (size_t q = begin; q < end; ++q) {
@@ -382,12 +388,7 @@ void Graph::compute(const std::vector<std::vector<int>>& groups, const std::func
       }
       continue;
     }
-    const std::unordered_map<int, Scatter>* merged = nullptr;
-    {
-      std::lock_guard<std::mutex> lk(g_scatter_mu);
-      const auto it = g_scatters.find(this);
-      if (it != g_scatters.end()) merged = &it->second;  // stable until the next plan()
-    }
+    const std::unordered_map<int, Scatter>* merged = merged_adds(this);
     for (int j : sp.nodes) {
       const Node& n = nodes_[j];
       const bool prof = profile_enabled();

@@ -456,11 +456,12 @@ _LISTENERS: list[weakref.ref[Any]] = []
 
 def add_gradient_listener(listener: GradientListener) -> None:
     """Registers ``listener`` (held weakly: it ends with its owner) for every backward."""
-    _LISTENERS[:] = [r for r in _LISTENERS if r() is not None and r() is not listener]
+    remove_gradient_listener(listener)
     _LISTENERS.append(weakref.ref(listener))
 
 
 def remove_gradient_listener(listener: GradientListener) -> None:
+    """Forgets ``listener`` (and any listener already gone)."""
     _LISTENERS[:] = [r for r in _LISTENERS if r() is not None and r() is not listener]
 
 

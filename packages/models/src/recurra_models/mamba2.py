@@ -189,16 +189,16 @@ class Mamba2Mixer(nn.Module):
         ids = np.arange(b, dtype=np.int32)
         y, s1 = ops.ssm_scan(s0, x, dt, a, bm, cm, ids, checkpoints=SCAN_CHECKPOINTS)
         half = rc.autocast_dtype()
-        if half is None:
-            y = self.norm(y.reshape(b, t, di), z, x=x.reshape(b, t, di), d=self.D)
-            return self.out_proj(y), [conv_state, s1]
-        # Under autocast: y rounded to the autocast dtype, as mamba-ssm's chunked scan returns
-        # its input's dtype, so that the gated norm (float32) keeps the 2-byte y for its
-        # backward, not the scan's float32 packed result; then (RECOMPUTE_NORM_PROJ) the norm
-        # and out_proj in a recomputation segment (see there).
-        y = y.to(half)
-        seg = rc.recompute() if RECOMPUTE_NORM_PROJ else contextlib.nullcontext()
-        z = z.contiguous()  # the segment's input (z's own copy, as the norm reads it)
+        seg: Any = contextlib.nullcontext()
+        if half is not None:
+            # Under autocast: y rounded to the autocast dtype, as mamba-ssm's chunked scan
+            # returns its input's dtype, so that the gated norm (float32) keeps the 2-byte y
+            # for its backward, not the scan's float32 packed result; then
+            # (RECOMPUTE_NORM_PROJ) the norm and out_proj in a recomputation segment.
+            y = y.to(half)
+            z = z.contiguous()  # the segment's input (z's own copy, as the norm reads it)
+            if RECOMPUTE_NORM_PROJ:
+                seg = rc.recompute()
         with seg:
             y = self.norm(y.reshape(b, t, di), z, x=x.reshape(b, t, di), d=self.D)
             out = self.out_proj(y)
