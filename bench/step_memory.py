@@ -4,6 +4,7 @@ built but not run: peak_live_bytes and what is alive at the peak, by op.
     python bench/step_memory.py --preset mamba2-130m --n-layer 2 4 --batch 8 --seq-len 512
     python bench/step_memory.py --preset rwkv7-0.1b --vulkan-ops --recompute --loss-chunk 0
     python bench/step_memory.py --preset mamba2-130m --precision bf16   # under rc.autocast
+    python bench/step_memory.py --precision bf16 --vulkan-ops --n-layer 24 --casts [--up-casts]
 
 The graph is the one ``model.loss(x, y).backward()`` plans on the CPU; the planner is the
 one a device uses. ``--vulkan-ops`` makes the CPU refuse the ops the Vulkan backend has no
@@ -50,8 +51,13 @@ def step_plan(
     chunk: int | None,
     precision: str = "fp32",
     device: str = "cpu",
+    with_casts: bool = False,
+    up_casts: bool = False,
 ) -> dict[str, Any]:
-    """The memory plan (graph.memory()'s dict) of one training step, not run."""
+    """The memory plan (graph.memory()'s dict) of one training step, not run; with_casts:
+    also its cast nodes (``casts``: :func:`cast_nodes`). up_casts: autocast casts the
+    sources of the ops that read 2-byte sources as they are (``OpSpec.reads_half``) up to
+    float32 anyway, as recurra did before they did (the plan of that step, for comparison)."""
     import recurra as rc
     import recurra_models as rm
     from recurra._tensor import LAZY
@@ -67,14 +73,26 @@ def step_plan(
     x = rc.tensor(data[:, :-1].copy(), device=device)
     y = rc.tensor(data[:, 1:].copy(), device=device)
     dtype = {"fp32": None, "bf16": rc.bfloat16, "f16": rc.float16}[precision]
-    with rc.autocast(dtype or rc.bfloat16, enabled=dtype is not None):
-        loss = model.loss(x, y, chunk_bytes=chunk)
+    from recurra import _autocast
+
+    op_class = _autocast.op_class
+    if up_casts:
+        _autocast.op_class = lambda name: (  # type: ignore[assignment]
+            "float32" if op_class(name) == "widen" else op_class(name)
+        )
+    try:
+        with rc.autocast(dtype or rc.bfloat16, enabled=dtype is not None):
+            loss = model.loss(x, y, chunk_bytes=chunk)
+    finally:
+        _autocast.op_class = op_class  # type: ignore[assignment]
     got: dict[str, Any] = {}
     build = LAZY._build
 
     def capture(*a: Any, **k: Any) -> Any:
         plan = build(*a, **k)
         got.update(plan.graph.plan())
+        if with_casts:
+            got["casts"] = cast_nodes(plan.graph)
         raise _Planned
 
     LAZY._build = capture  # type: ignore[method-assign]
@@ -86,6 +104,80 @@ def step_plan(
         LAZY._build = build  # type: ignore[method-assign]
         LAZY.clear()
     return got
+
+
+def cast_nodes(g: Any) -> list[dict[str, Any]]:
+    """The cast nodes of graph ``g`` that a step computes (those an output or the loss
+    depends on): per cast, its source's op (through views: ``slice>contiguous`` where a
+    contiguous copy of a view is cast), the ops reading it (through views), dtypes in and
+    out, and the bytes it reads and writes."""
+    n = len(g)
+    info = [g.info(i) for i in range(n)]
+    users: list[list[int]] = [[] for _ in range(n)]
+    for i, d in enumerate(info):
+        for s in d["src"]:
+            users[s].append(i)
+    live = [False] * n
+    want = _core_flags()
+    stack = [i for i, d in enumerate(info) if d["flags"] & want]
+    while stack:
+        i = stack.pop()
+        if live[i]:
+            continue
+        live[i] = True
+        stack.extend(info[i]["src"])
+
+    def producer(i: int) -> str:
+        d = info[i]
+        if d["is_view"] or d["op"] == "contiguous":
+            return producer(d["src"][0]) + ">" + d["op"]
+        return d["op"]
+
+    def readers(i: int) -> list[str]:
+        out = []
+        for u in users[i]:
+            if not live[u]:
+                continue
+            out.extend(readers(u) if info[u]["is_view"] else [info[u]["op"]])
+        return out
+
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}
+    rows = []
+    for i, d in enumerate(info):
+        if d["op"] != "cast" or not live[i]:
+            continue
+        s = info[d["src"][0]]
+        numel = int(np.prod(d["shape"])) if d["shape"] else 1
+        rows.append(
+            dict(
+                id=i,
+                src=producer(d["src"][0]),
+                readers=sorted(set(readers(i))),
+                dtype_in=s["dtype"],
+                dtype_out=d["dtype"],
+                shape=tuple(d["shape"]),
+                bytes=numel * (size[s["dtype"]] + size[d["dtype"]]),
+            )
+        )
+    return rows
+
+
+def _core_flags() -> int:
+    from recurra import _core
+
+    return int(_core.FLAG_OUTPUT | _core.FLAG_LOSS)
+
+
+def cast_groups(casts: list[dict[str, Any]]) -> list[tuple[tuple[Any, ...], tuple[int, int]]]:
+    """Casts grouped by (source op, readers, dtype in, dtype out): (count, bytes), most
+    bytes first."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for c in casts:
+        key = (c["src"], ",".join(c["readers"]), c["dtype_in"], c["dtype_out"])
+        g = groups.setdefault(key, [0, 0])
+        g[0] += 1
+        g[1] += c["bytes"]
+    return sorted(((k, (n, b)) for k, (n, b) in groups.items()), key=lambda kv: -kv[1][1])
 
 
 def node_groups(plan: dict[str, Any]) -> list[tuple[tuple[Any, ...], tuple[int, int]]]:
@@ -184,6 +276,17 @@ def main() -> None:
         action="store_true",
         help="keep casts for the backward (recurra's behaviour before casts were recomputed)",
     )
+    ap.add_argument(
+        "--casts",
+        action="store_true",
+        help="list the step's cast nodes, grouped by producer, readers and dtypes",
+    )
+    ap.add_argument(
+        "--up-casts",
+        action="store_true",
+        help="cast the sources of the ops that read 2-byte sources up to float32 anyway "
+        "(the plan before they did)",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--run-steps", type=int, default=0, help="run AdamW steps for real")
     a = ap.parse_args()
@@ -203,7 +306,16 @@ def main() -> None:
     rows = []
     for n in a.n_layer:
         p = step_plan(
-            a.preset, n, a.batch, a.seq_len, a.recompute, a.loss_chunk, a.precision, a.device
+            a.preset,
+            n,
+            a.batch,
+            a.seq_len,
+            a.recompute,
+            a.loss_chunk,
+            a.precision,
+            a.device,
+            with_casts=a.casts,
+            up_casts=a.up_casts,
         )
         rows.append((n, p))
         if a.json:
@@ -219,6 +331,13 @@ def main() -> None:
         )
         for op, b in p["live_at_peak"][: a.top]:
             print(f"    {op:24s} {b / gib:7.3f} GiB")
+        if a.casts:
+            casts = p["casts"]
+            total = sum(c["bytes"] for c in casts)
+            print(f"    casts: {len(casts)} nodes, {total / gib:.3f} GiB read + written")
+            print("    by (source op, readers, dtype in -> out): count, MiB")
+            for (src, rd, di, do), (cnt, b) in cast_groups(casts):
+                print(f"    {src:30s} -> {rd:34s} {di:8s}->{do:8s} {cnt:4d} {b / 2**20:9.1f}")
         if a.nodes:
             print("    by (op, dtype, shape, forward/backward): count, GiB")
             for (op, dt, shape, fwd), (cnt, b) in node_groups(p)[: a.nodes]:

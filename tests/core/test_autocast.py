@@ -44,11 +44,16 @@ def test_policy_column_of_the_op_spec() -> None:
         assert s[name].autocast == "match", name
     for name in ("cast", "fill", "assign", "adamw_step", "grad_clip"):
         assert s[name].autocast == "keep", name
-    # every op without 2-byte kernels runs in float32 (or is never touched)
+    for name in ("gated_rms_norm", "causal_conv_silu", "ssm_scan", "cross_entropy"):
+        assert s[name].autocast == "widen" and s[name].reads_half, name
+        assert s[name + "_back"].autocast == "widen" and s[name + "_back"].reads_half, name
+    # every op without 2-byte kernels runs in float32 (or is never touched); those reading
+    # 2-byte sources as they are are left as they are
     for name, op in s.items():
-        assert op.autocast in ("lower", "float32", "match", "keep"), name
+        assert op.autocast in ("lower", "float32", "widen", "match", "keep"), name
+        assert (op.autocast == "widen") == op.reads_half, name
         if op.dtypes == ("float32",):
-            assert op.autocast in ("float32", "keep"), name
+            assert op.autocast in ("float32", "widen", "keep"), name
         if op.autocast in ("lower", "match"):
             assert "bfloat16" in op.dtypes, name
 

@@ -109,7 +109,17 @@ HALF_CASES = [
     and c.op != "cast"  # its result's dtype is its own: tests/core/test_dtypes.py
     and any(v.dtype == np.float32 for v in c.make_inputs().values())
 ]
-FLOAT32_ONLY = [c for c in NODE_CASES if "bfloat16" not in _SPEC[c.node.op].dtypes]
+FLOAT32_ONLY = [
+    c
+    for c in NODE_CASES
+    if "bfloat16" not in _SPEC[c.node.op].dtypes and not _SPEC[c.node.op].reads_half
+]
+# the float32 ops that read 2-byte sources as they are (RECURRA_OPS_HALF_IN)
+READS_HALF = [
+    c
+    for c in NODE_CASES
+    if _SPEC[c.node.op].reads_half and any(v.dtype == np.float32 for v in c.make_inputs().values())
+]
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
@@ -153,3 +163,29 @@ def test_a_reference_off_by_an_ulp_is_reported_in_2_byte_floats():
     bad = dataclasses.replace(case, ref=lambda x: np.exp(x) * (1 + 2.0**-7))
     errs = opcases.half_errors(bad, "bfloat16")
     assert len(errs) == 1 and "exp/17 in bfloat16" in errs[0]
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("case", READS_HALF, ids=_ids(READS_HALF))
+def test_ops_reading_2_byte_sources_match_their_float32_up_cast(case, dtype):
+    """An op of RECURRA_OPS_HALF_IN given 2-byte sources (the first float one alone, then
+    all of them) computes what it computes on their exact float32 up-casts, bit for bit:
+    float32 output (cross_entropy_back: the logits' dtype, the float32 result rounded once)."""
+    import ml_dtypes
+
+    data = case.make_inputs()
+    half = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
+    floats = [k for k, v in data.items() if v.dtype == np.float32]
+    for which in (floats[:1], floats):
+        srcs = [v.astype(half) if k in which else v for k, v in data.items()]
+        wide = [s.astype(np.float32) if s.dtype == half else s for s in srcs]
+        got = apply(case.node.op, srcs, ip=case.node.ip, fp=case.node.fp)
+        ref = apply(case.node.op, wide, ip=case.node.ip, fp=case.node.fp)
+        out = got.numpy()
+        want = ref.numpy()
+        if case.node.op == "cross_entropy_back" and list(data)[1] in which:
+            assert str(got.dtype) == dtype, which  # the logits' gradient in their dtype
+            want = want.astype(half)
+        else:
+            assert str(got.dtype) == "float32", which
+        assert out.tobytes() == want.tobytes(), which

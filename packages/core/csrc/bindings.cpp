@@ -437,6 +437,7 @@ PYBIND11_MODULE(_core, m) {
         e["dtypes"] = py::make_tuple("float32", "bfloat16", "float16");
       else
         e["dtypes"] = py::make_tuple("float32");
+      e["reads_half"] = recurra_op_takes_half_in(t[i].name) != 0;  // RECURRA_OPS_HALF_IN
       e["autocast"] = recurra_op_autocast(t[i].name);  // RECURRA_AUTOCAST_*
       out.append(e);
     }

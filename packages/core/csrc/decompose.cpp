@@ -165,9 +165,16 @@ bool Graph::runs_as_is(const Node& n) const {
 }
 
 int Graph::decompose_unless_taken(const Node& n) {
-  const auto it = decompositions().find(OpTable::get().at(n.op).name);
+  const std::string& name = OpTable::get().at(n.op).name;
+  const auto it = decompositions().find(name);
   if (it == decompositions().end() || runs_as_is(n)) return -1;
-  return it->second(*this, n);
+  // ssm_scan's "decomposition" is ssm_scan again (its checkpoints chosen), taking the mix.
+  if (!recurra_op_takes_half_in(name.c_str()) || name == "ssm_scan") return it->second(*this, n);
+  // The pieces take one float dtype: 2-byte sources widened to float32 first (exactly).
+  Node w = n;
+  for (int& s : w.src)
+    if (is_half(nodes_[s].dtype)) s = op("cast", {s}, {static_cast<int64_t>(DType::f32)});
+  return it->second(*this, w);
 }
 
 void check_decompositions_against_spec(const OpTable& t) {

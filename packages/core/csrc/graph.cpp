@@ -197,6 +197,8 @@ int Graph::leaf(DType dtype, Shape shape, uint32_t flags, const std::string& nam
 // TypeError when the op does not take them (RECURRA_OPS_HALF in recurra/op_spec.h) or the
 // sources mix float dtypes: there is no implicit promotion.
 DType Graph::half_dtype_of(const std::string& name, const std::vector<int>& src) const {
+  // RECURRA_OPS_HALF_IN: any mix of float dtypes, a float32 result (the op's infer sets it)
+  if (recurra_op_takes_half_in(name.c_str())) return DType::f32;
   DType half = DType::f32;
   int first = -1, f32_src = -1;
   for (size_t i = 0; i < src.size(); ++i) {
@@ -429,6 +431,10 @@ void Graph::build_backward(int loss, int seed) {
       if (grads[s] < 0 && (nodes_[s].flags & kParam) && nodes_[c].is_view() &&
           nodes_[nodes_[c].view_base].nbytes() > nodes_[c].nbytes())
         c = contiguous(c);
+      // An op reading a 2-byte source as it is (RECURRA_OPS_HALF_IN) gives it a float32
+      // gradient: rounded to the source's dtype, as the gradient of the up-cast it replaces.
+      if (nodes_[c].dtype != nodes_[s].dtype && is_float(nodes_[s].dtype))
+        c = op("cast", {c}, {static_cast<int64_t>(nodes_[s].dtype)});
       grads[s] = grads[s] < 0 ? c : add(grads[s], c);
     }
   }

@@ -13,12 +13,19 @@
 // along the channels). OP 3: a workgroup 64 channels x 4 taps of one block. No invocation
 // walks the time axis (the loops run over W taps, TB rows or the parts: the host keeps each
 // below lavapipe's 65535 iterations).
+// The "_h" variant (-DHALF) reads x, c, bias and dy in the dtypes XDT, CDT, BDT, DYDT
+// (float32, bfloat16 or float16: ldf.glsl); the scratch and the outputs stay float32.
 #version 450
 #include "common.glsl"
+#include "ldf.glsl"
 
 layout(local_size_x = 64, local_size_y = 4) in;
 layout(constant_id = 0) const int OP = 0;
 layout(constant_id = 1) const int HAS_B = 0;
+layout(constant_id = 2) const int XDT = 0;
+layout(constant_id = 3) const int CDT = 0;
+layout(constant_id = 4) const int BDT = 0;
+layout(constant_id = 5) const int DYDT = 0;
 
 layout(push_constant) uniform PC {
   uvec2 x, c, b, dy, out_, g, part;
@@ -29,11 +36,10 @@ layout(push_constant) uniform PC {
 } pc;
 
 float silu_pre(int s, int t, int ch) {
-  FBuf x = FBuf(pc.x), c = FBuf(pc.c);
-  float a = HAS_B != 0 ? FBuf(pc.b).v[ch * pc.bs] : 0.0;
+  float a = HAS_B != 0 ? ldf(pc.b, ch * pc.bs, BDT) : 0.0;
   const int base = s * pc.xs0 + ch * pc.xs2;
   for (int k = max(0, pc.W - 1 - t); k < pc.W; ++k)
-    a += c.v[ch * pc.cs0 + k * pc.cs1] * x.v[base + (t - pc.W + 1 + k) * pc.xs1];
+    a += ldf(pc.c, ch * pc.cs0 + k * pc.cs1, CDT) * ldf(pc.x, base + (t - pc.W + 1 + k) * pc.xs1, XDT);
   return a;
 }
 
@@ -62,7 +68,7 @@ void main() {
     const int p = int(gl_WorkGroupID.y), k = int(gl_WorkGroupID.z) * 4 + ly;
     const int nk = pc.W + HAS_B;
     if (k >= nk) return;
-    FBuf x = FBuf(pc.x), g = FBuf(pc.g);
+    FBuf g = FBuf(pc.g);
     const int r1 = min(R, (p + 1) * pc.TB);
     float acc = 0.0;
     for (int r = p * pc.TB; r < r1; ++r) {
@@ -72,7 +78,7 @@ void main() {
         continue;
       }
       const int s = r / pc.T, t = r % pc.T, tt = t - pc.W + 1 + k;
-      if (tt >= 0) acc += gv * x.v[s * pc.xs0 + tt * pc.xs1 + ch * pc.xs2];
+      if (tt >= 0) acc += gv * ldf(pc.x, s * pc.xs0 + tt * pc.xs1 + ch * pc.xs2, XDT);
     }
     FBuf(pc.part).v[(p * nk + k) * pc.D + ch] = acc;
     return;
@@ -87,12 +93,12 @@ void main() {
   } else if (OP == 1) {
     const float a = silu_pre(s, t, ch);
     const float sg = 1.0 / (1.0 + exp(-a));
-    FBuf(pc.g).v[e] = FBuf(pc.dy).v[e] * sg * (1.0 + a * (1.0 - sg));
+    FBuf(pc.g).v[e] = ldf(pc.dy, e, DYDT) * sg * (1.0 + a * (1.0 - sg));
   } else {
-    FBuf c = FBuf(pc.c), g = FBuf(pc.g);
+    FBuf g = FBuf(pc.g);
     float acc = 0.0;
     for (int k = max(0, t + pc.W - pc.T); k < pc.W; ++k)
-      acc += c.v[ch * pc.cs0 + k * pc.cs1] * g.v[e + (pc.W - 1 - k) * pc.D];
+      acc += ldf(pc.c, ch * pc.cs0 + k * pc.cs1, CDT) * g.v[e + (pc.W - 1 - k) * pc.D];
     FBuf(pc.out_).v[e] = acc;
   }
 }

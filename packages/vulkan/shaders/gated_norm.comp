@@ -13,8 +13,11 @@
 // OP 0/1: WIDE (gs >= 64) one workgroup per unit, its 256 threads stride over the group and
 // sum in shared memory; else one thread per unit. TB = max(32, ceil(R / 16384)) rows per
 // block (the host uses the same rule): every loop stays below lavapipe's 65535 iterations.
+// The "_h" variant (-DHALF) reads y, z, w, x, D and g in the dtypes YDT .. GDT (float32,
+// bfloat16 or float16: ldf.glsl), computing and writing float32 as the float32 one does.
 #version 450
 #include "common.glsl"
+#include "ldf.glsl"
 
 layout(local_size_x = 256) in;
 layout(constant_id = 0) const int OP = 0;
@@ -22,6 +25,12 @@ layout(constant_id = 1) const int HAS_Z = 0;
 layout(constant_id = 2) const int HAS_X = 0;
 layout(constant_id = 3) const float EPS = 1e-5;
 layout(constant_id = 4) const int WIDE = 1;
+layout(constant_id = 5) const int YDT = 0;
+layout(constant_id = 6) const int ZDT = 0;
+layout(constant_id = 7) const int WDT = 0;
+layout(constant_id = 8) const int XDT = 0;
+layout(constant_id = 9) const int DDT = 0;
+layout(constant_id = 10) const int GDT = 0;
 
 layout(push_constant) uniform PC {
   uvec2 y, z, w, x, d, g, out_, aux;  // aux: stats (2 per unit), then pw, pd, pdc
@@ -43,8 +52,8 @@ ivec3 offsets(int r, int c) {
 }
 
 float u_at(ivec3 o, int c) {
-  float u = FBuf(pc.y).v[o.x];
-  if (HAS_X != 0) u += FBuf(pc.x).v[o.z] * FBuf(pc.d).v[(c / pc.P) * pc.ds];
+  float u = ldf(pc.y, o.x, YDT);
+  if (HAS_X != 0) u += ldf(pc.x, o.z, XDT) * ldf(pc.d, (c / pc.P) * pc.ds, DDT);
   return u;
 }
 
@@ -55,7 +64,7 @@ float h_at(int r, int c) {
   const ivec3 o = offsets(r, c);
   float h = u_at(o, c);
   if (HAS_Z != 0) {
-    const float zv = FBuf(pc.z).v[o.y];
+    const float zv = ldf(pc.z, o.y, ZDT);
     h *= zv * sigmoid(zv);
   }
   return h;
@@ -66,14 +75,14 @@ float h_at(int r, int c) {
 // rereads only what it wrote).
 void unit_sums(int unit, int first, int step, out float ss, out float gwh) {
   const int ng = pc.C / pc.gs, r = unit / ng, c0 = (unit % ng) * pc.gs;
-  FBuf w = FBuf(pc.w), g = FBuf(pc.g), out_ = FBuf(pc.out_);
+  FBuf out_ = FBuf(pc.out_);
   ss = 0.0;
   gwh = 0.0;
   for (int j = first; j < pc.gs; j += step) {
     const float h = h_at(r, c0 + j);
     ss += h * h;
     if (OP == 0) out_.v[r * pc.C + c0 + j] = h;
-    if (OP == 1) gwh += g.v[r * pc.C + c0 + j] * w.v[(c0 + j) * pc.ws] * h;
+    if (OP == 1) gwh += ldf(pc.g, r * pc.C + c0 + j, GDT) * ldf(pc.w, (c0 + j) * pc.ws, WDT) * h;
   }
 }
 
@@ -91,10 +100,10 @@ void finish_unit(int unit, int first, int step, float ss, float gwh) {
     return;
   }
   const int ng = pc.C / pc.gs, r = unit / ng, c0 = (unit % ng) * pc.gs;
-  FBuf w = FBuf(pc.w), out_ = FBuf(pc.out_);
+  FBuf out_ = FBuf(pc.out_);
   for (int j = first; j < pc.gs; j += step) {
     const int e = r * pc.C + c0 + j;
-    out_.v[e] = out_.v[e] * rr * w.v[(c0 + j) * pc.ws];
+    out_.v[e] = out_.v[e] * rr * ldf(pc.w, (c0 + j) * pc.ws, WDT);
   }
 }
 
@@ -135,9 +144,8 @@ void main() {
   if (OP == 2) {
     const int c = int(gl_WorkGroupID.x) * 256 + lid, p = int(gl_WorkGroupID.y);
     if (c >= pc.C) return;
-    FBuf w = FBuf(pc.w), g = FBuf(pc.g), z = FBuf(pc.z), x = FBuf(pc.x);
-    const float wv = w.v[c * pc.ws];
-    const float dv = HAS_X != 0 ? FBuf(pc.d).v[(c / pc.P) * pc.ds] : 0.0;
+    const float wv = ldf(pc.w, c * pc.ws, WDT);
+    const float dv = HAS_X != 0 ? ldf(pc.d, (c / pc.P) * pc.ds, DDT) : 0.0;
     float pw = 0.0, pd = 0.0;
     const int r1 = min(pc.R, (p + 1) * TB);
     for (int r = p * TB; r < r1; ++r) {
@@ -147,11 +155,11 @@ void main() {
       const float u = u_at(o, c);
       float sg = 1.0, s = 1.0, zv = 0.0;
       if (HAS_Z != 0) {
-        zv = z.v[o.y];
+        zv = ldf(pc.z, o.y, ZDT);
         sg = sigmoid(zv);
         s = zv * sg;
       }
-      const float gv = g.v[r * pc.C + c];
+      const float gv = ldf(pc.g, r * pc.C + c, GDT);
       const float nv = u * s * rr;
       const float dh = rr * (gv * wv - nv * c1);
       const float du = dh * s;
@@ -160,7 +168,7 @@ void main() {
       pw += gv * nv;
       if (HAS_X != 0) {
         out_.v[o_dx + r * pc.C + c] = du * dv;
-        pd += du * x.v[o.z];
+        pd += du * ldf(pc.x, o.z, XDT);
       }
     }
     aux.v[o_pw + p * pc.C + c] = pw;

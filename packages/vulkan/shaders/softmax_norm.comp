@@ -11,8 +11,9 @@
 //      7 layer_norm_back(g, x) dx = r (g - mean(g) - (x - mu) r mean(g (x - mu)) r)
 //      8 cross_entropy rows    y[row] = logsumexp(x) - x[t[row]]  (y: per-row losses)
 //      9 cross_entropy_back    dx = (softmax(x) - onehot(t)) g[0] / rows
-// HALF (the softmax_norm_h variant, ops 0-7): x, g and y of the dtypes XDT, GDT, YDT
-// (half.glsl), the maths float32, each output rounded once.
+// HALF (the softmax_norm_h variant, ops 0-9): x, g and y of the dtypes XDT, GDT, YDT
+// (half.glsl), the maths float32, each output rounded once (8, 9: cross_entropy's 2-byte
+// logits read as they are, RECURRA_OPS_HALF_IN; 9 writes their gradient in their dtype).
 #version 450
 #include "common.glsl"
 #ifdef HALF

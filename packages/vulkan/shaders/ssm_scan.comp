@@ -23,6 +23,7 @@
 #include "common.glsl"
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_KHR_shader_subgroup_shuffle : require
+#include "ldf.glsl"  // the "_h" variant (-DHALF): dt, x, B, C in the dtypes DTDT .. CDT
 
 layout(local_size_x_id = 0) in;
 layout(constant_id = 1) const int NL = 1;    // lanes per unit (power of two <= subgroup size)
@@ -32,6 +33,10 @@ layout(constant_id = 4) const int MODE = 0;
 layout(constant_id = 5) const int PERN = 0;  // A (H, N): one decay per state
 layout(constant_id = 6) const int UW = 1;    // units per workgroup (local size = UW * NL)
 layout(constant_id = 7) const int NRED = 1;  // most subgroups per workgroup (reduction buffer)
+layout(constant_id = 8) const int DTDT = 0;  // dtypes of dt, x, B, C (float32, bfloat16,
+layout(constant_id = 9) const int XDT = 0;   // float16; the "_h" variant reads them as
+layout(constant_id = 10) const int BDT = 0;  // they are)
+layout(constant_id = 11) const int CDT = 0;
 
 const int NB = NL * NT;  // N rounded up
 
@@ -80,22 +85,22 @@ int unit0;    // first unit of the workgroup (in its group)
 // Stages tokens [t0, t0 + TC) (rows past T are zero): B, C of the group, and per unit
 // x, softplus(dt), and (backward) dy and the stored y.
 void stage(int t0, bool want_c, bool want_dy, bool want_y) {
-  FBuf Bb = FBuf(pc.B), Cb = FBuf(pc.C), xb = FBuf(pc.x), dtb = FBuf(pc.dt), gb = FBuf(pc.gr);
+  FBuf gb = FBuf(pc.gr);
   const int WGS = UW * NL;
   for (int idx = lid; idx < TC * NB; idx += WGS) {
     const int tc = idx / NB, n = idx % NB, t = t0 + tc;
     const bool ok = t < pc.T && n < pc.N;
     const int off = ((i * pc.T + t) * pc.G + g) * pc.N + n;
-    sB[idx] = ok ? Bb.v[off] : 0.0;
-    if (want_c) sC[idx] = ok ? Cb.v[off] : 0.0;
+    sB[idx] = ok ? ldf(pc.B, off, BDT) : 0.0;
+    if (want_c) sC[idx] = ok ? ldf(pc.C, off, CDT) : 0.0;
   }
   const int U = hpg * pc.P;
   for (int idx = lid; idx < TC * UW; idx += WGS) {
     const int tc = idx / UW, uu = idx % UW, t = t0 + tc, u = unit0 + uu;
     const bool ok = t < pc.T && u < U;
     const int xo = (i * pc.T + t) * pc.H * pc.P + g * U + u;  // x[i, t, h(u), p(u)]
-    sX[idx] = ok ? xb.v[xo] : 0.0;
-    sD[idx] = ok ? softplus(dtb.v[(i * pc.T + t) * pc.H + g * hpg + u / pc.P]) : 0.0;
+    sX[idx] = ok ? ldf(pc.x, xo, XDT) : 0.0;
+    sD[idx] = ok ? softplus(ldf(pc.dt, (i * pc.T + t) * pc.H + g * hpg + u / pc.P, DTDT)) : 0.0;
     if (want_dy) sDy[idx] = ok ? gb.v[xo] : 0.0;
     if (want_y) sY[idx] = ok ? FBuf(pc.scr).v[nst * pc.nck + xo] : 0.0;
   }

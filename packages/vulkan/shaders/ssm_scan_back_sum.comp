@@ -5,11 +5,14 @@
 //      2 dA       dA[h, a] = sum_i sum_p dAp[i, h, p, a]
 //      3 ds       ds[r] = sum over sequences i with ids[i] == r (in order i) of dss[i]
 // Grid-stride loops, 256 threads per workgroup.
+// The "_h" variant (-DHALF): dt in the dtype DTDT (float32, bfloat16 or float16: ldf.glsl).
 #version 450
 #include "common.glsl"
+#include "ldf.glsl"
 
 layout(local_size_x = 256) in;
 layout(constant_id = 0) const int OP = 0;
+layout(constant_id = 1) const int DTDT = 0;
 
 layout(push_constant) uniform PC {
   uvec2 src, src2, dst, dst2, dt, ids;
@@ -37,7 +40,7 @@ void main() {
     } else if (OP == 1) {  // k over (S, T, H)
       float a = 0.0;
       for (uint p = 0u; p < pc.P; ++p) a += src.v[k * pc.P + p];
-      dst.v[k] = a * sigmoid_cpu(FBuf(pc.dt).v[k]);
+      dst.v[k] = a * sigmoid_cpu(ldf(pc.dt, int(k), DTDT));
     } else if (OP == 2) {  // k over (H, NA)
       const uint h = k / pc.NA, na = k % pc.NA;
       float a = 0.0;

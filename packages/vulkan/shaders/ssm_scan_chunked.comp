@@ -38,10 +38,15 @@
 // no atomics, results do not depend on timing.
 #version 450
 #include "common.glsl"
+#include "ldf.glsl"  // the "_h" variant (-DHALF): dt, x, B, C in the dtypes DTDT .. CDT
 
 layout(local_size_x = 256) in;
 layout(constant_id = 0) const int MODE = 0;
 layout(constant_id = 1) const int VAR = 0;
+layout(constant_id = 2) const int DTDT = 0;  // dtypes of dt, x, B, C (float32, bfloat16,
+layout(constant_id = 3) const int XDT = 0;   // float16; the "_h" variant reads them as
+layout(constant_id = 4) const int BDT = 0;   // they are)
+layout(constant_id = 5) const int CDT = 0;
 
 const int L = 64;   // chunk length and tile edge
 const int KT = 16;  // K step
@@ -113,11 +118,11 @@ const int C_SN = 13;   // C[t0 + k][n0 + r]
 const int HIN_KN = 14; // hin[k][n0 + r]
 const int LAM_KN = 15; // lam[k][n0 + r]
 
-float ld_x(uvec2 buf, int t, int p) {  // x-like (S, T, H, P) at token t0 + t of head h
-  return (t < len && p < pc.P) ? FBuf(buf).v[(i * pc.T + t0 + t) * pc.H * pc.P + h * pc.P + p] : 0.0;
+float ld_x(uvec2 buf, int dt, int t, int p) {  // x-like (S, T, H, P) at token t0 + t of head h
+  return (t < len && p < pc.P) ? ldf(buf, (i * pc.T + t0 + t) * pc.H * pc.P + h * pc.P + p, dt) : 0.0;
 }
-float ld_bc(uvec2 buf, int t, int n) {  // B/C (S, T, G, N)
-  return (t < len && n < pc.N) ? FBuf(buf).v[((i * pc.T + t0 + t) * pc.G + g) * pc.N + n] : 0.0;
+float ld_bc(uvec2 buf, int dt, int t, int n) {  // B/C (S, T, G, N)
+  return (t < len && n < pc.N) ? ldf(buf, ((i * pc.T + t0 + t) * pc.G + g) * pc.N + n, dt) : 0.0;
 }
 float ld_st(bool hin, int p, int n) {  // a chunk slot (P, N) of hin / lam
   if (p >= pc.P || n >= pc.N) return 0.0;
@@ -127,20 +132,20 @@ float ld_st(bool hin, int p, int n) {  // a chunk slot (P, N) of hin / lam
 
 float fetch(int kind, int k, int r) {
   switch (kind) {
-    case C_TN: return ld_bc(pc.C, r, k);
-    case B_TN: return ld_bc(pc.B, r, k);
+    case C_TN: return ld_bc(pc.C, CDT, r, k);
+    case B_TN: return ld_bc(pc.B, BDT, r, k);
     case HIN_PN: return ld_st(true, p0 + r, k);
     case LAM_PN: return ld_st(false, p0 + r, k);
-    case DY_TP: return ld_x(pc.gr, r, k);
-    case U_TP: return r < len ? sDtp[r] * ld_x(pc.x, r, k) : 0.0;
-    case DYE_TP: return r < len ? exp(sCs[r]) * ld_x(pc.gr, r, k) : 0.0;
-    case UE_TP: return r < len ? exp(sCs[len - 1] - sCs[r]) * sDtp[r] * ld_x(pc.x, r, k) : 0.0;
-    case X_W: return k < len ? exp(sCs[len - 1] - sCs[k]) * sDtp[k] * ld_x(pc.x, k, p0 + r) : 0.0;
-    case DY_W: return k < len ? exp(sCs[k]) * ld_x(pc.gr, k, p0 + r) : 0.0;
-    case U_SP: return k < len ? sDtp[k] * ld_x(pc.x, k, p0 + r) : 0.0;
-    case DY_SP: return ld_x(pc.gr, k, p0 + r);
-    case B_SN: return ld_bc(pc.B, k, n0 + r);
-    case C_SN: return ld_bc(pc.C, k, n0 + r);
+    case DY_TP: return ld_x(pc.gr, DT_F32_, r, k);
+    case U_TP: return r < len ? sDtp[r] * ld_x(pc.x, XDT, r, k) : 0.0;
+    case DYE_TP: return r < len ? exp(sCs[r]) * ld_x(pc.gr, DT_F32_, r, k) : 0.0;
+    case UE_TP: return r < len ? exp(sCs[len - 1] - sCs[r]) * sDtp[r] * ld_x(pc.x, XDT, r, k) : 0.0;
+    case X_W: return k < len ? exp(sCs[len - 1] - sCs[k]) * sDtp[k] * ld_x(pc.x, XDT, k, p0 + r) : 0.0;
+    case DY_W: return k < len ? exp(sCs[k]) * ld_x(pc.gr, DT_F32_, k, p0 + r) : 0.0;
+    case U_SP: return k < len ? sDtp[k] * ld_x(pc.x, XDT, k, p0 + r) : 0.0;
+    case DY_SP: return ld_x(pc.gr, DT_F32_, k, p0 + r);
+    case B_SN: return ld_bc(pc.B, BDT, k, n0 + r);
+    case C_SN: return ld_bc(pc.C, CDT, k, n0 + r);
     case HIN_KN: return ld_st(true, k, n0 + r);
     default: return ld_st(false, k, n0 + r);
   }
@@ -372,7 +377,7 @@ void main() {
   if (MODE == 0) {  // ---- prep ------------------------------------------------------------
     float a = 0.0;
     if (lid < len) {
-      const float dtp = softplus(FBuf(pc.dt).v[(i * T + t0 + lid) * H + h]);
+      const float dtp = softplus(ldf(pc.dt, (i * T + t0 + lid) * H + h, DTDT));
       a = dtp * FBuf(pc.A).v[h];
       sc.v[o_dtp + ih * uint(T) + uint(t0 + lid)] = dtp;
     }
@@ -443,7 +448,7 @@ void main() {
         const int p = p0 + 4 * tx + b;
         if (s < len && p < P) {
           const float v = acc[a][b] * w, d = du[a][b] + v;
-          const float x = ld_x(pc.x, s, p), u = sDtp[s] * x;
+          const float x = ld_x(pc.x, XDT, s, p), u = sDtp[s] * x;
           FBuf(pc.out_).v[(i * T + t0 + s) * H * P + h * P + p] = d * sDtp[s];
           qv[a] -= u * d;
           xv[a] += d * x;
@@ -527,7 +532,7 @@ void main() {
           clear_acc();
           mma(DYE_TP, HIN_KN, round_k(P), false);  // e^{cs_t} dy_t h_in
           [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
-            qy[jh][a] += acc[a][b] * ld_bc(pc.C, 4 * ty + a, n0 + 4 * tx + b);
+            qy[jh][a] += acc[a][b] * ld_bc(pc.C, CDT, 4 * ty + a, n0 + 4 * tx + b);
             accC[a][b] += acc[a][b];
           }
           clear_acc();
@@ -583,7 +588,7 @@ void main() {
   if (lid < len) {
     const int o = (i * T + t0 + lid) * H + h;
     const float ddtp = da * FBuf(pc.A).v[h] + xs;
-    FBuf(pc.out_).v[o] = ddtp * sigmoid_cpu(FBuf(pc.dt).v[o]);
+    FBuf(pc.out_).v[o] = ddtp * sigmoid_cpu(ldf(pc.dt, o, DTDT));
   }
   if (lid < L) sM[1][lid] = lid < len ? da * sDtp[lid] : 0.0;
   barrier();

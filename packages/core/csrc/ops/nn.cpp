@@ -274,7 +274,8 @@ void cross_entropy_back_infer(Graph& g, Node& n) {
   if (g.node(n.src.at(0)).numel() != 1) fail_shape(g, n, "grad must be a scalar");
   if (l.ndim != 2 || t.ndim != 1 || t.d[0] != l.d[0]) fail_shape(g, n, "needs logits (N, C) and targets (N,)");
   if (l.d[0] == 0 || l.d[1] == 0) fail_shape(g, n, "needs at least one row and one class");
-  n.dtype = DType::f32;
+  // the logits' gradient in their dtype (RECURRA_OPS_HALF_IN): rounded once, no cast after
+  n.dtype = is_float(g.node(n.src[1]).dtype) ? g.node(n.src[1]).dtype : DType::f32;
   n.shape = l;
 }
 

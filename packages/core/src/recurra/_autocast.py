@@ -13,6 +13,10 @@ op spec (RECURRA_AUTOCAST_* in recurra/op_spec.h, ``recurra.ops.spec()[name].aut
 - ``"match"`` (the other elementwise and shape ops): sources of mixed float dtypes are cast
   to the autocast dtype (the 2-byte activation sets the dtype, a float32 weight or bias is
   cast to it); sources that share one dtype are left as they are;
+- ``"widen"`` (RECURRA_OPS_HALF_IN: the fused norm and convolution, the scan,
+  cross-entropy): float32 ops whose kernels read 2-byte sources as they are, converting
+  each value exactly where they load it: left as they are, so no up-cast node (no dispatch,
+  no float32 copy) runs before them; the gradient of a 2-byte source is rounded to its dtype;
 - ``"keep"`` (cast, fill, assign, the optimizer ops): never touched.
 
 A parameter (a leaf requiring gradients) is cast once per autocast region and per target
@@ -102,7 +106,7 @@ def is_autocast_enabled() -> bool:
 
 @functools.cache
 def op_class(name: str) -> str:
-    """The autocast class of op ``name``: "lower", "float32", "match" or "keep"."""
+    """The autocast class of op ``name``: "lower", "float32", "widen", "match" or "keep"."""
     from recurra.ops._spec import spec
 
     s = spec().get(name)
@@ -147,7 +151,7 @@ def cast_sources(name: str, srcs: Sequence[Any]) -> Sequence[Any]:
     if dtype is None:
         return srcs
     cls = op_class(name)
-    if cls == "keep":
+    if cls in ("keep", "widen"):
         return srcs
     floats = {s.dtype for s in srcs if s.dtype.is_floating}
     if cls == "lower":

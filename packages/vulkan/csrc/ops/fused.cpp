@@ -13,6 +13,11 @@
 // sums over all rows: per-block partial sums in scratch, then a reduce in a fixed order
 // (deterministic, no atomics).
 //
+// Sources may be bfloat16/float16 (RECURRA_OPS_HALF_IN: Mamba's activations under
+// autocast): the "_h" shader variants read them as they are, each value converted exactly
+// to float32 where it is loaded, so no up-cast dispatch runs before the node; the outputs
+// and the scratch stay float32. The float32 variants run when every source is float32.
+//
 // RECURRA_VK_UNFUSED=1 turns the four off (read at every check: the core then decomposes
 // them, as before these kernels; for comparisons of memory and speed). Also refused (the
 // core then builds the op from other ops): tensors past 2^31 elements or
@@ -22,6 +27,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "half_ops.h"
 #include "ops.h"
 
 namespace recurra_vk {
@@ -73,7 +79,7 @@ std::string conv_srcs_check(const recurra_node_desc& n, int off) {
   const int ns = n.n_src - off;
   if (!unfused(n).empty()) return unfused(n);
   if (ns != 2 && ns != 3) return std::string(n.op) + " takes (x, c) or (x, c, bias) after its gradient";
-  std::string why = require_f32(n, n.n_src);
+  std::string why = require_f32_out(n);
   if (!why.empty()) return why;
   const recurra_tensor_desc &x = n.src[off], &c = n.src[off + 1];
   if (x.ndim != 3) return std::string(n.op) + ": x must be (n_seqs, n_tok, d_inner)";
@@ -124,6 +130,15 @@ ConvPC conv_pc(NodeCall& c, int off) {
   return pc;
 }
 
+// causal_conv or its 2-byte variant, and the specialization constants (OP, HAS_B, then the
+// dtypes of x, c, bias and dy) of node c whose (x, c[, bias]) start at source `off` (dy: 0).
+std::string conv_module(const NodeCall& c) { return variant("causal_conv", has_half(c.node, c.node.n_src)); }
+
+std::vector<int32_t> conv_spec(int op, int has_b, const NodeCall& c, int off) {
+  auto dt = [&](int i) { return i < c.node.n_src ? dt_code(c.node.src[i].dtype) : 0; };
+  return {op, has_b, dt(off), dt(off + 1), has_b ? dt(off + 2) : 0, off == 1 ? dt(0) : 0};
+}
+
 // The grid of OP 0-2: 64 channels x 4 rows per workgroup.
 void conv_grid(int64_t rows, int64_t D, uint32_t& gx, uint32_t& gy, uint32_t& gz) {
   gx = static_cast<uint32_t>(ceil_div(D, 64));
@@ -138,10 +153,10 @@ void causal_conv_record(NodeCall& c) {
   conv_grid(rows, pc.D, gx, gy, gz);
   const int has_b = c.node.n_src == 3 ? 1 : 0;
   if (has_b)
-    c.rec.dispatch("causal_conv", {0, 1}, pc, gx, gy, gz, {c.src[0].range, c.src[1].range, c.src[2].range},
+    c.rec.dispatch(conv_module(c), conv_spec(0, 1, c, 0), pc, gx, gy, gz, {c.src[0].range, c.src[1].range, c.src[2].range},
                    {c.dst.range});
   else
-    c.rec.dispatch("causal_conv", {0, 0}, pc, gx, gy, gz, {c.src[0].range, c.src[1].range}, {c.dst.range});
+    c.rec.dispatch(conv_module(c), conv_spec(0, 0, c, 0), pc, gx, gy, gz, {c.src[0].range, c.src[1].range}, {c.dst.range});
 }
 
 void causal_conv_back_record(NodeCall& c) {
@@ -162,11 +177,11 @@ void causal_conv_back_record(NodeCall& c) {
   const Range& br = has_b ? c.src[3].range : c.src[2].range;
   uint32_t gx, gy, gz;
   conv_grid(rows, D, gx, gy, gz);
-  rec.dispatch("causal_conv", {1, has_b}, pc, gx, gy, gz, {dyr, xr, cr, br}, {g.range});
-  rec.dispatch("causal_conv", {2, has_b}, pc, gx, gy, gz, {g.range, cr}, {c.dst.range});
-  rec.dispatch("causal_conv", {3, has_b}, pc, gx, static_cast<uint32_t>(np), static_cast<uint32_t>(ceil_div(nk, 4)),
+  rec.dispatch(conv_module(c), conv_spec(1, has_b, c, 1), pc, gx, gy, gz, {dyr, xr, cr, br}, {g.range});
+  rec.dispatch(conv_module(c), conv_spec(2, has_b, c, 1), pc, gx, gy, gz, {g.range, cr}, {c.dst.range});
+  rec.dispatch(conv_module(c), conv_spec(3, has_b, c, 1), pc, gx, static_cast<uint32_t>(np), static_cast<uint32_t>(ceil_div(nk, 4)),
                {g.range, xr}, {part.range});
-  rec.dispatch("causal_conv", {4, has_b}, pc, grid_groups(nk * D, 256), 1, 1, {part.range}, {c.dst.range});
+  rec.dispatch(conv_module(c), conv_spec(4, has_b, c, 1), pc, grid_groups(nk * D, 256), 1, 1, {part.range}, {c.dst.range});
 }
 
 // ---- gated_rms_norm -------------------------------------------------------------------
@@ -231,7 +246,7 @@ std::string gated_srcs_check(const recurra_node_desc& n, int first) {
   const std::string op = n.op;
   if (!unfused(n).empty()) return unfused(n);
   if (k != 2 && k != 3 && k != 5) return op + " takes (y, w), (y, z, w) or (y, z, w, x, D)";
-  std::string why = require_f32(n, n.n_src);
+  std::string why = require_f32_out(n);
   if (!why.empty()) return why;
   if (n.n_ip != 1 || n.n_fp != 1) return op + " takes ip [group_size] and fp [eps]";
   if (!(n.fp[RECURRA_P_EPS] >= 0.0) || !std::isfinite(n.fp[RECURRA_P_EPS])) return op + ": eps must be finite and >= 0";
@@ -305,13 +320,20 @@ GatedPC gated_pc(NodeCall& c, const Layout& l) {
   return pc;
 }
 
+// Specialization constants: OP, HAS_Z, HAS_X, EPS, WIDE, then the dtypes of y, z, w, x, D
+// and the backward's grad (source 0 when l.y is 1).
 std::vector<int32_t> gated_spec(int op, const Layout& l, const recurra_node_desc& n) {
   const float eps = static_cast<float>(n.fp[RECURRA_P_EPS]);
   int32_t bits;
   std::memcpy(&bits, &eps, 4);  // a float specialization constant, by its bit pattern
   const bool wide = n.ip[RECURRA_P_GROUP_SIZE] >= 64;
-  return {op, l.z >= 0 ? 1 : 0, l.x >= 0 ? 1 : 0, bits, wide ? 1 : 0};
+  auto dt = [&](int i) { return i >= 0 ? dt_code(n.src[i].dtype) : 0; };
+  return {op, l.z >= 0 ? 1 : 0, l.x >= 0 ? 1 : 0, bits, wide ? 1 : 0, dt(l.y), dt(l.z), dt(l.w), dt(l.x), dt(l.d),
+          dt(l.y - 1)};
 }
+
+// gated_norm or its 2-byte variant (a bfloat16/float16 source).
+std::string gated_module(const NodeCall& c) { return variant("gated_norm", has_half(c.node, c.node.n_src)); }
 
 // OP 0 / 1 over the units (row, group): a workgroup each (wide groups) or a thread each.
 void dispatch_units(NodeCall& c, const std::vector<int32_t>& spec, const GatedPC& pc, std::initializer_list<Range> reads,
@@ -319,7 +341,7 @@ void dispatch_units(NodeCall& c, const std::vector<int32_t>& spec, const GatedPC
   const int64_t units = int64_t(pc.R) * (pc.C / pc.gs);
   uint32_t gx, gy;
   grid_2d(spec[4] ? units : ceil_div(units, 256), gx, gy);
-  c.rec.dispatch("gated_norm", spec, pc, gx, gy, 1, reads, {writes});
+  c.rec.dispatch(gated_module(c), spec, pc, gx, gy, 1, reads, {writes});
 }
 
 void gated_record(NodeCall& c) {
@@ -346,14 +368,14 @@ void gated_back_record(NodeCall& c) {
   auto r = [&](int i) { return i >= 0 ? c.src[i].range : none; };
   const Range& gr = c.src[0].range;
   dispatch_units(c, gated_spec(1, l, c.node), pc, {gr, r(l.y), r(l.z), r(l.w), r(l.x), r(l.d)}, aux.range);
-  c.rec.dispatch("gated_norm", gated_spec(2, l, c.node), pc, static_cast<uint32_t>(ceil_div(C, 256)),
+  c.rec.dispatch(gated_module(c), gated_spec(2, l, c.node), pc, static_cast<uint32_t>(ceil_div(C, 256)),
                  static_cast<uint32_t>(nb), 1, {gr, r(l.y), r(l.z), r(l.w), r(l.x), r(l.d), aux.range},
                  {c.dst.range, aux.range});
-  c.rec.dispatch("gated_norm", gated_spec(3, l, c.node), pc, grid_groups(C, 256), 1, 1, {aux.range},
+  c.rec.dispatch(gated_module(c), gated_spec(3, l, c.node), pc, grid_groups(C, 256), 1, 1, {aux.range},
                  {c.dst.range, aux.range});
   if (l.x >= 0) {
     const int64_t H = c.src[l.d].d->shape[0];
-    c.rec.dispatch("gated_norm", gated_spec(4, l, c.node), pc, grid_groups(H, 256), 1, 1, {aux.range}, {c.dst.range});
+    c.rec.dispatch(gated_module(c), gated_spec(4, l, c.node), pc, grid_groups(H, 256), 1, 1, {aux.range}, {c.dst.range});
   }
 }
 

@@ -32,6 +32,13 @@ inline std::string require_float(const recurra_node_desc& n, int n_src) {
   return "";
 }
 
+// The check of the fused float32 kernels reading 2-byte sources as they are
+// (RECURRA_OPS_HALF_IN): a float32 output, float32/bfloat16/float16 sources.
+inline std::string require_f32_out(const recurra_node_desc& n) {
+  if (n.dst.dtype != RECURRA_F32) return std::string(n.op) + ": the output must be float32";
+  return require_float(n, n.n_src);
+}
+
 // `module`, or its 2-byte variant `module_h` when `half`.
 inline std::string variant(const char* module, bool half) { return half ? std::string(module) + "_h" : module; }
 

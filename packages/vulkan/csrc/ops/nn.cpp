@@ -85,8 +85,9 @@ std::string cross_entropy_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 2);
   if (!why.empty()) return why;
   const recurra_tensor_desc &l = n.src[0], &t = n.src[1];
-  if (l.dtype != RECURRA_F32 || t.dtype != RECURRA_I32 || n.dst.dtype != RECURRA_F32)
-    return "cross_entropy takes float32 logits and int32 targets";
+  // 2-byte logits read as they are (RECURRA_OPS_HALF_IN): softmax_norm_h
+  if (!is_float(l.dtype) || t.dtype != RECURRA_I32 || n.dst.dtype != RECURRA_F32)
+    return "cross_entropy takes float32, bfloat16 or float16 logits and int32 targets";
   if (l.ndim != 2 || t.ndim != 1 || t.shape[0] != l.shape[0] || numel(n.dst) != 1) return "needs (N, C), (N,) -> ()";
   if (l.shape[0] == 0 || l.shape[1] == 0) return "needs at least one row and one class";
   if (!is_dense(l) || !is_dense(t)) return "needs dense sources";
@@ -105,7 +106,11 @@ void cross_entropy_record(NodeCall& c) {
   pc.C = static_cast<uint32_t>(C);
   uint32_t gx, gy;
   grid_2d(N, gx, gy);
-  c.rec.dispatch("softmax_norm", {kCrossEntropyRows}, pc, gx, gy, 1, {c.src[0].range, c.src[1].range}, {losses.range});
+  const recurra_dtype ldt = c.src[0].d->dtype;
+  std::vector<int32_t> spec{kCrossEntropyRows};
+  if (is_half(ldt)) spec.insert(spec.end(), {dt_code(ldt), dt_code(RECURRA_F32), dt_code(RECURRA_F32)});
+  c.rec.dispatch(variant("softmax_norm", is_half(ldt)), spec, pc, gx, gy, 1, {c.src[0].range, c.src[1].range},
+                 {losses.range});
   // The mean over rows, summed in a fixed order.
   ReduceSpec r;
   r.sn = 1;
@@ -119,8 +124,9 @@ std::string cross_entropy_back_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 3);
   if (!why.empty()) return why;
   const recurra_tensor_desc &g = n.src[0], &l = n.src[1], &t = n.src[2];
-  if (g.dtype != RECURRA_F32 || l.dtype != RECURRA_F32 || t.dtype != RECURRA_I32 || n.dst.dtype != RECURRA_F32)
-    return "cross_entropy_back takes (float32 grad, float32 logits, int32 targets)";
+  // 2-byte logits read as they are, their gradient written in their dtype (RECURRA_OPS_HALF_IN)
+  if (g.dtype != RECURRA_F32 || !is_float(l.dtype) || t.dtype != RECURRA_I32 || n.dst.dtype != l.dtype)
+    return "cross_entropy_back takes (float32 grad, float logits, int32 targets) -> the logits' dtype";
   if (numel(g) != 1 || l.ndim != 2 || t.ndim != 1 || t.shape[0] != l.shape[0] || !same_shape(l, n.dst))
     return "needs grad (), logits (N, C), targets (N,)";
   if (l.shape[0] == 0 || l.shape[1] == 0) return "needs at least one row and one class";
@@ -140,7 +146,10 @@ void cross_entropy_back_record(NodeCall& c) {
   pc.C = static_cast<uint32_t>(C);
   uint32_t gx, gy;
   grid_2d(N, gx, gy);
-  c.rec.dispatch("softmax_norm", {kCrossEntropyBack}, pc, gx, gy, 1, {c.src[0].range, c.src[1].range, c.src[2].range},
+  const bool half = has_half(c.node, 2);
+  std::vector<int32_t> spec{kCrossEntropyBack};
+  if (half) spec.insert(spec.end(), {dt_code(c.src[1].d->dtype), dt_code(RECURRA_F32), dt_code(c.dst.d->dtype)});
+  c.rec.dispatch(variant("softmax_norm", half), spec, pc, gx, gy, 1, {c.src[0].range, c.src[1].range, c.src[2].range},
                  {c.dst.range});
 }
 

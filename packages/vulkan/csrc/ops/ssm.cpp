@@ -79,6 +79,7 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "half_ops.h"
 #include "ops.h"
 
 namespace recurra_vk {
@@ -214,8 +215,10 @@ struct ScanDims {
 
 // (s, x, dt, A, B, C, ids) at sources off.. : "" or why not.
 std::string scan_dims(const recurra_node_desc& n, int off, ScanDims* d) {
+  // x, dt, B, C may be 2-byte (RECURRA_OPS_HALF_IN: the "_h" kernels read them as they are)
   for (int k = off; k < off + 6; ++k)
-    if (n.src[k].dtype != RECURRA_F32) return std::string(n.op) + ": s, x, dt, A, B, C must be float32";
+    if (n.src[k].dtype != RECURRA_F32 && (k == off || k == off + 3 || !is_half(n.src[k].dtype)))
+      return std::string(n.op) + ": s and A must be float32, x, dt, B, C float32, bfloat16 or float16";
   if (n.src[off + 6].dtype != RECURRA_I32) return std::string(n.op) + ": ids must be int32";
   if (n.dst.dtype != RECURRA_F32) return std::string(n.op) + ": the output must be float32";
   const recurra_tensor_desc &s = n.src[off], &x = n.src[off + 1], &dt = n.src[off + 2], &A = n.src[off + 3],
@@ -341,9 +344,23 @@ ScanPC scan_pc(NodeCall& c, const ScanDims& d, int off) {
   return pc;
 }
 
-std::vector<int32_t> scan_spec(const ScanLayout& l, int mode, bool pern) {
+// The dtype codes of dt, x, B and C (sources off + 2, +1, +4, +5), which may be 2-byte
+// (RECURRA_OPS_HALF_IN): the "_h" kernels read them as they are.
+struct ScanDts {
+  int32_t v[4] = {0, 0, 0, 0};
+  bool half() const { return v[0] || v[1] || v[2] || v[3]; }
+};
+
+ScanDts scan_dts(const NodeCall& c, int off) {
+  ScanDts d;
+  const int at[4] = {off + 2, off + 1, off + 4, off + 5};
+  for (int k = 0; k < 4; ++k) d.v[k] = dt_code(c.node.src[at[k]].dtype);
+  return d;
+}
+
+std::vector<int32_t> scan_spec(const ScanLayout& l, int mode, bool pern, const ScanDts& dts) {
   return {int32_t(l.UW * l.NL), int32_t(l.NL), int32_t(l.NT), int32_t(l.TC), mode, pern ? 1 : 0, int32_t(l.UW),
-          int32_t(l.NRED)};
+          int32_t(l.NRED), dts.v[0], dts.v[1], dts.v[2], dts.v[3]};
 }
 
 struct FinPC {
@@ -420,11 +437,12 @@ struct SsdPC {
   int32_t R, S, T, H, P, N, G, nc_hblk;
 };
 
-void ssd_dispatch(Recorder& rec, int mode, int var, const SsdPC& pc, int64_t groups,
+void ssd_dispatch(Recorder& rec, const ScanDts& dts, int mode, int var, const SsdPC& pc, int64_t groups,
                   std::initializer_list<Range> reads, std::initializer_list<Range> writes) {
   uint32_t gx, gy;
   grid_2d(groups, gx, gy);
-  rec.dispatch("ssm_scan_chunked", {mode, var}, pc, gx, gy, 1, reads, writes);
+  rec.dispatch(variant("ssm_scan_chunked", dts.half()), {mode, var, dts.v[0], dts.v[1], dts.v[2], dts.v[3]}, pc, gx,
+               gy, 1, reads, writes);
 }
 
 SsdPC ssd_pc(NodeCall& c, const ScanDims& d, const SsdGeom& g, int off) {
@@ -451,6 +469,7 @@ void ssd_record(NodeCall& c, const ScanDims& d, bool ck, bool fill_only = false)
   const int64_t o_hin = 2 * sht + d.S * d.G * g.nc * kChunk * kChunk;
   const auto scr = rec.scratch(static_cast<size_t>(ck ? o_hin : g.fwd_floats) * 4);
   SsdPC pc = ssd_pc(c, d, g, 0);
+  const ScanDts dts = scan_dts(c, 0);
   pc.out = addr(c.dst);
   pc.scr = scr.addr;
   pc.hin = ck ? pc.out + uint64_t(nx + nst) * 4 : scr.addr + uint64_t(o_hin) * 4;
@@ -460,15 +479,15 @@ void ssd_record(NodeCall& c, const ScanDims& d, bool ck, bool fill_only = false)
               hin = ck ? part(c.dst.range, nx + nst, nx + nst + ck_floats(d)) : part(scr.range, o_hin, g.fwd_floats);
   const Range out_y = part(c.dst.range, 0, nx), out_fin = part(c.dst.range, nx, nx + nst);
   const int64_t chunks = d.S * d.H * g.nc;
-  ssd_dispatch(rec, 0, 0, pc, chunks, {dtr, Ar}, {pre});
-  if (!fill_only) ssd_dispatch(rec, 1, 0, pc, d.S * d.G * g.nc, {Br, Cr}, {cb});
-  ssd_dispatch(rec, 2, 0, pc, chunks * g.npt * g.nnt, {xr, Br, pre}, {hin});
+  ssd_dispatch(rec, dts, 0, 0, pc, chunks, {dtr, Ar}, {pre});
+  if (!fill_only) ssd_dispatch(rec, dts, 1, 0, pc, d.S * d.G * g.nc, {Br, Cr}, {cb});
+  ssd_dispatch(rec, dts, 2, 0, pc, chunks * g.npt * g.nnt, {xr, Br, pre}, {hin});
   if (fill_only) {
-    ssd_dispatch(rec, 3, 3, pc, ceil_div(nst, 256), {sr, idr, pre, hin}, {hin});
+    ssd_dispatch(rec, dts, 3, 3, pc, ceil_div(nst, 256), {sr, idr, pre, hin}, {hin});
     return;
   }
-  ssd_dispatch(rec, 3, 0, pc, ceil_div(nst, 256), {sr, idr, pre, hin}, {hin, out_fin});
-  ssd_dispatch(rec, 4, 0, pc, chunks * g.npt, {xr, Cr, idr, pre, cb, hin}, {out_y});
+  ssd_dispatch(rec, dts, 3, 0, pc, ceil_div(nst, 256), {sr, idr, pre, hin}, {hin, out_fin});
+  ssd_dispatch(rec, dts, 4, 0, pc, chunks * g.npt, {xr, Cr, idr, pre, cb, hin}, {out_y});
 }
 
 void ssd_back_record(NodeCall& c, const ScanDims& d) {
@@ -500,6 +519,7 @@ void ssd_back_record(NodeCall& c, const ScanDims& d) {
               out_dA = part(o, f_dA, f_dB), out_dBC = part(o, f_dB, f_end);
 
   SsdPC pc = ssd_pc(c, d, g, 1);
+  const ScanDts dts = scan_dts(c, 1);
   pc.scr = scr.addr;
   // the forward's checkpoints (a 9th source) replace the recomputed chunk states
   const bool ck = c.node.n_src == 9;
@@ -510,12 +530,12 @@ void ssd_back_record(NodeCall& c, const ScanDims& d) {
   const int64_t chunks = d.S * d.H * g.nc, elems = ceil_div(nst, 256);
   // Recorded in dependency order; consecutive dispatches on disjoint regions share a phase:
   // [prep, CB] [states, state grads] [pass, reverse pass] [ds, dC/dB, du] [decay, dB/dC] [dA]
-  ssd_dispatch(rec, 0, 0, pc, chunks, {dtr, Ar}, {pre});
-  ssd_dispatch(rec, 1, 0, pc, d.S * d.G * g.nc, {Br, Cr}, {cb});
-  if (!ck) ssd_dispatch(rec, 2, 0, pc, chunks * g.npt * g.nnt, {xr, Br, pre}, {hin});
-  ssd_dispatch(rec, 2, 1, pc, chunks * g.npt * g.nnt, {grr, Cr, pre}, {lam});
-  if (!ck) ssd_dispatch(rec, 3, 1, pc, elems, {sr, idr, pre, hin}, {hin});
-  ssd_dispatch(rec, 3, 2, pc, elems, {grr, pre, lam}, {lam, dsi});
+  ssd_dispatch(rec, dts, 0, 0, pc, chunks, {dtr, Ar}, {pre});
+  ssd_dispatch(rec, dts, 1, 0, pc, d.S * d.G * g.nc, {Br, Cr}, {cb});
+  if (!ck) ssd_dispatch(rec, dts, 2, 0, pc, chunks * g.npt * g.nnt, {xr, Br, pre}, {hin});
+  ssd_dispatch(rec, dts, 2, 1, pc, chunks * g.npt * g.nnt, {grr, Cr, pre}, {lam});
+  if (!ck) ssd_dispatch(rec, dts, 3, 1, pc, elems, {sr, idr, pre, hin}, {hin});
+  ssd_dispatch(rec, dts, 3, 2, pc, elems, {grr, pre, lam}, {lam, dsi});
 
   const uint64_t sa = scr.addr;
   FinPC f{};
@@ -526,13 +546,13 @@ void ssd_back_record(NodeCall& c, const ScanDims& d) {
     p.src = sa + uint64_t(o_dsi) * 4, p.dst = p_ds, p.ids = addr(c.src[7]), p.n = uint32_t(d.R * d.H * d.P * d.N);
     rec.dispatch("ssm_scan_back_sum", {3}, p, grid_groups(p.n, 256), 1, 1, {dsi, idr}, {out_ds});
   }
-  ssd_dispatch(rec, 5, 0, pc, d.S * d.G * nblkh * g.nc, {grr, xr, Br, Cr, pre, cb, hin, lam}, {dbc, qy});
+  ssd_dispatch(rec, dts, 5, 0, pc, d.S * d.G * nblkh * g.nc, {grr, xr, Br, Cr, pre, cb, hin, lam}, {dbc, qy});
   SsdPC p6 = pc;
   p6.out = p_dx;
-  ssd_dispatch(rec, 6, 0, p6, chunks * g.npt, {grr, xr, Br, Cr, pre, cb, hin, lam}, {out_dx, qx, ep});
+  ssd_dispatch(rec, dts, 6, 0, p6, chunks * g.npt, {grr, xr, Br, Cr, pre, cb, hin, lam}, {out_dx, qx, ep});
   SsdPC p7 = pc;
   p7.out = p_ddt;
-  ssd_dispatch(rec, 7, 0, p7, chunks, {dtr, Ar, pre, qy, qx, ep}, {out_ddt, dap});
+  ssd_dispatch(rec, dts, 7, 0, p7, chunks, {dtr, Ar, pre, qy, qx, ep}, {out_ddt, dap});
   if (nbc > 0) {
     FinPC p = f;
     p.src = sa + uint64_t(o_dbp) * 4, p.src2 = sa + uint64_t(o_dcp) * 4, p.dst = p_dB, p.dst2 = p_dC;
@@ -560,7 +580,8 @@ void scan_record(NodeCall& c) {
   pc.nblk = int32_t(l.nblk), pc.K = 1, pc.nck = 0;
   uint32_t gx, gy;
   grid_2d(d.S * d.G * l.nblk, gx, gy);
-  rec.dispatch("ssm_scan", scan_spec(l, 0, d.NA != 1), pc, gx, gy, 1,
+  const ScanDts dts = scan_dts(c, 0);
+  rec.dispatch(variant("ssm_scan", dts.half()), scan_spec(l, 0, d.NA != 1, dts), pc, gx, gy, 1,
                {c.src[0].range, c.src[1].range, c.src[2].range, c.src[3].range, c.src[4].range, c.src[5].range,
                 c.src[6].range},
                {c.dst.range});
@@ -579,6 +600,7 @@ void scan_back_record(NodeCall& c) {
   const ScanLayout l = scan_layout(d, true, lim);
   const bool pern = d.NA != 1;
   const int mode = pern ? 2 : 1;
+  const ScanDts dts = scan_dts(c, 1);
   int64_t K = 1;
   if (mode == 1) {
     K = 64;
@@ -610,7 +632,7 @@ void scan_back_record(NodeCall& c) {
     pc.nblk = int32_t(l.nblk), pc.K = int32_t(K), pc.nck = int32_t(nck);
     uint32_t gx, gy;
     grid_2d(d.S * d.G * l.nblk, gx, gy);
-    rec.dispatch("ssm_scan", scan_spec(l, mode, pern), pc, gx, gy, 1,
+    rec.dispatch(variant("ssm_scan", dts.half()), scan_spec(l, mode, pern, dts), pc, gx, gy, 1,
                  {c.src[0].range, c.src[1].range, c.src[2].range, c.src[3].range, c.src[4].range, c.src[5].range,
                   c.src[6].range, c.src[7].range},
                  {c.dst.range, scr.range});
@@ -628,7 +650,8 @@ void scan_back_record(NodeCall& c) {
   if (d.S * d.T * d.H > 0) {
     FinPC p = f;
     p.src = sa + o_ddtp * 4, p.dst = p_ddt, p.dt = addr(c.src[3]), p.n = uint32_t(d.S * d.T * d.H);
-    rec.dispatch("ssm_scan_back_sum", {1}, p, grid_groups(p.n, 256), 1, 1, {scr.range, c.src[3].range}, {c.dst.range});
+    rec.dispatch(variant("ssm_scan_back_sum", dts.v[0] != 0), {1, dts.v[0]}, p, grid_groups(p.n, 256), 1, 1,
+                 {scr.range, c.src[3].range}, {c.dst.range});
   }
   {
     FinPC p = f;

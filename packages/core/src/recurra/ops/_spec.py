@@ -23,9 +23,13 @@ class OpSpec:
     ``decomposition`` the ops it becomes on a backend without a kernel for it ("" none).
     ``dtypes``: the float dtypes its float sources may have (one of them for all; see
     RECURRA_OPS_HALF): ``("float32",)``, or also ``"bfloat16"`` and ``"float16"``.
+    ``reads_half``: its kernels compute in float32 but read bfloat16/float16 sources as they
+    are, mixed with float32 ones (RECURRA_OPS_HALF_IN; the output float32, cross_entropy_back's
+    its logits' dtype): no up-cast is needed before it.
     ``autocast``: how :func:`recurra.autocast` casts its float sources (RECURRA_AUTOCAST_*):
     ``"lower"`` to the autocast dtype, ``"float32"`` up to float32, ``"match"`` float32 ones
-    to the autocast dtype when another is 2-byte, ``"keep"`` never.
+    to the autocast dtype when another is 2-byte, ``"widen"`` (the ``reads_half`` ops) and
+    ``"keep"`` never.
     """
 
     name: str
@@ -40,6 +44,7 @@ class OpSpec:
     backward: str
     decomposition: str
     dtypes: tuple[str, ...]
+    reads_half: bool
     autocast: str
 
 

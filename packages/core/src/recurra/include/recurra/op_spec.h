@@ -307,11 +307,24 @@ typedef struct recurra_op_spec {
   X(concat) X(pad) X(cumsum)
 /* ... and every unary op (RECURRA_UNARY_MATHS, RECURRA_ACTIVATIONS) without being listed. */
 
+/* Ops that compute in float32 but read 2-byte float sources as they are (each value converted
+ * exactly to float32 where the kernel loads it, so a cast before them would change nothing):
+ * their float sources may mix float32, bfloat16 and float16, their output is float32
+ * (cross_entropy_back: its logits' dtype, the gradient's, rounded once on store). A gradient
+ * they give a 2-byte source is cast to its dtype (build_backward), as the gradient of the
+ * up-cast they replace was. A backend that has no kernel for a mix refuses the node; its
+ * decomposition (gated_rms_norm, causal_conv_silu) then widens the 2-byte sources first. */
+#define RECURRA_OPS_HALF_IN(X)                                                              \
+  X(gated_rms_norm) X(gated_rms_norm_back) X(causal_conv_silu) X(causal_conv_silu_back)     \
+  X(ssm_scan) X(ssm_scan_back) X(cross_entropy) X(cross_entropy_back)
+
 /* The autocast policy (recurra.autocast, docs/ops.md "Mixed precision"): how the frontend
  * casts a node's float sources inside an autocast region. RECURRA_AUTOCAST_LOWER: to the
  * autocast dtype (the ops whose cost is a matmul). RECURRA_AUTOCAST_FLOAT32: 2-byte sources
  * up to float32 (numerically sensitive; so are all ops outside RECURRA_OPS_HALF).
- * RECURRA_AUTOCAST_KEEP: never cast (explicit dtypes, in-place updates). Every other op of
+ * RECURRA_AUTOCAST_KEEP: never cast (explicit dtypes, in-place updates). RECURRA_OPS_HALF_IN
+ * (class "widen"): sources left as they are, the kernel reads 2-byte ones and computes in
+ * float32 (no up-cast node before it). Every other op of
  * RECURRA_OPS_HALF and every unary op not listed: float32 sources cast to the autocast dtype
  * when another float source is 2-byte, else left as they are. */
 #define RECURRA_AUTOCAST_LOWER(X) X(matmul) X(out_prod)
@@ -382,13 +395,20 @@ static inline int recurra_name_in_(const char* name, const char* const* list, si
   }
   return 0;
 }
-/* The autocast class of op `name`: "lower", "float32", "keep" or "match" (see
+
+/* Whether op `name` reads 2-byte float sources mixed with float32 ones (RECURRA_OPS_HALF_IN). */
+static inline int recurra_op_takes_half_in(const char* name) {
+  static const char* const ops[] = {RECURRA_OPS_HALF_IN(RECURRA_OP_HALF_NAME_)};
+  return recurra_name_in_(name, ops, sizeof ops / sizeof ops[0]);
+}
+/* The autocast class of op `name`: "lower", "float32", "widen", "keep" or "match" (see
  * RECURRA_AUTOCAST_LOWER above). */
 static inline const char* recurra_op_autocast(const char* name) {
   static const char* const lower[] = {RECURRA_AUTOCAST_LOWER(RECURRA_OP_HALF_NAME_)};
   static const char* const f32[] = {RECURRA_AUTOCAST_FLOAT32(RECURRA_OP_HALF_NAME_)};
   static const char* const keep[] = {RECURRA_AUTOCAST_KEEP(RECURRA_OP_HALF_NAME_)};
   if (recurra_name_in_(name, keep, sizeof keep / sizeof keep[0])) return "keep";
+  if (recurra_op_takes_half_in(name)) return "widen";
   if (recurra_name_in_(name, lower, sizeof lower / sizeof lower[0])) return "lower";
   if (!recurra_op_takes_half(name) || recurra_name_in_(name, f32, sizeof f32 / sizeof f32[0]))
     return "float32";
