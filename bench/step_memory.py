@@ -57,7 +57,8 @@ def step_plan(
     """The memory plan (graph.memory()'s dict) of one training step, not run; with_casts:
     also its cast nodes (``casts``: :func:`cast_nodes`). up_casts: autocast casts the
     sources of the ops that read 2-byte sources as they are (``OpSpec.reads_half``) up to
-    float32 anyway, as recurra did before they did (the plan of that step, for comparison)."""
+    float32 anyway, and the norms before products return float32 (nn.NORM_TO_AUTOCAST), as
+    recurra did before (the plan of that step, for comparison)."""
     import recurra as rc
     import recurra_models as rm
     from recurra._tensor import LAZY
@@ -74,17 +75,20 @@ def step_plan(
     y = rc.tensor(data[:, 1:].copy(), device=device)
     dtype = {"fp32": None, "bf16": rc.bfloat16, "f16": rc.float16}[precision]
     from recurra import _autocast
+    from recurra_models import nn
 
     op_class = _autocast.op_class
     if up_casts:
         _autocast.op_class = lambda name: (  # type: ignore[assignment]
             "float32" if op_class(name) == "widen" else op_class(name)
         )
+        nn.NORM_TO_AUTOCAST = False
     try:
         with rc.autocast(dtype or rc.bfloat16, enabled=dtype is not None):
             loss = model.loss(x, y, chunk_bytes=chunk)
     finally:
         _autocast.op_class = op_class  # type: ignore[assignment]
+        nn.NORM_TO_AUTOCAST = True
     got: dict[str, Any] = {}
     build = LAZY._build
 
@@ -284,8 +288,8 @@ def main() -> None:
     ap.add_argument(
         "--up-casts",
         action="store_true",
-        help="cast the sources of the ops that read 2-byte sources up to float32 anyway "
-        "(the plan before they did)",
+        help="cast the sources of the ops that read 2-byte sources up to float32 anyway, and "
+        "the norms before products return float32 (the plan before they did)",
     )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--run-steps", type=int, default=0, help="run AdamW steps for real")

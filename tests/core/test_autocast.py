@@ -408,3 +408,37 @@ def test_recomputed_casts_inside_recompute_segments() -> None:
     dz = 1 - z.shape[1] * p  # d sum(log_softmax(z)) / dz
     ref = dz.T @ xb
     np.testing.assert_allclose(got[True][1], ref, atol=2.0**-6 * np.abs(ref).max())
+
+
+# -- norms that return the dtype of the product after them ---------------------------------
+
+
+@pytest.mark.parametrize("dtype", [rc.bfloat16, rc.float16])
+@pytest.mark.parametrize("gated", [False, True])
+def test_norm_output_in_a_2_byte_dtype_is_the_float32_result_rounded(dtype, gated) -> None:
+    """gated_rms_norm / rms_norm with ``dtype``: the float32 result rounded once (no cast
+    node); the gradients equal those of the float32 norm followed by a cast, bit for bit
+    (the 2-byte gradient the backward reads converts exactly)."""
+    rng = np.random.default_rng(5)
+    B, T, H, P = 2, 3, 2, 4
+    C = H * P
+    data = [rng.standard_normal(s).astype(np.float32) for s in [(B, T, C)] * 3 + [(C,), (H,)]]
+    r = rng.standard_normal((B, T, C)).astype(np.float32)
+    got = []
+    for fused in (True, False):
+        y, z, x, w, d = (rc.param(a) for a in data)
+        if gated:
+            out = ops.gated_rms_norm(y, z, w, 1e-5, P, x=x, d=d, dtype=dtype if fused else None)
+        else:
+            out = ops.rms_norm(y, 1e-5, w, dtype=dtype if fused else None)
+        if not fused:
+            out = out.to(dtype)
+        assert out.dtype == dtype
+        assert (out._op == "gated_rms_norm") == fused
+        loss = ops.sum(out.to(rc.float32) * rc.tensor(r))
+        loss.backward()
+        used = (y, z, x, w, d) if gated else (y, w)
+        got.append((out.numpy(), [p.grad.numpy() for p in used]))
+    assert got[0][0].tobytes() == got[1][0].tobytes()
+    for a, b in zip(got[0][1], got[1][1]):
+        assert a.tobytes() == b.tobytes()

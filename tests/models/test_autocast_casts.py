@@ -78,11 +78,13 @@ def test_the_step_under_both_policies_gives_the_same_values() -> None:
         )
         if up:
             _autocast.op_class = lambda n: "float32" if op_class(n) == "widen" else op_class(n)
+            rm.nn.NORM_TO_AUTOCAST = False
         try:
             with rc.autocast():
                 loss = model.loss(d[:, :-1], d[:, 1:])
         finally:
             _autocast.op_class = op_class
+            rm.nn.NORM_TO_AUTOCAST = True
         loss.backward()
         got.append((float(loss.item()), {n: p.grad.numpy() for n, p in model.named_parameters()}))
     assert got[0][0] == got[1][0]

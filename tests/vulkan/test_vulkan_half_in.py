@@ -166,9 +166,11 @@ def test_mamba2_bf16_step_equals_the_up_cast_step(vulkan: str, monkeypatch) -> N
                     "op_class",
                     lambda n: "float32" if op_class(n) == "widen" else op_class(n),
                 )
+                monkeypatch.setattr(rm.nn, "NORM_TO_AUTOCAST", False)
             with rc.autocast():
                 loss = model.loss(d[:, :-1], d[:, 1:])
             monkeypatch.setattr(_autocast, "op_class", op_class)
+            monkeypatch.setattr(rm.nn, "NORM_TO_AUTOCAST", True)
             loss.backward()
             g = next(reversed(LAZY._plans.values())).graph
             n_casts = sum(g.info(i)["op"] == "cast" for i in range(len(g)))
@@ -181,3 +183,31 @@ def test_mamba2_bf16_step_equals_the_up_cast_step(vulkan: str, monkeypatch) -> N
     assert got[0][0] == got[1][0]
     for n, g in got[0][1].items():
         assert g.tobytes() == got[1][1][n].tobytes(), n
+
+
+@pytest.mark.parametrize("gs", [4, 64])  # one thread per group; a workgroup per group (WIDE)
+def test_gated_rms_norm_writes_its_output_in_bf16(vulkan: str, gs: int) -> None:
+    """The norm before a product writes the product's dtype itself (ops.gated_rms_norm
+    dtype=...): on the device bitwise the float32 result rounded, as the cast after it gave,
+    and the same gradients (the backward reads the product's bf16 gradient as it is)."""
+    B, T, C = 2, 3, 128
+    rng = np.random.default_rng(9)
+    data = [rng.standard_normal(s).astype(np.float32) for s in [(B, T, C)] * 2 + [(C,)]]
+    r = rng.standard_normal((B, T, C)).astype(np.float32)
+    got = []
+    rc.set_strict_placement(True)
+    try:
+        for fused in (True, False):
+            LAZY.clear()
+            y, z, w = (rc.param(a, device=vulkan) for a in data)
+            out = ops.gated_rms_norm(y, z, w, 1e-5, gs, dtype=rc.bfloat16 if fused else None)
+            if not fused:
+                out = out.to(rc.bfloat16)
+            loss = ops.sum(out.to(rc.float32) * rc.tensor(r, device=vulkan))
+            loss.backward()
+            got.append((out.numpy(), [p.grad.numpy() for p in (y, z, w)]))
+    finally:
+        rc.set_strict_placement(False)
+    assert got[0][0].tobytes() == got[1][0].tobytes()
+    for a, b in zip(got[0][1], got[1][1]):
+        assert a.tobytes() == b.tobytes()

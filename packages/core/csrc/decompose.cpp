@@ -59,7 +59,9 @@ int gated_rms_norm_ops(Graph& g, const Node& n) {
   } else {
     h = g.op("rms_norm", {h}, {}, eps);
   }
-  return g.mul(h, w);
+  const int out = g.mul(h, w);
+  if (n.ip.size() <= RECURRA_P_OUT_DTYPE || n.ip[RECURRA_P_OUT_DTYPE] == static_cast<int64_t>(DType::f32)) return out;
+  return g.op("cast", {out}, {n.ip[RECURRA_P_OUT_DTYPE]});
 }
 
 // causal_conv_silu(x (S, T, D), c (D, K), [bias]): silu(ssm_conv(x^T padded with K - 1

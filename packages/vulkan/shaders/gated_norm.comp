@@ -31,6 +31,7 @@ layout(constant_id = 7) const int WDT = 0;
 layout(constant_id = 8) const int XDT = 0;
 layout(constant_id = 9) const int DDT = 0;
 layout(constant_id = 10) const int GDT = 0;
+layout(constant_id = 11) const int ODT = 0;  // the forward's output dtype (_h: 2-byte allowed)
 
 layout(push_constant) uniform PC {
   uvec2 y, z, w, x, d, g, out_, aux;  // aux: stats (2 per unit), then pw, pd, pdc
@@ -81,7 +82,7 @@ void unit_sums(int unit, int first, int step, out float ss, out float gwh) {
   for (int j = first; j < pc.gs; j += step) {
     const float h = h_at(r, c0 + j);
     ss += h * h;
-    if (OP == 0) out_.v[r * pc.C + c0 + j] = h;
+    if (OP == 0 && ODT == DT_F32_) out_.v[r * pc.C + c0 + j] = h;  // scaled in finish_unit
     if (OP == 1) gwh += ldf(pc.g, r * pc.C + c0 + j, GDT) * ldf(pc.w, (c0 + j) * pc.ws, WDT) * h;
   }
 }
@@ -103,6 +104,12 @@ void finish_unit(int unit, int first, int step, float ss, float gwh) {
   FBuf out_ = FBuf(pc.out_);
   for (int j = first; j < pc.gs; j += step) {
     const int e = r * pc.C + c0 + j;
+#ifdef HALF
+    if (ODT != DT_F32_) {  // a 2-byte output cannot hold h: computed again, rounded once
+      st(pc.out_, uint(e), ODT, h_at(r, c0 + j) * rr * ldf(pc.w, (c0 + j) * pc.ws, WDT));
+      continue;
+    }
+#endif
     out_.v[e] = out_.v[e] * rr * ldf(pc.w, (c0 + j) * pc.ws, WDT);
   }
 }

@@ -150,7 +150,18 @@ int64_t gated_infer(Graph& g, Node& n, size_t first) {
   const size_t ns = n.src.size() - first;
   if (ns != 2 && ns != 3 && ns != 5) fail_shape(g, n, "takes (y, w), (y, z, w) or (y, z, w, x, D)");
   for (size_t i = 0; i < n.src.size(); ++i) require_f32(g, n, static_cast<int>(i));
-  if (n.ip.size() != 1 || n.fp.size() != 1) fail_shape(g, n, "takes ip [group_size] and fp [eps]");
+  // the forward may ask for its output's dtype (RECURRA_P_OUT_DTYPE): rounded once
+  const size_t n_ip = n.ip.size();
+  if ((n_ip != 1 && (first != 0 || n_ip != 2)) || n.fp.size() != 1)
+    fail_shape(g, n, first == 0 ? "takes ip [group_size[, out dtype]] and fp [eps]" : "takes ip [group_size] and fp [eps]");
+  DType out = DType::f32;
+  if (n_ip == 2) {
+    const int64_t code = n.ip[RECURRA_P_OUT_DTYPE];
+    if (code < 0 || code >= kNumDTypes || !is_float(static_cast<DType>(code)))
+      throw TypeError("gated_rms_norm: the output dtype code must be 0 (float32), 2 (bfloat16) or 3 (float16), got " +
+                      std::to_string(code));
+    out = static_cast<DType>(code);
+  }
   if (!(n.fp[RECURRA_P_EPS] >= 0.0) || !std::isfinite(n.fp[RECURRA_P_EPS])) fail_shape(g, n, "eps must be finite and >= 0");
   const NormLayout l = layout_of(n.src.size(), first);
   const Shape ys = g.node(n.src[l.y]).shape;
@@ -166,7 +177,7 @@ int64_t gated_infer(Graph& g, Node& n, size_t first) {
     if (ds.ndim != 1 || ds.d[0] < 1 || C % ds.d[0] != 0) fail_shape(g, n, "D must be (H,) with H dividing C");
   }
   for (size_t i = first; i < n.src.size(); ++i) check_row_stride(g, n, static_cast<int>(i));
-  n.dtype = DType::f32;
+  n.dtype = out;
   n.shape = ys;  // the forward's result
   return C;
 }
@@ -257,7 +268,8 @@ void register_gated_norm_ops(OpTable& t) {
     d.backward = [](GradSink& k) {
       Graph& g = k.g;
       const NormLayout l = layout_of(k.node.src.size(), 0);
-      const int packed = g.op("gated_rms_norm_back", grad_and_srcs(k), k.node.ip, k.node.fp);
+      const std::vector<int64_t> gs{k.node.ip[RECURRA_P_GROUP_SIZE]};  // not the output dtype
+      const int packed = g.op("gated_rms_norm_back", grad_and_srcs(k), gs, k.node.fp);
       const Shape ys = g.node(k.node.src[l.y]).shape, ws = g.node(k.node.src[l.w]).shape;
       int64_t at = 0;  // the packed layout: dy, [dz], dw, [dx, dD]
       auto next = [&](int i, const Shape& sh) {

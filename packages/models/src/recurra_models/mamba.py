@@ -167,7 +167,8 @@ class MambaBlock(nn.Module):
 
     def __init__(self, cfg: Any, rng: np.random.Generator, mixer: type | None = None) -> None:
         super().__init__()
-        self.norm = nn.RMSNorm(cfg.d_model, cfg.norm_eps)
+        # the mixers start with in_proj: the norm hands it the autocast dtype (RMSNorm)
+        self.norm = nn.RMSNorm(cfg.d_model, cfg.norm_eps, to_autocast=True)
         self.mixer = (mixer or MambaMixer)(cfg, rng)
 
     def forward(self, x: Any, state: list[Any] | None = None) -> tuple[Any, list[Any]]:
@@ -185,7 +186,7 @@ class MambaModel(nn.Module):
             (0.02 * rng.standard_normal((cfg.vocab_size, cfg.d_model))).astype(np.float32)
         )
         self.layers = nn.ModuleList(MambaBlock(cfg, rng, mixer) for _ in range(cfg.n_layer))
-        self.norm_f = nn.RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm_f = nn.RMSNorm(cfg.d_model, cfg.norm_eps, to_autocast=True)  # -> the LM head
 
 
 class MambaFamilyLM(CausalLM):

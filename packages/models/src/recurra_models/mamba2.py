@@ -132,6 +132,11 @@ class Mamba2Config(ConfigBase):
         return self.d_inner + 2 * self.n_groups * self.d_state
 
 
+def _norm_dtype() -> Any:
+    """The dtype the gated norm returns: the autocast dtype (nn.NORM_TO_AUTOCAST) or float32."""
+    return rc.autocast_dtype() if nn.NORM_TO_AUTOCAST else None
+
+
 class GatedRMSNorm(nn.Module):
     """norm(y * silu(z)) * weight where the RMS norm runs over groups of ``group_size``
     channels (Hugging Face's ``MambaRMSNormGated``); with ``x`` and ``d``, y + x * d (the
@@ -144,8 +149,11 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(np.ones(dim, np.float32))
 
     def forward(self, y: Any, z: Any, x: Any = None, d: Any = None) -> Any:
-        """y, z, x (B, T, dim), d (n_heads,) -> (B, T, dim)."""
-        return ops.gated_rms_norm(y, z, self.weight, self.eps, self.group_size, x=x, d=d)
+        """y, z, x (B, T, dim), d (n_heads,) -> (B, T, dim); under autocast in its dtype,
+        rounded by the op (out_proj's input: no cast node between them)."""
+        return ops.gated_rms_norm(
+            y, z, self.weight, self.eps, self.group_size, x=x, d=d, dtype=_norm_dtype()
+        )
 
 
 class Mamba2Mixer(nn.Module):

@@ -418,18 +418,32 @@ class Embedding(Module):
         return f"{self.num_embeddings}, {self.embedding_dim}"
 
 
-class RMSNorm(Module):
-    """x / sqrt(mean(x**2) + eps) * weight over the last axis (weight initialised to 1)."""
+#: Under autocast, the norms whose output feeds products only (RMSNorm(to_autocast=True),
+#: Mamba-2's gated norm) return the autocast dtype, rounded by the norm op itself. False: they
+#: return float32 and the product casts it (recurra before; for comparisons, e.g.
+#: bench/step_memory.py --up-casts). The values are the same.
+NORM_TO_AUTOCAST = True
 
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+
+class RMSNorm(Module):
+    """x / sqrt(mean(x**2) + eps) * weight over the last axis (weight initialised to 1).
+
+    ``to_autocast``: the output feeds products only (a pre-norm before a projection), so
+    under :class:`recurra.autocast` the norm rounds it to the autocast dtype itself
+    (``ops.rms_norm(dtype=...)``): the value the product's cast would make, without the cast
+    node, and the backward reads the product's 2-byte gradient as it is."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, to_autocast: bool = False) -> None:
         super().__init__()
         self.dim = int(dim)
         self.eps = float(eps)
+        self.to_autocast = bool(to_autocast)
         self.weight = Parameter(np.ones(dim, np.float32))
 
     def forward(self, x: Any) -> Any:
         """Returns a tensor of x's shape."""
-        return ops.rms_norm(x, self.eps, self.weight)
+        dtype = rc.autocast_dtype() if self.to_autocast and NORM_TO_AUTOCAST else None
+        return ops.rms_norm(x, self.eps, self.weight, dtype=dtype)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"

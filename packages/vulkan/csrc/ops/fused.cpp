@@ -246,9 +246,13 @@ std::string gated_srcs_check(const recurra_node_desc& n, int first) {
   const std::string op = n.op;
   if (!unfused(n).empty()) return unfused(n);
   if (k != 2 && k != 3 && k != 5) return op + " takes (y, w), (y, z, w) or (y, z, w, x, D)";
-  std::string why = require_f32_out(n);
+  std::string why = require_float(n, n.n_src);
   if (!why.empty()) return why;
-  if (n.n_ip != 1 || n.n_fp != 1) return op + " takes ip [group_size] and fp [eps]";
+  // the forward's output dtype: ip[RECURRA_P_OUT_DTYPE] when given, else float32
+  if ((n.n_ip != 1 && (first != 0 || n.n_ip != 2)) || n.n_fp != 1)
+    return op + " takes ip [group_size] (the forward: [, out dtype]) and fp [eps]";
+  if (n.dst.dtype != (n.n_ip == 2 ? static_cast<recurra_dtype>(n.ip[RECURRA_P_OUT_DTYPE]) : RECURRA_F32))
+    return op + ": the output dtype does not match its parameter";
   if (!(n.fp[RECURRA_P_EPS] >= 0.0) || !std::isfinite(n.fp[RECURRA_P_EPS])) return op + ": eps must be finite and >= 0";
   const Layout l = layout_of(n.n_src, first);
   const recurra_tensor_desc& y = n.src[l.y];
@@ -320,8 +324,8 @@ GatedPC gated_pc(NodeCall& c, const Layout& l) {
   return pc;
 }
 
-// Specialization constants: OP, HAS_Z, HAS_X, EPS, WIDE, then the dtypes of y, z, w, x, D
-// and the backward's grad (source 0 when l.y is 1).
+// Specialization constants: OP, HAS_Z, HAS_X, EPS, WIDE, then the dtypes of y, z, w, x, D,
+// the backward's grad (source 0 when l.y is 1) and the forward's output.
 std::vector<int32_t> gated_spec(int op, const Layout& l, const recurra_node_desc& n) {
   const float eps = static_cast<float>(n.fp[RECURRA_P_EPS]);
   int32_t bits;
@@ -329,7 +333,7 @@ std::vector<int32_t> gated_spec(int op, const Layout& l, const recurra_node_desc
   const bool wide = n.ip[RECURRA_P_GROUP_SIZE] >= 64;
   auto dt = [&](int i) { return i >= 0 ? dt_code(n.src[i].dtype) : 0; };
   return {op, l.z >= 0 ? 1 : 0, l.x >= 0 ? 1 : 0, bits, wide ? 1 : 0, dt(l.y), dt(l.z), dt(l.w), dt(l.x), dt(l.d),
-          dt(l.y - 1)};
+          dt(l.y - 1), op == 0 ? dt_code(n.dst.dtype) : 0};
 }
 
 // gated_norm or its 2-byte variant (a bfloat16/float16 source).

@@ -83,22 +83,35 @@ def mse_loss(a: Any, b: Any) -> Any:
     return mean(apply("sqr", [apply("sub", [a, b])]))
 
 
-def rms_norm(x: Any, eps: float = 1e-6, weight: Any = None) -> Any:
+def _out_dtype_ip(dtype: Any) -> tuple[int, ...]:
+    """gated_rms_norm's optional RECURRA_P_OUT_DTYPE parameter for ``dtype`` (None: none)."""
+    if dtype is None:
+        return ()
+    from recurra._dtype import as_dtype
+
+    return (as_dtype(dtype).code,)
+
+
+def rms_norm(x: Any, eps: float = 1e-6, weight: Any = None, dtype: Any = None) -> Any:
     """x / sqrt(mean(x**2) + eps) along the last axis, times ``weight`` (C,) when given.
 
     With a weight this is one op, gated_rms_norm without a gate (the norm, the product and,
     backward, the weight's gradient in one pass where the backend has the fused kernel;
     elsewhere the scheduler builds rms_norm then mul). Returns a float32 tensor of x's
-    shape. Raises ValueError for a negative eps or a weight that is not (C,).
+    shape; with a weight and ``dtype`` (e.g. ``recurra.autocast_dtype()`` before a product)
+    one of that dtype, the float32 result rounded once by the op (no cast node after it).
+    Raises ValueError for a negative eps or a weight that is not (C,).
     """
     if weight is None:
         return apply("rms_norm", [x], fp=(float(eps),))
     _, srcs = coerce([x, weight])
     if srcs[0].ndim:
-        return apply("gated_rms_norm", srcs, ip=(int(srcs[0].shape[-1]),), fp=(float(eps),))
+        ip = (int(srcs[0].shape[-1]), *_out_dtype_ip(dtype))
+        return apply("gated_rms_norm", srcs, ip=ip, fp=(float(eps),))
     from recurra.ops._elementwise import mul
 
-    return mul(apply("rms_norm", [srcs[0]], fp=(float(eps),)), srcs[1])
+    out = mul(apply("rms_norm", [srcs[0]], fp=(float(eps),)), srcs[1])
+    return out if dtype is None else out.to(dtype)
 
 
 def gated_rms_norm(
@@ -109,6 +122,7 @@ def gated_rms_norm(
     group_size: int | None = None,
     x: Any = None,
     d: Any = None,
+    dtype: Any = None,
 ) -> Any:
     """Mamba-2's gated output norm: ``h = (y + x * d) * silu(z)``, then
     ``h / sqrt(mean(h**2) + eps) * weight`` with the mean over groups of ``group_size``
@@ -118,7 +132,9 @@ def gated_rms_norm(
     H dividing C, one value per block of C / H channels (the D skip of Mamba-2; give both
     ``x`` and ``d`` or neither). One op: one pass forward and one backward where the backend
     has the fused kernel; elsewhere the scheduler builds it from elementwise ops and
-    rms_norm, with the same result. Returns a float32 tensor of y's shape. Raises ValueError
+    rms_norm, with the same result. Returns a float32 tensor of y's shape, or one of
+    ``dtype`` when given (the float32 result rounded once by the op: what a product after
+    it takes under autocast, without a cast node). Raises ValueError
     for mismatched shapes, a group size that does not divide C, or only one of x and d;
     TypeError for non-float32 inputs.
     """
@@ -127,7 +143,7 @@ def gated_rms_norm(
     _, srcs = coerce([y, z, weight] if x is None else [y, z, weight, x, d])
     c = int(srcs[0].shape[-1]) if srcs[0].ndim else 0
     gs = c if group_size is None else int(group_size)
-    return apply("gated_rms_norm", srcs, ip=(gs,), fp=(float(eps),))
+    return apply("gated_rms_norm", srcs, ip=(gs, *_out_dtype_ip(dtype)), fp=(float(eps),))
 
 
 def causal_conv_silu(x: Any, weight: Any, bias: Any = None) -> Any:

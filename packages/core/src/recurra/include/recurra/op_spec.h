@@ -88,6 +88,7 @@ RECURRA_CODE_(RECURRA_UNARY_COUNT, 0 RECURRA_UNARY_MATHS(RECURRA_MATHS_ONE_)
 #define RECURRA_P_REVERSE 1       /* cumsum ip: 0 from the start, 1 from the end */
 #define RECURRA_P_EPS 0           /* rms_norm, layer_norm, gated_rms_norm (and _back) fp */
 #define RECURRA_P_GROUP_SIZE 0    /* gated_rms_norm(_back) ip: channels per normalized group */
+#define RECURRA_P_OUT_DTYPE 1     /* gated_rms_norm ip (optional): its output's recurra_dtype */
 #define RECURRA_P_N_ROWS 0        /* get_rows_back ip: the table's row count V */
 #define RECURRA_P_VALUE 0         /* fill, pad fp: the value */
 #define RECURRA_P_DTYPE 1         /* fill fp: the output's recurra_dtype code */
@@ -217,7 +218,8 @@ typedef struct recurra_op_spec {
   X(out_prod, 2, 2, 0, 0, 0, 0, -1, "a (B..., k, m), b (B..., k, n)", "", "",                   \
     "a^T @ b (B..., m, n)", "matmul", "")                                                       \
   /* nn */                                                                                      \
-  X(gated_rms_norm, 2, 5, 1, 1, 1, 1, -1, "y, [z], w (C,), [x, D (H,)]", "group_size", "eps",   \
+  X(gated_rms_norm, 2, 5, 1, 2, 1, 1, -1, "y, [z], w (C,), [x, D (H,)]",                       \
+    "group_size, [output dtype: float32 by default, rounded once]", "eps",                      \
     "rms_norm over groups of (y + x D) silu(z), times w", "gated_rms_norm_back",                \
     "mul, add, silu, reshape, rms_norm")                                                        \
   X(gated_rms_norm_back, 3, 6, 1, 1, 1, 1, -1, "grad, then gated_rms_norm's sources",           \
@@ -310,7 +312,8 @@ typedef struct recurra_op_spec {
 /* Ops that compute in float32 but read 2-byte float sources as they are (each value converted
  * exactly to float32 where the kernel loads it, so a cast before them would change nothing):
  * their float sources may mix float32, bfloat16 and float16, their output is float32
- * (cross_entropy_back: its logits' dtype, the gradient's, rounded once on store). A gradient
+ * (cross_entropy_back: its logits' dtype, the gradient's; gated_rms_norm: the dtype its
+ * RECURRA_P_OUT_DTYPE asks for, which a product after it wants; rounded once on store). A gradient
  * they give a 2-byte source is cast to its dtype (build_backward), as the gradient of the
  * up-cast they replace was. A backend that has no kernel for a mix refuses the node; its
  * decomposition (gated_rms_norm, causal_conv_silu) then widens the 2-byte sources first. */
