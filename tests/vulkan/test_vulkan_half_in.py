@@ -147,7 +147,17 @@ def test_cross_entropy_reads_2_byte_logits(vulkan: str, dtype: str) -> None:
     _check(vulkan, dtype, build, [(N, V)], {"cross_entropy", "cross_entropy_back"})
 
 
-def test_mamba2_bf16_step_equals_the_up_cast_step(vulkan: str, monkeypatch) -> None:
+SIZES = {
+    "mamba2": {"d_model": 32, "d_state": 8, "head_dim": 8},
+    "mamba": {"d_model": 32, "d_state": 8},
+}
+
+
+@pytest.mark.parametrize("arch", list(SIZES))
+def test_bf16_step_equals_the_up_cast_step(vulkan: str, monkeypatch, arch: str) -> None:
+    """Mamba-2 (the chunked scan's layout) and Mamba-1 (one decay per state: the sequential
+    kernels) under autocast, strict placement on the device: bitwise the loss and gradients
+    of the step with the up-casts and float32 norms, with fewer casts."""
     rm = pytest.importorskip("recurra_models")
     d = np.random.default_rng(0).integers(0, 64, (2, 17)).astype(np.int32)
     op_class = _autocast.op_class
@@ -156,9 +166,7 @@ def test_mamba2_bf16_step_equals_the_up_cast_step(vulkan: str, monkeypatch) -> N
     try:
         for up in (False, True):
             LAZY.clear()
-            model = rm.create(
-                "mamba2", vocab_size=64, n_layer=2, seed=2, d_model=32, d_state=8, head_dim=8
-            )
+            model = rm.create(arch, vocab_size=64, n_layer=2, seed=2, **SIZES[arch])
             model.to(vulkan)
             if up:  # the sources of the reads_half ops cast up to float32, as before
                 monkeypatch.setattr(
