@@ -271,12 +271,15 @@ def test_gradients_have_the_parameters_dtype_and_match_float64(name):
 
 
 def test_ops_without_2_byte_kernels_refuse_at_node_creation():
-    x = rc.tensor(np.ones((2, 4, 8), dtype=BF16))
-    why = r"cross_entropy: input 0 is bfloat16.*float32 only.*to\(recurra.float32\)"
+    x = rc.tensor(np.ones((2, 8, 4), dtype=BF16))
+    why = r"ssm_conv: input 0 is bfloat16.*float32 only.*to\(recurra.float32\)"
     with pytest.raises(TypeError, match=why):
-        ops.cross_entropy(rc.tensor(np.ones((4, 8), dtype=BF16)), rc.tensor(np.zeros(4, np.int32)))
+        ops.apply("ssm_conv", [x, rc.tensor(np.ones((8, 4), dtype=np.float32))])
     with pytest.raises(TypeError, match="float32 only"):
-        ops.causal_conv_silu(x, rc.tensor(np.ones((8, 4), dtype=BF16)))
+        ops.apply("ssm_conv", [x, rc.tensor(np.ones((8, 4), dtype=BF16))])
+    # the float32 ops that read 2-byte sources as they are (RECURRA_OPS_HALF_IN) take them
+    y = ops.causal_conv_silu(x.permute(0, 2, 1), rc.tensor(np.ones((8, 4), dtype=BF16)))
+    assert y.dtype == rc.float32
     # mixed float dtypes: refused, naming both
     with pytest.raises(TypeError, match="bfloat16 and float32; recurra does not promote"):
         rc.tensor(np.ones(3, BF16)) + rc.tensor(np.ones(3, np.float32))
@@ -295,11 +298,15 @@ def test_op_spec_lists_the_ops_that_take_2_byte_floats():
     assert {"cast", "matmul", "out_prod", "add", "mul", "sum", "silu", "act_grad"} <= half
     assert "cross_entropy" not in half and "ssm_scan" not in half and "adamw_step" not in half
     assert all(s.dtypes[0] == "float32" for s in spec.values())
-    # every op outside the list refuses a bfloat16 source when the node is made
+    # every op outside the list refuses a bfloat16 source when the node is made, except the
+    # float32 ones that read 2-byte sources as they are (RECURRA_OPS_HALF_IN)
     x = rc.tensor(np.ones((2, 3), dtype=BF16))
-    with pytest.raises(TypeError, match="rms_norm_back|float32 only") as e:
-        ops.apply("gated_rms_norm", [x, x, rc.tensor(np.ones(3, BF16))], (3,), (1e-5,))
-    assert "gated_rms_norm: input 0 is bfloat16" in str(e.value)
+    with pytest.raises(TypeError, match="float32 only") as e:
+        ops.apply("ssm_conv", [x.reshape(1, 2, 3), rc.tensor(np.ones((2, 2), BF16))])
+    assert "ssm_conv: input 0 is bfloat16" in str(e.value)
+    assert spec["gated_rms_norm"].reads_half and not spec["ssm_conv"].reads_half
+    out = ops.apply("gated_rms_norm", [x, x, rc.tensor(np.ones(3, BF16))], (3,), (1e-5,))
+    assert out.dtype == rc.float32
 
 
 def test_memory_plan_gives_2_bytes_an_element():
