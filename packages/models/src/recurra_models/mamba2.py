@@ -187,6 +187,10 @@ class Mamba2Mixer(nn.Module):
             sp = ops.clamp(ops.softplus(dt), max(lo, 1e-30), hi)
             dt = ops.log(ops.exp(sp) - 1.0)
         conv_state = state[0] if state is not None else None
+        if rc.autocast_dtype() is not None:
+            # The conv's backward keeps its input: xbc's own copy (one 2-byte copy per layer),
+            # not a view that would keep all of in_proj's output alive until then.
+            xbc = xbc.contiguous()
         xbc, conv_state = causal_conv(xbc, conv_state, self.conv1d.w2d(), self.conv1d.bias)
         x, bm, cm = xbc[:, :, :di], xbc[:, :, di : di + g * n], xbc[:, :, di + g * n :]
         x = x.reshape(b, t, nh, p)
