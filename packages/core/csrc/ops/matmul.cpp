@@ -310,11 +310,94 @@ void batched_gemm(KernelCtx& c, const TensorView& av, const int64_t* a_mat_strid
   fallback_gemm(jobs, mm, n, k, c.pool);
 }
 
-// The products through BLAS, split over the pool: each product is cut into blocks of rows
-// (or of columns, when it has fewer rows than columns), one task each, and BLAS runs
-// single-threaded in every task (blas_set_num_threads keeps it at one thread). BLAS's own
-// threads would compete with the pool's (and spin after each call); this way one pool with
-// dynamic tasks shares the CPUs. False when BLAS cannot take the sizes.
+// How one product is cut into tasks: pm blocks of rows x pn blocks of columns x pk slices
+// of k. Slices of k past the first write partial products to scratch, summed into C after.
+struct Split {
+  int64_t pm = 1, pn = 1, pk = 1;
+};
+
+// The cut of a single (m x k) @ (k x n) product over `threads` threads. BLAS packs (copies
+// into its panel layout) all of A and all of B in every call, so a task that gets a block of
+// rows packs all of B again: the whole 50280 x 768 LM head for each of 8 row blocks made
+// that product 1.3x slower than one sgemm call. The cut that moves the fewest floats wins:
+// pn * |A| + pm * |B| for the tiles, plus two passes over an m x n partial per extra k slice,
+// weighed against the flops (a float packed from memory costs about as much as 64 flops),
+// with a small charge for fewer tasks (less room to even out threads another process
+// interrupts). Returns at least `threads` tasks where the sizes allow.
+Split plan_split(int64_t m, int64_t n, int64_t k, int64_t threads) {
+  constexpr int64_t kMinBlock = 32, kMinSlice = 256, kBlockFlops = int64_t{1} << 21;
+  constexpr double kFlopsPerFloat = 64.0, kBalance = 0.03;
+  const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+  const int64_t max_tasks = std::min<int64_t>(4 * threads, static_cast<int64_t>(flops / kBlockFlops));
+  Split best;
+  if (threads <= 1 || max_tasks < 2) return best;
+  const double A = static_cast<double>(m) * k, B = static_cast<double>(k) * n, C = static_cast<double>(m) * n;
+  double best_cost = -1.0;
+  auto consider = [&](int64_t pm, int64_t pn, int64_t pk) {
+    if (pm * pn * pk > max_tasks) return;
+    if ((pm > 1 && m / pm < kMinBlock) || (pn > 1 && n / pn < kMinBlock) || (pk > 1 && k / pk < kMinSlice))
+      return;
+    const int64_t tasks = pm * pn * pk;
+    const double moved = pn * A + pm * B + (2.0 * pk - 1.0) * C;
+    const double cost = flops * (1.0 + kBalance * threads / tasks) + kFlopsPerFloat * moved;
+    if (best_cost < 0 || cost < best_cost) best_cost = cost, best = Split{pm, pn, pk};
+  };
+  for (int64_t tasks = threads; tasks <= max_tasks; tasks *= 2) {
+    for (int64_t pm = 1; pm <= tasks; pm *= 2) consider(pm, tasks / pm, 1);
+    consider(1, 1, tasks);
+  }
+  return best;
+}
+
+// One product through BLAS, cut as plan_split says, over the pool.
+bool split_blas_gemm(const Gemm& job, int64_t m, int64_t n, int64_t k, Split s, ThreadPool& tp) {
+  const int64_t sm = (m + s.pm - 1) / s.pm, sn = (n + s.pn - 1) / s.pn, sk = (k + s.pk - 1) / s.pk;
+  s.pm = (m + sm - 1) / sm, s.pn = (n + sn - 1) / sn, s.pk = (k + sk - 1) / sk;
+  std::vector<float> partial(static_cast<size_t>((s.pk - 1) * m * n));
+  std::atomic<bool> ok{true};
+  tp.run(s.pm * s.pn * s.pk, [&](int64_t t, int) {
+    if (!ok.load(std::memory_order_relaxed)) return;
+    const int64_t ik = t / (s.pm * s.pn), im = (t / s.pn) % s.pm, in = t % s.pn;
+    const int64_t r0 = im * sm, c0 = in * sn, k0 = ik * sk;
+    const int64_t nm = std::min(sm, m - r0), nn = std::min(sn, n - c0), nk = std::min(sk, k - k0);
+    Gemm g = job;
+    g.a.p += r0 * g.a.rs + k0 * g.a.cs;
+    g.a.rows = nm, g.a.cols = nk;
+    g.b.p += k0 * g.b.rs + c0 * g.b.cs;
+    g.b.rows = nk, g.b.cols = nn;
+    if (ik == 0) {
+      g.c += r0 * g.ldc + c0;
+    } else {
+      g.c = partial.data() + (ik - 1) * m * n + r0 * n + c0;
+      g.ldc = n;
+    }
+    std::vector<float> sa, sb;
+    if (!blas_gemm(g, nm, nn, nk, sa, sb)) ok.store(false);
+  });
+  if (!ok.load()) return false;
+  if (s.pk > 1) {  // C += the partials, in blocks of rows
+    const int64_t rows = std::max<int64_t>(1, (int64_t{1} << 14) / n);
+    tp.parallel_for(m, rows, [&](int64_t i0, int64_t i1, int) {
+      for (int64_t i = i0; i < i1; ++i) {
+        float* __restrict c = job.c + i * job.ldc;
+        for (int64_t p = 0; p + 1 < s.pk; ++p) {
+          const float* __restrict q = partial.data() + p * m * n + i * n;
+          for (int64_t j = 0; j < n; ++j) c[j] += q[j];
+        }
+      }
+    });
+  }
+  return true;
+}
+
+// The products through BLAS, split over the pool, BLAS single-threaded in every task
+// (blas_set_num_threads keeps it at one thread). BLAS's own threads would compete with the
+// pool's (and spin after each call); this way one pool with dynamic tasks shares the CPUs.
+// One product (the usual x @ W of a layer, and its gradients) is cut by plan_split; a batch
+// of products, or a matrix-vector product, into blocks of rows (or of columns, when it has
+// fewer rows than columns). RECURRA_GEMM_SPLIT=rows (read at every call) cuts every product
+// into blocks of rows or columns, as before plan_split, for benchmarks to compare in one
+// process. False when BLAS cannot take the sizes.
 bool pooled_blas_gemm(std::vector<Gemm> jobs, int64_t m, int64_t n, int64_t k, ThreadPool& tp) {
   if (jobs.empty() || m == 0 || n == 0) return true;
   // Operands BLAS cannot read as they are: one dense copy each, before the split.
@@ -329,6 +412,10 @@ bool pooled_blas_gemm(std::vector<Gemm> jobs, int64_t m, int64_t n, int64_t k, T
       *mat = Mat{copies.back().data(), mat->rows, mat->cols, mat->cols, 1};
     }
   }
+  const char* mode = std::getenv("RECURRA_GEMM_SPLIT");
+  const bool rows_only = mode && std::strcmp(mode, "rows") == 0;
+  if (jobs.size() == 1 && m > 1 && n > 1 && !rows_only)
+    return split_blas_gemm(jobs[0], m, n, k, plan_split(m, n, k, tp.size()), tp);
   // Blocks of at least kMinBlock rows (columns) and ~2 MFLOP; at most 4 per thread. A
   // matrix-vector product (one row or one column: a token step's x @ W.T) reads every weight
   // once and is bound by memory, where one thread does not draw what several do: there the
