@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -35,7 +36,7 @@ SHAPES = [
 ]
 
 
-def ours_seconds(m: int, n: int, k: int, ta: bool, tb: bool, reps: int) -> float:
+def ours_seconds(m: int, n: int, k: int, ta: bool, tb: bool, reps: int) -> tuple[float, float]:
     import recurra as rc
     from recurra import ops
 
@@ -44,11 +45,13 @@ def ours_seconds(m: int, n: int, k: int, ta: bool, tb: bool, reps: int) -> float
     b_np = rng.standard_normal((n, k) if tb else (k, n)).astype(np.float32)
     a = rc.tensor(a_np)
     b = rc.tensor(b_np)
-    best = float("inf")
+    best = cpu = float("inf")
     for _ in range(reps + 1):
+        c0 = time.process_time()
         with rc.profile() as prof:
             out = ops.matmul(a.T if ta else a, b.T if tb else b)
             out.numpy()
+        cpu = min(cpu, time.process_time() - c0)
         t = sum(o.seconds for o in prof.ops if o.key.startswith("matmul"))
         best = min(best, t)
     # The values, once: against numpy (float64) on a slice of rows.
@@ -57,7 +60,7 @@ def ours_seconds(m: int, n: int, k: int, ta: bool, tb: bool, reps: int) -> float
     ref = a64 @ (b_np.T if tb else b_np).astype(np.float64)
     err = np.max(np.abs(got - ref)) / max(1.0, np.max(np.abs(ref)))
     assert err < 1e-4, err
-    return best
+    return best, cpu
 
 
 def main() -> None:
@@ -73,17 +76,22 @@ def main() -> None:
     print(f"load {os.getloadavg()[0]:.2f}; split {os.environ.get('RECURRA_GEMM_SPLIT', 'default')}")
     head = ("product", "m", "n", "k", "ours ms", "sgemm ms", "ratio", "x/step")
     print("{:<14} {:>6} {:>6} {:>6} {:>8} {:>9} {:>6} {:>6}".format(*head))
-    tot_o = tot_s = 0.0
+    tot_o = tot_s = tot_oc = tot_sc = 0.0
     for name, m, n, k, ta, tb, calls in SHAPES:
         if args.only and not any(s in name for s in args.only.split(",")):
             continue
-        o = ours_seconds(m, n, k, ta, tb, args.reps)
+        o, oc = ours_seconds(m, n, k, ta, tb, args.reps)
+        c0 = time.process_time()
         s = min(blas.seconds(m, n, k, ta, tb, 1) for _ in range(max(1, args.reps // 3)))
+        sc = (time.process_time() - c0) / 4  # blas.seconds: one call, then best of 3
+        tot_oc += oc * calls
+        tot_sc += sc * calls
         tot_o += o * calls
         tot_s += s * calls
         row = f"{name:<14} {m:6d} {n:6d} {k:6d} {o * 1e3:8.1f} {s * 1e3:9.1f}"
-        print(f"{row} {o / s:6.2f} {calls:6d}")
+        print(f"{row} {o / s:6.2f} {calls:6d}  cpu ms {oc * 1e3:8.1f} {sc * 1e3:8.1f}")
     print(f"{'per step':<14} {'':>20} {tot_o * 1e3:8.0f} {tot_s * 1e3:9.0f} {tot_o / tot_s:6.2f}")
+    print(f"CPU time per step: ours {tot_oc:.1f} s, sgemm {tot_sc:.1f} s")
     print(f"load after {os.getloadavg()[0]:.2f}")
 
 

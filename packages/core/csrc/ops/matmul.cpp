@@ -12,6 +12,7 @@
 // environment (read at every call; tests use it to exercise the fallback), a blocked kernel
 // of our own runs instead; it packs its operands, so any strides are fine there.
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -316,35 +317,31 @@ struct Split {
   int64_t pm = 1, pn = 1, pk = 1;
 };
 
-// The cut of a single (m x k) @ (k x n) product over `threads` threads. BLAS packs (copies
-// into its panel layout) all of A and all of B in every call, so a task that gets a block of
-// rows packs all of B again: the whole 50280 x 768 LM head for each of 8 row blocks made
-// that product 1.3x slower than one sgemm call. The cut that moves the fewest floats wins:
-// pn * |A| + pm * |B| for the tiles, plus two passes over an m x n partial per extra k slice,
-// weighed against the flops (a float packed from memory costs about as much as 64 flops),
-// with a small charge for fewer tasks (less room to even out threads another process
-// interrupts). Returns at least `threads` tasks where the sizes allow.
+// The cut of a single (m x k) @ (k x n) product over `threads` threads: one task per thread
+// (fewer when the product is small), in the shape that moves the fewest floats. BLAS packs
+// (copies into its panel layout) all of A and all of B in every call, so each block of rows
+// packs all of B again and each block of columns all of A: a cut into pm x pn tiles packs
+// pn * |A| + pm * |B|, and pk slices of k pack A and B once but write and sum pk partial
+// products of m x n. The old cut, four blocks of rows (or columns) per thread, took 10-20%
+// more CPU time on every product of a Mamba-2 130M step (bench/gemm_shapes.py); more tasks
+// than threads would only even out threads that another process interrupts.
 Split plan_split(int64_t m, int64_t n, int64_t k, int64_t threads) {
   constexpr int64_t kMinBlock = 32, kMinSlice = 256, kBlockFlops = int64_t{1} << 21;
-  constexpr double kFlopsPerFloat = 64.0, kBalance = 0.03;
   const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
-  const int64_t max_tasks = std::min<int64_t>(4 * threads, static_cast<int64_t>(flops / kBlockFlops));
-  Split best;
-  if (threads <= 1 || max_tasks < 2) return best;
   const double A = static_cast<double>(m) * k, B = static_cast<double>(k) * n, C = static_cast<double>(m) * n;
-  double best_cost = -1.0;
+  Split best;
+  double best_moved = -1.0;
   auto consider = [&](int64_t pm, int64_t pn, int64_t pk) {
-    if (pm * pn * pk > max_tasks) return;
     if ((pm > 1 && m / pm < kMinBlock) || (pn > 1 && n / pn < kMinBlock) || (pk > 1 && k / pk < kMinSlice))
       return;
-    const int64_t tasks = pm * pn * pk;
     const double moved = pn * A + pm * B + (2.0 * pk - 1.0) * C;
-    const double cost = flops * (1.0 + kBalance * threads / tasks) + kFlopsPerFloat * moved;
-    if (best_cost < 0 || cost < best_cost) best_cost = cost, best = Split{pm, pn, pk};
+    if (best_moved < 0 || moved < best_moved) best_moved = moved, best = Split{pm, pn, pk};
   };
-  for (int64_t tasks = threads; tasks <= max_tasks; tasks *= 2) {
-    for (int64_t pm = 1; pm <= tasks; pm *= 2) consider(pm, tasks / pm, 1);
+  for (int64_t tasks = std::min<int64_t>(threads, static_cast<int64_t>(flops / kBlockFlops)); tasks >= 2; --tasks) {
+    for (int64_t pm = 1; pm <= tasks; ++pm)
+      if (tasks % pm == 0) consider(pm, tasks / pm, 1);
     consider(1, 1, tasks);
+    if (best_moved >= 0) break;
   }
   return best;
 }
@@ -396,8 +393,9 @@ bool split_blas_gemm(const Gemm& job, int64_t m, int64_t n, int64_t k, Split s, 
 // One product (the usual x @ W of a layer, and its gradients) is cut by plan_split; a batch
 // of products, or a matrix-vector product, into blocks of rows (or of columns, when it has
 // fewer rows than columns). RECURRA_GEMM_SPLIT=rows (read at every call) cuts every product
-// into blocks of rows or columns, as before plan_split, for benchmarks to compare in one
-// process. False when BLAS cannot take the sizes.
+// into blocks of rows or columns, as before plan_split, and RECURRA_GEMM_SPLIT=pm,pn,pk
+// makes that cut of a single product, for benchmarks to compare in one process. False when
+// BLAS cannot take the sizes.
 bool pooled_blas_gemm(std::vector<Gemm> jobs, int64_t m, int64_t n, int64_t k, ThreadPool& tp) {
   if (jobs.empty() || m == 0 || n == 0) return true;
   // Operands BLAS cannot read as they are: one dense copy each, before the split.
@@ -414,8 +412,13 @@ bool pooled_blas_gemm(std::vector<Gemm> jobs, int64_t m, int64_t n, int64_t k, T
   }
   const char* mode = std::getenv("RECURRA_GEMM_SPLIT");
   const bool rows_only = mode && std::strcmp(mode, "rows") == 0;
-  if (jobs.size() == 1 && m > 1 && n > 1 && !rows_only)
-    return split_blas_gemm(jobs[0], m, n, k, plan_split(m, n, k, tp.size()), tp);
+  if (jobs.size() == 1 && m > 1 && n > 1 && !rows_only) {
+    Split s = plan_split(m, n, k, tp.size());
+    long long pm, pn, pk;  // "pm,pn,pk": that cut instead of the plan's (for benchmarks)
+    if (mode && std::sscanf(mode, "%lld,%lld,%lld", &pm, &pn, &pk) == 3 && pm > 0 && pn > 0 && pk > 0)
+      s = Split{std::min<int64_t>(pm, m), std::min<int64_t>(pn, n), std::min<int64_t>(pk, k)};
+    return split_blas_gemm(jobs[0], m, n, k, s, tp);
+  }
   // Blocks of at least kMinBlock rows (columns) and ~2 MFLOP; at most 4 per thread. A
   // matrix-vector product (one row or one column: a token step's x @ W.T) reads every weight
   // once and is bound by memory, where one thread does not draw what several do: there the
