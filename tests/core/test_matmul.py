@@ -255,3 +255,39 @@ def test_matrix_vector_products(ta, tb, m, k, n):
     got = ((at.T if ta else at) @ (bt.T if tb else bt)).numpy()
     want = (a.T if ta else a).astype(np.float64) @ (b.T if tb else b).astype(np.float64)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.fixture(params=[2, 3, 4])
+def threads(request):
+    before = rc.get_num_threads()
+    rc.set_num_threads(request.param)
+    yield request.param
+    rc.set_num_threads(before)
+
+
+@pytest.mark.parametrize("split", ["plan", "rows"])
+@pytest.mark.parametrize("ta,tb", [(False, False), (False, True), (True, False)])
+@pytest.mark.parametrize(
+    "m,k,n",
+    [
+        (96, 3001, 80),  # a long k: cut into slices of k, the partials summed into C
+        (1001, 300, 64),  # blocks of rows (B packed once per block)
+        (64, 300, 1001),  # blocks of columns
+        (300, 333, 520),  # rows x columns tiles on 4 threads
+    ],
+)
+def test_blas_product_cuts(threads, split, monkeypatch, ta, tb, m, k, n):
+    # One product through BLAS over the pool, cut as matmul.cpp's plan_split says (or into
+    # blocks of rows / columns with RECURRA_GEMM_SPLIT=rows): every cut, with remainders, gives
+    # the product.
+    if split == "rows":
+        monkeypatch.setenv("RECURRA_GEMM_SPLIT", "rows")
+    else:
+        monkeypatch.delenv("RECURRA_GEMM_SPLIT", raising=False)
+    rng = np.random.default_rng(m + 7 * n + 13 * k)
+    a = rng.standard_normal((k, m) if ta else (m, k)).astype(np.float32)
+    b = rng.standard_normal((n, k) if tb else (k, n)).astype(np.float32)
+    at, bt = rc.tensor(a), rc.tensor(b)
+    got = ((at.T if ta else at) @ (bt.T if tb else bt)).numpy()
+    want = (a.T if ta else a).astype(np.float64) @ (b.T if tb else b).astype(np.float64)
+    _check(got, want, k)

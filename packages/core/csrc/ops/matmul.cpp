@@ -12,6 +12,7 @@
 // environment (read at every call; tests use it to exercise the fallback), a blocked kernel
 // of our own runs instead; it packs its operands, so any strides are fine there.
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -310,11 +311,91 @@ void batched_gemm(KernelCtx& c, const TensorView& av, const int64_t* a_mat_strid
   fallback_gemm(jobs, mm, n, k, c.pool);
 }
 
-// The products through BLAS, split over the pool: each product is cut into blocks of rows
-// (or of columns, when it has fewer rows than columns), one task each, and BLAS runs
-// single-threaded in every task (blas_set_num_threads keeps it at one thread). BLAS's own
-// threads would compete with the pool's (and spin after each call); this way one pool with
-// dynamic tasks shares the CPUs. False when BLAS cannot take the sizes.
+// How one product is cut into tasks: pm blocks of rows x pn blocks of columns x pk slices
+// of k. Slices of k past the first write partial products to scratch, summed into C after.
+struct Split {
+  int64_t pm = 1, pn = 1, pk = 1;
+};
+
+// The cut of a single (m x k) @ (k x n) product over `threads` threads: one task per thread
+// (fewer when the product is small), in the shape that moves the fewest floats. BLAS packs
+// (copies into its panel layout) all of A and all of B in every call, so each block of rows
+// packs all of B again and each block of columns all of A: a cut into pm x pn tiles packs
+// pn * |A| + pm * |B|, and pk slices of k pack A and B once but write and sum pk partial
+// products of m x n. The old cut, four blocks of rows (or columns) per thread, took 10-20%
+// more CPU time on every product of a Mamba-2 130M step (bench/gemm_shapes.py); more tasks
+// than threads would only even out threads that another process interrupts.
+Split plan_split(int64_t m, int64_t n, int64_t k, int64_t threads) {
+  constexpr int64_t kMinBlock = 32, kMinSlice = 256, kBlockFlops = int64_t{1} << 21;
+  const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+  const double A = static_cast<double>(m) * k, B = static_cast<double>(k) * n, C = static_cast<double>(m) * n;
+  Split best;
+  double best_moved = -1.0;
+  auto consider = [&](int64_t pm, int64_t pn, int64_t pk) {
+    if ((pm > 1 && m / pm < kMinBlock) || (pn > 1 && n / pn < kMinBlock) || (pk > 1 && k / pk < kMinSlice))
+      return;
+    const double moved = pn * A + pm * B + (2.0 * pk - 1.0) * C;
+    if (best_moved < 0 || moved < best_moved) best_moved = moved, best = Split{pm, pn, pk};
+  };
+  for (int64_t tasks = std::min<int64_t>(threads, static_cast<int64_t>(flops / kBlockFlops)); tasks >= 2; --tasks) {
+    for (int64_t pm = 1; pm <= tasks; ++pm)
+      if (tasks % pm == 0) consider(pm, tasks / pm, 1);
+    consider(1, 1, tasks);
+    if (best_moved >= 0) break;
+  }
+  return best;
+}
+
+// One product through BLAS, cut as plan_split says, over the pool.
+bool split_blas_gemm(const Gemm& job, int64_t m, int64_t n, int64_t k, Split s, ThreadPool& tp) {
+  const int64_t sm = (m + s.pm - 1) / s.pm, sn = (n + s.pn - 1) / s.pn, sk = (k + s.pk - 1) / s.pk;
+  s.pm = (m + sm - 1) / sm, s.pn = (n + sn - 1) / sn, s.pk = (k + sk - 1) / sk;
+  std::vector<float> partial(static_cast<size_t>((s.pk - 1) * m * n));
+  std::atomic<bool> ok{true};
+  tp.run(s.pm * s.pn * s.pk, [&](int64_t t, int) {
+    if (!ok.load(std::memory_order_relaxed)) return;
+    const int64_t ik = t / (s.pm * s.pn), im = (t / s.pn) % s.pm, in = t % s.pn;
+    const int64_t r0 = im * sm, c0 = in * sn, k0 = ik * sk;
+    const int64_t nm = std::min(sm, m - r0), nn = std::min(sn, n - c0), nk = std::min(sk, k - k0);
+    Gemm g = job;
+    g.a.p += r0 * g.a.rs + k0 * g.a.cs;
+    g.a.rows = nm, g.a.cols = nk;
+    g.b.p += k0 * g.b.rs + c0 * g.b.cs;
+    g.b.rows = nk, g.b.cols = nn;
+    if (ik == 0) {
+      g.c += r0 * g.ldc + c0;
+    } else {
+      g.c = partial.data() + (ik - 1) * m * n + r0 * n + c0;
+      g.ldc = n;
+    }
+    std::vector<float> sa, sb;
+    if (!blas_gemm(g, nm, nn, nk, sa, sb)) ok.store(false);
+  });
+  if (!ok.load()) return false;
+  if (s.pk > 1) {  // C += the partials, in blocks of rows
+    const int64_t rows = std::max<int64_t>(1, (int64_t{1} << 14) / n);
+    tp.parallel_for(m, rows, [&](int64_t i0, int64_t i1, int) {
+      for (int64_t i = i0; i < i1; ++i) {
+        float* __restrict c = job.c + i * job.ldc;
+        for (int64_t p = 0; p + 1 < s.pk; ++p) {
+          const float* __restrict q = partial.data() + p * m * n + i * n;
+          for (int64_t j = 0; j < n; ++j) c[j] += q[j];
+        }
+      }
+    });
+  }
+  return true;
+}
+
+// The products through BLAS, split over the pool, BLAS single-threaded in every task
+// (blas_set_num_threads keeps it at one thread). BLAS's own threads would compete with the
+// pool's (and spin after each call); this way one pool with dynamic tasks shares the CPUs.
+// One product (the usual x @ W of a layer, and its gradients) is cut by plan_split; a batch
+// of products, or a matrix-vector product, into blocks of rows (or of columns, when it has
+// fewer rows than columns). RECURRA_GEMM_SPLIT=rows (read at every call) cuts every product
+// into blocks of rows or columns, as before plan_split, and RECURRA_GEMM_SPLIT=pm,pn,pk
+// makes that cut of a single product, for benchmarks to compare in one process. False when
+// BLAS cannot take the sizes.
 bool pooled_blas_gemm(std::vector<Gemm> jobs, int64_t m, int64_t n, int64_t k, ThreadPool& tp) {
   if (jobs.empty() || m == 0 || n == 0) return true;
   // Operands BLAS cannot read as they are: one dense copy each, before the split.
@@ -328,6 +409,15 @@ bool pooled_blas_gemm(std::vector<Gemm> jobs, int64_t m, int64_t n, int64_t k, T
       copy_dense(copies.back().data(), *mat);
       *mat = Mat{copies.back().data(), mat->rows, mat->cols, mat->cols, 1};
     }
+  }
+  const char* mode = std::getenv("RECURRA_GEMM_SPLIT");
+  const bool rows_only = mode && std::strcmp(mode, "rows") == 0;
+  if (jobs.size() == 1 && m > 1 && n > 1 && !rows_only) {
+    Split s = plan_split(m, n, k, tp.size());
+    long long pm, pn, pk;  // "pm,pn,pk": that cut instead of the plan's (for benchmarks)
+    if (mode && std::sscanf(mode, "%lld,%lld,%lld", &pm, &pn, &pk) == 3 && pm > 0 && pn > 0 && pk > 0)
+      s = Split{std::min<int64_t>(pm, m), std::min<int64_t>(pn, n), std::min<int64_t>(pk, k)};
+    return split_blas_gemm(jobs[0], m, n, k, s, tp);
   }
   // Blocks of at least kMinBlock rows (columns) and ~2 MFLOP; at most 4 per thread. A
   // matrix-vector product (one row or one column: a token step's x @ W.T) reads every weight
