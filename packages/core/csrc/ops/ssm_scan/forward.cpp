@@ -78,6 +78,40 @@ DecayRow best_decay_row() {
   return decay_row_plain;
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+// exp(x) of 8 lanes, decay_row_avx2's arithmetic (the same bits), inlined.
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 exp8_avx2(__m256 x) {
+  const __m256 magic = _mm256_set1_ps(12582912.0f);
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(lo, x));
+  const __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), magic);
+  const __m256 k = _mm256_sub_ps(t, magic);
+  const __m256i ki = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_castps_si256(magic));
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440054690583e-4f), r);
+  __m256 p = _mm256_set1_ps(1.3836826e-3f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3748158e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1668225e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666420e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.9999991e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(ki, _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// Sums of 8 vectors, one lane each: out[j] = sum of v[j]'s lanes.
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 hsum8x8_avx2(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 c = _mm256_hadd_ps(v[4], v[5]), d = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+  // ab = [v0 v1 v2 v3 (low halves) | v0 v1 v2 v3 (high halves)], cd likewise for v4..v7
+  const __m256 lo = _mm256_permute2f128_ps(ab, cd, 0x20), hi = _mm256_permute2f128_ps(ab, cd, 0x31);
+  return _mm256_add_ps(lo, hi);
+}
+#endif
+
 struct StepFwd {
   Dims d;
   const float *s, *x, *dt, *A, *B, *C;
@@ -163,6 +197,60 @@ RC_SIMD void step_heads(const StepFwd& f, int64_t h0, int64_t h1, float* __restr
     flush();
   }
 }
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// step_heads for one row of 16 states per head (P == 1, N == 16: Mamba-1's d_state 16),
+// written for AVX2 + FMA: a head's state is two 8-lane vectors, its decays two inlined
+// exps (nothing stored and reloaded, no call per head), and the dot products C . S' of 8
+// heads are reduced together. Same arithmetic as step_heads' decays; the state update is
+// one FMA per vector, S' = a S + (B dtp x).
+__attribute__((target("avx2,fma"))) void step_heads_p1n16(const StepFwd& f, int64_t h0, int64_t h1,
+                                                         float* __restrict dtps) {
+  const Dims& d = f.d;
+  dt_column(f.dt + h0, 1, h1 - h0, 0.0f, dtps, nullptr, nullptr);
+  int64_t i = h0 / d.H, h = h0 % d.H, g = h / d.hpg, hg = h % d.hpg;
+  __m256 part[8];
+  int np = 0;
+  int64_t yb = h0;  // first head of the pending partial sums
+  for (int64_t ih = h0; ih < h1; ++ih, ++h, ++hg) {
+    if (h == d.H) h = 0, hg = 0, g = 0, ++i;
+    if (hg == d.hpg) hg = 0, ++g;
+    const float dtp = dtps[ih - h0];
+    const float* Ah = f.A + h * 16;
+    const float* Bi = f.B + (i * d.G + g) * 16;
+    const float* Ci = f.C + (i * d.G + g) * 16;
+    const float* s0 = f.s + (f.ids[i] * d.H + h) * 16;
+    float* s1 = f.sout ? f.sout + ih * 16 : const_cast<float*>(s0);
+    const __m256 dv = _mm256_set1_ps(dtp), bu = _mm256_set1_ps(dtp * f.x[ih]);
+    const __m256 a0 = exp8_avx2(_mm256_mul_ps(_mm256_loadu_ps(Ah), dv));
+    const __m256 a1 = exp8_avx2(_mm256_mul_ps(_mm256_loadu_ps(Ah + 8), dv));
+    const __m256 v0 = _mm256_fmadd_ps(a0, _mm256_loadu_ps(s0), _mm256_mul_ps(_mm256_loadu_ps(Bi), bu));
+    const __m256 v1 = _mm256_fmadd_ps(a1, _mm256_loadu_ps(s0 + 8), _mm256_mul_ps(_mm256_loadu_ps(Bi + 8), bu));
+    _mm256_storeu_ps(s1, v0);
+    _mm256_storeu_ps(s1 + 8, v1);
+    part[np] = _mm256_fmadd_ps(_mm256_loadu_ps(Ci + 8), v1, _mm256_mul_ps(_mm256_loadu_ps(Ci), v0));
+    if (++np == 8) {
+      _mm256_storeu_ps(f.y + yb, hsum8x8_avx2(part));
+      yb += 8;
+      np = 0;
+    }
+  }
+  if (np) {
+    for (int k = np; k < 8; ++k) part[k] = _mm256_setzero_ps();
+    alignas(32) float t[8];
+    _mm256_store_ps(t, hsum8x8_avx2(part));
+    for (int k = 0; k < np; ++k) f.y[yb + k] = t[k];
+  }
+}
+
+bool step_p1n16_ok(const Dims& d, const float* ck) {
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return avx2 && d.P == 1 && d.N == 16 && d.per_n && ck == nullptr;
+}
+#else
+void step_heads_p1n16(const StepFwd&, int64_t, int64_t, float*) {}
+bool step_p1n16_ok(const Dims&, const float*) { return false; }
+#endif
 
 struct RowsFwd {
   const float* s0;   // s[row, h, p0, 0]: (p, n) at s0[p * N + n]
@@ -539,11 +627,18 @@ void scan_forward(KernelCtx& c) {
     const int64_t heads = d.S * d.H;
     const int64_t hpt = std::max<int64_t>(1, 1024 / std::max<int64_t>(1, d.P * d.N));
     const int64_t ntask = (heads + hpt - 1) / hpt;
+    const bool p1n16 = step_p1n16_ok(d, ck);
     auto task = [&](int64_t k, int tid) {
       float* an = work[tid].get(Np + 16 * 16 + (hpt + 15) / 16 * 16);
-      step_heads(f, k * hpt, std::min(heads, (k + 1) * hpt), an, an + Np, an + Np + 16 * 16);
+      if (p1n16)
+        step_heads_p1n16(f, k * hpt, std::min(heads, (k + 1) * hpt), an + Np + 16 * 16);
+      else
+        step_heads(f, k * hpt, std::min(heads, (k + 1) * hpt), an, an + Np, an + Np + 16 * 16);
     };
-    if (heads * d.P * d.N <= (int64_t{16} << 10) || c.pool.size() == 1) {
+    // Mamba-1's kernel does the 130M preset's 24576 states in ~30 us on one thread: there
+    // the pool's worker is better left to prefetch the next product's weights (gemv.cpp).
+    const int64_t serial = p1n16 ? int64_t{32} << 10 : int64_t{16} << 10;
+    if (heads * d.P * d.N <= serial || c.pool.size() == 1) {
       for (int64_t k = 0; k < ntask; ++k) task(k, 0);
     } else {
       c.pool.run(ntask, task);
