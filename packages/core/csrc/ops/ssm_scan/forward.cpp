@@ -26,10 +26,30 @@ namespace {
 using DecayRow = void (*)(const float* A, float d, int64_t N, float* out);
 
 #if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("avx2,fma"))) void decay_row_avx2(const float* A, float d, int64_t N, float* out) {
-  const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(88.0f), dv = _mm256_set1_ps(d);
+// exp(x) of 8 lanes: vexp's arithmetic with intrinsics (lanes below -87 give 0), inlined.
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 exp8_avx2(__m256 x) {
   const __m256 magic = _mm256_set1_ps(12582912.0f);
-  const __m256i magic_bits = _mm256_castps_si256(magic);
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(lo, x));
+  const __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), magic);
+  const __m256 k = _mm256_sub_ps(t, magic);
+  const __m256i ki = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_castps_si256(magic));
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440054690583e-4f), r);
+  __m256 p = _mm256_set1_ps(1.3836826e-3f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3748158e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1668225e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666420e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.9999991e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(ki, _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+__attribute__((target("avx2,fma"))) void decay_row_avx2(const float* A, float d, int64_t N, float* out) {
+  const __m256 dv = _mm256_set1_ps(d);
   const int64_t Np = (N + 15) / 16 * 16;
   for (int64_t n = 0; n < Np; n += 8) {
     __m256 x;
@@ -40,23 +60,7 @@ __attribute__((target("avx2,fma"))) void decay_row_avx2(const float* A, float d,
       for (int64_t l = 0; l < N - n; ++l) t[l] = A[n + l];
       x = _mm256_mul_ps(_mm256_load_ps(t), dv);
     }
-    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_min_ps(hi, _mm256_max_ps(lo, x));  // lo > x ? lo : x, then hi < x ? hi : x
-    const __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), magic);
-    const __m256 k = _mm256_sub_ps(t, magic);
-    const __m256i ki = _mm256_sub_epi32(_mm256_castps_si256(t), magic_bits);
-    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440054690583e-4f), r);
-    __m256 p = _mm256_set1_ps(1.3836826e-3f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3748158e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1668225e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666420e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.9999991e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(ki, _mm256_set1_epi32(127)), 23);
-    __m256 res = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-    res = _mm256_andnot_ps(under, res);
+    __m256 res = exp8_avx2(x);
     if (n + 8 > N) {  // lanes past N: 0, as exp_row leaves them
       alignas(32) float t[8];
       _mm256_store_ps(t, res);
@@ -79,28 +83,6 @@ DecayRow best_decay_row() {
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
-// exp(x) of 8 lanes, decay_row_avx2's arithmetic (the same bits), inlined.
-__attribute__((target("avx2,fma"), always_inline)) inline __m256 exp8_avx2(__m256 x) {
-  const __m256 magic = _mm256_set1_ps(12582912.0f);
-  const __m256 lo = _mm256_set1_ps(-87.0f);
-  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(lo, x));
-  const __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), magic);
-  const __m256 k = _mm256_sub_ps(t, magic);
-  const __m256i ki = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_castps_si256(magic));
-  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440054690583e-4f), r);
-  __m256 p = _mm256_set1_ps(1.3836826e-3f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3748158e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1668225e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666420e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.9999991e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(ki, _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
-
 // Sums of 8 vectors, one lane each: out[j] = sum of v[j]'s lanes.
 __attribute__((target("avx2,fma"), always_inline)) inline __m256 hsum8x8_avx2(const __m256* v) {
   const __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
