@@ -133,6 +133,7 @@ SCAN_LAYOUTS = [
     (2, 1, 9, 1, 16, 3, False),  # one token, head_dim 1, one decay per head
     (1, 1, 2100, 1, 16, 1, True),  # one token of Mamba-1 split over the pool (> 32K states)
     (3, 1, 12, 1, 16, 4, True),  # one token, d_state 16: groups of 3 heads, 36 = 4 x 8 + 4
+    (2, 1, 3, 5, 24, 3, False),  # one token, one decay per head, d_state 16 + 8, 30 rows
     (1, 1, 5, 72, 48, 1, False),  # one token of Mamba-2 split over the pool, 72 rows a head
     (1, 40, 2, 32, 33, 1, True),  # 40 tokens, per-state decay in the rows kernel
 ]

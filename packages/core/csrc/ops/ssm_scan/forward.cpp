@@ -92,6 +92,30 @@ __attribute__((target("avx2,fma"), always_inline)) inline __m256 hsum8x8_avx2(co
   const __m256 lo = _mm256_permute2f128_ps(ab, cd, 0x20), hi = _mm256_permute2f128_ps(ab, cd, 0x31);
   return _mm256_add_ps(lo, hi);
 }
+
+// The dot products of consecutive rows y[r], y[r + 1], ... as 8-lane partial sums, reduced
+// 8 rows at a time (hsum8x8_avx2) and stored.
+struct RowSums8 {
+  float* y;  // where the next row's sum goes
+  __m256 part[8] = {};
+  int np = 0;
+
+  __attribute__((target("avx2,fma"), always_inline)) inline void add(__m256 v) {
+    part[np] = v;
+    if (++np == 8) {
+      _mm256_storeu_ps(y, hsum8x8_avx2(part));
+      y += 8;
+      np = 0;
+    }
+  }
+  __attribute__((target("avx2,fma"), always_inline)) inline void finish() {
+    if (!np) return;
+    for (int k = np; k < 8; ++k) part[k] = _mm256_setzero_ps();
+    alignas(32) float t[8];
+    _mm256_store_ps(t, hsum8x8_avx2(part));
+    for (int k = 0; k < np; ++k) y[k] = t[k];
+  }
+};
 #endif
 
 struct StepFwd {
@@ -103,6 +127,22 @@ struct StepFwd {
   float* ck;    // the state entering the token, or nullptr
   DecayRow decay;
 };
+
+// What head ih = (sequence i, head h of group g) of a step reads and writes; copies the
+// state entering the token to the checkpoints when they are asked for.
+struct StepHead {
+  const float *B, *C, *s0, *x;
+  float* s1;
+};
+
+inline StepHead step_head(const StepFwd& f, int64_t i, int64_t h, int64_t g, int64_t ih) {
+  const Dims& d = f.d;
+  const int64_t pn = d.P * d.N;
+  const float* s0 = f.s + (f.ids[i] * d.H + h) * pn;
+  if (f.ck) std::copy(s0, s0 + pn, f.ck + ih * pn);  // the state entering chunk 0
+  return {f.B + (i * d.G + g) * d.N, f.C + (i * d.G + g) * d.N, s0, f.x + ih * d.P,
+          f.sout ? f.sout + ih * pn : const_cast<float*>(s0)};
+}
 
 // Heads [h0, h1) of the flat (sequence, head) index, all in one function: per head one
 // softplus, its decays (one vector per 16 states, or one exp for a per-head decay), then
@@ -139,12 +179,9 @@ RC_SIMD void step_heads(const StepFwd& f, int64_t h0, int64_t h1, float* __restr
       const vf a = vsplat(std::exp(dtp * Ah[0]));
       for (int64_t n = 0; n < N; n += 16) vstore(an + n, a);
     }
-    const float* Bi = f.B + (i * d.G + g) * N;
-    const float* Ci = f.C + (i * d.G + g) * N;
-    const float* s0 = f.s + (f.ids[i] * d.H + h) * P * N;
-    float* s1 = f.sout ? f.sout + ih * P * N : const_cast<float*>(s0);
-    if (f.ck) std::copy(s0, s0 + P * N, f.ck + ih * P * N);  // the state entering chunk 0
-    const float* xh = f.x + ih * P;
+    const StepHead sh = step_head(f, i, h, g, ih);
+    const float *Bi = sh.B, *Ci = sh.C, *s0 = sh.s0, *xh = sh.x;
+    float* s1 = sh.s1;
     for (int64_t p = 0; p < P; ++p) {
       const float bu = dtp * xh[p];
       const float* sr = s0 + p * N;
@@ -191,38 +228,76 @@ __attribute__((target("avx2,fma"))) void step_heads_p1n16(const StepFwd& f, int6
   const Dims& d = f.d;
   dt_column(f.dt + h0, 1, h1 - h0, 0.0f, dtps, nullptr, nullptr);
   int64_t i = h0 / d.H, h = h0 % d.H, g = h / d.hpg, hg = h % d.hpg;
-  __m256 part[8];
-  int np = 0;
-  int64_t yb = h0;  // first head of the pending partial sums
+  RowSums8 sums{f.y + h0};
   for (int64_t ih = h0; ih < h1; ++ih, ++h, ++hg) {
     if (h == d.H) h = 0, hg = 0, g = 0, ++i;
     if (hg == d.hpg) hg = 0, ++g;
     const float dtp = dtps[ih - h0];
     const float* Ah = f.A + h * 16;
-    const float* Bi = f.B + (i * d.G + g) * 16;
-    const float* Ci = f.C + (i * d.G + g) * 16;
-    const float* s0 = f.s + (f.ids[i] * d.H + h) * 16;
-    float* s1 = f.sout ? f.sout + ih * 16 : const_cast<float*>(s0);
-    const __m256 dv = _mm256_set1_ps(dtp), bu = _mm256_set1_ps(dtp * f.x[ih]);
+    const StepHead sh = step_head(f, i, h, g, ih);
+    const float *Bi = sh.B, *Ci = sh.C, *s0 = sh.s0;
+    float* s1 = sh.s1;
+    const __m256 dv = _mm256_set1_ps(dtp), bu = _mm256_set1_ps(dtp * sh.x[0]);
     const __m256 a0 = exp8_avx2(_mm256_mul_ps(_mm256_loadu_ps(Ah), dv));
     const __m256 a1 = exp8_avx2(_mm256_mul_ps(_mm256_loadu_ps(Ah + 8), dv));
     const __m256 v0 = _mm256_fmadd_ps(a0, _mm256_loadu_ps(s0), _mm256_mul_ps(_mm256_loadu_ps(Bi), bu));
     const __m256 v1 = _mm256_fmadd_ps(a1, _mm256_loadu_ps(s0 + 8), _mm256_mul_ps(_mm256_loadu_ps(Bi + 8), bu));
     _mm256_storeu_ps(s1, v0);
     _mm256_storeu_ps(s1 + 8, v1);
-    part[np] = _mm256_fmadd_ps(_mm256_loadu_ps(Ci + 8), v1, _mm256_mul_ps(_mm256_loadu_ps(Ci), v0));
-    if (++np == 8) {
-      _mm256_storeu_ps(f.y + yb, hsum8x8_avx2(part));
-      yb += 8;
-      np = 0;
+    sums.add(_mm256_fmadd_ps(_mm256_loadu_ps(Ci + 8), v1, _mm256_mul_ps(_mm256_loadu_ps(Ci), v0)));
+  }
+  sums.finish();
+}
+
+// step_heads for one decay per head (Mamba-2) and N a multiple of 8, written for AVX2 +
+// FMA: the decay and B dtp x[p] are broadcast registers, each row of the state runs in
+// 8-lane vectors (S' = a S + B (dtp x[p]), y[p] = C . S'), and the dot products of 8 rows
+// are reduced together. GCC's 16-lane vector-extension code of step_heads broadcast a
+// scalar into 16 lanes through memory there: ~4x the work per state.
+__attribute__((target("avx2,fma"))) void step_heads_rows8(const StepFwd& f, int64_t h0, int64_t h1,
+                                                         float* __restrict dtps) {
+  const Dims& d = f.d;
+  dt_column(f.dt + h0, 1, h1 - h0, 0.0f, dtps, nullptr, nullptr);
+  const int64_t N = d.N, P = d.P, n16 = N & ~int64_t{15};
+  RowSums8 sums{f.y + h0 * P};
+  int64_t i = h0 / d.H, h = h0 % d.H, g = h / d.hpg, hg = h % d.hpg;
+  for (int64_t ih = h0; ih < h1; ++ih, ++h, ++hg) {
+    if (h == d.H) h = 0, hg = 0, g = 0, ++i;
+    if (hg == d.hpg) hg = 0, ++g;
+    const float dtp = dtps[ih - h0];
+    const __m256 av = _mm256_set1_ps(std::exp(dtp * f.A[h * d.NA]));
+    const StepHead sh = step_head(f, i, h, g, ih);
+    const float *Bi = sh.B, *Ci = sh.C, *s0 = sh.s0, *xh = sh.x;
+    float* s1 = sh.s1;
+    for (int64_t p = 0; p < P; ++p) {
+      const __m256 bu = _mm256_set1_ps(dtp * xh[p]);
+      const float* sr = s0 + p * N;
+      float* orow = s1 + p * N;
+      __m256 e = _mm256_setzero_ps(), o = e;
+      int64_t n = 0;
+      for (; n < n16; n += 16) {
+        const __m256 v0 = _mm256_fmadd_ps(av, _mm256_loadu_ps(sr + n), _mm256_mul_ps(_mm256_loadu_ps(Bi + n), bu));
+        const __m256 v1 =
+            _mm256_fmadd_ps(av, _mm256_loadu_ps(sr + n + 8), _mm256_mul_ps(_mm256_loadu_ps(Bi + n + 8), bu));
+        _mm256_storeu_ps(orow + n, v0);
+        _mm256_storeu_ps(orow + n + 8, v1);
+        e = _mm256_fmadd_ps(_mm256_loadu_ps(Ci + n), v0, e);
+        o = _mm256_fmadd_ps(_mm256_loadu_ps(Ci + n + 8), v1, o);
+      }
+      if (n < N) {  // N % 16 == 8
+        const __m256 v0 = _mm256_fmadd_ps(av, _mm256_loadu_ps(sr + n), _mm256_mul_ps(_mm256_loadu_ps(Bi + n), bu));
+        _mm256_storeu_ps(orow + n, v0);
+        e = _mm256_fmadd_ps(_mm256_loadu_ps(Ci + n), v0, e);
+      }
+      sums.add(_mm256_add_ps(e, o));
     }
   }
-  if (np) {
-    for (int k = np; k < 8; ++k) part[k] = _mm256_setzero_ps();
-    alignas(32) float t[8];
-    _mm256_store_ps(t, hsum8x8_avx2(part));
-    for (int k = 0; k < np; ++k) f.y[yb + k] = t[k];
-  }
+  sums.finish();
+}
+
+bool step_rows8_ok(const Dims& d) {
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return avx2 && !d.per_n && d.N % 8 == 0 && d.P > 1;
 }
 
 bool step_p1n16_ok(const Dims& d, const float* ck) {
@@ -232,6 +307,8 @@ bool step_p1n16_ok(const Dims& d, const float* ck) {
 #else
 void step_heads_p1n16(const StepFwd&, int64_t, int64_t, float*) {}
 bool step_p1n16_ok(const Dims&, const float*) { return false; }
+void step_heads_rows8(const StepFwd&, int64_t, int64_t, float*) {}
+bool step_rows8_ok(const Dims&) { return false; }
 #endif
 
 struct RowsFwd {
@@ -609,11 +686,13 @@ void scan_forward(KernelCtx& c) {
     const int64_t heads = d.S * d.H;
     const int64_t hpt = std::max<int64_t>(1, 1024 / std::max<int64_t>(1, d.P * d.N));
     const int64_t ntask = (heads + hpt - 1) / hpt;
-    const bool p1n16 = step_p1n16_ok(d, ck);
+    const bool p1n16 = step_p1n16_ok(d, ck), rows8 = step_rows8_ok(d);
     auto task = [&](int64_t k, int tid) {
       float* an = work[tid].get(Np + 16 * 16 + (hpt + 15) / 16 * 16);
       if (p1n16)
         step_heads_p1n16(f, k * hpt, std::min(heads, (k + 1) * hpt), an + Np + 16 * 16);
+      else if (rows8)
+        step_heads_rows8(f, k * hpt, std::min(heads, (k + 1) * hpt), an + Np + 16 * 16);
       else
         step_heads(f, k * hpt, std::min(heads, (k + 1) * hpt), an, an + Np, an + Np + 16 * 16);
     };
