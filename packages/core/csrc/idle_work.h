@@ -4,9 +4,13 @@
 // while the calling thread runs a token step's small nodes alone.
 #pragma once
 
+#include <atomic>
+#include <cstdint>
+
 namespace recurra {
 
-// Does one piece of pending idle work, if there is any; returns whether it did.
-bool gemv_idle_work();
+// Does one piece of pending idle work, if there is any; returns whether it did. It stops
+// early once `epoch` differs from `seen` (the pool has a new job: the worker is wanted).
+bool gemv_idle_work(const std::atomic<uint64_t>& epoch, uint64_t seen);
 
 }  // namespace recurra

@@ -71,7 +71,7 @@ void ThreadPool::worker(int id) {
     auto until = std::chrono::steady_clock::now() + kSpin;
     for (int i = 1; epoch_.load(std::memory_order_acquire) == seen && !stop_.load(std::memory_order_relaxed); ++i) {
       RC_CPU_RELAX();
-      if ((i & 15) == 0 && gemv_idle_work()) until = std::chrono::steady_clock::now() + kSpin;
+      if ((i & 15) == 0 && gemv_idle_work(epoch_, seen)) until = std::chrono::steady_clock::now() + kSpin;
       if ((i & 63) == 0 && std::chrono::steady_clock::now() > until) break;
     }
     const std::function<void(int64_t, int)>* job;

@@ -15,10 +15,11 @@
 // products in the same order every token, so each call records which weights the call after
 // it read (keyed by its own W) and, when it ends, offers the start of the next one's second
 // range to the pool's idle worker (threadpool.cpp calls gemv_idle_work() while it waits for
-// a job). The worker streams those bytes into the cache while the calling thread runs the
-// small nodes between two products (the scan, the conv, the norms), when the memory would
-// otherwise sit idle. Only prefetch instructions touch those addresses (they never fault,
-// so a stale record of freed weights is harmless); results do not depend on it.
+// a job; a new job ends the prefetch). The worker streams those bytes into the cache while
+// the calling thread runs the small nodes between two products alone (the conv, Mamba-1's
+// scan, the norms), when the memory would otherwise sit idle. Only prefetch instructions
+// touch those addresses (they never fault, so a stale record of freed weights is harmless);
+// results do not depend on it.
 #include "gemv.h"
 
 #include "../idle_work.h"
@@ -230,7 +231,7 @@ void note_call(const float* w, const Region& mine) {
 
 }  // namespace
 
-bool gemv_idle_work() {
+bool gemv_idle_work(const std::atomic<uint64_t>& epoch, uint64_t seen) {
   if (!g_req_pending.load(std::memory_order_acquire)) return false;
   Region r;
   {
@@ -239,7 +240,12 @@ bool gemv_idle_work() {
     r = g_req;
     g_req_pending.store(false, std::memory_order_relaxed);
   }
-  for (int64_t off = 0; off < r.bytes; off += 64) __builtin_prefetch(r.p + off, 0, 3);
+  // 4 KiB at a time; a new job of the pool ends it (the job comes first).
+  for (int64_t off = 0; off < r.bytes; off += 4096) {
+    if (epoch.load(std::memory_order_relaxed) != seen) break;
+    const int64_t end = std::min(r.bytes, off + 4096);
+    for (int64_t o = off; o < end; o += 64) __builtin_prefetch(r.p + o, 0, 3);
+  }
   return true;
 }
 
