@@ -142,7 +142,7 @@ def _step_graph(state, x, w, b):
 
 
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
-@pytest.mark.parametrize("s,d,k", [(1, 37, 4), (2, 5, 2), (3, 16, 3)], ids=str)
+@pytest.mark.parametrize("s,d,k", [(1, 37, 4), (2, 19, 4), (2, 5, 2), (3, 16, 3)], ids=str)
 def test_conv_step_against_the_whole_sequence(bias, s, d, k):
     # Three steps from a random state: each y equals the causal conv of the full history
     # (float64), and the state after each is the last k - 1 inputs.

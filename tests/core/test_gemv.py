@@ -112,3 +112,38 @@ def test_graph_step_product(threads):
         g.set_data(xi, x)
         g.compute()
         _check(g.get_data(y), _want(x, w.T), k)
+
+
+def test_chain_of_products_computed_again(threads):
+    # A token step's pattern: the same products in the same order, computed again and
+    # again (each call records its successor's weights and offers them to the idle worker
+    # for prefetching), then a weight bound to a new array (the recorded address is stale)
+    # and a product of another size between them. Every result against float64.
+    threads(2)
+    rng = np.random.default_rng(13)
+    sizes = [(1536, 768), (80, 1536), (1536, 48), (768, 1536), (5000, 768)]
+    ws = [rng.standard_normal(s).astype(np.float32) * 0.05 for s in sizes]
+    g = rc.Graph()
+    xi = g.input((1, 768))
+    leaves, h, outs = [], xi, []
+    for w in ws:
+        leaf = g.tensor(w.shape)
+        g.set_data(leaf, w)
+        leaves.append(leaf)
+        if h.shape[1] != w.shape[1]:  # the 80 -> 48 step: take the first 48 columns
+            h = h[:, : w.shape[1]]
+        h = ops.matmul(h, leaf.T)
+        outs.append(h)
+        g.set_output(h)
+    for step in range(4):
+        if step == 2:  # a new array for the largest weight: the old one is freed
+            ws[-1] = rng.standard_normal(sizes[-1]).astype(np.float32) * 0.05
+            g.set_data(leaves[-1], ws[-1])
+        x = rng.standard_normal((1, 768)).astype(np.float32)
+        g.set_data(xi, x)
+        g.compute()
+        want = x.astype(np.float64)
+        for w, out in zip(ws, outs):
+            want = want[:, : w.shape[1]] @ w.T.astype(np.float64)
+            _check(g.get_data(out), want, w.shape[1])
+        _check(ops.matmul(rc.tensor(x), rc.tensor(ws[0]).T).numpy(), _want(x, ws[0].T), 768)

@@ -131,7 +131,9 @@ SCAN_LAYOUTS = [
     (2, 1, 150, 1, 16, 1, True),  # one token of Mamba-1: 300 heads in tasks of 64
     (1, 1, 70, 1, 17, 2, True),  # one token, head_dim 1, d_state 17, 2 groups
     (2, 1, 9, 1, 16, 3, False),  # one token, head_dim 1, one decay per head
-    (1, 1, 1100, 1, 16, 1, True),  # one token of Mamba-1 split over the pool, a partial task
+    (1, 1, 2100, 1, 16, 1, True),  # one token of Mamba-1 split over the pool (> 32K states)
+    (3, 1, 12, 1, 16, 4, True),  # one token, d_state 16: groups of 3 heads, 36 = 4 x 8 + 4
+    (2, 1, 3, 5, 24, 3, False),  # one token, one decay per head, d_state 16 + 8, 30 rows
     (1, 1, 5, 72, 48, 1, False),  # one token of Mamba-2 split over the pool, 72 rows a head
     (1, 40, 2, 32, 33, 1, True),  # 40 tokens, per-state decay in the rows kernel
 ]
@@ -158,6 +160,19 @@ def test_ssm_scan_strong_decay_and_long_sequence(per_state, head_dim):
     y_ref, st_ref = ssm_scan_ref(*args)
     np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=5e-5 * np.abs(y_ref).max())
     np.testing.assert_allclose(st, st_ref, rtol=1e-4, atol=5e-5 * np.abs(st_ref).max())
+
+
+def test_ssm_scan_one_token_underflowing_decays():
+    # One token of Mamba-1's shape (head_dim 1, d_state 16; its own AVX2 kernel) with
+    # decays down to exp(-270), past float32's range (exactly 0 there), and mild ones.
+    args = scan_inputs(2, 1, 40, 1, 16, 1, per_state=True)
+    args[2][:, :, ::3] = 12.0  # softplus ~ 12
+    args[3][::2] *= 5.0  # A down to -22
+    assert (np.log1p(np.exp(args[2])).max() * args[3].min()) < -200
+    y, st = run_scan(args)
+    y_ref, st_ref = ssm_scan_ref(*args)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=2e-5 * np.abs(y_ref).max())
+    np.testing.assert_allclose(st, st_ref, rtol=1e-4, atol=2e-5 * np.abs(st_ref).max())
 
 
 def test_ssm_scan_large_dt_and_growth():

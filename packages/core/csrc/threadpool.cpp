@@ -8,6 +8,7 @@
 #include <system_error>
 
 #include "common.h"
+#include "idle_work.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -65,10 +66,12 @@ void ThreadPool::worker(int id) {
   InJob in_job;
   uint64_t seen = 0;
   for (;;) {
-    // Spin briefly: a graph's next kernel usually follows within microseconds.
-    const auto until = std::chrono::steady_clock::now() + kSpin;
+    // Spin briefly: a graph's next kernel usually follows within microseconds. Meanwhile
+    // take any idle work offered (idle_work.h), and spin on from its end.
+    auto until = std::chrono::steady_clock::now() + kSpin;
     for (int i = 1; epoch_.load(std::memory_order_acquire) == seen && !stop_.load(std::memory_order_relaxed); ++i) {
       RC_CPU_RELAX();
+      if ((i & 15) == 0 && gemv_idle_work(epoch_, seen)) until = std::chrono::steady_clock::now() + kSpin;
       if ((i & 63) == 0 && std::chrono::steady_clock::now() > until) break;
     }
     const std::function<void(int64_t, int)>* job;

@@ -3,14 +3,33 @@
 // The kernel takes four rows of W at a time and runs down them together with two 8-wide
 // accumulators per row (eight FMA chains, each row read once, front to back, so the hardware
 // prefetcher sees four sequential streams), then folds the four rows' sums with three hadds.
-// Rows left over (N % 4) run alone. The split over the pool hands out contiguous ranges of
-// rows (a multiple of four) of at least kMinTaskBytes of W each, a few per thread so that a
-// thread whose core is taken by another process leaves its share to the others.
+// Rows left over (N % 4) run alone.
+//
+// The split over the pool (split_rows) hands out contiguous ranges of rows (multiples of
+// four), largest first: each range is a share of what is left (remaining / (2 * threads)),
+// down to kMinTaskBytes of W. The long first ranges keep the streams long; the short last
+// ones let the threads finish together (with equal ranges the thread that draws the last one
+// streams alone for up to a whole range, at one thread's bandwidth, while the other waits).
+//
+// Prefetch of the next product's weights (see gemv.h): a token step computes the same
+// products in the same order every token, so each call records which weights the call after
+// it read (keyed by its own W) and, when it ends, offers the start of the next one's second
+// range to the pool's idle worker (threadpool.cpp calls gemv_idle_work() while it waits for
+// a job; a new job ends the prefetch). The worker streams those bytes into the cache while
+// the calling thread runs the small nodes between two products alone (the conv, Mamba-1's
+// scan, the norms), when the memory would otherwise sit idle. Only prefetch instructions
+// touch those addresses (they never fault, so a stale record of freed weights is harmless);
+// results do not depend on it.
 #include "gemv.h"
 
+#include "../idle_work.h"
+
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -24,7 +43,8 @@ namespace {
 
 constexpr int64_t kSerialBytes = int64_t{96} << 10;   // below this, one thread does it all
 constexpr int64_t kMinTaskBytes = int64_t{64} << 10;  // of W per task
-constexpr int64_t kTasksPerThread = 4;
+constexpr int64_t kPrefetchBytes = int64_t{512} << 10;  // of the next product's W, at most
+constexpr size_t kMaxRecords = 4096;  // successor records per thread (a bound, not a tuning)
 
 // Rows [r0, r1) without SIMD intrinsics: eight independent partial sums per row (a loop the
 // compiler vectorizes without reassociating), folded at the end.
@@ -143,7 +163,91 @@ void dot_rows(const float* w, int64_t ldw, const float* x, int64_t k, float* y, 
   dot_rows_portable(w, ldw, x, k, y, incy, r0, r1);
 }
 
+// RECURRA_GEMV_PREFETCH=0 (read at every call, for A/B timings) turns the prefetch off.
+bool prefetch_enabled() {
+  const char* e = std::getenv("RECURRA_GEMV_PREFETCH");
+  return !(e && std::strcmp(e, "0") == 0);
+}
+
+// RECURRA_GEMV_EVEN=1 (read at every call, for A/B timings): equal ranges, as before.
+bool even_split() {
+  const char* e = std::getenv("RECURRA_GEMV_EVEN");
+  return e && std::strcmp(e, "1") == 0;
+}
+
+// Row ranges [cuts[t], cuts[t + 1]) of the tasks, largest first (see the top of the file).
+std::vector<int64_t> split_rows(int64_t n, int64_t k, int threads) {
+  const int64_t row_bytes = k * static_cast<int64_t>(sizeof(float));
+  const int64_t min_rows = std::max<int64_t>(4, (kMinTaskBytes / row_bytes + 3) & ~int64_t{3});
+  std::vector<int64_t> cuts{0};
+  if (even_split()) {
+    const int64_t tasks = std::max<int64_t>(2, std::min<int64_t>(threads * 4, n * row_bytes / kMinTaskBytes));
+    const int64_t step = ((n + tasks - 1) / tasks + 3) & ~int64_t{3};
+    for (int64_t r = step; r < n; r += step) cuts.push_back(r);
+    cuts.push_back(n);
+    return cuts;
+  }
+  for (int64_t r = 0; r < n;) {
+    int64_t rows = (n - r) / (2 * static_cast<int64_t>(threads));
+    rows = std::max(min_rows, (rows + 3) & ~int64_t{3});
+    r = std::min(n, r + rows);
+    cuts.push_back(r);
+  }
+  return cuts;
+}
+
+// The successor records of a calling thread and the one pending prefetch request.
+struct Region {
+  const char* p = nullptr;
+  int64_t bytes = 0;
+};
+
+struct Successors {
+  std::unordered_map<const float*, Region> next;  // W of a call -> what the call after it read
+  const float* last = nullptr;                     // W of this thread's previous call
+};
+
+thread_local Successors t_succ;
+
+std::mutex g_req_mu;
+Region g_req;  // guarded by g_req_mu: offered by a caller, taken by an idle worker
+std::atomic<bool> g_req_pending{false};
+
+// Called when a product over w ends: records `mine` (the region of it worth fetching early)
+// as the successor of the previous call's W, and offers this call's recorded successor.
+void note_call(const float* w, const Region& mine) {
+  Successors& s = t_succ;
+  if (s.last && s.last != w) {
+    if (s.next.size() >= kMaxRecords) s.next.clear();
+    s.next[s.last] = mine;
+  }
+  s.last = w;
+  const auto it = s.next.find(w);
+  if (it == s.next.end() || it->second.bytes <= 0) return;
+  std::lock_guard<std::mutex> lk(g_req_mu);
+  g_req = it->second;
+  g_req_pending.store(true, std::memory_order_release);
+}
+
 }  // namespace
+
+bool gemv_idle_work(const std::atomic<uint64_t>& epoch, uint64_t seen) {
+  if (!g_req_pending.load(std::memory_order_acquire)) return false;
+  Region r;
+  {
+    std::unique_lock<std::mutex> lk(g_req_mu, std::try_to_lock);
+    if (!lk.owns_lock() || !g_req_pending.load(std::memory_order_relaxed)) return false;
+    r = g_req;
+    g_req_pending.store(false, std::memory_order_relaxed);
+  }
+  // 4 KiB at a time; a new job of the pool ends it (the job comes first).
+  for (int64_t off = 0; off < r.bytes; off += 4096) {
+    if (epoch.load(std::memory_order_relaxed) != seen) break;
+    const int64_t end = std::min(r.bytes, off + 4096);
+    for (int64_t o = off; o < end; o += 64) __builtin_prefetch(r.p + o, 0, 3);
+  }
+  return true;
+}
 
 void gemv_rows(const float* w, int64_t ldw, const float* x, int64_t incx, float* y, int64_t incy,
                int64_t n, int64_t k, ThreadPool& tp) {
@@ -152,29 +256,32 @@ void gemv_rows(const float* w, int64_t ldw, const float* x, int64_t incx, float*
     for (int64_t j = 0; j < n; ++j) y[j * incy] = 0.0f;
     return;
   }
+  // A prefetch not taken yet comes too late to help: this product streams its own weights.
+  if (g_req_pending.load(std::memory_order_relaxed)) g_req_pending.store(false, std::memory_order_relaxed);
   std::vector<float> xs;
   if (incx != 1) {
     xs.resize(static_cast<size_t>(k));
     for (int64_t p = 0; p < k; ++p) xs[p] = x[p * incx];
     x = xs.data();
   }
+  const int64_t row_bytes = ldw * static_cast<int64_t>(sizeof(float));
   const int64_t bytes = n * k * static_cast<int64_t>(sizeof(float));
-  int64_t tasks = 1;
-  if (tp.size() > 1 && bytes >= kSerialBytes)
-    tasks = std::max<int64_t>(2, std::min<int64_t>(tp.size() * kTasksPerThread, bytes / kMinTaskBytes));
-  // Rows per task: a multiple of four (the kernel's row group), so that every row is summed
+  const bool split = tp.size() > 1 && bytes >= kSerialBytes;
+  // Rows per task: multiples of four (the kernel's row group), so that every row is summed
   // the same way whatever the split.
-  int64_t step = (n + tasks - 1) / tasks;
-  step = (step + 3) & ~int64_t{3};
-  tasks = (n + step - 1) / step;
+  const std::vector<int64_t> cuts = split ? split_rows(n, k, tp.size()) : std::vector<int64_t>{0, n};
+  const int64_t tasks = static_cast<int64_t>(cuts.size()) - 1;
   if (tasks == 1) {
     dot_rows(w, ldw, x, k, y, incy, 0, n);
-    return;
+  } else {
+    tp.run(tasks, [&](int64_t t, int) { dot_rows(w, ldw, x, k, y, incy, cuts[t], cuts[t + 1]); });
   }
-  tp.run(tasks, [&](int64_t t, int) {
-    const int64_t r0 = t * step;
-    dot_rows(w, ldw, x, k, y, incy, r0, std::min(n, r0 + step));
-  });
+  if (!prefetch_enabled() || tp.size() == 1) return;
+  // Worth fetching before this product runs again: the rows after the first range (the
+  // calling thread starts on the first range itself), at most kPrefetchBytes.
+  const int64_t r0 = tasks > 1 ? cuts[1] : 0;
+  const int64_t avail = (n - r0) * row_bytes;
+  note_call(w, Region{reinterpret_cast<const char*>(w + r0 * ldw), std::min(avail, kPrefetchBytes)});
 }
 
 }  // namespace recurra

@@ -88,11 +88,12 @@ inline float expm1_neg_lane(float x) {
 }
 
 // 1 / (1 + exp(-x)), as e / (1 + e) with e = exp(x) for negative x (denormal results
-// there instead of 1 / inf).
+// there instead of 1 / inf). The choice is a lane_select: GCC kept `x < 0 ? e * r : r` as
+// control flow, and no loop over it vectorized (silu ran ~10x slower than exp).
 inline float sigmoid_lane(float x) {
   const float e = exp_lane(-abs_lane(x));
   const float r = 1.0f / (1.0f + e);
-  return x < 0.0f ? e * r : r;
+  return lane_select(lane_mask(x < 0.0f), e * r, r);
 }
 
 // log1p(w) for w in [0, 1]: 2 atanh(s), s = w / (2 + w) <= 1/3, by its odd series to s^15

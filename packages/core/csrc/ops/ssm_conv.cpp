@@ -378,6 +378,36 @@ void conv_check(Graph& g, Node& n, int off, int64_t* S, int64_t* D, int64_t* W, 
 // [state[s, ch, :], x[s, 0, ch]], and the state moves on by one position in place (the
 // window's last W - 1 values): no concatenated copy, no separate bias, SiLU or state copy
 // nodes. A few thousand channels: the calling thread alone.
+// x = silu(x) over n values, vectorized (lane_math's sigmoid: no libm call per value).
+RC_SIMD void silu_in_place(float* __restrict x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] *= sigmoid_lane(x[i]);
+}
+
+// One sequence of conv_step with d_conv 4 (a state of 3 per channel, Mamba's): the same
+// sums as the general loop, written so that the loop over channels vectorizes (the
+// general one ran ~13 cycles per channel).
+RC_SIMD void conv_step_k3(float* __restrict st, const float* __restrict x, const float* __restrict w,
+                          float* __restrict y, int64_t D) {
+  for (int64_t ch = 0; ch < D; ++ch) {
+    float* sr = st + ch * 3;
+    const float* wr = w + ch * 4;
+    const float s0 = sr[0], s1 = sr[1], s2 = sr[2], xv = x[ch];
+    float acc = 0.0f;
+    acc += wr[0] * s0;
+    acc += wr[1] * s1;
+    acc += wr[2] * s2;
+    acc += wr[3] * xv;
+    sr[0] = s1;
+    sr[1] = s2;
+    sr[2] = xv;
+    y[ch] = acc;
+  }
+}
+
+RC_SIMD void add_row_in_place(float* __restrict y, const float* __restrict b, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += b[i];
+}
+
 void conv_step_forward(KernelCtx& c) {
   const Shape& ss = c.src[0].shape;
   const int64_t S = ss[0], D = ss[1], K = ss[2], W = K + 1;
@@ -386,19 +416,26 @@ void conv_step_forward(KernelCtx& c) {
   const float* w = c.src[2].f32();
   const float* b = c.src.size() == 4 ? c.src[3].f32() : nullptr;
   float* y = c.dst.f32();
-  for (int64_t s = 0; s < S; ++s)
-    for (int64_t ch = 0; ch < D; ++ch) {
-      float* sr = st + (s * D + ch) * K;
-      const float* wr = w + ch * W;
-      const float xv = x[s * D + ch];
-      float acc = 0.0f;  // ssm_conv's order, then the bias
-      for (int64_t k = 0; k < K; ++k) acc += wr[k] * sr[k];
-      acc += wr[K] * xv;
-      if (b) acc += b[ch];
-      for (int64_t k = 0; k + 1 < K; ++k) sr[k] = sr[k + 1];
-      if (K > 0) sr[K - 1] = xv;
-      y[s * D + ch] = acc / (1.0f + std::exp(-acc));
+  for (int64_t s = 0; s < S; ++s) {
+    float* ys = y + s * D;
+    if (K == 3) {
+      conv_step_k3(st + s * D * K, x + s * D, w, ys, D);
+    } else {
+      for (int64_t ch = 0; ch < D; ++ch) {
+        float* sr = st + (s * D + ch) * K;
+        const float* wr = w + ch * W;
+        const float xv = x[s * D + ch];
+        float acc = 0.0f;  // ssm_conv's order, then the bias
+        for (int64_t k = 0; k < K; ++k) acc += wr[k] * sr[k];
+        acc += wr[K] * xv;
+        for (int64_t k = 0; k + 1 < K; ++k) sr[k] = sr[k + 1];
+        if (K > 0) sr[K - 1] = xv;
+        ys[ch] = acc;
+      }
     }
+    if (b) add_row_in_place(ys, b, D);
+  }
+  silu_in_place(y, S * D);
 }
 
 }  // namespace

@@ -26,10 +26,30 @@ namespace {
 using DecayRow = void (*)(const float* A, float d, int64_t N, float* out);
 
 #if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("avx2,fma"))) void decay_row_avx2(const float* A, float d, int64_t N, float* out) {
-  const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(88.0f), dv = _mm256_set1_ps(d);
+// exp(x) of 8 lanes: vexp's arithmetic with intrinsics (lanes below -87 give 0), inlined.
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 exp8_avx2(__m256 x) {
   const __m256 magic = _mm256_set1_ps(12582912.0f);
-  const __m256i magic_bits = _mm256_castps_si256(magic);
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(lo, x));
+  const __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), magic);
+  const __m256 k = _mm256_sub_ps(t, magic);
+  const __m256i ki = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_castps_si256(magic));
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440054690583e-4f), r);
+  __m256 p = _mm256_set1_ps(1.3836826e-3f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3748158e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1668225e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666420e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.9999991e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(ki, _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+__attribute__((target("avx2,fma"))) void decay_row_avx2(const float* A, float d, int64_t N, float* out) {
+  const __m256 dv = _mm256_set1_ps(d);
   const int64_t Np = (N + 15) / 16 * 16;
   for (int64_t n = 0; n < Np; n += 8) {
     __m256 x;
@@ -40,23 +60,7 @@ __attribute__((target("avx2,fma"))) void decay_row_avx2(const float* A, float d,
       for (int64_t l = 0; l < N - n; ++l) t[l] = A[n + l];
       x = _mm256_mul_ps(_mm256_load_ps(t), dv);
     }
-    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_min_ps(hi, _mm256_max_ps(lo, x));  // lo > x ? lo : x, then hi < x ? hi : x
-    const __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), magic);
-    const __m256 k = _mm256_sub_ps(t, magic);
-    const __m256i ki = _mm256_sub_epi32(_mm256_castps_si256(t), magic_bits);
-    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440054690583e-4f), r);
-    __m256 p = _mm256_set1_ps(1.3836826e-3f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3748158e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1668225e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666420e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.9999991e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(ki, _mm256_set1_epi32(127)), 23);
-    __m256 res = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-    res = _mm256_andnot_ps(under, res);
+    __m256 res = exp8_avx2(x);
     if (n + 8 > N) {  // lanes past N: 0, as exp_row leaves them
       alignas(32) float t[8];
       _mm256_store_ps(t, res);
@@ -78,6 +82,42 @@ DecayRow best_decay_row() {
   return decay_row_plain;
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+// Sums of 8 vectors, one lane each: out[j] = sum of v[j]'s lanes.
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 hsum8x8_avx2(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 c = _mm256_hadd_ps(v[4], v[5]), d = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+  // ab = [v0 v1 v2 v3 (low halves) | v0 v1 v2 v3 (high halves)], cd likewise for v4..v7
+  const __m256 lo = _mm256_permute2f128_ps(ab, cd, 0x20), hi = _mm256_permute2f128_ps(ab, cd, 0x31);
+  return _mm256_add_ps(lo, hi);
+}
+
+// The dot products of consecutive rows y[r], y[r + 1], ... as 8-lane partial sums, reduced
+// 8 rows at a time (hsum8x8_avx2) and stored.
+struct RowSums8 {
+  float* y;  // where the next row's sum goes
+  __m256 part[8] = {};
+  int np = 0;
+
+  __attribute__((target("avx2,fma"), always_inline)) inline void add(__m256 v) {
+    part[np] = v;
+    if (++np == 8) {
+      _mm256_storeu_ps(y, hsum8x8_avx2(part));
+      y += 8;
+      np = 0;
+    }
+  }
+  __attribute__((target("avx2,fma"), always_inline)) inline void finish() {
+    if (!np) return;
+    for (int k = np; k < 8; ++k) part[k] = _mm256_setzero_ps();
+    alignas(32) float t[8];
+    _mm256_store_ps(t, hsum8x8_avx2(part));
+    for (int k = 0; k < np; ++k) y[k] = t[k];
+  }
+};
+#endif
+
 struct StepFwd {
   Dims d;
   const float *s, *x, *dt, *A, *B, *C;
@@ -87,6 +127,22 @@ struct StepFwd {
   float* ck;    // the state entering the token, or nullptr
   DecayRow decay;
 };
+
+// What head ih = (sequence i, head h of group g) of a step reads and writes; copies the
+// state entering the token to the checkpoints when they are asked for.
+struct StepHead {
+  const float *B, *C, *s0, *x;
+  float* s1;
+};
+
+inline StepHead step_head(const StepFwd& f, int64_t i, int64_t h, int64_t g, int64_t ih) {
+  const Dims& d = f.d;
+  const int64_t pn = d.P * d.N;
+  const float* s0 = f.s + (f.ids[i] * d.H + h) * pn;
+  if (f.ck) std::copy(s0, s0 + pn, f.ck + ih * pn);  // the state entering chunk 0
+  return {f.B + (i * d.G + g) * d.N, f.C + (i * d.G + g) * d.N, s0, f.x + ih * d.P,
+          f.sout ? f.sout + ih * pn : const_cast<float*>(s0)};
+}
 
 // Heads [h0, h1) of the flat (sequence, head) index, all in one function: per head one
 // softplus, its decays (one vector per 16 states, or one exp for a per-head decay), then
@@ -123,12 +179,9 @@ RC_SIMD void step_heads(const StepFwd& f, int64_t h0, int64_t h1, float* __restr
       const vf a = vsplat(std::exp(dtp * Ah[0]));
       for (int64_t n = 0; n < N; n += 16) vstore(an + n, a);
     }
-    const float* Bi = f.B + (i * d.G + g) * N;
-    const float* Ci = f.C + (i * d.G + g) * N;
-    const float* s0 = f.s + (f.ids[i] * d.H + h) * P * N;
-    float* s1 = f.sout ? f.sout + ih * P * N : const_cast<float*>(s0);
-    if (f.ck) std::copy(s0, s0 + P * N, f.ck + ih * P * N);  // the state entering chunk 0
-    const float* xh = f.x + ih * P;
+    const StepHead sh = step_head(f, i, h, g, ih);
+    const float *Bi = sh.B, *Ci = sh.C, *s0 = sh.s0, *xh = sh.x;
+    float* s1 = sh.s1;
     for (int64_t p = 0; p < P; ++p) {
       const float bu = dtp * xh[p];
       const float* sr = s0 + p * N;
@@ -163,6 +216,100 @@ RC_SIMD void step_heads(const StepFwd& f, int64_t h0, int64_t h1, float* __restr
     flush();
   }
 }
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// step_heads for one row of 16 states per head (P == 1, N == 16: Mamba-1's d_state 16),
+// written for AVX2 + FMA: a head's state is two 8-lane vectors, its decays two inlined
+// exps (nothing stored and reloaded, no call per head), and the dot products C . S' of 8
+// heads are reduced together. Same arithmetic as step_heads' decays; the state update is
+// one FMA per vector, S' = a S + (B dtp x).
+__attribute__((target("avx2,fma"))) void step_heads_p1n16(const StepFwd& f, int64_t h0, int64_t h1,
+                                                         float* __restrict dtps) {
+  const Dims& d = f.d;
+  dt_column(f.dt + h0, 1, h1 - h0, 0.0f, dtps, nullptr, nullptr);
+  int64_t i = h0 / d.H, h = h0 % d.H, g = h / d.hpg, hg = h % d.hpg;
+  RowSums8 sums{f.y + h0};
+  for (int64_t ih = h0; ih < h1; ++ih, ++h, ++hg) {
+    if (h == d.H) h = 0, hg = 0, g = 0, ++i;
+    if (hg == d.hpg) hg = 0, ++g;
+    const float dtp = dtps[ih - h0];
+    const float* Ah = f.A + h * 16;
+    const StepHead sh = step_head(f, i, h, g, ih);
+    const float *Bi = sh.B, *Ci = sh.C, *s0 = sh.s0;
+    float* s1 = sh.s1;
+    const __m256 dv = _mm256_set1_ps(dtp), bu = _mm256_set1_ps(dtp * sh.x[0]);
+    const __m256 a0 = exp8_avx2(_mm256_mul_ps(_mm256_loadu_ps(Ah), dv));
+    const __m256 a1 = exp8_avx2(_mm256_mul_ps(_mm256_loadu_ps(Ah + 8), dv));
+    const __m256 v0 = _mm256_fmadd_ps(a0, _mm256_loadu_ps(s0), _mm256_mul_ps(_mm256_loadu_ps(Bi), bu));
+    const __m256 v1 = _mm256_fmadd_ps(a1, _mm256_loadu_ps(s0 + 8), _mm256_mul_ps(_mm256_loadu_ps(Bi + 8), bu));
+    _mm256_storeu_ps(s1, v0);
+    _mm256_storeu_ps(s1 + 8, v1);
+    sums.add(_mm256_fmadd_ps(_mm256_loadu_ps(Ci + 8), v1, _mm256_mul_ps(_mm256_loadu_ps(Ci), v0)));
+  }
+  sums.finish();
+}
+
+// step_heads for one decay per head (Mamba-2) and N a multiple of 8, written for AVX2 +
+// FMA: the decay and B dtp x[p] are broadcast registers, each row of the state runs in
+// 8-lane vectors (S' = a S + B (dtp x[p]), y[p] = C . S'), and the dot products of 8 rows
+// are reduced together. GCC's 16-lane vector-extension code of step_heads broadcast a
+// scalar into 16 lanes through memory there: ~4x the work per state.
+__attribute__((target("avx2,fma"))) void step_heads_rows8(const StepFwd& f, int64_t h0, int64_t h1,
+                                                         float* __restrict dtps) {
+  const Dims& d = f.d;
+  dt_column(f.dt + h0, 1, h1 - h0, 0.0f, dtps, nullptr, nullptr);
+  const int64_t N = d.N, P = d.P, n16 = N & ~int64_t{15};
+  RowSums8 sums{f.y + h0 * P};
+  int64_t i = h0 / d.H, h = h0 % d.H, g = h / d.hpg, hg = h % d.hpg;
+  for (int64_t ih = h0; ih < h1; ++ih, ++h, ++hg) {
+    if (h == d.H) h = 0, hg = 0, g = 0, ++i;
+    if (hg == d.hpg) hg = 0, ++g;
+    const float dtp = dtps[ih - h0];
+    const __m256 av = _mm256_set1_ps(std::exp(dtp * f.A[h * d.NA]));
+    const StepHead sh = step_head(f, i, h, g, ih);
+    const float *Bi = sh.B, *Ci = sh.C, *s0 = sh.s0, *xh = sh.x;
+    float* s1 = sh.s1;
+    for (int64_t p = 0; p < P; ++p) {
+      const __m256 bu = _mm256_set1_ps(dtp * xh[p]);
+      const float* sr = s0 + p * N;
+      float* orow = s1 + p * N;
+      __m256 e = _mm256_setzero_ps(), o = e;
+      int64_t n = 0;
+      for (; n < n16; n += 16) {
+        const __m256 v0 = _mm256_fmadd_ps(av, _mm256_loadu_ps(sr + n), _mm256_mul_ps(_mm256_loadu_ps(Bi + n), bu));
+        const __m256 v1 =
+            _mm256_fmadd_ps(av, _mm256_loadu_ps(sr + n + 8), _mm256_mul_ps(_mm256_loadu_ps(Bi + n + 8), bu));
+        _mm256_storeu_ps(orow + n, v0);
+        _mm256_storeu_ps(orow + n + 8, v1);
+        e = _mm256_fmadd_ps(_mm256_loadu_ps(Ci + n), v0, e);
+        o = _mm256_fmadd_ps(_mm256_loadu_ps(Ci + n + 8), v1, o);
+      }
+      if (n < N) {  // N % 16 == 8
+        const __m256 v0 = _mm256_fmadd_ps(av, _mm256_loadu_ps(sr + n), _mm256_mul_ps(_mm256_loadu_ps(Bi + n), bu));
+        _mm256_storeu_ps(orow + n, v0);
+        e = _mm256_fmadd_ps(_mm256_loadu_ps(Ci + n), v0, e);
+      }
+      sums.add(_mm256_add_ps(e, o));
+    }
+  }
+  sums.finish();
+}
+
+bool step_rows8_ok(const Dims& d) {
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return avx2 && !d.per_n && d.N % 8 == 0 && d.P > 1;
+}
+
+bool step_p1n16_ok(const Dims& d, const float* ck) {
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return avx2 && d.P == 1 && d.N == 16 && d.per_n && ck == nullptr;
+}
+#else
+void step_heads_p1n16(const StepFwd&, int64_t, int64_t, float*) {}
+bool step_p1n16_ok(const Dims&, const float*) { return false; }
+void step_heads_rows8(const StepFwd&, int64_t, int64_t, float*) {}
+bool step_rows8_ok(const Dims&) { return false; }
+#endif
 
 struct RowsFwd {
   const float* s0;   // s[row, h, p0, 0]: (p, n) at s0[p * N + n]
@@ -539,11 +686,20 @@ void scan_forward(KernelCtx& c) {
     const int64_t heads = d.S * d.H;
     const int64_t hpt = std::max<int64_t>(1, 1024 / std::max<int64_t>(1, d.P * d.N));
     const int64_t ntask = (heads + hpt - 1) / hpt;
+    const bool p1n16 = step_p1n16_ok(d, ck), rows8 = step_rows8_ok(d);
     auto task = [&](int64_t k, int tid) {
       float* an = work[tid].get(Np + 16 * 16 + (hpt + 15) / 16 * 16);
-      step_heads(f, k * hpt, std::min(heads, (k + 1) * hpt), an, an + Np, an + Np + 16 * 16);
+      if (p1n16)
+        step_heads_p1n16(f, k * hpt, std::min(heads, (k + 1) * hpt), an + Np + 16 * 16);
+      else if (rows8)
+        step_heads_rows8(f, k * hpt, std::min(heads, (k + 1) * hpt), an + Np + 16 * 16);
+      else
+        step_heads(f, k * hpt, std::min(heads, (k + 1) * hpt), an, an + Np, an + Np + 16 * 16);
     };
-    if (heads * d.P * d.N <= (int64_t{16} << 10) || c.pool.size() == 1) {
+    // Mamba-1's kernel does the 130M preset's 24576 states in ~30 us on one thread: there
+    // the pool's worker is better left to prefetch the next product's weights (gemv.cpp).
+    const int64_t serial = p1n16 ? int64_t{32} << 10 : int64_t{16} << 10;
+    if (heads * d.P * d.N <= serial || c.pool.size() == 1) {
       for (int64_t k = 0; k < ntask; ++k) task(k, 0);
     } else {
       c.pool.run(ntask, task);
