@@ -19,6 +19,27 @@ then --steps timed ones (AdamW, the Trainer's step: forward, backward, gradient 
 update); rank 0 reports the median step time and exchange time. Prints one line per run,
 the ratio N-rank / 1-rank tokens/s (the target on two GPUs: >= 1.8) and `JSON {...}`.
 On the CPU, --threads is per rank (default 1), so N ranks use N times the cores of one.
+
+Where the exchange's time goes (one N-rank run, no training):
+
+    python bench/dist.py --nproc 2 --device vulkan --model mamba2-130m --batch 8 --seq-len 512 \
+        --exchange-only      # per bucket: download, allreduce alone, upload (ms and GB/s)
+
+after one backward: per bucket, the gradients to the host buffer (on a device: one packed
+download), the MPI sum alone (every rank ready) and the mean back into the gradients (that
+bucket alone), then the totals, the upload of every bucket at once (what a step does) and
+the whole exchange (sync_gradients) as the step runs it.
+
+The MPI sum alone, without a model (CPU only; --mb of float32 cut into buckets):
+
+    python bench/dist.py --nproc 2 --allreduce --mb 516 --bucket-mb 4,25,100
+    python bench/dist.py --nproc 2 --allreduce --cvar MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=ring
+
+compares, per bucket size, MPI_Allreduce in place (DataParallel's collective="blocking",
+what the default "auto" takes for buckets of 1 MiB and more), MPI_Allreduce into another
+buffer, and MPI_Iallreduce in place (collective="nonblocking"); each --cvar NAME=VALUE adds
+a run with that MPICH setting.
+--collective picks DataParallel's for the training and --exchange-only runs.
 """
 
 from __future__ import annotations
@@ -32,6 +53,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve()
 
@@ -51,7 +73,33 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=6, help="timed steps")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
-    ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument(
+        "--bucket-mb",
+        default="25",
+        help="bucket size in MB (--allreduce: a comma-separated list)",
+    )
+    ap.add_argument(
+        "--collective",
+        choices=["auto", "blocking", "nonblocking"],
+        default="auto",
+        help="DataParallel's collective: MPI_Allreduce, MPI_Iallreduce, or by bucket size",
+    )
+    ap.add_argument(
+        "--exchange-only",
+        action="store_true",
+        help="time the exchange phase by phase and bucket by bucket (no training)",
+    )
+    ap.add_argument(
+        "--allreduce", action="store_true", help="time MPI's sum alone (no model, no device)"
+    )
+    ap.add_argument("--mb", type=float, default=516.0, help="--allreduce: megabytes of float32")
+    ap.add_argument(
+        "--cvar",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="--allreduce: one more run with this MPICH setting (repeatable)",
+    )
     ap.add_argument(
         "--overlap",
         choices=["both", "on", "off"],
@@ -63,6 +111,16 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.nproc < 1 or args.batch < 1 or args.steps < 1:
         ap.error("--nproc, --batch and --steps must be >= 1")
+    try:
+        sizes = [float(v) for v in str(args.bucket_mb).split(",")]
+    except ValueError:
+        ap.error(f"--bucket-mb takes numbers, not {args.bucket_mb!r}")
+    if not sizes or min(sizes) <= 0 or (len(sizes) > 1 and not args.allreduce):
+        ap.error("--bucket-mb: one size > 0 (a list only with --allreduce)")
+    args.bucket_sizes = sizes
+    for c in args.cvar:
+        if "=" not in c:
+            ap.error(f"--cvar takes NAME=VALUE, not {c!r}")
     return args
 
 
@@ -91,10 +149,20 @@ def worker(args: argparse.Namespace) -> None:
     model.to(dev)
     opt = recurra_optim.AdamW(list(model.parameters()), lr=1e-4, weight_decay=0.01)
     overlap = args.overlap == "on"
-    dp = recurra_dist.DataParallel(model, opt, ctx, bucket_mb=args.bucket_mb, overlap=overlap)
+    dp = recurra_dist.DataParallel(
+        model,
+        opt,
+        ctx,
+        bucket_mb=args.bucket_sizes[0],
+        overlap=overlap,
+        collective=args.collective,
+    )
     vocab = int(model.config.vocab_size)
     data = np.random.default_rng(0).integers(0, vocab, size=1 << 20).astype(np.int32)
     global_batch = args.batch * ctx.world_size
+    if args.exchange_only:
+        exchange_worker(args, ctx, model, dp, data, global_batch)
+        return
     trainer = rm.Trainer(
         model,
         opt,
@@ -159,6 +227,95 @@ def worker(args: argparse.Namespace) -> None:
         print("RESULT " + json.dumps(out), flush=True)
 
 
+def exchange_worker(args, ctx, model, dp, data, global_batch: int) -> None:
+    """--exchange-only: the phases of the exchange after one backward, per bucket."""
+    import recurra_models as rm
+
+    x, y = rm.batch_at(data, global_batch, args.seq_len, 0, 0)
+    shard = dp.shard(global_batch)
+    dp.overlap = False
+    runs = []
+    for _ in range(max(2, args.steps)):  # the first run pays for first-time allocations
+        model.loss(x[shard], y[shard]).backward()
+        runs.append(dp.profile_exchange())
+        dp.zero_grad()
+    whole = []
+    for _ in range(max(2, args.steps)):
+        model.loss(x[shard], y[shard]).backward()
+        dp.barrier()
+        t0 = time.perf_counter()
+        dp.sync_gradients()
+        whole.append(time.perf_counter() - t0)
+        dp.zero_grad()
+    keys = ("download_s", "allreduce_s", "upload_s")
+    rows = []
+    for k in range(len(runs[0])):  # per bucket: the median over runs, the slowest rank's
+        row = dict(runs[0][k])
+        for key in keys:
+            mine = statistics.median(r[k][key] for r in runs[1:])
+            row[key] = max(ctx.comm.allgather(mine))
+        rows.append(row)
+    whole_s = statistics.median([max(v) for v in zip(*ctx.comm.allgather(whole))])
+    if ctx.rank != 0:
+        return
+
+    def cell(nbytes: float, sec: float) -> str:
+        return f"{1e3 * sec:8.2f} ms {nbytes / max(sec, 1e-12) / 1e9:6.2f} GB/s"
+
+    print(
+        f"exchange of {rows[-1]['bytes'] / 1e6:.1f} MB on {ctx.world_size} ranks, {args.device}, "
+        f"collective {args.collective}, buckets of {args.bucket_sizes[0]:g} MB "
+        f"(median of {len(runs) - 1} runs, slowest rank)"
+    )
+    print(f"  {'bucket':>6} {'MB':>7}   {'download':>20}   {'allreduce':>20}   {'upload':>20}")
+    for r in rows:
+        name = "total" if r["bucket"] < 0 else str(r["bucket"])
+        print(
+            f"  {name:>6} {r['bytes'] / 1e6:7.1f}   {cell(r['bytes'], r['download_s'])}   "
+            f"{cell(r['bytes'], r['allreduce_s'])}   {cell(r['bytes'], r['upload_s'])}"
+        )
+    print(
+        "  (total upload: every bucket at once, as a step does; the whole exchange as a step "
+        f"runs it after the backward, sync_gradients: {1e3 * whole_s:.1f} ms)"
+    )
+    print("RESULT " + json.dumps({"buckets": rows, "sync_gradients_s": whole_s}), flush=True)
+
+
+def allreduce_worker(args: argparse.Namespace) -> None:
+    """--allreduce: MPI's sum of --mb of float32, per bucket size and way."""
+    import numpy as np
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    n = int(args.mb * 1e6) // 4
+    buf = np.full(n, comm.rank + 1, np.float32)
+    out = np.empty_like(buf)
+    res = []
+    for bmb in args.bucket_sizes:
+        be = max(1, int(bmb * (1 << 20)) // 4)
+        cuts = [(a, min(n, a + be)) for a in range(0, n, be)]
+        for way in ("allreduce in place", "allreduce out of place", "iallreduce in place"):
+            times = []
+            for _ in range(max(2, args.steps) + 1):
+                comm.Barrier()
+                t0 = time.perf_counter()
+                if way == "allreduce in place":
+                    for a, b in cuts:
+                        comm.Allreduce(MPI.IN_PLACE, buf[a:b], op=MPI.SUM)
+                elif way == "allreduce out of place":
+                    for a, b in cuts:
+                        comm.Allreduce(buf[a:b], out[a:b], op=MPI.SUM)
+                else:
+                    reqs = [comm.Iallreduce(MPI.IN_PLACE, buf[a:b], op=MPI.SUM) for a, b in cuts]
+                    MPI.Request.Waitall(reqs)
+                times.append(time.perf_counter() - t0)
+                buf.fill(comm.rank + 1)  # the same values every time (no overflow)
+            sec = max(comm.allgather(statistics.median(times[1:])))
+            res.append({"bucket_mb": bmb, "way": way, "s": sec, "gb_s": 4 * n / sec / 1e9})
+    if comm.rank == 0:
+        print("RESULT " + json.dumps(res), flush=True)
+
+
 def _mpiexec() -> str:
     beside = Path(sys.executable).parent / "mpiexec"
     exe = str(beside) if beside.is_file() else shutil.which("mpiexec")
@@ -167,9 +324,9 @@ def _mpiexec() -> str:
     return exe
 
 
-def _run(args: argparse.Namespace, n: int, argv: list[str]) -> dict:
+def _run(args: argparse.Namespace, n: int, argv: list[str], extra_env: dict | None = None) -> Any:
     cmd = [_mpiexec(), "-n", str(n), sys.executable, str(HERE), "--worker", *argv]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), **(extra_env or {}))
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -177,6 +334,8 @@ def _run(args: argparse.Namespace, n: int, argv: list[str]) -> dict:
     for line in r.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
+        if args.exchange_only:  # its table
+            print(line)
     sys.exit(f"bench/dist.py: {n} ranks failed (exit {r.returncode}):\n{r.stdout}\n{r.stderr}")
 
 
@@ -193,13 +352,43 @@ def _without(argv: list[str], flag: str) -> list[str]:
     return out
 
 
+def allreduce_main(args: argparse.Namespace, argv: list[str], load: float) -> None:
+    print(
+        f"MPI sum of {args.mb:g} MB float32 on {args.nproc} ranks, load {load:.1f} "
+        f"(median of {max(2, args.steps)} runs, slowest rank)"
+    )
+    argv = _without(argv, "--cvar")
+    out = []
+    for cvar in [""] + args.cvar:
+        env = dict([cvar.split("=", 1)]) if cvar else {}
+        for r in _run(args, args.nproc, argv, env):
+            r["cvar"] = cvar
+            out.append(r)
+            print(
+                f"  {cvar or 'defaults':<44} bucket {r['bucket_mb']:6g} MB  {r['way']:<24} "
+                f"{1e3 * r['s']:9.1f} ms {r['gb_s']:6.2f} GB/s"
+            )
+    print("JSON " + json.dumps({"allreduce": out, "load": load}))
+
+
 def main() -> None:
     args = _args()
     if args.worker:
-        worker(args)
+        if args.allreduce:
+            allreduce_worker(args)
+        else:
+            worker(args)
         return
     argv = [a for a in sys.argv[1:] if a != "--worker"]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    if args.allreduce:
+        allreduce_main(args, argv, load)
+        return
+    if args.exchange_only:
+        print(f"recurra_dist exchange: {args.model} on {args.device}, load {load:.1f}")
+        res = _run(args, args.nproc, _without(argv, "--overlap"))
+        print("JSON " + json.dumps({**res, "load": load}))
+        return
     print(
         f"recurra_dist: {args.model} on {args.device}, {args.batch} x {args.seq_len} tokens per "
         f"rank, {args.steps} timed steps, {args.threads} thread(s) per rank, load {load:.1f}"

@@ -222,3 +222,77 @@ def test_device_splits_are_cut_where_a_group_completes(recorder_for, vulkan) -> 
         assert ps[i].grad is not None
         assert rec.values[i].tobytes() == ps[i].grad.numpy().tobytes()
     _check_packed(rec)
+
+
+@pytest.mark.vulkan
+def test_an_asynchronous_read_waits_for_the_copy_in_flight(recorder_for, vulkan, monkeypatch):
+    """On a device with asynchronous reads the backward is submitted whole and the groups
+    are reported while it runs: a read waits for the part that copies its gradients (here
+    the first layer's, behind a long chain), never giving the copy of the step before."""
+    from recurra import _core
+
+    assert _core.has_async_reads(vulkan)
+    rng = np.random.default_rng(5)
+    width, rows, depth = 96, 256, 24
+    mix = rc.tensor(rng.standard_normal((width, width)).astype(np.float32) / np.sqrt(width), vulkan)
+    ps = [
+        rc.param(rng.standard_normal((D, width)).astype(np.float32) * 0.3, device=vulkan),
+        rc.param(rng.standard_normal((width, 1)).astype(np.float32) * 0.3, device=vulkan),
+    ]
+
+    def loss(x: rc.Tensor, y: rc.Tensor) -> rc.Tensor:
+        h = ops.tanh(x @ ps[0])
+        for _ in range(depth):  # the long part between the two gradients
+            h = ops.tanh(h @ mix)
+        return ops.mean(ops.sqr(h @ ps[1] - y))
+
+    rec = recorder_for(ps, [[0], [1]])
+    seen = []
+    for seed in (11, 12, 13):
+        x = rng.standard_normal((rows, D)).astype(np.float32)
+        y = rng.standard_normal((rows, 1)).astype(np.float32)
+        for p in ps:
+            p.grad = None
+        rec.events = []
+        loss(rc.tensor(x, vulkan), rc.tensor(y, vulkan)).backward()
+        assert rec.events == ["begin", 1, 0, "end"]
+        for i in (0, 1):
+            assert rec.values[i].tobytes() == ps[i].grad.numpy().tobytes(), (seed, i)
+        seen.append(rec.values[0].copy())
+        # the same backward read synchronously gives the same bits
+        monkeypatch.setenv("RECURRA_ASYNC_READS", "0")
+        for p in ps:
+            p.grad = None
+        loss(rc.tensor(x, vulkan), rc.tensor(y, vulkan)).backward()
+        monkeypatch.delenv("RECURRA_ASYNC_READS")
+        assert rec.values[0].tobytes() == seen[-1].tobytes()
+    # each step's own gradient, not one kept from the step before
+    assert not np.array_equal(seen[0], seen[1]) and not np.array_equal(seen[1], seen[2])
+
+
+def test_device_buffer_misuse_raises() -> None:
+    with pytest.raises(ValueError, match="unknown or unavailable device backend"):
+        rc.DeviceBuffer("cpu", 16, "host")
+    from recurra import _core
+
+    assert not _core.has_async_reads("cpu") and not _core.has_async_reads("nonesuch")
+
+
+@pytest.mark.vulkan
+def test_host_visible_device_buffer(vulkan) -> None:
+    """DeviceBuffer(pool='host'): host-visible memory; what the host writes, a download
+    reads; a device buffer has no host array; a bad pool name is refused."""
+    buf = rc.DeviceBuffer(vulkan, 64, "host")
+    assert buf.host_visible
+    arr = buf.host_array()
+    assert arr.dtype == np.uint8 and arr.shape == (64,)
+    arr[:] = np.arange(64, dtype=np.uint8)
+    out = np.empty(64, np.uint8)
+    buf.download(out)
+    assert out.tolist() == list(range(64))
+    dev = rc.DeviceBuffer(vulkan, 64)
+    assert not dev.host_visible
+    with pytest.raises(ValueError, match="pool='host'"):
+        dev.host_array()
+    with pytest.raises(ValueError, match="pool is"):
+        rc.DeviceBuffer(vulkan, 64, "pinned")

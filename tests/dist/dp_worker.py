@@ -2,9 +2,11 @@
 reference) and run under ``mpiexec`` (the data-parallel runs).
 
     mpiexec -n 2 python dp_worker.py equal OUT.npz [vulkan]   # every case with and without
-                                                             # overlap ("CASE" / "CASE/late")
+                                                             # overlap ("CASE" / "CASE/late"),
+                                                             # sgd with MPI_Allreduce too
     mpiexec -n 2 python dp_worker.py fail {raise,exit,kill,sysexit,hang} OUT_DIR
     mpiexec -n 3 python dp_worker.py train OUT_DIR STEPS [--resume]
+    mpiexec -n 2 python dp_worker.py exchange [vulkan]  # argument checks, profile_exchange()
 
 Rank 0 writes the losses and final weights of every case to the .npz file, with whether the
 ranks ended bit-identical.
@@ -60,6 +62,7 @@ def run(
     device: str = "cpu",
     overlap: bool = True,
     capture: bool = True,
+    collective: str = "auto",
 ) -> tuple[list[float], dict[str, np.ndarray], bool]:
     """Trains ``case`` on ``device`` (``capture``: the Trainer's captured steps); returns
     (losses, final weights, ranks bit-identical).
@@ -75,7 +78,9 @@ def run(
         if recurra_dist.init().rank != 0:  # other weights elsewhere: rank 0's must win
             for p in model.parameters():
                 p.assign_(p.numpy() + 1.0)
-        dp = recurra_dist.DataParallel(model, opt, bucket_mb=0.01, timeout=timeout, overlap=overlap)
+        dp = recurra_dist.DataParallel(
+            model, opt, bucket_mb=0.01, timeout=timeout, overlap=overlap, collective=collective
+        )
     trainer = rm.Trainer(
         model,
         opt,
@@ -112,6 +117,62 @@ def _save(path: str, results: dict[str, tuple[list[float], dict[str, np.ndarray]
     np.savez(path, **flat)
 
 
+def exchange_checks(ctx: Any, device: str) -> None:
+    """DataParallel's argument checks, and profile_exchange(): per bucket and in total,
+    leaving the mean of the ranks' gradients (float32 sum of the gathered gradients times
+    1/N, an independent reference) bitwise as sync_gradients() does."""
+    import recurra_dist
+    import recurra_models as rm
+
+    model, opt = make("sgd", device)
+    for bad in ("allgather", ""):
+        try:
+            recurra_dist.DataParallel(model, opt, collective=bad)
+        except ValueError as e:
+            assert "collective" in str(e), e
+        else:
+            raise AssertionError(f"collective={bad!r} was taken")
+    dp = recurra_dist.DataParallel(model, opt, bucket_mb=0.01, overlap=False)
+    try:
+        dp.profile_exchange()
+    except ValueError as e:
+        assert "no gradient" in str(e), e
+    else:
+        raise AssertionError("profile_exchange without gradients ran")
+    x, y = rm.batch_at(tokens(), BATCH, SEQ, 0, 0)
+    rows = dp.shard(BATCH)
+    n = ctx.world_size
+    mine = []
+    for _ in range(2):
+        model.loss(x[rows], y[rows]).backward()
+        mine.append([np.array(p.grad.numpy(), np.float32) for p in dp.params])
+        if len(mine) == 1:
+            prof = dp.profile_exchange()
+            got = [p.grad.numpy().copy() for p in dp.params]
+        else:
+            dp.sync_gradients()
+            again = [p.grad.numpy().copy() for p in dp.params]
+        dp.zero_grad()
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(mine[0], mine[1]))  # same backward
+    everyone = ctx.comm.allgather(mine[0])
+    for i, g in enumerate(got):
+        total = everyone[0][i].copy()
+        for r in range(1, n):
+            total = total + everyone[r][i]  # float32, rank order (MPICH's order for 2 ranks)
+        ref = total * np.float32(1.0 / n)
+        if n == 2:
+            assert g.tobytes() == ref.tobytes(), i
+        else:
+            np.testing.assert_allclose(g, ref, rtol=1e-6, atol=1e-7)
+        assert g.tobytes() == again[i].tobytes(), i
+    assert len(prof) == len(dp.buckets) + 1 and prof[-1]["bucket"] == -1
+    assert prof[-1]["bytes"] == 4 * sum(int(p.size) for p in dp.params)
+    for row in prof:
+        assert row["download_s"] >= 0 and row["allreduce_s"] > 0 and row["upload_s"] > 0, row
+    if ctx.rank == 0:
+        print("EXCHANGE OK", flush=True)
+
+
 def main(argv: list[str]) -> None:
     import recurra_dist
 
@@ -122,8 +183,13 @@ def main(argv: list[str]) -> None:
         results = {case: run(case, True, device=device) for case in CASES}
         for case in CASES:
             results[f"{case}/late"] = run(case, True, device=device, overlap=False)
+        # MPI_Allreduce instead of the MPI_Iallreduce "auto" takes for these small buckets
+        # (another sum order on 3 ranks: not bitwise)
+        results["sgd/blocking"] = run("sgd", True, device=device, collective="blocking")
         if ctx.rank == 0:
             _save(argv[1], results)
+    elif mode == "exchange":  # [DEVICE]
+        exchange_checks(ctx, ctx.device(argv[1]) if len(argv) > 1 else "cpu")
     elif mode == "fail":
         how, out_dir = argv[1], argv[2]
 

@@ -78,6 +78,17 @@ def test_ranks_match_one_process(mpiexec, tmp_path, reference, n):
         init = run(case, parallel=False, steps=0)[1]
         assert max(_rel(weights[k], init[k]) for k in init) > 1e-4
         _check_overlap(out, case, STEPS)
+    _check_blocking(out, reference["sgd"], n)
+
+
+def _check_blocking(path: Path, ref: tuple, n: int) -> None:
+    """collective="blocking" (MPI_Allreduce) trains what one process trains too, and began
+    every exchange during the backward."""
+    losses, weights, same = _load(path, "sgd/blocking")
+    assert same, f"sgd with MPI_Allreduce: the {n} ranks ended with different weights"
+    worst = _compare(losses, weights, ref)
+    assert worst < RTOL, f"sgd with MPI_Allreduce: {n} ranks differ by {worst:.2e}"
+    assert _overlapped(path, "sgd/blocking") == STEPS
 
 
 @pytest.mark.vulkan
@@ -93,6 +104,17 @@ def test_ranks_on_vulkan_match_one_process_on_vulkan(mpiexec, vulkan, tmp_path):
         print(f"2 ranks on vulkan, {case}: max rel diff {worst:.2e}")
         assert worst < RTOL, f"{case}: 2 ranks differ from one process by {worst:.2e}"
         _check_overlap(out, case, STEPS)
+    _check_blocking(out, run("sgd", parallel=False, device=vulkan), 2)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("vulkan", marks=pytest.mark.vulkan)])
+def test_profile_exchange_and_argument_checks(mpiexec, device, request):
+    """DataParallel refuses an unknown collective; profile_exchange() times every bucket and
+    leaves the mean of the ranks' gradients, bitwise as sync_gradients() (dp_worker.py)."""
+    args = ["exchange"] + ([request.getfixturevalue("vulkan")] if device == "vulkan" else [])
+    r = launch(mpiexec, 2, args)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "EXCHANGE OK" in r.stdout, r.stdout
 
 
 def test_reference_differs_from_a_smaller_batch(reference):

@@ -128,6 +128,45 @@ DeviceBuffer::DeviceBuffer(int backend, size_t nbytes, Pool pool) : backend_(bac
   memory_stats_adjust(pool_, static_cast<int64_t>(nbytes_));
 }
 
+DeviceBuffer::DeviceBuffer(int backend, size_t nbytes, HostVisible)
+    : backend_(backend), nbytes_(nbytes), pool_(Pool::persistent) {
+  BackendEntry& e = backend_entry(backend);
+  if (e.closed) throw StateError(e.name + " was released; allocate on another device");
+  if (!has_async_reads(backend)) throw ValueError(e.name + " has no host-visible buffers (alloc_host)");
+  void* p = nullptr;
+  int st = e.table->alloc_host(e.table->ctx, e.device, nbytes == 0 ? 4 : nbytes, &buf_, &p);
+  check_status(backend, st, "allocating " + std::to_string(nbytes) + " bytes of host-visible memory");
+  if (!p) {
+    e.table->free(e.table->ctx, e.device, buf_);
+    throw StateError(e.name + ": alloc_host returned no host address");
+  }
+  host_ = static_cast<uint8_t*>(p);
+  memory_stats_adjust(pool_, static_cast<int64_t>(nbytes_));
+}
+
+uint8_t* DeviceBuffer::host() const {
+  if (host_) handle();  // raises once the backend was closed
+  return host_;
+}
+
+bool has_async_reads(int id) {
+  if (id <= kCpuBackend || id >= n_backends()) return false;
+  const BackendEntry& e = backend_entry(id);
+  return !e.closed && e.table->alloc_host && e.table->mark && e.table->wait_mark;
+}
+
+uint64_t backend_mark(int id) {
+  const BackendEntry& e = backend_entry(id);
+  uint64_t v = 0;
+  check_status(id, e.table->mark(e.table->ctx, e.device, &v), "mark");
+  return v;
+}
+
+void backend_wait_mark(int id, uint64_t value) {
+  const BackendEntry& e = backend_entry(id);
+  check_status(id, e.table->wait_mark(e.table->ctx, e.device, value), "wait");
+}
+
 DeviceBuffer::~DeviceBuffer() {
   memory_stats_adjust(pool_, -static_cast<int64_t>(nbytes_));
   BackendEntry& e = backend_entry(backend_);

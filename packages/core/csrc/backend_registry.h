@@ -43,6 +43,11 @@ struct DeviceLimits {
   uint64_t memory_bytes = 0;
 };
 DeviceLimits device_limits(int id);
+// Whether backend `id` (a plugin's) has asynchronous reads (alloc_host, mark, wait_mark).
+bool has_async_reads(int id);
+// A value standing for the work submitted to backend `id` so far; waiting for it.
+uint64_t backend_mark(int id);
+void backend_wait_mark(int id, uint64_t value);
 // Raises the exception matching a failed status of backend `id` during `what`.
 void check_status(int id, int status, const std::string& what);
 
@@ -58,6 +63,10 @@ void count_transfer(bool to_device, size_t bytes);
 class DeviceBuffer {
  public:
   DeviceBuffer(int backend, size_t nbytes, Pool pool);
+  // Host-visible memory of the backend (has_async_reads): nodes use it like any buffer, the
+  // host reads and writes it at host().
+  struct HostVisible {};
+  DeviceBuffer(int backend, size_t nbytes, HostVisible);
   ~DeviceBuffer();
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
@@ -68,12 +77,16 @@ class DeviceBuffer {
   bool valid() const;
   void upload(size_t offset, const void* src, size_t n);
   void download(size_t offset, void* dst, size_t n) const;
+  // The host address of host-visible memory (null for device memory; throws when the backend
+  // was closed).
+  uint8_t* host() const;
 
  private:
   int backend_;
   size_t nbytes_;
   Pool pool_;
   recurra_buffer buf_{};
+  uint8_t* host_ = nullptr;
 };
 
 }  // namespace recurra

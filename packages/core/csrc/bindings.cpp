@@ -355,8 +355,25 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init([](const std::string& backend, size_t nbytes, const std::string& pool) {
              int b = find_backend(backend);
              if (b <= 0) throw ValueError("unknown or unavailable device backend '" + backend + "'");
+             if (pool == "host") return std::make_shared<DeviceBuffer>(b, nbytes, DeviceBuffer::HostVisible{});
+             if (pool != "transient" && pool != "persistent")
+               throw ValueError("DeviceBuffer: pool is 'persistent', 'transient' or 'host', not '" + pool + "'");
              return std::make_shared<DeviceBuffer>(b, nbytes, pool == "transient" ? Pool::transient : Pool::persistent);
-           }), py::arg("backend"), py::arg("nbytes"), py::arg("pool") = "persistent")
+           }), py::arg("backend"), py::arg("nbytes"), py::arg("pool") = "persistent",
+           "Memory on a device backend; pool='host': host-visible memory (where the backend has "
+           "asynchronous reads) that the host reads and writes through host_array().")
+      .def_property_readonly("host_visible", [](const DeviceBuffer& b) { return b.host() != nullptr; })
+      .def(
+          "host_array",
+          [](std::shared_ptr<DeviceBuffer> b) {
+            uint8_t* p = b->host();
+            if (!p) throw ValueError("host_array: this buffer is device memory (make it with pool='host')");
+            // A uint8 view of the memory that keeps the buffer alive.
+            return py::array(py::dtype::of<uint8_t>(), {static_cast<py::ssize_t>(b->nbytes())}, {1}, p,
+                             py::cast(b));
+          },
+          "The buffer's bytes as a writable uint8 numpy array (host-visible buffers only; valid "
+          "while the backend is open). A compute submitted after a host write reads it.")
       .def_property_readonly("nbytes", &DeviceBuffer::nbytes)
       .def_property_readonly("backend", [](const DeviceBuffer& b) { return backend_name(b.backend()); })
       .def_property_readonly("valid", &DeviceBuffer::valid)
@@ -386,6 +403,15 @@ PYBIND11_MODULE(_core, m) {
     close_backend(b, shutdown);
   }, py::arg("name"), py::arg("shutdown") = false);
   m.def("backend_abi_version", [] { return RECURRA_BACKEND_ABI_VERSION; });
+  m.def(
+      "has_async_reads",
+      [](const std::string& name) {
+        const int b = find_backend(name);
+        return b > 0 && has_async_reads(b);
+      },
+      py::arg("backend"),
+      "Whether a device backend reads reported gradients asynchronously (Graph.compute_reporting) "
+      "and offers host-visible buffers (DeviceBuffer(pool='host')).");
   m.def("transfer_stats", [] {
     TransferStats t = transfer_stats();
     py::dict d;

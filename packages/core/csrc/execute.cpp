@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <deque>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -83,6 +84,13 @@ void run_in_f32(KernelCtx& ctx, const std::function<void(KernelCtx&)>& kernel) {
   }
 }
 
+// Whether a compute reporting groups reads them asynchronously on `backend` (see
+// Graph::compute; RECURRA_ASYNC_READS=0 turns it off).
+bool async_reads_on(int backend) {
+  const char* v = std::getenv("RECURRA_ASYNC_READS");
+  if (v && std::strcmp(v, "0") == 0) return false;
+  return has_async_reads(backend);
+}
 }  // namespace
 
 void Graph::bind(int id, void* data) {
@@ -214,10 +222,11 @@ const std::unordered_map<int, Scatter>* merged_adds(const Graph* g) {
 
 }  // namespace
 
-void Graph::run_device_split(const Placement::Split& sp, size_t begin, size_t end) {
+void Graph::run_device_split(const Placement::Split& sp, size_t begin, size_t end,
+                             const std::vector<recurra_node_desc>& extra, bool wait) {
   const BackendEntry& e = backend_entry(sp.backend);
   if (e.closed) throw StateError(e.name + " was released; rebuild the graph on another device");
-  if (begin >= end) return;
+  if (begin >= end && extra.empty()) return;
   const OpTable& tab = OpTable::get();
   const std::unordered_map<int, Scatter>* merged = merged_adds(this);
   std::vector<recurra_node_desc> descs;
@@ -262,9 +271,10 @@ void Graph::run_device_split(const Placement::Split& sp, size_t begin, size_t en
     d.fp = nd.fp.data();
     descs.push_back(d);
   }
+  descs.insert(descs.end(), extra.begin(), extra.end());
   check_status(sp.backend, e.table->compute(e.table->ctx, e.device, descs.data(), static_cast<int32_t>(descs.size())),
                "compute");
-  check_status(sp.backend, e.table->synchronize(e.table->ctx, e.device), "synchronize");
+  if (wait) check_status(sp.backend, e.table->synchronize(e.table->ctx, e.device), "synchronize");
 }
 
 void Graph::check_ready() const {
@@ -334,6 +344,11 @@ void Graph::compute(const std::vector<std::vector<int>>& groups, const std::func
   plan();
   check_ready();
   make_own_buffers();
+  staged_at_.clear();
+  struct Unstage {  // staged values are read only while their compute reports
+    std::unordered_map<int, std::pair<int, size_t>>& at;
+    ~Unstage() { at.clear(); }
+  } unstage{staged_at_};
   // fire[p]: the groups whose nodes are all final once the first p nodes (in the order the
   // splits run them) are computed. A view is final with its base, a leaf at once; a node
   // that runs in no split (merged away) counts as final at the end.
@@ -372,19 +387,53 @@ void Graph::compute(const std::vector<std::vector<int>>& groups, const std::func
       mr.filled = (nodes_[mr.base].flags & kConst) != 0;
     }
     if (sp.backend != kCpuBackend) {
-      // In parts ending where a group completes: each part is computed and waited for,
-      // then its groups are reported.
+      // In parts ending where a group completes. Synchronous: each part is computed and
+      // waited for, then its groups are reported. Asynchronous reads: each part also copies
+      // the nodes of the groups it completes into their host-visible buffers and is not
+      // waited for; a part's groups are reported once kAheadParts more parts are submitted
+      // (the device has work while the host reads and uses them), the last ones at the end
+      // of the split. (A backend may hold back a submission until an older one is done:
+      // recurra_vulkan keeps 4 in flight; reporting later would find the device idle.)
+      constexpr size_t kAheadParts = 3;
       const int64_t first = done;  // the split's first node's position
+      const bool async = !fire.empty() && async_reads_on(sp.backend);
+      std::deque<std::pair<size_t, int>> fired;  // async: (part, group) not yet reported
+      size_t parts = 0;
       size_t begin = 0;
       for (size_t k = 0; k < sp.nodes.size(); ++k) {
         const bool cut = !fire.empty() && !fire[first + static_cast<int64_t>(k) + 1].empty();
         if (!cut && k + 1 < sp.nodes.size()) continue;
         const auto t0 = std::chrono::steady_clock::now();
-        run_device_split(sp, begin, k + 1);
+        if (async) {
+          std::vector<recurra_node_desc> copies;
+          const auto& now = fire[first + static_cast<int64_t>(k) + 1];
+          for (int g : now) stage_group(g, groups[g], sp.backend, copies);
+          run_device_split(sp, begin, k + 1, copies, false);
+          const uint64_t m = backend_mark(sp.backend);
+          for (int g : now) {
+            staged_[g].mark = m;
+            staged_[g].waited = false;
+            fired.push_back({parts, g});
+          }
+          ++parts;
+          while (!fired.empty() && fired.front().first + kAheadParts < parts) {
+            const int g = fired.front().second;
+            fired.pop_front();
+            ready(g);
+          }
+        } else {
+          run_device_split(sp, begin, k + 1);
+        }
         if (profile_enabled()) profile_record(backend_name(sp.backend) + " split", elapsed_ns(t0));
         done = first + static_cast<int64_t>(k + 1);
         begin = k + 1;
-        report();
+        if (!async) report();
+      }
+      if (async) {
+        for (const auto& [part, g] : fired) ready(g);
+        staged_at_.clear();
+        const BackendEntry& e = backend_entry(sp.backend);
+        check_status(sp.backend, e.table->synchronize(e.table->ctx, e.device), "synchronize");
       }
       continue;
     }
@@ -420,6 +469,10 @@ void Graph::compute(const std::vector<std::vector<int>>& groups, const std::func
 void Graph::read(int id, void* out) {
   const Node& n = node(id);
   plan();
+  if (const uint8_t* staged = staged_bytes(id)) {
+    std::memcpy(out, staged, n.nbytes());
+    return;
+  }
   const int base = n.is_view() ? n.view_base : id;
   const int loc = location(base);
   const size_t esz = dtype_size(n.dtype);
@@ -483,6 +536,43 @@ recurra_node_desc dense_copy(const Node& n, const recurra_tensor_desc& src, cons
 
 }  // namespace
 
+void Graph::stage_group(int k, const std::vector<int>& group, int backend, std::vector<recurra_node_desc>& descs) {
+  // The group's nodes computed on `backend` (leaves and nodes elsewhere are read directly).
+  std::vector<int> ids;
+  size_t bytes = 0;
+  for (int id : group) {
+    const Node& n = node(id);
+    const int base = n.is_view() ? n.view_base : id;
+    if (n.numel() == 0 || nodes_[base].is_leaf() || location(base) != backend || staged_at_.count(id)) continue;
+    ids.push_back(id);
+    bytes += n.nbytes();
+  }
+  if (staged_.size() <= static_cast<size_t>(k)) staged_.resize(static_cast<size_t>(k) + 1);
+  Staged& st = staged_[k];
+  if (ids.empty()) return;
+  if (!st.buf || st.buf->backend() != backend || st.buf->nbytes() != bytes || !st.buf->valid())
+    st.buf = std::make_shared<DeviceBuffer>(backend, bytes, DeviceBuffer::HostVisible{});
+  size_t at = 0;
+  for (int id : ids) {
+    const Node& n = nodes_[id];
+    check_own_held(memory_owner(plan_, n.is_view() ? n.view_base : id), "read");
+    descs.push_back(dense_copy(n, desc_on(id, backend), *st.buf, at));
+    staged_at_[id] = {k, at};
+    at += n.nbytes();
+  }
+}
+
+const uint8_t* Graph::staged_bytes(int id) {
+  const auto it = staged_at_.find(id);
+  if (it == staged_at_.end()) return nullptr;
+  Staged& st = staged_[it->second.first];
+  if (!st.waited) {
+    backend_wait_mark(st.buf->backend(), st.mark);
+    st.waited = true;
+  }
+  return st.buf->host() + it->second.second;
+}
+
 void Graph::read_packed(const std::vector<int>& ids, void* out) {
   plan();
   auto* dst = static_cast<uint8_t*>(out);
@@ -492,7 +582,7 @@ void Graph::read_packed(const std::vector<int>& ids, void* out) {
     const Node& n = node(id);
     const int base = n.is_view() ? n.view_base : id;
     const int loc = location(base);
-    if (loc == kCpuBackend || n.numel() == 0)
+    if (loc == kCpuBackend || n.numel() == 0 || staged_bytes(id))
       read(id, dst + off);
     else
       by_backend[loc].push_back({id, off});

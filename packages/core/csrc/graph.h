@@ -313,8 +313,15 @@ class Graph {
   // Runs every non-leaf node on the CPU, in order. Raises if a leaf is unbound.
   void compute() { compute({}, nullptr); }
   // The same, calling ready(k) as soon as every node of groups[k] holds its final value
-  // while the rest still runs (a device split is cut there: its first part is computed and
-  // waited for first). Groups are reported in the order they complete (ties: by index).
+  // while the rest still runs (a device split is cut there). Groups are reported in the
+  // order they complete (ties: by index).
+  // On a backend with asynchronous reads (has_async_reads; RECURRA_ASYNC_READS=0 turns them
+  // off), the part of the split that completes a group also copies the group's nodes into a
+  // host-visible buffer of the graph (kept for the next compute), and no part is waited for;
+  // a part's groups are reported a few parts later (the device keeps work queued), and while
+  // ready(k) runs, read() and read_packed() of a node of a reported group wait for the part
+  // that copied it only (the device runs on with the rest). Elsewhere each part is computed
+  // and waited for before its groups are reported.
   void compute(const std::vector<std::vector<int>>& groups, const std::function<void(int)>& ready);
 
   // Whether node n (inferred, need not be in the graph yet) runs as it is where it would be
@@ -356,7 +363,16 @@ class Graph {
   void fill_mirror(const Placement::Mirror& m);
   void make_own_buffers();  // compute(): memory for the kOwnMemory nodes that hold none
   void check_own_held(int id, const char* what) const;  // raises if a taken result is read
-  void run_device_split(const Placement::Split& sp, size_t begin, size_t end);
+  // Runs nodes [begin, end) of a device split, then the `extra` nodes; waits for them unless
+  // !wait.
+  void run_device_split(const Placement::Split& sp, size_t begin, size_t end,
+                        const std::vector<recurra_node_desc>& extra = {}, bool wait = true);
+  // Asynchronous reads (see compute()): appends to `descs` the copies of group k's nodes on
+  // `backend` into its host-visible buffer and records where each one lands.
+  void stage_group(int k, const std::vector<int>& group, int backend, std::vector<recurra_node_desc>& descs);
+  // The bytes of node id staged by the compute now reporting (its part waited for first), or
+  // null when it was not staged.
+  const uint8_t* staged_bytes(int id);
 
   std::vector<Node> nodes_;
   MemoryPlan plan_;
@@ -370,6 +386,13 @@ class Graph {
   size_t arena_capacity_ = 0;
   uint64_t generation_ = 1;
   int cur_segment_ = 0;
+  struct Staged {  // a group's host-visible copy (asynchronous reads)
+    std::shared_ptr<DeviceBuffer> buf;
+    uint64_t mark = 0;  // the backend's mark after the part that fills it
+    bool waited = false;
+  };
+  std::vector<Staged> staged_;                                  // per group, kept
+  std::unordered_map<int, std::pair<int, size_t>> staged_at_;  // node -> (group, byte offset)
 };
 
 // ---- helpers for ops ------------------------------------------------------------

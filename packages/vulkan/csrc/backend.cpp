@@ -142,6 +142,24 @@ int t_synchronize(void*, int device) {
   return guarded([&](Backend& b) { b.device(device).synchronize(); });
 }
 
+int t_alloc_host(void*, int device, size_t nbytes, recurra_buffer* out, void** host) {
+  return guarded([&](Backend& b) {
+    if (!out || !host) fail_invalid("alloc_host: null output");
+    *out = b.device(device).alloc_host(nbytes, host);
+  });
+}
+
+int t_mark(void*, int device, uint64_t* value) {
+  return guarded([&](Backend& b) {
+    if (!value) fail_invalid("mark: null output");
+    *value = b.device(device).mark();
+  });
+}
+
+int t_wait_mark(void*, int device, uint64_t value) {
+  return guarded([&](Backend& b) { b.device(device).wait_mark(value); });
+}
+
 const char* t_get_last_error(void*) {
   Backend& b = backend();
   std::lock_guard<std::mutex> lk(b.mu);
@@ -171,6 +189,9 @@ recurra_backend_table g_table = {
     t_synchronize,
     t_get_last_error,
     t_shutdown,
+    t_alloc_host,
+    t_mark,
+    t_wait_mark,
 };
 
 }  // namespace

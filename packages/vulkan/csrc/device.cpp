@@ -595,6 +595,26 @@ void Device::synchronize() {
   wait_all();
 }
 
+recurra_buffer Device::alloc_host(size_t nbytes, void** host) {
+  check_lost();
+  uint8_t* p = nullptr;
+  const recurra_buffer b = memory_->alloc_host(nbytes, &p);
+  if (host) *host = p;
+  return b;
+}
+
+void Device::wait_mark(uint64_t value) {
+  check_lost();
+  if (value >= next_serial_)
+    fail_invalid("wait_mark: " + std::to_string(value) + " names no submission yet (the last is " +
+                 std::to_string(next_serial_ - 1) + ")");
+  std::vector<Submission*> order;
+  for (auto& s : subs_)
+    if (s->pending && s->serial <= value) order.push_back(s.get());
+  std::sort(order.begin(), order.end(), [](Submission* a, Submission* b) { return a->serial < b->serial; });
+  for (Submission* s : order) wait(*s);
+}
+
 // ---- memory and copies ------------------------------------------------------------------
 
 recurra_buffer Device::alloc(size_t nbytes, bool persistent) {

@@ -9,6 +9,9 @@
 // - copy_in() and copy_out() first wait for all submitted work, then copy synchronously: a
 //   buffer read or written by a pending compute is never raced, and a copy_out sees the
 //   results of every compute submitted before it.
+// - mark() names the work submitted so far; wait_mark() waits for that work only, while
+//   later submissions run on (a download recorded into host-visible memory, alloc_host,
+//   by a compute is read once its mark is waited for).
 // - free() may be called while work using the buffer is in flight: memory is only reused
 //   by later submissions on the same queue (ordered by a barrier at the start of every
 //   command buffer) and blocks go back to the driver only after a wait.
@@ -145,6 +148,13 @@ class Device {
   void compute(const recurra_node_desc* nodes, int32_t n, const std::function<void()>& validate,
                const std::function<void(Recorder&)>& record);
   void synchronize();
+  // Host-visible memory for nodes (DeviceMemory::alloc_host); *host: its address.
+  recurra_buffer alloc_host(size_t nbytes, void** host);
+  // The serial of the last submission: waiting for it (wait_mark) waits for everything
+  // submitted so far and nothing submitted later.
+  uint64_t mark() const { return next_serial_ - 1; }
+  // Waits for the pending submissions of serial <= value, oldest first; later ones run on.
+  void wait_mark(uint64_t value);
 
   // --- used by the recorder and the ops ------------------------------------------------------
   VkDevice vk() const { return dev_; }

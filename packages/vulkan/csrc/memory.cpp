@@ -99,7 +99,7 @@ size_t DeviceMemory::block_count() const {
   return n;
 }
 
-uint32_t DeviceMemory::new_block(VkDeviceSize size, int pool, bool dedicated, VkDeviceSize asked) {
+uint32_t DeviceMemory::new_block(VkDeviceSize size, int pool, bool dedicated, VkDeviceSize asked, bool host) {
   if (size > max_allocation_) out_of_memory(pool, asked, "one buffer cannot be that large");
   const uint64_t limit = memory_limit_env();
   if (limit && reserved_ + size > limit)
@@ -108,6 +108,7 @@ uint32_t DeviceMemory::new_block(VkDeviceSize size, int pool, bool dedicated, Vk
   b.size = size;
   b.pool = pool;
   b.dedicated = dedicated;
+  b.host = host;
   VkBufferCreateInfo bi{VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO};
   bi.size = size;
   bi.usage = VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | VK_BUFFER_USAGE_TRANSFER_SRC_BIT |
@@ -134,7 +135,10 @@ uint32_t DeviceMemory::new_block(VkDeviceSize size, int pool, bool dedicated, Vk
     const bool visible = (f & VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT) && (f & VK_MEMORY_PROPERTY_HOST_COHERENT_BIT);
     const bool cached = f & VK_MEMORY_PROPERTY_HOST_CACHED_BIT;
     int score = 0;
-    if (host_visible_preferred_)
+    if (host) {
+      if (!visible) continue;
+      score = (cached ? 2 : 0) + (local ? 0 : 1);  // host RAM the CPU reads fast, not the BAR
+    } else if (host_visible_preferred_)
       score = (local ? 4 : 0) + (visible ? 2 : 0) + (cached ? 1 : 0);
     else
       score = (local ? 4 : 0) + (visible ? 0 : 2);
@@ -169,7 +173,7 @@ uint32_t DeviceMemory::new_block(VkDeviceSize size, int pool, bool dedicated, Vk
   try {
     vk_check(vkBindBufferMemory(dev_, b.buffer, b.memory, 0), "vkBindBufferMemory");
     if ((f & VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT) && (f & VK_MEMORY_PROPERTY_HOST_COHERENT_BIT) &&
-        host_visible_preferred_) {
+        (host_visible_preferred_ || host)) {
       void* p = nullptr;
       vk_check(vkMapMemory(dev_, b.memory, 0, VK_WHOLE_SIZE, 0, &p), "vkMapMemory");
       b.mapped = static_cast<uint8_t*>(p);
@@ -205,7 +209,7 @@ Allocation DeviceMemory::take(VkDeviceSize nbytes, int pool) {
       uint32_t id = UINT32_MAX;
       for (uint32_t i = 0; i < blocks_.size(); ++i) {
         const Block& b = blocks_[i];
-        if (b.memory && b.dedicated && b.used == 0 && b.size >= size && b.size <= size + size / 4 &&
+        if (b.memory && b.dedicated && !b.host && b.used == 0 && b.size >= size && b.size <= size + size / 4 &&
             (id == UINT32_MAX || b.size < blocks_[id].size))
           id = i;
       }
@@ -236,7 +240,7 @@ Allocation DeviceMemory::take(VkDeviceSize nbytes, int pool) {
   }
   for (uint32_t i = 0; best_block == UINT32_MAX && i < blocks_.size(); ++i) {
     Block& b = blocks_[i];
-    if (b.memory && !b.dedicated && b.used == 0 && b.size >= size) {
+    if (b.memory && !b.dedicated && !b.host && b.used == 0 && b.size >= size) {
       b.pool = pool;
       best_block = i, best_off = 0, best_size = b.size;
     }
@@ -280,7 +284,41 @@ bool DeviceMemory::give_back(const Allocation& a) {
 
 recurra_buffer DeviceMemory::alloc(size_t nbytes, bool persistent) {
   if (nbytes == 0) fail_invalid("alloc: a buffer needs at least one byte");
-  Allocation a = take(nbytes, persistent ? kPersistent : kTransient);
+  const Allocation a = take(nbytes, persistent ? kPersistent : kTransient);
+  const uint32_t slot = slot_for(a);
+  recurra_buffer out;
+  out.handle = slot + 1;
+  out.generation = slots_[slot].generation;
+  out.nbytes = nbytes;
+  return out;
+}
+
+recurra_buffer DeviceMemory::alloc_host(size_t nbytes, uint8_t** mapped) {
+  if (nbytes == 0) fail_invalid("alloc_host: a buffer needs at least one byte");
+  const VkDeviceSize size = align_up(static_cast<VkDeviceSize>(nbytes), kAlign);
+  if (const uint64_t limit = memory_limit_env(); limit && in_use_ + size > limit)
+    out_of_memory(kPersistent, nbytes, "RECURRA_VK_MEMORY_LIMIT_MB caps what recurra uses at " + bytes_str(limit));
+  const uint32_t id = new_block(size, kPersistent, true, nbytes, true);
+  Block& b = blocks_[id];
+  if (!b.mapped) {
+    destroy_block(b);
+    fail(RECURRA_ERR_UNSUPPORTED, "alloc_host: this device has no host-visible, host-coherent memory");
+  }
+  b.free.clear();
+  b.used = size;
+  in_use_ += size;
+  pool_in_use_[kPersistent] += size;
+  pool_peak_[kPersistent] = std::max(pool_peak_[kPersistent], pool_in_use_[kPersistent]);
+  const uint32_t slot = slot_for({id, 0, size, nbytes});
+  if (mapped) *mapped = b.mapped;
+  recurra_buffer out;
+  out.handle = slot + 1;
+  out.generation = slots_[slot].generation;
+  out.nbytes = nbytes;
+  return out;
+}
+
+uint32_t DeviceMemory::slot_for(const Allocation& a) {
   uint32_t slot;
   if (!free_slots_.empty()) {
     slot = free_slots_.back();
@@ -291,11 +329,7 @@ recurra_buffer DeviceMemory::alloc(size_t nbytes, bool persistent) {
   }
   slots_[slot].a = a;
   slots_[slot].generation = next_generation_++;
-  recurra_buffer out;
-  out.handle = slot + 1;
-  out.generation = slots_[slot].generation;
-  out.nbytes = nbytes;
-  return out;
+  return slot;
 }
 
 const Allocation& DeviceMemory::lookup(const recurra_buffer& b, const char* what) const {
@@ -329,7 +363,7 @@ bool DeviceMemory::release_empty_blocks(bool all) {
   for (int pass = 0; pass < 2 && !all; ++pass)
     for (size_t k = blocks_.size(); k-- > 0;) {
       const Block& b = blocks_[k];
-      if (!b.memory || b.used != 0 || b.dedicated != (pass == 1)) continue;
+      if (!b.memory || b.used != 0 || b.host || b.dedicated != (pass == 1)) continue;
       if (kept + b.size <= keep_bytes_) kept += b.size, keep[k] = 1;
     }
   for (size_t k = blocks_.size(); k-- > 0;) {

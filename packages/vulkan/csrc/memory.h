@@ -55,6 +55,10 @@ class DeviceMemory {
   // Frees a live handle (throws when stale). Returns true when a block became empty and
   // can be released with release_empty_blocks() once the GPU no longer uses it.
   bool free(const recurra_buffer& b);
+  // A buffer in host-visible, host-coherent memory (host-cached where the device offers
+  // it): a dedicated block the shaders reach like any other buffer and the host reads and
+  // writes through `*mapped` (recurra_backend_table::alloc_host). Freed with free().
+  recurra_buffer alloc_host(size_t nbytes, uint8_t** mapped);
   // Internal memory (scratch of multi-pass ops), not reachable through handles.
   Allocation alloc_internal(size_t nbytes);
   bool free_internal(const Allocation& a);
@@ -104,6 +108,7 @@ class DeviceMemory {
     VkDeviceSize size = 0, used = 0;
     int pool = kTransient;
     bool dedicated = false;  // made for one large buffer
+    bool host = false;       // alloc_host's: host memory, never handed to another buffer
     std::map<VkDeviceSize, VkDeviceSize> free;  // offset -> size, coalesced
   };
   struct Slot {
@@ -114,7 +119,9 @@ class DeviceMemory {
   Allocation take(VkDeviceSize size, int pool);
   bool give_back(const Allocation& a);
   // asked: the bytes the caller asked for (what an out-of-memory message reports).
-  uint32_t new_block(VkDeviceSize size, int pool, bool dedicated, VkDeviceSize asked);
+  // host: host-visible, host-coherent memory (cached preferred), always mapped.
+  uint32_t new_block(VkDeviceSize size, int pool, bool dedicated, VkDeviceSize asked, bool host = false);
+  uint32_t slot_for(const Allocation& a);  // a new handle slot holding `a`
   [[noreturn]] void out_of_memory(int pool, VkDeviceSize asked, const std::string& why) const;
   void destroy_block(Block& b);
 

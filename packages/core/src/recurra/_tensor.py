@@ -441,6 +441,9 @@ class GradientListener(Protocol):
     ``read([i, j, ...], out)`` those of several parameters one after the other (on a
     device: packed there, one download). It must not compute tensors.
     Groups are reported in the order they complete. ``end()``: the gradients are in ``.grad``.
+    On a device with asynchronous reads (``recurra._core.has_async_reads``) the backward is
+    submitted whole, each part copying the groups it completes to host-visible memory, and
+    the groups are reported while the device runs: ``read`` waits for its group's copy only.
     """
 
     params: list[Tensor]

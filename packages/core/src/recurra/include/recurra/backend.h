@@ -29,8 +29,10 @@ extern "C" {
  * 5: dtypes RECURRA_BF16 and RECURRA_F16 (2 bytes an element; strides still count
  *    elements, offsets bytes); the op "cast"; RECURRA_OPS_HALF in op_spec.h lists the ops
  *    that take them. A backend without kernels for them answers supports_op = 0 for a node
- *    with such a tensor (the core then runs it on the CPU, or refuses under strict placement) */
-#define RECURRA_BACKEND_ABI_VERSION 5
+ *    with such a tensor (the core then runs it on the CPU, or refuses under strict placement)
+ * 6: optional alloc_host, mark and wait_mark (asynchronous reads: a compute copies values
+ *    into host-visible memory, the host waits for that submission only) */
+#define RECURRA_BACKEND_ABI_VERSION 6
 #define RECURRA_MAX_DIMS 4
 #define RECURRA_MAX_SRC 12
 
@@ -131,6 +133,17 @@ typedef struct recurra_backend_table {
   const char* (*get_last_error)(void* ctx);
   /* (optional) Releases everything; the table must not be used afterwards. */
   void (*shutdown)(void* ctx);
+
+  /* (optional, ABI 6; all three or none) Asynchronous reads.
+   * alloc_host: a buffer in host-visible, host-coherent memory (host-cached where the device
+   * has it) that nodes may read and write like any buffer; *host: its address, valid until it
+   * is freed (with free()). What a compute writes there is visible at *host once the compute's
+   * mark was waited for; what the host writes there before a compute call, that compute reads.
+   * mark: a value standing for all work submitted so far (compute calls included).
+   * wait_mark: waits until the work that `value` stands for is done, not for later work. */
+  int (*alloc_host)(void* ctx, int device, size_t nbytes, recurra_buffer* out, void** host);
+  int (*mark)(void* ctx, int device, uint64_t* value);
+  int (*wait_mark)(void* ctx, int device, uint64_t value);
 } recurra_backend_table;
 
 #ifdef __cplusplus
