@@ -83,7 +83,11 @@ def test_graph_of_3_gib_intermediates_matches_numpy(vulkan: str) -> None:
     # ~3 GiB of intermediates: the arena (past one 2 GiB allocation) and x's gradient, which
     # has memory of its own (elementwise nodes write over sources that die there)
     assert plan["arena_bytes"] + plan["own_bytes"] > 2.5 * GiB
-    assert len(check_segments(plan, vk_info()["max_buffer_bytes"])) >= 2
+    # the arena in segments of at most one allocation each: several where it passes one
+    # (lavapipe's 2 GiB; an H200 allocates 4 GiB at once)
+    limit = vk_info()["max_buffer_bytes"]
+    segments = check_segments(plan, limit)
+    assert len(segments) >= (2 if plan["arena_bytes"] > limit else 1)
     g.compute()
 
     n = rows * cols

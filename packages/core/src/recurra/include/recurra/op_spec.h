@@ -47,7 +47,7 @@
   A(LOG, 5, rc_log(x), 1.0f / x)                                                               \
   A(CLAMP, 7, rc_isnan(x) ? x : rc_min(rc_max(x, p0), p1), /* fp: min, max */                  \
     (x >= p0 && x <= p1) ? 1.0f : (rc_isnan(x) ? x : 0.0f))                                    \
-  A(RELU, 8, rc_relu(x), x > 0.0f ? 1.0f : (x <= 0.0f ? 0.0f : x))                              \
+  A(RELU, 8, rc_relu(x), rc_isnan(x) ? x : (x > 0.0f ? 1.0f : 0.0f))                            \
   A(SILU, 9, x * rc_sigmoid(x), rc_sigmoid(x) * (1.0f + x * (1.0f - rc_sigmoid(x))))           \
   A(GELU, 10, 0.5f * x * (1.0f + rc_erf(x * 0.70710678118654752f)), /* exact: x Phi(x) */      \
     0.5f * (1.0f + rc_erf(x * 0.70710678118654752f)) +                                         \
@@ -58,7 +58,8 @@
   A(GELU_TANH, 14, 0.5f * x * (1.0f + RECURRA_GELU_T_(x)),                                     \
     0.5f * (1.0f + RECURRA_GELU_T_(x)) + 0.5f * x * (1.0f - RECURRA_GELU_T_(x) *               \
         RECURRA_GELU_T_(x)) * 0.7978845608f * (1.0f + 0.134145f * x * x))                      \
-  A(RELU_SQR, 15, x < 0.0f ? 0.0f : x * x, x > 0.0f ? 2.0f * x : (x <= 0.0f ? 0.0f : x))       \
+  A(RELU_SQR, 15, rc_isnan(x) ? x : (x < 0.0f ? 0.0f : x * x),                                 \
+    rc_isnan(x) ? x : (x > 0.0f ? 2.0f * x : 0.0f))                                            \
   /* (each list ends here: a new line goes above) */
 /* gelu_tanh's t = tanh(sqrt(2/pi) (x + 0.044715 x^3)): y = 0.5 x (1 + t), and f' = 0.5 (1 + t)
  * + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2). */
