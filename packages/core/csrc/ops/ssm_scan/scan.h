@@ -276,6 +276,27 @@ void check_ids(const int32_t* ids, const Dims& d, const char* op);
 
 void scan_forward(KernelCtx& c);  // forward.cpp
 
+// ---- one token (T == 1), step.cpp ----
+// out[n] = exp(d * A[n]) for n < N, zeros up to the next multiple of 16: a head's decays.
+using DecayRow = void (*)(const float* A, float d, int64_t N, float* out);
+struct StepFwd {
+  Dims d;
+  const float *s, *x, *dt, *A, *B, *C;
+  const int32_t* ids;
+  float* y;
+  float* sout;  // nullptr: in place
+  float* ck;    // the state entering the token, or nullptr
+  DecayRow decay;
+};
+// The kernel a step's shape takes: Mamba-1's (P 1, N 16, per-state decays), Mamba-2's
+// (rows of N a multiple of 8, one decay per head; AVX2 + FMA both), else the generic one.
+enum class StepKernel { generic, p1n16, rows8 };
+StepKernel step_kernel(const Dims& d, const float* ck);
+DecayRow step_decay_row();  // the best decay row for this CPU
+// Heads [h0, h1) of the flat (sequence, head) index: `an` Np floats, `acc` 16 x 16, `dtps`
+// h1 - h0 rounded up to 16 (the p1n16 and rows8 kernels take their scratch from dtps).
+void step_heads_run(StepKernel k, const StepFwd& f, int64_t h0, int64_t h1, float* an, float* acc, float* dtps);
+
 // What the backward driver (op.cpp) hands to the kernels of each layout: the sources, the
 // outputs, and where each task's partial sums go.
 struct Back {
