@@ -63,11 +63,13 @@ def run(
     overlap: bool = True,
     capture: bool = True,
     collective: str = "auto",
+    exchange_thread: bool = True,
 ) -> tuple[list[float], dict[str, np.ndarray], bool]:
     """Trains ``case`` on ``device`` (``capture``: the Trainer's captured steps); returns
     (losses, final weights, ranks bit-identical).
-    With ``parallel``, the weights get an entry ``"@overlapped"``: how many exchanges began
-    during the backward."""
+    With ``parallel``, the weights get the entries ``"@overlapped"``: how many exchanges began
+    during the backward, and ``"@threaded"``: whether the buckets were summed in the
+    exchange thread."""
     import recurra_models as rm
 
     model, opt = make(case, device)
@@ -79,7 +81,13 @@ def run(
             for p in model.parameters():
                 p.assign_(p.numpy() + 1.0)
         dp = recurra_dist.DataParallel(
-            model, opt, bucket_mb=0.01, timeout=timeout, overlap=overlap, collective=collective
+            model,
+            opt,
+            bucket_mb=0.01,
+            timeout=timeout,
+            overlap=overlap,
+            collective=collective,
+            exchange_thread=exchange_thread,
         )
     trainer = rm.Trainer(
         model,
@@ -102,6 +110,7 @@ def run(
     weights = model.state_dict()
     if dp is not None:
         weights["@overlapped"] = np.asarray(dp.overlapped)
+        weights["@threaded"] = np.asarray(dp.exchange_thread)
         if steps and dp.world_size > 1:  # the last step exchanged: its timers make sense
             assert dp.last_span_s >= dp.last_exchange_s > 0, (dp.last_span_s, dp.last_exchange_s)
     return [float(r["loss"]) for r in hist], weights, same
@@ -186,6 +195,11 @@ def main(argv: list[str]) -> None:
         # MPI_Allreduce instead of the MPI_Iallreduce "auto" takes for these small buckets
         # (another sum order on 3 ranks: not bitwise)
         results["sgd/blocking"] = run("sgd", True, device=device, collective="blocking")
+        # the buckets summed in the caller's thread, with and without overlap
+        for case in ("sgd", "sgd/late"):
+            overlap = case == "sgd"
+            res = run("sgd", True, device=device, overlap=overlap, exchange_thread=False)
+            results[f"{case}/nothread"] = res
         if ctx.rank == 0:
             _save(argv[1], results)
     elif mode == "exchange":  # [DEVICE]

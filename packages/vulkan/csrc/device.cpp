@@ -344,7 +344,11 @@ Device::Device(const PhysicalDevice& pd) : info_(pd) {
     pi.flags = VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT;
     pi.queueFamilyIndex = info_.queue_family;
     vk_check(vkCreateCommandPool(dev_, &pi, nullptr, &pool_), "vkCreateCommandPool");
-    const bool host_visible = info_.kind == "cpu" || info_.kind == "integrated";
+    // RECURRA_VULKAN_HOST_VISIBLE=0: buffers as on a discrete GPU (not mapped: copies go
+    // through staging, or straight into alloc_host memory) on any device; tests that path.
+    const char* hv = std::getenv("RECURRA_VULKAN_HOST_VISIBLE");
+    const bool host_visible =
+        (info_.kind == "cpu" || info_.kind == "integrated") && !(hv && std::strcmp(hv, "0") == 0);
     VkDeviceSize block = host_visible ? (64ull << 20) : (256ull << 20);
     if (info_.memory_bytes) block = std::min<VkDeviceSize>(block, std::max<VkDeviceSize>(16ull << 20, info_.memory_bytes / 16));
     block = std::min<VkDeviceSize>(block, info_.max_allocation);
@@ -626,41 +630,64 @@ void Device::free(const recurra_buffer& b) {
   if (memory_->free(b)) blocks_to_release_ = true;
 }
 
+uint64_t Device::submit_copy(VkBuffer src, VkDeviceSize src_offset, VkBuffer dst, VkDeviceSize dst_offset,
+                             VkDeviceSize nbytes) {
+  Submission& s = acquire();
+  VkCommandBufferBeginInfo bi{VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO};
+  bi.flags = VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT;
+  vk_check(vkBeginCommandBuffer(s.cb, &bi), "vkBeginCommandBuffer");
+  VkMemoryBarrier mb{VK_STRUCTURE_TYPE_MEMORY_BARRIER};
+  mb.srcAccessMask = VK_ACCESS_MEMORY_WRITE_BIT | VK_ACCESS_HOST_WRITE_BIT;
+  mb.dstAccessMask = VK_ACCESS_TRANSFER_READ_BIT | VK_ACCESS_TRANSFER_WRITE_BIT;
+  vkCmdPipelineBarrier(s.cb, VK_PIPELINE_STAGE_ALL_COMMANDS_BIT | VK_PIPELINE_STAGE_HOST_BIT,
+                       VK_PIPELINE_STAGE_TRANSFER_BIT, 0, 1, &mb, 0, nullptr, 0, nullptr);
+  VkBufferCopy region{};
+  region.srcOffset = src_offset;
+  region.dstOffset = dst_offset;
+  region.size = nbytes;
+  vkCmdCopyBuffer(s.cb, src, dst, 1, &region);
+  mb.srcAccessMask = VK_ACCESS_TRANSFER_WRITE_BIT;
+  mb.dstAccessMask = VK_ACCESS_HOST_READ_BIT | VK_ACCESS_MEMORY_READ_BIT;
+  vkCmdPipelineBarrier(s.cb, VK_PIPELINE_STAGE_TRANSFER_BIT, VK_PIPELINE_STAGE_HOST_BIT | VK_PIPELINE_STAGE_ALL_COMMANDS_BIT,
+                       0, 1, &mb, 0, nullptr, 0, nullptr);
+  submit(s);
+  return s.serial;
+}
+
+void Device::wait_serial(uint64_t serial) {
+  for (auto& s : subs_)  // a submission acquired again since was waited for then
+    if (s->pending && s->serial == serial) wait(*s);
+}
+
 void Device::staged_copy(const Allocation& a, size_t offset, void* host, size_t nbytes, bool to_device) {
   if (!staging_.buffer) staging_ = make_host_buffer(kStagingBytes, false);
   auto* h = static_cast<uint8_t*>(host);
-  for (size_t done = 0; done < nbytes;) {
-    const size_t n = std::min<size_t>(nbytes - done, staging_.size);
-    if (to_device) std::memcpy(staging_.mapped, h + done, n);
-    Submission& s = acquire();
-    VkCommandBufferBeginInfo bi{VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO};
-    bi.flags = VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT;
-    vk_check(vkBeginCommandBuffer(s.cb, &bi), "vkBeginCommandBuffer");
-    VkMemoryBarrier mb{VK_STRUCTURE_TYPE_MEMORY_BARRIER};
-    mb.srcAccessMask = VK_ACCESS_MEMORY_WRITE_BIT;
-    mb.dstAccessMask = VK_ACCESS_TRANSFER_READ_BIT | VK_ACCESS_TRANSFER_WRITE_BIT;
-    vkCmdPipelineBarrier(s.cb, VK_PIPELINE_STAGE_ALL_COMMANDS_BIT, VK_PIPELINE_STAGE_TRANSFER_BIT, 0, 1, &mb, 0,
-                         nullptr, 0, nullptr);
-    VkBufferCopy region{};
-    region.size = n;
-    if (to_device) {
-      region.srcOffset = 0;
-      region.dstOffset = a.offset + offset + done;
-      vkCmdCopyBuffer(s.cb, staging_.buffer, memory_->vk_buffer(a), 1, &region);
-    } else {
-      region.srcOffset = a.offset + offset + done;
-      region.dstOffset = 0;
-      vkCmdCopyBuffer(s.cb, memory_->vk_buffer(a), staging_.buffer, 1, &region);
-    }
-    mb.srcAccessMask = VK_ACCESS_TRANSFER_WRITE_BIT;
-    mb.dstAccessMask = VK_ACCESS_HOST_READ_BIT | VK_ACCESS_MEMORY_READ_BIT;
-    vkCmdPipelineBarrier(s.cb, VK_PIPELINE_STAGE_TRANSFER_BIT, VK_PIPELINE_STAGE_HOST_BIT | VK_PIPELINE_STAGE_ALL_COMMANDS_BIT,
-                         0, 1, &mb, 0, nullptr, 0, nullptr);
-    submit(s);
-    wait(s);
-    if (!to_device) std::memcpy(h + done, staging_.mapped, n);
-    done += n;
+  // The staging buffer's two halves take turns: the device copies one chunk while the host
+  // copies the other (a large download is no longer device copy, wait, memcpy, in turn).
+  const size_t half = staging_.size / 2;
+  const VkDeviceSize base = a.offset + offset;
+  uint64_t serial[2] = {0, 0};  // the last submission on each half (0: none)
+  size_t chunk_at[2] = {0, 0}, chunk_n[2] = {0, 0};
+  auto finish = [&](int k) {  // waits for half k's copy; a download's chunk goes to the host
+    if (!serial[k]) return;
+    wait_serial(serial[k]);
+    serial[k] = 0;
+    if (!to_device) std::memcpy(h + chunk_at[k], staging_.mapped + k * half, chunk_n[k]);
+  };
+  int k = 0;
+  for (size_t done = 0; done < nbytes; done += chunk_n[k], k ^= 1) {
+    finish(k);  // the half's previous chunk (two chunks ago)
+    const size_t n = std::min(nbytes - done, half);
+    uint8_t* part = staging_.mapped + k * half;
+    if (to_device) std::memcpy(part, h + done, n);
+    chunk_at[k] = done;
+    chunk_n[k] = n;
+    serial[k] = to_device ? submit_copy(staging_.buffer, k * half, memory_->vk_buffer(a), base + done, n)
+                          : submit_copy(memory_->vk_buffer(a), base + done, staging_.buffer, k * half, n);
+    finish(k ^ 1);  // the other half's chunk, while this one is copied
   }
+  finish(0);
+  finish(1);
 }
 
 void Device::copy_in(const recurra_buffer& dst, size_t offset, const void* src, size_t nbytes) {
@@ -674,6 +701,12 @@ void Device::copy_in(const recurra_buffer& dst, size_t offset, const void* src, 
   wait_all();
   if (uint8_t* p = memory_->mapped(a)) {
     std::memcpy(p + offset, src, nbytes);
+    return;
+  }
+  VkBuffer hb;
+  VkDeviceSize ho;
+  if (memory_->host_range(src, nbytes, &hb, &ho)) {  // host-visible memory of this device: one device copy
+    wait_serial(submit_copy(hb, ho, memory_->vk_buffer(a), a.offset + offset, nbytes));
     return;
   }
   staged_copy(a, offset, const_cast<void*>(src), nbytes, true);
@@ -690,6 +723,12 @@ void Device::copy_out(const recurra_buffer& src, size_t offset, void* dst, size_
   wait_all();
   if (const uint8_t* p = memory_->mapped(a)) {
     std::memcpy(dst, p + offset, nbytes);
+    return;
+  }
+  VkBuffer hb;
+  VkDeviceSize ho;
+  if (memory_->host_range(dst, nbytes, &hb, &ho)) {  // into host-visible memory of this device: no staging
+    wait_serial(submit_copy(memory_->vk_buffer(a), a.offset + offset, hb, ho, nbytes));
     return;
   }
   staged_copy(a, offset, dst, nbytes, false);

@@ -26,6 +26,7 @@ import numpy as np
 
 import recurra as rc
 from recurra import Tensor, _core
+from recurra_dist._exchange import Exchanger, Ticket, threads_supported
 from recurra_dist.context import Context, init
 
 __all__ = ["DataParallel", "ExchangeTimeout"]
@@ -95,6 +96,12 @@ class DataParallel:
             share cores (a blocking MPI call spins). ``"auto"`` (the default): blocking for
             buckets of at least 1 MiB, else nonblocking. Each gives the same bits on every
             rank.
+        exchange_thread: sum the buckets in a thread of their own (on a communicator of
+            their own), so that the backward, or the packing of the next bucket, goes on
+            while MPI sums (a blocking ``MPI_Allreduce`` in the backward's thread would stop
+            it feeding the device). The same collectives in the same order: the same bits.
+            Needs ``MPI_THREAD_MULTIPLE`` (else it stays off: ``exchange_thread`` is then
+            False).
 
     On a device with asynchronous reads (recurra_vulkan), each bucket's buffer is host-visible
     memory of the device: the backward copies a bucket's gradients into it in the submission
@@ -124,6 +131,7 @@ class DataParallel:
         timeout: float | None = 600.0,
         overlap: bool = True,
         collective: str = "auto",
+        exchange_thread: bool = True,
     ) -> None:
         if not bucket_mb > 0:
             raise ValueError(f"DataParallel: bucket_mb must be > 0, got {bucket_mb!r}")
@@ -147,6 +155,11 @@ class DataParallel:
                 f"optimizer (first: parameter {missing[0]}); give the optimizer all of them"
             )
         self._check_same_model()
+        # The buckets' sums have a communicator of their own: in the exchange thread they
+        # run beside the caller's collectives (any(), barrier()) on ctx.comm.
+        self._xcomm = self.ctx.comm.Dup()
+        self.exchange_thread = bool(exchange_thread) and threads_supported()
+        self._exchanger = Exchanger(self._xcomm, self._reduce)
         # The last parameters first: the backward completes their gradients first.
         self.buckets = _make_buckets(self.params[::-1], int(bucket_mb * (1 << 20)) // 4)
         self.last_exchange_s = 0.0
@@ -269,10 +282,21 @@ class DataParallel:
         self._timed(dt, dt, nbytes)
 
     def _allreduce(self, buf: np.ndarray) -> Any:
-        """Sums ``buf`` over the ranks, in place: returns the request to wait for
+        """Sums ``buf`` over the ranks, in place: returns what to wait for (:meth:`_wait`):
+        the exchange thread's ticket (``exchange_thread``), else the request (nonblocking),
+        or None once it is done (blocking)."""
+        if self.exchange_thread:
+            return self._exchanger.submit(buf)
+        return self._start_sum(self._xcomm, buf)
+
+    def _reduce(self, comm: Any, buf: np.ndarray) -> None:
+        """The exchange thread's work: sums ``buf`` in place over ``comm``, waiting for it."""
+        self._wait([self._start_sum(comm, buf)])
+
+    def _start_sum(self, comm: Any, buf: np.ndarray) -> Any:
+        """Starts the sum of ``buf`` over ``comm``, in place: the request to wait for
         (nonblocking), or None once it is done (blocking: every rank is waited for first,
         under the timeout); see ``collective``."""
-        comm = self.ctx.comm
         how = self.collective
         if how == "nonblocking" or (how == "auto" and buf.nbytes < _BLOCKING_MIN_BYTES):
             return comm.Iallreduce(_in_place(), buf, op=_op("SUM"))
@@ -412,7 +436,11 @@ class DataParallel:
     def _wait(self, reqs: list[Any]) -> None:
         """Waits for ``reqs``; raises ExchangeTimeout after ``timeout`` seconds."""
         MPI = _mpi()
-        reqs = [r for r in reqs if r is not None]  # None: a blocking collective, done
+        for t in reqs:
+            if isinstance(t, Ticket):  # a bucket of the exchange thread
+                t.owner.wait_for(t)
+        # None: a blocking collective, done
+        reqs = [r for r in reqs if r is not None and not isinstance(r, Ticket)]
         if not reqs:
             return
         if self.timeout is None:
@@ -576,8 +604,9 @@ _BLOCKING_MIN_BYTES = 1 << 20
 
 
 def _test(reqs: list[Any]) -> None:
-    """Lets MPI progress the requests in flight (None: a blocking collective, done)."""
-    live = [r for r in reqs if r is not None]
+    """Lets MPI progress the requests in flight (None: a blocking collective, done; a
+    Ticket: the exchange thread's)."""
+    live = [r for r in reqs if r is not None and not isinstance(r, Ticket)]
     if live:
         _mpi().Request.Testall(live)
 
