@@ -131,7 +131,6 @@ def exchange_checks(ctx: Any, device: str) -> None:
     leaving the mean of the ranks' gradients (float32 sum of the gathered gradients times
     1/N, an independent reference) bitwise as sync_gradients() does."""
     import recurra_dist
-    import recurra_models as rm
 
     model, opt = make("sgd", device)
     for bad in ("allgather", ""):
@@ -141,7 +140,20 @@ def exchange_checks(ctx: Any, device: str) -> None:
             assert "collective" in str(e), e
         else:
             raise AssertionError(f"collective={bad!r} was taken")
-    dp = recurra_dist.DataParallel(model, opt, bucket_mb=0.01, overlap=False)
+    for collective in ("auto", "pairwise"):
+        profile_checks(ctx, model, opt, collective)
+    if ctx.rank == 0:
+        print("EXCHANGE OK", flush=True)
+
+
+def profile_checks(ctx: Any, model: Any, opt: Any, collective: str) -> None:
+    """profile_exchange() and sync_gradients() leave the float32 mean of the gathered
+    gradients (summed in rank order), bitwise: with any number of ranks for "pairwise",
+    which adds in that order, with 2 for MPI's sums."""
+    import recurra_dist
+    import recurra_models as rm
+
+    dp = recurra_dist.DataParallel(model, opt, bucket_mb=0.01, overlap=False, collective=collective)
     try:
         dp.profile_exchange()
     except ValueError as e:
@@ -169,7 +181,7 @@ def exchange_checks(ctx: Any, device: str) -> None:
         for r in range(1, n):
             total = total + everyone[r][i]  # float32, rank order (MPICH's order for 2 ranks)
         ref = total * np.float32(1.0 / n)
-        if n == 2:
+        if n == 2 or collective == "pairwise":
             assert g.tobytes() == ref.tobytes(), i
         else:
             np.testing.assert_allclose(g, ref, rtol=1e-6, atol=1e-7)
@@ -178,8 +190,6 @@ def exchange_checks(ctx: Any, device: str) -> None:
     assert prof[-1]["bytes"] == 4 * sum(int(p.size) for p in dp.params)
     for row in prof:
         assert row["download_s"] >= 0 and row["allreduce_s"] > 0 and row["upload_s"] > 0, row
-    if ctx.rank == 0:
-        print("EXCHANGE OK", flush=True)
 
 
 def main(argv: list[str]) -> None:
@@ -195,6 +205,7 @@ def main(argv: list[str]) -> None:
         # MPI_Allreduce instead of the MPI_Iallreduce "auto" takes for these small buckets
         # (another sum order on 3 ranks: not bitwise)
         results["sgd/blocking"] = run("sgd", True, device=device, collective="blocking")
+        results["sgd/pairwise"] = run("sgd", True, device=device, collective="pairwise")
         # the buckets summed in the caller's thread, with and without overlap
         for case in ("sgd", "sgd/late"):
             overlap = case == "sgd"

@@ -81,6 +81,21 @@ def test_ranks_match_one_process(mpiexec, tmp_path, reference, n):
         _check_overlap(out, case, STEPS)
     _check_blocking(out, reference["sgd"], n)
     _check_thread(out)
+    _check_pairwise(out, reference["sgd"], n)
+
+
+def _check_pairwise(path: Path, ref: tuple, n: int) -> None:
+    """collective="pairwise" trains what one process trains; with 2 ranks (a + b: one
+    order) bitwise what MPI's sum gives."""
+    losses, weights, same = _load(path, "sgd/pairwise")
+    assert same, f"sgd, pairwise: the {n} ranks ended with different weights"
+    assert _overlapped(path, "sgd/pairwise") == STEPS
+    worst = _compare(losses, weights, ref)
+    assert worst < RTOL, f"sgd, pairwise: {n} ranks differ by {worst:.2e}"
+    if n == 2:
+        mpi_losses, mpi_weights, _ = _load(path, "sgd")
+        assert losses.tobytes() == mpi_losses.tobytes()
+        assert all(w.tobytes() == mpi_weights[k].tobytes() for k, w in weights.items())
 
 
 def _check_thread(path: Path) -> None:
@@ -122,14 +137,17 @@ def test_ranks_on_vulkan_match_one_process_on_vulkan(mpiexec, vulkan, tmp_path):
         _check_overlap(out, case, STEPS)
     _check_blocking(out, run("sgd", parallel=False, device=vulkan), 2)
     _check_thread(out)
+    _check_pairwise(out, run("sgd", parallel=False, device=vulkan), 2)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("vulkan", marks=pytest.mark.vulkan)])
-def test_profile_exchange_and_argument_checks(mpiexec, device, request):
+@pytest.mark.parametrize(
+    "device, n", [("cpu", 2), ("cpu", 3), pytest.param("vulkan", 2, marks=pytest.mark.vulkan)]
+)
+def test_profile_exchange_and_argument_checks(mpiexec, device, n, request):
     """DataParallel refuses an unknown collective; profile_exchange() times every bucket and
     leaves the mean of the ranks' gradients, bitwise as sync_gradients() (dp_worker.py)."""
     args = ["exchange"] + ([request.getfixturevalue("vulkan")] if device == "vulkan" else [])
-    r = launch(mpiexec, 2, args)
+    r = launch(mpiexec, n, args)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "EXCHANGE OK" in r.stdout, r.stdout
 

@@ -22,7 +22,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Exchanger", "Ticket", "threads_supported"]
+__all__ = ["Exchanger", "Ticket", "pairwise_sum", "threads_supported"]
+
+# pairwise_sum's message tags: the reduce-scatter's, the allgather's
+_TAG_SCATTER, _TAG_GATHER = 7301, 7302
 
 
 def threads_supported() -> bool:
@@ -108,3 +111,74 @@ class Exchanger:
                 self._jobs.popleft()
                 self._done += 1
                 self._cv.notify_all()
+
+
+def pairwise_sum(
+    comm: Any,
+    buf: np.ndarray,
+    wait: Callable[[list[Any]], None],
+    scratch: Callable[[int], np.ndarray],
+    pool: Any = None,
+    threads: int = 1,
+) -> None:
+    """Sums ``buf`` (float32, the same size on every rank) over the ranks of ``comm``, in
+    place: a reduce-scatter and an allgather by point-to-point messages, the sum by numpy.
+
+    Rank r owns the r-th of N equal parts of the buffer: it receives that part from every
+    other rank (one copy each, MPI's single-copy path between processes of one host), adds
+    the N parts in rank order (g_0 + g_1 + ... + g_{N-1}, float32) into its own, and sends
+    the result to every other rank. Each part is summed by one rank only, so every rank ends
+    with the same bits, the same in every run. ``wait`` waits for a list of requests (the
+    timeout), ``scratch(n)`` gives a float32 array of at least n elements for the parts
+    received, and ``pool`` (an executor of ``threads`` threads, or None) adds in several
+    threads (numpy lets go of the GIL while it adds)."""
+    size, me = comm.Get_size(), comm.Get_rank()
+    cut = [k * buf.size // size for k in range(size + 1)]
+    mine = buf[cut[me] : cut[me + 1]]
+    m = mine.size
+    tmp = scratch((size - 1) * m)
+    terms: list[np.ndarray] = []
+    reqs = []
+    for q in range(size):
+        if q == me:
+            terms.append(mine)
+            continue
+        part = tmp[len(reqs) // 2 * m : (len(reqs) // 2 + 1) * m]
+        terms.append(part)
+        reqs.append(comm.Irecv(part, source=q, tag=_TAG_SCATTER))
+        reqs.append(comm.Isend(buf[cut[q] : cut[q + 1]], dest=q, tag=_TAG_SCATTER))
+    wait(reqs)
+    _add_in_order(terms, mine, pool, threads)
+    reqs = []
+    for q in range(size):
+        if q != me:
+            reqs.append(comm.Irecv(buf[cut[q] : cut[q + 1]], source=q, tag=_TAG_GATHER))
+            reqs.append(comm.Isend(mine, dest=q, tag=_TAG_GATHER))
+    wait(reqs)
+
+
+#: pieces of at least this many elements are added in threads of their own
+_ADD_PIECE = 1 << 18
+
+
+def _add_in_order(terms: list[np.ndarray], out: np.ndarray, pool: Any, threads: int) -> None:
+    """out = terms[0] + terms[1] + ... (float32, left to right), elementwise; ``out`` may be
+    one of the terms. With ``pool``, the elements are cut into pieces added in its threads
+    (each element's sum is the same however they are cut)."""
+    n = out.size
+    pieces = 1 if pool is None else max(1, min(threads, n // _ADD_PIECE))
+    if pieces == 1:
+        _add_slice(terms, out, 0, n)
+        return
+    cuts = [k * n // pieces for k in range(pieces + 1)]
+    list(pool.map(lambda k: _add_slice(terms, out, cuts[k], cuts[k + 1]), range(pieces)))
+
+
+def _add_slice(terms: list[np.ndarray], out: np.ndarray, a: int, b: int) -> None:
+    if len(terms) == 2:  # elementwise: writing out while reading it is safe
+        np.add(terms[0][a:b], terms[1][a:b], out=out[a:b])
+        return
+    acc = terms[0][a:b] + terms[1][a:b]  # out may be a later term: not written before the end
+    for t in terms[2:]:
+        np.add(acc, t[a:b], out=acc)
+    out[a:b] = acc
