@@ -24,7 +24,7 @@ if [[ " $steps " == *" build "* ]]; then
   if [ -x "$site/cmeel.prefix/bin/glslangValidator" ] && [ -z "${RECURRA_GLSLANG:-}" ]; then
     export RECURRA_GLSLANG="$site/cmeel.prefix/bin/glslangValidator"
   fi
-  for p in core vulkan optim models cli; do
+  for p in core vulkan optim models dist cli; do
     [ -d "packages/$p" ] || continue
     $py -m pip install -q --no-index --no-deps --no-build-isolation --target "$site" "./packages/$p" \
       > "$OUT/build-$p.log" 2>&1 || { log "build $p FAILED"; tail -30 "$OUT/build-$p.log"; exit 1; }

@@ -88,9 +88,10 @@ class Exchanger:
             if self._error is not None:
                 raise self._error
 
-    def wait_all(self) -> None:
-        """Waits until every bucket submitted so far is summed (raises as :meth:`wait_for`)."""
-        self.wait_for(Ticket(self, self._submitted))
+    def done(self, ticket: Ticket) -> bool:
+        """Whether the bucket of ``ticket`` is summed (or the thread failed)."""
+        with self._cv:
+            return self._done >= ticket.number or self._error is not None
 
     def _run(self) -> None:
         while True:

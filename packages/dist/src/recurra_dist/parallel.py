@@ -19,6 +19,7 @@ the same sum, so the ranks stay bit-identical (the tests check it).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -398,7 +399,11 @@ class DataParallel:
     ) -> None:
         """Waits for bucket ``b``'s sum and writes its mean back into the gradients (a
         bucket in host-visible memory of its device: added to ``staged``, written back by
-        :func:`_upload_staged`)."""
+        :func:`_upload_staged`; those summed already are written back before waiting for
+        this one's sum, while the exchange thread goes on)."""
+        if staged and isinstance(req, Ticket) and not req.owner.done(req):
+            _upload_staged(staged, scale)
+            staged.clear()
         self._wait([req])
         if dev is not None and b.staged is not None:
             staged.append(b)
@@ -469,9 +474,12 @@ class DataParallel:
             return
         deadline = time.monotonic() + self.timeout
         spins, nap = 0, 1e-5
+        # Another thread (the exchange thread) naps at once: spinning, it would hold the
+        # GIL against the thread that feeds the device.
+        patience = 1000 if threading.current_thread() is threading.main_thread() else 10
         while not MPI.Request.Testall(reqs):
             spins += 1
-            if spins > 1000:  # a slow peer: stop spinning a core against it
+            if spins > patience:  # a slow peer: stop spinning a core against it
                 time.sleep(nap)
                 nap = min(2 * nap, 2e-4)
                 if time.monotonic() > deadline:
