@@ -139,7 +139,7 @@ def pairwise_sum(
     m = mine.size
     tmp = scratch((size - 1) * m)
     terms: list[np.ndarray] = []
-    reqs = []
+    reqs: list[Any] = []
     for q in range(size):
         if q == me:
             terms.append(mine)
