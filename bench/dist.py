@@ -41,6 +41,8 @@ the pairwise sum (collective="pairwise", what the default "auto" takes for bucke
 and more) adding in one thread and in DataParallel's add_threads; each --cvar NAME=VALUE
 adds a run with that MPICH setting.
 --collective picks DataParallel's for the training and --exchange-only runs.
+On a GPU machine, `bash bench/h200.sh build bench-dist` runs the three (the mpich wheel's
+mpiexec and libmpi set up: MPI4PY_LIBMPI).
 """
 
 from __future__ import annotations
