@@ -10,10 +10,11 @@ same global batch, up to float32 rounding.
 The exchange is bucketed in a fixed order: the parameters in the optimizer's order, cut
 into buckets of about ``bucket_mb`` megabytes. Each bucket is one float32 host buffer; the
 gradients are copied into it (on a device: concatenated there, then one download), summed
-across ranks by one non-blocking ``MPI_Iallreduce`` while the next bucket is packed, scaled
-by 1/N and copied back (on a device: one upload, cut into the new gradients there). The
-order and the sizes are the same on every rank and in every run, and MPI gives every rank
-the same sum, so the ranks stay bit-identical (the tests check it).
+across ranks (by default in the exchange thread, ``_exchange.py``, while the next bucket is
+packed or the backward goes on), scaled by 1/N and copied back (on a device: one upload, cut
+into the new gradients there). The order and the sizes are the same on every rank and in
+every run, and every rank gets the same sum, so the ranks stay bit-identical (the tests
+check it).
 """
 
 from __future__ import annotations
@@ -123,6 +124,8 @@ class DataParallel:
         :meth:`sync_gradients` (the exchange's whole time, the hidden part included; without
         overlap it is last_exchange_s); overlapped: how many exchanges began during the
         backward; exchanges; last_bytes.
+        exchange_thread: whether the buckets are summed in the exchange thread (may be
+        switched between steps); add_threads: the threads a pairwise sum adds in.
     """
 
     def __init__(
