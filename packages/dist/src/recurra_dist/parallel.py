@@ -90,17 +90,17 @@ class DataParallel:
             the backward computes first), instead of after it. The results are bitwise the
             same (the same buckets, summed in the same order); it needs float32 gradients
             (else it stays off: ``overlap`` is then False).
-        collective: how a bucket is summed. ``"pairwise"``: a reduce-scatter and an
-            allgather by point-to-point messages, each rank adding its part of the bucket
-            with numpy in rank order (in ``add_threads`` threads); measured faster than
-            MPICH's ``MPI_Allreduce`` on one host (2 ranks, 128 MB in 25 MB buckets on the
-            2-core CPU machine: 65 ms against 83 ms). ``"blocking"``: every rank is first
-            waited for (``MPI_Ibarrier`` under ``timeout``), then ``MPI_Allreduce`` runs in
-            place. ``"nonblocking"``: ``MPI_Iallreduce``, progressed while the next bucket
-            is packed and waited for with naps: better for small buckets, whose time is
-            latency. ``"auto"`` (the default): pairwise for buckets of at least 1 MiB, else
-            nonblocking. Each gives the same bits on every rank and in every run (with 2
-            ranks all four give the same bits; with more, the order of the sum differs).
+        collective: how a bucket is summed. ``"pairwise"``: a reduce-scatter and an allgather by
+            point-to-point messages, each rank adding its part of the bucket with numpy in rank
+            order (in ``add_threads`` threads); measured faster than MPICH's ``MPI_Allreduce`` on
+            one host (2 ranks, 516 MB in 25 MB buckets on the H200 host: 137 ms against 225 ms;
+            bench/dist.py --allreduce). ``"blocking"``: every rank is first waited for
+            (``MPI_Ibarrier`` under ``timeout``), then ``MPI_Allreduce`` runs in place.
+            ``"nonblocking"``: ``MPI_Iallreduce``, progressed while the next bucket is packed and
+            waited for with naps: better for small buckets, whose time is latency. ``"auto"`` (the
+            default): pairwise for buckets of at least 1 MiB, else nonblocking. Each gives the same
+            bits on every rank and in every run (with 2 ranks all four give the same bits; with
+            more, the order of the sum differs).
         exchange_thread: sum the buckets in a thread of their own (on a communicator of
             their own), so that the backward, or the packing of the next bucket, goes on
             while MPI sums (a blocking ``MPI_Allreduce`` in the backward's thread would stop
