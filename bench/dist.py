@@ -35,11 +35,14 @@ The MPI sum alone, without a model (CPU only; --mb of float32 cut into buckets):
     python bench/dist.py --nproc 2 --allreduce --mb 516 --bucket-mb 4,25,100
     python bench/dist.py --nproc 2 --allreduce --cvar MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=ring
 
-compares, per bucket size, MPI_Allreduce in place (DataParallel's collective="blocking",
-what the default "auto" takes for buckets of 1 MiB and more), MPI_Allreduce into another
-buffer, and MPI_Iallreduce in place (collective="nonblocking"); each --cvar NAME=VALUE adds
-a run with that MPICH setting.
+compares, per bucket size, MPI_Allreduce in place (DataParallel's collective="blocking"),
+MPI_Allreduce into another buffer, MPI_Iallreduce in place (collective="nonblocking") and
+the pairwise sum (collective="pairwise", what the default "auto" takes for buckets of 1 MiB
+and more) adding in one thread and in DataParallel's add_threads; each --cvar NAME=VALUE
+adds a run with that MPICH setting.
 --collective picks DataParallel's for the training and --exchange-only runs.
+On a GPU machine, `bash bench/h200.sh build bench-dist` runs the three (the mpich wheel's
+mpiexec and libmpi set up: MPI4PY_LIBMPI).
 """
 
 from __future__ import annotations
@@ -83,6 +86,12 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["auto", "blocking", "nonblocking"],
         default="auto",
         help="DataParallel's collective: MPI_Allreduce, MPI_Iallreduce, or by bucket size",
+    )
+    ap.add_argument(
+        "--exchange-thread",
+        choices=["on", "off"],
+        default="on",
+        help="DataParallel's exchange_thread: sum the buckets in a thread of their own",
     )
     ap.add_argument(
         "--exchange-only",
@@ -156,6 +165,7 @@ def worker(args: argparse.Namespace) -> None:
         bucket_mb=args.bucket_sizes[0],
         overlap=overlap,
         collective=args.collective,
+        exchange_thread=args.exchange_thread == "on",
     )
     vocab = int(model.config.vocab_size)
     data = np.random.default_rng(0).integers(0, vocab, size=1 << 20).astype(np.int32)
@@ -286,15 +296,33 @@ def allreduce_worker(args: argparse.Namespace) -> None:
     import numpy as np
     from mpi4py import MPI
 
+    from recurra_dist._exchange import pairwise_sum
+
     comm = MPI.COMM_WORLD
     n = int(args.mb * 1e6) // 4
     buf = np.full(n, comm.rank + 1, np.float32)
     out = np.empty_like(buf)
+    scratch = np.empty(n, np.float32)
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
+    threads = max(1, min(4, (os.cpu_count() or 1) // local - 1))  # DataParallel's add_threads
+    pool = None
+    if threads > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(threads)
+    ways = [
+        "allreduce in place",
+        "allreduce out of place",
+        "iallreduce in place",
+        "pairwise 1 thread",
+    ]
+    if pool is not None:
+        ways.append(f"pairwise {threads} threads")
     res = []
     for bmb in args.bucket_sizes:
         be = max(1, int(bmb * (1 << 20)) // 4)
         cuts = [(a, min(n, a + be)) for a in range(0, n, be)]
-        for way in ("allreduce in place", "allreduce out of place", "iallreduce in place"):
+        for way in ways:
             times = []
             for _ in range(max(2, args.steps) + 1):
                 comm.Barrier()
@@ -305,10 +333,23 @@ def allreduce_worker(args: argparse.Namespace) -> None:
                 elif way == "allreduce out of place":
                     for a, b in cuts:
                         comm.Allreduce(buf[a:b], out[a:b], op=MPI.SUM)
+                elif way.startswith("pairwise"):  # DataParallel's collective="pairwise"
+                    for a, b in cuts:
+                        pairwise_sum(
+                            comm,
+                            buf[a:b],
+                            MPI.Request.Waitall,
+                            lambda k: scratch[:k],
+                            pool if way != "pairwise 1 thread" else None,
+                            threads,
+                        )
                 else:
                     reqs = [comm.Iallreduce(MPI.IN_PLACE, buf[a:b], op=MPI.SUM) for a, b in cuts]
                     MPI.Request.Waitall(reqs)
                 times.append(time.perf_counter() - t0)
+                total = comm.size * (comm.size + 1) / 2
+                res_buf = out if way == "allreduce out of place" else buf
+                assert res_buf[0] == total and res_buf[-1] == total, (way, res_buf[0])
                 buf.fill(comm.rank + 1)  # the same values every time (no overflow)
             sec = max(comm.allgather(statistics.median(times[1:])))
             res.append({"bucket_mb": bmb, "way": way, "s": sec, "gb_s": 4 * n / sec / 1e9})
@@ -410,6 +451,17 @@ def main() -> None:
         )
     ratio = results[-1]["tokens_per_s"] / results[0]["tokens_per_s"]
     print(f"  {args.nproc} ranks / 1 rank: {ratio:.2f}x tokens/s (ideal {args.nproc}.00x)")
+    for res in results[1:] if args.device != "cpu" else []:
+        # With one GPU for all ranks, it computes N steps of one rank, so what the N-rank
+        # step takes beyond that is the exchange's exposed time plus the cost of sharing the
+        # GPU (the "exposed" timer above counts the waits for the device inside the backward
+        # too, which sharing lengthens). With a GPU per rank, compare with the 1-rank step.
+        extra = 1e3 * (res["step_s"] - res["ranks"] * results[0]["step_s"])
+        how = "overlapped" if res["overlap"] else "after"
+        print(
+            f"  {how}: step - {res['ranks']} x 1-rank step = {extra:.1f} ms (where the ranks "
+            "share one GPU: the exposed exchange plus the cost of sharing it)"
+        )
     print("JSON " + json.dumps({"runs": results, "ratio": ratio, "load": load}))
 
 

@@ -2,7 +2,8 @@
 # Builds recurra (core + Vulkan plugin) on a GPU machine and runs the GPU checks and
 # benchmarks there, logging under $OUT (default ./h200-out). Used through the device tool:
 #     source .device/env.sh && bash bench/h200.sh [steps...]
-# Steps (default: all): build tests check bench-ops bench-recurrent bench-optim bench-coopmat
+# Steps (default: all but bench-dist): build tests check bench-ops bench-recurrent bench-optim
+# bench-coopmat bench-dist
 set -uo pipefail
 OUT=${OUT:-$PWD/h200-out}
 mkdir -p "$OUT"
@@ -24,7 +25,7 @@ if [[ " $steps " == *" build "* ]]; then
   if [ -x "$site/cmeel.prefix/bin/glslangValidator" ] && [ -z "${RECURRA_GLSLANG:-}" ]; then
     export RECURRA_GLSLANG="$site/cmeel.prefix/bin/glslangValidator"
   fi
-  for p in core vulkan optim models cli; do
+  for p in core vulkan optim models dist cli; do
     [ -d "packages/$p" ] || continue
     $py -m pip install -q --no-index --no-deps --no-build-isolation --target "$site" "./packages/$p" \
       > "$OUT/build-$p.log" 2>&1 || { log "build $p FAILED"; tail -30 "$OUT/build-$p.log"; exit 1; }
@@ -62,5 +63,20 @@ fi
 if [[ " $steps " == *" bench-optim "* ]] && [ -f "$repo/bench/gpu_optim.py" ]; then
   log "bench optim"
   $py "$repo/bench/gpu_optim.py" 2>&1 | tee -a "$OUT/summary.log"
+fi
+if [[ " $steps " == *" bench-dist "* ]]; then
+  log "bench dist (recurra_dist: 2 ranks sharing the GPU)"
+  # pip --target leaves out the mpich wheel's data files (mpiexec's helpers, libmpi): take
+  # them from the wheel, and point mpi4py at that libmpi (else it loads the system Open MPI,
+  # under which every rank is a job of one)
+  w=/tmp/mpich-wheel
+  [ -d "$w" ] || $py -m zipfile -e "$(ls "$repo"/.whl/mpich-*.whl | head -1)" "$w"
+  d=$(echo "$w"/mpich-*.data/data)
+  chmod +x "$d"/bin/*
+  export PATH="$d/bin:$PATH" MPI4PY_LIBMPI="$d/lib/libmpi.so.12"
+  model="--device vulkan --model mamba2-130m --batch 8 --seq-len 512"
+  timeout 60 $py "$repo/bench/dist.py" --nproc 2 --allreduce --mb 516 --bucket-mb 25 --steps 2 2>&1 | tee -a "$OUT/summary.log"
+  timeout 90 $py "$repo/bench/dist.py" --nproc 2 $model --exchange-only --steps 2 --timeout 85 2>&1 | tee -a "$OUT/summary.log"
+  timeout 150 $py "$repo/bench/dist.py" --nproc 2 $model --steps 3 --warmup 2 --overlap on --timeout 140 2>&1 | tee -a "$OUT/summary.log"
 fi
 log done

@@ -63,11 +63,13 @@ def run(
     overlap: bool = True,
     capture: bool = True,
     collective: str = "auto",
+    exchange_thread: bool = True,
 ) -> tuple[list[float], dict[str, np.ndarray], bool]:
     """Trains ``case`` on ``device`` (``capture``: the Trainer's captured steps); returns
     (losses, final weights, ranks bit-identical).
-    With ``parallel``, the weights get an entry ``"@overlapped"``: how many exchanges began
-    during the backward."""
+    With ``parallel``, the weights get the entries ``"@overlapped"``: how many exchanges began
+    during the backward, and ``"@threaded"``: whether the buckets were summed in the
+    exchange thread."""
     import recurra_models as rm
 
     model, opt = make(case, device)
@@ -79,7 +81,13 @@ def run(
             for p in model.parameters():
                 p.assign_(p.numpy() + 1.0)
         dp = recurra_dist.DataParallel(
-            model, opt, bucket_mb=0.01, timeout=timeout, overlap=overlap, collective=collective
+            model,
+            opt,
+            bucket_mb=0.01,
+            timeout=timeout,
+            overlap=overlap,
+            collective=collective,
+            exchange_thread=exchange_thread,
         )
     trainer = rm.Trainer(
         model,
@@ -102,6 +110,7 @@ def run(
     weights = model.state_dict()
     if dp is not None:
         weights["@overlapped"] = np.asarray(dp.overlapped)
+        weights["@threaded"] = np.asarray(dp.exchange_thread)
         if steps and dp.world_size > 1:  # the last step exchanged: its timers make sense
             assert dp.last_span_s >= dp.last_exchange_s > 0, (dp.last_span_s, dp.last_exchange_s)
     return [float(r["loss"]) for r in hist], weights, same
@@ -122,7 +131,6 @@ def exchange_checks(ctx: Any, device: str) -> None:
     leaving the mean of the ranks' gradients (float32 sum of the gathered gradients times
     1/N, an independent reference) bitwise as sync_gradients() does."""
     import recurra_dist
-    import recurra_models as rm
 
     model, opt = make("sgd", device)
     for bad in ("allgather", ""):
@@ -132,7 +140,20 @@ def exchange_checks(ctx: Any, device: str) -> None:
             assert "collective" in str(e), e
         else:
             raise AssertionError(f"collective={bad!r} was taken")
-    dp = recurra_dist.DataParallel(model, opt, bucket_mb=0.01, overlap=False)
+    for collective in ("auto", "pairwise"):
+        profile_checks(ctx, model, opt, collective)
+    if ctx.rank == 0:
+        print("EXCHANGE OK", flush=True)
+
+
+def profile_checks(ctx: Any, model: Any, opt: Any, collective: str) -> None:
+    """profile_exchange() and sync_gradients() leave the float32 mean of the gathered
+    gradients (summed in rank order), bitwise: with any number of ranks for "pairwise",
+    which adds in that order, with 2 for MPI's sums."""
+    import recurra_dist
+    import recurra_models as rm
+
+    dp = recurra_dist.DataParallel(model, opt, bucket_mb=0.01, overlap=False, collective=collective)
     try:
         dp.profile_exchange()
     except ValueError as e:
@@ -160,7 +181,7 @@ def exchange_checks(ctx: Any, device: str) -> None:
         for r in range(1, n):
             total = total + everyone[r][i]  # float32, rank order (MPICH's order for 2 ranks)
         ref = total * np.float32(1.0 / n)
-        if n == 2:
+        if n == 2 or collective == "pairwise":
             assert g.tobytes() == ref.tobytes(), i
         else:
             np.testing.assert_allclose(g, ref, rtol=1e-6, atol=1e-7)
@@ -169,8 +190,6 @@ def exchange_checks(ctx: Any, device: str) -> None:
     assert prof[-1]["bytes"] == 4 * sum(int(p.size) for p in dp.params)
     for row in prof:
         assert row["download_s"] >= 0 and row["allreduce_s"] > 0 and row["upload_s"] > 0, row
-    if ctx.rank == 0:
-        print("EXCHANGE OK", flush=True)
 
 
 def main(argv: list[str]) -> None:
@@ -186,6 +205,12 @@ def main(argv: list[str]) -> None:
         # MPI_Allreduce instead of the MPI_Iallreduce "auto" takes for these small buckets
         # (another sum order on 3 ranks: not bitwise)
         results["sgd/blocking"] = run("sgd", True, device=device, collective="blocking")
+        results["sgd/pairwise"] = run("sgd", True, device=device, collective="pairwise")
+        # the buckets summed in the caller's thread, with and without overlap
+        for case in ("sgd", "sgd/late"):
+            overlap = case == "sgd"
+            res = run("sgd", True, device=device, overlap=overlap, exchange_thread=False)
+            results[f"{case}/nothread"] = res
         if ctx.rank == 0:
             _save(argv[1], results)
     elif mode == "exchange":  # [DEVICE]

@@ -24,6 +24,7 @@ def _load(path: Path, case: str) -> tuple[np.ndarray, dict[str, np.ndarray], boo
     prefix = f"{case}/w/"
     weights = {k[len(prefix) :]: z[k] for k in z.files if k.startswith(prefix)}
     weights.pop("@overlapped", None)
+    weights.pop("@threaded", None)
     return z[f"{case}/losses"], weights, bool(z[f"{case}/consistent"])
 
 
@@ -34,7 +35,7 @@ def _overlapped(path: Path, case: str) -> int:
 
 def _compare(losses: np.ndarray, weights: dict[str, np.ndarray], ref: tuple) -> float:
     ref_losses, ref_weights, _ = ref
-    ref_weights = {k: v for k, v in ref_weights.items() if k != "@overlapped"}
+    ref_weights = {k: v for k, v in ref_weights.items() if not k.startswith("@")}
     assert len(losses) == len(ref_losses)
     worst = _rel(losses, np.asarray(ref_losses))
     assert set(weights) == set(ref_weights)
@@ -79,6 +80,36 @@ def test_ranks_match_one_process(mpiexec, tmp_path, reference, n):
         assert max(_rel(weights[k], init[k]) for k in init) > 1e-4
         _check_overlap(out, case, STEPS)
     _check_blocking(out, reference["sgd"], n)
+    _check_thread(out)
+    _check_pairwise(out, reference["sgd"], n)
+
+
+def _check_pairwise(path: Path, ref: tuple, n: int) -> None:
+    """collective="pairwise" trains what one process trains; with 2 ranks (a + b: one
+    order) bitwise what MPI's sum gives."""
+    losses, weights, same = _load(path, "sgd/pairwise")
+    assert same, f"sgd, pairwise: the {n} ranks ended with different weights"
+    assert _overlapped(path, "sgd/pairwise") == STEPS
+    worst = _compare(losses, weights, ref)
+    assert worst < RTOL, f"sgd, pairwise: {n} ranks differ by {worst:.2e}"
+    if n == 2:
+        mpi_losses, mpi_weights, _ = _load(path, "sgd")
+        assert losses.tobytes() == mpi_losses.tobytes()
+        assert all(w.tobytes() == mpi_weights[k].tobytes() for k, w in weights.items())
+
+
+def _check_thread(path: Path) -> None:
+    """The exchange thread (the default) sums what the caller's thread sums, bit for bit,
+    with and without overlap."""
+    z = np.load(path)
+    for case in ("sgd", "sgd/late"):
+        assert bool(z[f"{case}/w/@threaded"]) and not bool(z[f"{case}/nothread/w/@threaded"])
+        losses, weights, same = _load(path, case)
+        other_losses, other_weights, other_same = _load(path, f"{case}/nothread")
+        assert same and other_same
+        assert losses.tobytes() == other_losses.tobytes(), case
+        for name, w in weights.items():
+            assert w.tobytes() == other_weights[name].tobytes(), f"{case}: {name}"
 
 
 def _check_blocking(path: Path, ref: tuple, n: int) -> None:
@@ -105,14 +136,18 @@ def test_ranks_on_vulkan_match_one_process_on_vulkan(mpiexec, vulkan, tmp_path):
         assert worst < RTOL, f"{case}: 2 ranks differ from one process by {worst:.2e}"
         _check_overlap(out, case, STEPS)
     _check_blocking(out, run("sgd", parallel=False, device=vulkan), 2)
+    _check_thread(out)
+    _check_pairwise(out, run("sgd", parallel=False, device=vulkan), 2)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("vulkan", marks=pytest.mark.vulkan)])
-def test_profile_exchange_and_argument_checks(mpiexec, device, request):
+@pytest.mark.parametrize(
+    "device, n", [("cpu", 2), ("cpu", 3), pytest.param("vulkan", 2, marks=pytest.mark.vulkan)]
+)
+def test_profile_exchange_and_argument_checks(mpiexec, device, n, request):
     """DataParallel refuses an unknown collective; profile_exchange() times every bucket and
     leaves the mean of the ranks' gradients, bitwise as sync_gradients() (dp_worker.py)."""
     args = ["exchange"] + ([request.getfixturevalue("vulkan")] if device == "vulkan" else [])
-    r = launch(mpiexec, 2, args)
+    r = launch(mpiexec, n, args)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "EXCHANGE OK" in r.stdout, r.stdout
 

@@ -382,10 +382,12 @@ PYBIND11_MODULE(_core, m) {
       })
       .def("upload", [](DeviceBuffer& b, py::buffer obj, size_t offset) {
         py::buffer_info info = obj.request();
+        py::gil_scoped_release nogil;  // the caller holds obj; other threads run meanwhile
         b.upload(offset, info.ptr, static_cast<size_t>(info.size * info.itemsize));
       }, py::arg("array"), py::arg("offset") = 0)
       .def("download", [](const DeviceBuffer& b, py::buffer obj, size_t offset) {
         py::buffer_info info = obj.request(true);
+        py::gil_scoped_release nogil;
         b.download(offset, info.ptr, static_cast<size_t>(info.size * info.itemsize));
       }, py::arg("out"), py::arg("offset") = 0);
 

@@ -11,7 +11,6 @@ namespace recurra_vk {
 
 namespace {
 
-constexpr VkDeviceSize kStagingBytes = 64ull << 20;
 constexpr size_t kMaxInFlight = 4;
 // Node lists of at least kMinReplayNodes nodes are recorded once and replayed while the same
 // list (ops, buffers, offsets, shapes, parameters) comes back: a training step or a traced
@@ -344,7 +343,11 @@ Device::Device(const PhysicalDevice& pd) : info_(pd) {
     pi.flags = VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT;
     pi.queueFamilyIndex = info_.queue_family;
     vk_check(vkCreateCommandPool(dev_, &pi, nullptr, &pool_), "vkCreateCommandPool");
-    const bool host_visible = info_.kind == "cpu" || info_.kind == "integrated";
+    // RECURRA_VULKAN_HOST_VISIBLE=0: buffers as on a discrete GPU (not mapped: copies go
+    // through staging, or straight into alloc_host memory) on any device; tests that path.
+    const char* hv = std::getenv("RECURRA_VULKAN_HOST_VISIBLE");
+    const bool host_visible =
+        (info_.kind == "cpu" || info_.kind == "integrated") && !(hv && std::strcmp(hv, "0") == 0);
     VkDeviceSize block = host_visible ? (64ull << 20) : (256ull << 20);
     if (info_.memory_bytes) block = std::min<VkDeviceSize>(block, std::max<VkDeviceSize>(16ull << 20, info_.memory_bytes / 16));
     block = std::min<VkDeviceSize>(block, info_.max_allocation);
@@ -624,75 +627,6 @@ recurra_buffer Device::alloc(size_t nbytes, bool persistent) {
 
 void Device::free(const recurra_buffer& b) {
   if (memory_->free(b)) blocks_to_release_ = true;
-}
-
-void Device::staged_copy(const Allocation& a, size_t offset, void* host, size_t nbytes, bool to_device) {
-  if (!staging_.buffer) staging_ = make_host_buffer(kStagingBytes, false);
-  auto* h = static_cast<uint8_t*>(host);
-  for (size_t done = 0; done < nbytes;) {
-    const size_t n = std::min<size_t>(nbytes - done, staging_.size);
-    if (to_device) std::memcpy(staging_.mapped, h + done, n);
-    Submission& s = acquire();
-    VkCommandBufferBeginInfo bi{VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO};
-    bi.flags = VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT;
-    vk_check(vkBeginCommandBuffer(s.cb, &bi), "vkBeginCommandBuffer");
-    VkMemoryBarrier mb{VK_STRUCTURE_TYPE_MEMORY_BARRIER};
-    mb.srcAccessMask = VK_ACCESS_MEMORY_WRITE_BIT;
-    mb.dstAccessMask = VK_ACCESS_TRANSFER_READ_BIT | VK_ACCESS_TRANSFER_WRITE_BIT;
-    vkCmdPipelineBarrier(s.cb, VK_PIPELINE_STAGE_ALL_COMMANDS_BIT, VK_PIPELINE_STAGE_TRANSFER_BIT, 0, 1, &mb, 0,
-                         nullptr, 0, nullptr);
-    VkBufferCopy region{};
-    region.size = n;
-    if (to_device) {
-      region.srcOffset = 0;
-      region.dstOffset = a.offset + offset + done;
-      vkCmdCopyBuffer(s.cb, staging_.buffer, memory_->vk_buffer(a), 1, &region);
-    } else {
-      region.srcOffset = a.offset + offset + done;
-      region.dstOffset = 0;
-      vkCmdCopyBuffer(s.cb, memory_->vk_buffer(a), staging_.buffer, 1, &region);
-    }
-    mb.srcAccessMask = VK_ACCESS_TRANSFER_WRITE_BIT;
-    mb.dstAccessMask = VK_ACCESS_HOST_READ_BIT | VK_ACCESS_MEMORY_READ_BIT;
-    vkCmdPipelineBarrier(s.cb, VK_PIPELINE_STAGE_TRANSFER_BIT, VK_PIPELINE_STAGE_HOST_BIT | VK_PIPELINE_STAGE_ALL_COMMANDS_BIT,
-                         0, 1, &mb, 0, nullptr, 0, nullptr);
-    submit(s);
-    wait(s);
-    if (!to_device) std::memcpy(h + done, staging_.mapped, n);
-    done += n;
-  }
-}
-
-void Device::copy_in(const recurra_buffer& dst, size_t offset, const void* src, size_t nbytes) {
-  check_lost();
-  const Allocation a = memory_->lookup(dst, "copy_in");
-  if (offset > a.nbytes || nbytes > a.nbytes - offset)
-    fail_invalid("copy_in: bytes [" + std::to_string(offset) + ", " + std::to_string(offset + nbytes) +
-                 ") lie outside the buffer of " + std::to_string(a.nbytes) + " bytes");
-  if (nbytes == 0) return;
-  if (!src) fail_invalid("copy_in: null source pointer");
-  wait_all();
-  if (uint8_t* p = memory_->mapped(a)) {
-    std::memcpy(p + offset, src, nbytes);
-    return;
-  }
-  staged_copy(a, offset, const_cast<void*>(src), nbytes, true);
-}
-
-void Device::copy_out(const recurra_buffer& src, size_t offset, void* dst, size_t nbytes) {
-  check_lost();
-  const Allocation a = memory_->lookup(src, "copy_out");
-  if (offset > a.nbytes || nbytes > a.nbytes - offset)
-    fail_invalid("copy_out: bytes [" + std::to_string(offset) + ", " + std::to_string(offset + nbytes) +
-                 ") lie outside the buffer of " + std::to_string(a.nbytes) + " bytes");
-  if (nbytes == 0) return;
-  if (!dst) fail_invalid("copy_out: null destination pointer");
-  wait_all();
-  if (const uint8_t* p = memory_->mapped(a)) {
-    std::memcpy(dst, p + offset, nbytes);
-    return;
-  }
-  staged_copy(a, offset, dst, nbytes, false);
 }
 
 // ---- compute ------------------------------------------------------------------------------

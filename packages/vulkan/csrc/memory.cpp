@@ -318,6 +318,20 @@ recurra_buffer DeviceMemory::alloc_host(size_t nbytes, uint8_t** mapped) {
   return out;
 }
 
+bool DeviceMemory::host_range(const void* p, size_t n, VkBuffer* buffer, VkDeviceSize* offset) const {
+  const auto at = reinterpret_cast<uintptr_t>(p);
+  for (const Block& b : blocks_) {
+    if (!b.memory || !b.host || !b.mapped) continue;
+    const auto begin = reinterpret_cast<uintptr_t>(b.mapped);
+    if (at >= begin && at - begin <= b.size && n <= b.size - (at - begin)) {
+      *buffer = b.buffer;
+      *offset = at - begin;
+      return true;
+    }
+  }
+  return false;
+}
+
 uint32_t DeviceMemory::slot_for(const Allocation& a) {
   uint32_t slot;
   if (!free_slots_.empty()) {

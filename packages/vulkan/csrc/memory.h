@@ -59,6 +59,9 @@ class DeviceMemory {
   // it): a dedicated block the shaders reach like any other buffer and the host reads and
   // writes through `*mapped` (recurra_backend_table::alloc_host). Freed with free().
   recurra_buffer alloc_host(size_t nbytes, uint8_t** mapped);
+  // Whether [p, p + n) lies in the mapping of a block of alloc_host(): then *buffer is that
+  // block's buffer and *offset the place of p in it (a device copy reaches it directly).
+  bool host_range(const void* p, size_t n, VkBuffer* buffer, VkDeviceSize* offset) const;
   // Internal memory (scratch of multi-pass ops), not reachable through handles.
   Allocation alloc_internal(size_t nbytes);
   bool free_internal(const Allocation& a);
