@@ -410,6 +410,43 @@ def test_recomputed_casts_inside_recompute_segments() -> None:
     np.testing.assert_allclose(got[True][1], ref, atol=2.0**-6 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("chunks", [1, 3, 6])
+def test_a_weight_read_in_several_segments_is_cast_once_in_the_backward(chunks: int) -> None:
+    """The chunked LM head's pattern: a parameter's cast read in several recompute()
+    segments is made again once in the backward (shared by the segments' copies), not once
+    per segment (1 + chunks casts before): two casts of the weight in the step (the
+    forward's, made in the first segment, and its copy), as when the casts are kept, for any
+    number of chunks, and the gradients of the casts kept, bit for bit."""
+    n = 4 * chunks
+    xv, wv = _rand(n, 8), _rand(10, 8) * 0.5
+    got, casts = {}, {}
+    for on in (False, True):
+        with _recompute_casts(on):
+            w, x = rc.param(wv), rc.tensor(xv)
+            with rc.autocast():
+                parts = []
+                for lo in range(0, n, 4):
+                    with rc.recompute():
+                        parts.append(ops.sum(ops.softplus(x[lo : lo + 4] @ w.T)))
+                total = parts[0]
+                for part in parts[1:]:
+                    total = total + part
+            total.backward()
+            got[on] = (total.numpy(), w.grad.numpy())
+            g = next(reversed(LAZY._plans.values())).graph
+            infos = [g.info(i) for i in range(len(g))]
+            casts[on] = sum(
+                d["op"] == "cast" and d["dtype"] == "bfloat16" and tuple(d["shape"]) == (10, 8)
+                for d in infos
+            )
+    assert casts == {False: 2, True: 2}
+    assert all(np.array_equal(a, b) for a, b in zip(got[False], got[True]))
+    xb, wb = _bf(xv), _bf(wv)
+    dz = 1 / (1 + np.exp(-_bf(xb @ wb.T)))  # d sum(softplus(z)) / dz, z rounded to bf16
+    ref = _bf(dz).T @ xb
+    np.testing.assert_allclose(got[True][1], ref, atol=2.0**-6 * np.abs(ref).max())
+
+
 # -- norms that return the dtype of the product after them ---------------------------------
 
 
