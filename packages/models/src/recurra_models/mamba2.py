@@ -53,12 +53,12 @@ SCAN_CHECKPOINTS: bool | None = None
 # out_proj's product and the norm run once), and the last KEEP_CHECKPOINTS (a fraction
 # too) save their scan's checkpoints (the float32 states entering each 64-token chunk,
 # which keep the scan's whole packed float32 result: the chunked device backward reads
-# them instead of recomputing them): time bought with memory, layer by layer. Per
-# Mamba2-130m layer at 8 x 512 tokens the norm's output is 12 MiB, the checkpoints with the
-# packed result 75 MiB (bench/mixed_precision.py --precisions bf16-keepnorm=F,bf16-keepck=F
-# measures both on a device); 2/3 keeps the bf16 step's memory under 0.6x the float32
-# step's on an H200.
-KEEP_NORM_PROJ = 2 / 3
+# them instead of recomputing them): time bought with memory, layer by layer. Both 0: on
+# the H200 (Mamba2-130m, 8 x 512) keeping the norm's output in every layer saved 2.4 ms of
+# 126 a step for 0.27 GiB, past the 0.6x-of-float32 memory bound, and the checkpoints
+# 6.3 ms for 1.8 GiB (docs/ops.md; bench/mixed_precision.py --precisions
+# bf16-keepnorm=F,bf16-keepck=F measures other fractions).
+KEEP_NORM_PROJ = 0.0
 KEEP_CHECKPOINTS = 0.0
 
 
