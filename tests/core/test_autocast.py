@@ -450,6 +450,48 @@ def test_a_weight_read_in_several_segments_is_cast_once_in_the_backward(chunks: 
 # -- norms that return the dtype of the product after them ---------------------------------
 
 
+def _conv_ref(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """silu(b + causal depthwise conv of x (B, T, C) with w (C, K)) in float64."""
+    k = w.shape[1]
+    xp = np.concatenate([np.zeros((x.shape[0], k - 1, x.shape[2])), x], axis=1)
+    pre = sum(xp[:, j : j + x.shape[1], :] * w[:, j] for j in range(k)) + b
+    return pre / (1 + np.exp(-pre))
+
+
+@pytest.mark.parametrize("dtype", [rc.bfloat16, rc.float16])
+@pytest.mark.parametrize("half_x", [False, True])
+def test_causal_conv_output_in_a_2_byte_dtype_is_the_float32_result_rounded(dtype, half_x) -> None:
+    """causal_conv_silu with ``dtype``: the float32 result rounded once by the op (no cast
+    node after it), bitwise the conv followed by a cast, and the same gradients bit for bit
+    (the backward reads the 2-byte gradient as it is); the values against float64."""
+    rng = np.random.default_rng(6)
+    B, T, C, K = 2, 7, 5, 4
+    xv = rng.standard_normal((B, T, C)).astype(np.float32)
+    wv = (rng.standard_normal((C, K)) * 0.5).astype(np.float32)
+    bv = (rng.standard_normal(C) * 0.1).astype(np.float32)
+    r = rng.standard_normal((B, T, C)).astype(np.float32)
+    got = []
+    for fused in (True, False):
+        w, b = rc.param(wv), rc.param(bv)
+        x = rc.param(xv.astype(dtype.numpy) if half_x else xv)
+        out = ops.causal_conv_silu(x, w, b, dtype=dtype if fused else None)
+        if not fused:
+            assert out.dtype == rc.float32
+            out = out.to(dtype)
+        assert out.dtype == dtype and (out._op == "causal_conv_silu") == fused
+        loss = ops.sum(out.to(rc.float32) * rc.tensor(r))
+        loss.backward()
+        got.append((out.numpy(), [p.grad.numpy() for p in (x, w, b)]))
+    assert got[0][0].tobytes() == got[1][0].tobytes()
+    for a, c in zip(got[0][1], got[1][1]):
+        assert a.dtype == c.dtype and a.tobytes() == c.tobytes()
+    xs = xv.astype(dtype.numpy).astype(np.float64) if half_x else xv.astype(np.float64)
+    ref = _conv_ref(xs, wv.astype(np.float64), bv.astype(np.float64))
+    np.testing.assert_allclose(got[0][0].astype(np.float64), ref, rtol=2.0**-7, atol=1e-6)
+    with pytest.raises(TypeError, match="output dtype"):
+        ops.causal_conv_silu(rc.tensor(xv), rc.tensor(wv), dtype=rc.int32)
+
+
 @pytest.mark.parametrize("dtype", [rc.bfloat16, rc.float16])
 @pytest.mark.parametrize("gated", [False, True])
 def test_norm_output_in_a_2_byte_dtype_is_the_float32_result_rounded(dtype, gated) -> None:

@@ -219,3 +219,40 @@ def test_gated_rms_norm_writes_its_output_in_bf16(vulkan: str, gs: int) -> None:
     assert got[0][0].tobytes() == got[1][0].tobytes()
     for a, b in zip(got[0][1], got[1][1]):
         assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("half_x", [False, True])
+def test_causal_conv_writes_its_output_in_bf16(vulkan: str, half_x: bool) -> None:
+    """The conv before the scan writes the autocast dtype itself (ops.causal_conv_silu
+    dtype=...): on the device bitwise the float32 result rounded, as the cast after it gave,
+    the same gradients (the backward reads the bf16 gradient as it is), and the CPU's
+    result within a bf16 rounding."""
+    B, T, C, K = 2, 9, 70, 4  # channels past one 64-channel workgroup
+    rng = np.random.default_rng(4)
+    xv = rng.standard_normal((B, T, C)).astype(np.float32)
+    wv = (rng.standard_normal((C, K)) * 0.5).astype(np.float32)
+    bv = (rng.standard_normal(C) * 0.1).astype(np.float32)
+    r = rng.standard_normal((B, T, C)).astype(np.float32)
+    xin = xv.astype(rc.bfloat16.numpy) if half_x else xv
+    got = []
+    rc.set_strict_placement(True)
+    try:
+        for fused in (True, False):
+            LAZY.clear()
+            x, w, b = (rc.param(a, device=vulkan) for a in (xin, wv, bv))
+            out = ops.causal_conv_silu(x, w, b, dtype=rc.bfloat16 if fused else None)
+            if not fused:
+                out = out.to(rc.bfloat16)
+            assert out.dtype == rc.bfloat16
+            loss = ops.sum(out.to(rc.float32) * rc.tensor(r, device=vulkan))
+            loss.backward()
+            got.append((out.numpy(), [p.grad.numpy() for p in (x, w, b)]))
+    finally:
+        rc.set_strict_placement(False)
+    assert got[0][0].tobytes() == got[1][0].tobytes()
+    for a, c in zip(got[0][1], got[1][1]):
+        assert a.tobytes() == c.tobytes()
+    cpu = ops.causal_conv_silu(rc.tensor(xin), rc.tensor(wv), rc.tensor(bv), dtype=rc.bfloat16)
+    np.testing.assert_allclose(
+        got[0][0].astype(np.float32), cpu.numpy().astype(np.float32), rtol=2.0**-7, atol=1e-6
+    )
