@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import ml_dtypes
 import numpy as np
 import pytest
+from gradcheck import cpu_refuses
 
 import recurra as rc
 from recurra import _core, ops
@@ -471,20 +472,28 @@ def test_causal_conv_output_in_a_2_byte_dtype_is_the_float32_result_rounded(dtyp
     bv = (rng.standard_normal(C) * 0.1).astype(np.float32)
     r = rng.standard_normal((B, T, C)).astype(np.float32)
     got = []
-    for fused in (True, False):
+    for fused, refused in ((True, False), (False, False), (True, True)):
         w, b = rc.param(wv), rc.param(bv)
         x = rc.param(xv.astype(dtype.numpy) if half_x else xv)
-        out = ops.causal_conv_silu(x, w, b, dtype=dtype if fused else None)
-        if not fused:
-            assert out.dtype == rc.float32
-            out = out.to(dtype)
-        assert out.dtype == dtype and (out._op == "causal_conv_silu") == fused
-        loss = ops.sum(out.to(rc.float32) * rc.tensor(r))
-        loss.backward()
-        got.append((out.numpy(), [p.grad.numpy() for p in (x, w, b)]))
-    assert got[0][0].tobytes() == got[1][0].tobytes()
-    for a, c in zip(got[0][1], got[1][1]):
-        assert a.dtype == c.dtype and a.tobytes() == c.tobytes()
+        # refused: the CPU refuses the fused op, so its decomposition (a cast last) runs
+        ctx = cpu_refuses("causal_conv_silu") if refused else contextlib.nullcontext()
+        with ctx:
+            out = ops.causal_conv_silu(x, w, b, dtype=dtype if fused else None)
+            if not fused:
+                assert out.dtype == rc.float32
+                out = out.to(dtype)
+            assert out.dtype == dtype and (out._op == "causal_conv_silu") == fused
+            loss = ops.sum(out.to(rc.float32) * rc.tensor(r))
+            loss.backward()
+            got.append((out.numpy(), [p.grad.numpy() for p in (x, w, b)]))
+    for other in got[1:]:
+        assert got[0][0].tobytes() == other[0].tobytes()
+    for a, c, d in zip(got[0][1], got[1][1], got[2][1]):
+        assert a.dtype == c.dtype == d.dtype and a.tobytes() == c.tobytes()
+        # the decomposed backward (pad, ssm_conv, add, silu) sums in another order
+        np.testing.assert_allclose(
+            d.astype(np.float32), a.astype(np.float32), rtol=2.0**-7, atol=1e-5
+        )
     xs = xv.astype(dtype.numpy).astype(np.float64) if half_x else xv.astype(np.float64)
     ref = _conv_ref(xs, wv.astype(np.float64), bv.astype(np.float64))
     np.testing.assert_allclose(got[0][0].astype(np.float64), ref, rtol=2.0**-7, atol=1e-6)
