@@ -264,6 +264,7 @@ class Mamba2LM(MambaFamilyLM):
     def __init__(self, config: Any = None, seed: int = 0) -> None:
         super().__init__(config, seed)
         for i, layer in enumerate(self.backbone.layers):
+            assert isinstance(layer, MambaBlock)
             layer.mixer.layer_idx = i  # for KEEP_NORM_PROJ / KEEP_CHECKPOINTS
 
     def init_state_shapes(self, batch: int) -> list[list[tuple[int, ...]]]:
