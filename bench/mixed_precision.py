@@ -51,6 +51,32 @@ def markov_batches(vocab: int, symbols: int, batch: int, seq_len: int, steps: in
         yield ids[s]
 
 
+def keep_variant(precision: str) -> None:
+    """Sets Mamba-2's recomputation switches for a bf16 variant: bf16-keep keeps everything
+    (checkpoints saved, norm + out_proj kept in every layer), bf16-keepnorm=F the norm's
+    output in the last fraction F of the layers (mamba2.KEEP_NORM_PROJ; 1 without =F),
+    bf16-keepck=F the scan's checkpoints (mamba2.KEEP_CHECKPOINTS), bf16-keepnorm=F+ck=G
+    both. Raises ValueError for another name."""
+    if precision in ("fp32", "bf16"):
+        return
+    from recurra_models import mamba2
+
+    if precision == "bf16-keep":
+        mamba2.SCAN_CHECKPOINTS, mamba2.RECOMPUTE_NORM_PROJ = True, False
+        return
+    if not precision.startswith("bf16-keep"):
+        raise ValueError(f"unknown precision {precision!r}")
+    for part in precision[len("bf16-keep") :].split("+"):
+        what, _, f = part.partition("=")
+        frac = float(f) if f else 1.0
+        if what == "norm":
+            mamba2.KEEP_NORM_PROJ = frac
+        elif what == "ck":
+            mamba2.KEEP_CHECKPOINTS = frac
+        else:
+            raise ValueError(f"unknown precision {precision!r}")
+
+
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import recurra as rc
     import recurra_models as rm
@@ -60,14 +86,11 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         import recurra.backends  # noqa: F401
 
         rc.set_strict_placement(True)
-    if spec["precision"] == "bf16-keep":  # bf16 keeping what bf16 now recomputes
-        from recurra_models import mamba2
-
-        mamba2.SCAN_CHECKPOINTS, mamba2.RECOMPUTE_NORM_PROJ = True, False
+    keep_variant(spec["precision"])
     over = {"n_layer": spec["n_layer"]} if spec["n_layer"] else {}
     model = rm.create(spec["preset"], seed=0, **over).to(spec["device"])
     opt = AdamW(list(model.parameters()), lr=spec["lr"])
-    half = spec["precision"] in ("bf16", "bf16-keep")
+    half = spec["precision"].startswith("bf16")
     # the step as recurra_models.Trainer runs it: captured (the plan runs from its cache)
     step = None
     if spec["capture"]:
@@ -124,7 +147,9 @@ def main() -> None:
         "--precisions",
         default="fp32,bf16",
         help="comma-separated: fp32, bf16, bf16-keep (bf16 with Mamba-2's scan checkpoints "
-        "saved and its norm + out_proj kept, not recomputed: what they cost in time)",
+        "saved and its norm + out_proj kept, not recomputed: what they cost in time), "
+        "bf16-keepnorm[=F], bf16-keepck[=F], bf16-keepnorm=F+ck=G (only the norm's output, "
+        "only the checkpoints, of the last fraction F / G of the layers: see keep_variant)",
     )
     ap.add_argument(
         "--no-capture",
@@ -177,12 +202,14 @@ def main() -> None:
             f"relative difference per step {per_step:.4f}, of 10-step means {smooth:.4f} "
             f"(target <= 0.02)"
         )
-    k = out.get("bf16-keep", {})
-    if "median_ms" in k and "median_ms" in h:
+    for name, k in out.items():
+        if not name.startswith("bf16-") or "median_ms" not in k or "median_ms" not in h:
+            continue
         key = "gpu_peak" if k.get("gpu_peak") and h.get("gpu_peak") else "lib_peak"
+        ratio = f", {k[key] / f[key]:.3f} of fp32" if f.get(key) else ""
         print(
-            f"bf16 recomputing vs keeping (bf16-keep): {h['median_ms'] - k['median_ms']:+.1f} "
-            f"ms/step, memory ({key}) {(h[key] - k[key]) / (1 << 30):+.2f} GiB"
+            f"bf16 recomputing vs keeping ({name}): {h['median_ms'] - k['median_ms']:+.1f} "
+            f"ms/step, memory ({key}) {(h[key] - k[key]) / (1 << 30):+.2f} GiB{ratio}"
         )
     print("JSON " + json.dumps(out))
 

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import ml_dtypes
 import numpy as np
 import pytest
+from gradcheck import cpu_refuses
 
 import recurra as rc
 from recurra import _core, ops
@@ -410,7 +411,94 @@ def test_recomputed_casts_inside_recompute_segments() -> None:
     np.testing.assert_allclose(got[True][1], ref, atol=2.0**-6 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("chunks", [1, 3, 6])
+def test_a_weight_read_in_several_segments_is_cast_once_in_the_backward(chunks: int) -> None:
+    """The chunked LM head's pattern: a parameter's cast read in several recompute()
+    segments is made again once in the backward (shared by the segments' copies), not once
+    per segment (1 + chunks casts before): two casts of the weight in the step (the
+    forward's, made in the first segment, and its copy), as when the casts are kept, for any
+    number of chunks, and the gradients of the casts kept, bit for bit."""
+    n = 4 * chunks
+    xv, wv = _rand(n, 8), _rand(10, 8) * 0.5
+    got, casts = {}, {}
+    for on in (False, True):
+        with _recompute_casts(on):
+            w, x = rc.param(wv), rc.tensor(xv)
+            with rc.autocast():
+                parts = []
+                for lo in range(0, n, 4):
+                    with rc.recompute():
+                        parts.append(ops.sum(ops.softplus(x[lo : lo + 4] @ w.T)))
+                total = parts[0]
+                for part in parts[1:]:
+                    total = total + part
+            total.backward()
+            got[on] = (total.numpy(), w.grad.numpy())
+            g = next(reversed(LAZY._plans.values())).graph
+            infos = [g.info(i) for i in range(len(g))]
+            casts[on] = sum(
+                d["op"] == "cast" and d["dtype"] == "bfloat16" and tuple(d["shape"]) == (10, 8)
+                for d in infos
+            )
+    assert casts == {False: 2, True: 2}
+    assert all(np.array_equal(a, b) for a, b in zip(got[False], got[True]))
+    xb, wb = _bf(xv), _bf(wv)
+    dz = 1 / (1 + np.exp(-_bf(xb @ wb.T)))  # d sum(softplus(z)) / dz, z rounded to bf16
+    ref = _bf(dz).T @ xb
+    np.testing.assert_allclose(got[True][1], ref, atol=2.0**-6 * np.abs(ref).max())
+
+
 # -- norms that return the dtype of the product after them ---------------------------------
+
+
+def _conv_ref(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """silu(b + causal depthwise conv of x (B, T, C) with w (C, K)) in float64."""
+    k = w.shape[1]
+    xp = np.concatenate([np.zeros((x.shape[0], k - 1, x.shape[2])), x], axis=1)
+    pre = sum(xp[:, j : j + x.shape[1], :] * w[:, j] for j in range(k)) + b
+    return pre / (1 + np.exp(-pre))
+
+
+@pytest.mark.parametrize("dtype", [rc.bfloat16, rc.float16])
+@pytest.mark.parametrize("half_x", [False, True])
+def test_causal_conv_output_in_a_2_byte_dtype_is_the_float32_result_rounded(dtype, half_x) -> None:
+    """causal_conv_silu with ``dtype``: the float32 result rounded once by the op (no cast
+    node after it), bitwise the conv followed by a cast, and the same gradients bit for bit
+    (the backward reads the 2-byte gradient as it is); the values against float64."""
+    rng = np.random.default_rng(6)
+    B, T, C, K = 2, 7, 5, 4
+    xv = rng.standard_normal((B, T, C)).astype(np.float32)
+    wv = (rng.standard_normal((C, K)) * 0.5).astype(np.float32)
+    bv = (rng.standard_normal(C) * 0.1).astype(np.float32)
+    r = rng.standard_normal((B, T, C)).astype(np.float32)
+    got = []
+    for fused, refused in ((True, False), (False, False), (True, True)):
+        w, b = rc.param(wv), rc.param(bv)
+        x = rc.param(xv.astype(dtype.numpy) if half_x else xv)
+        # refused: the CPU refuses the fused op, so its decomposition (a cast last) runs
+        ctx = cpu_refuses("causal_conv_silu") if refused else contextlib.nullcontext()
+        with ctx:
+            out = ops.causal_conv_silu(x, w, b, dtype=dtype if fused else None)
+            if not fused:
+                assert out.dtype == rc.float32
+                out = out.to(dtype)
+            assert out.dtype == dtype and (out._op == "causal_conv_silu") == fused
+            loss = ops.sum(out.to(rc.float32) * rc.tensor(r))
+            loss.backward()
+            got.append((out.numpy(), [p.grad.numpy() for p in (x, w, b)]))
+    for other in got[1:]:
+        assert got[0][0].tobytes() == other[0].tobytes()
+    for a, c, d in zip(got[0][1], got[1][1], got[2][1]):
+        assert a.dtype == c.dtype == d.dtype and a.tobytes() == c.tobytes()
+        # the decomposed backward (pad, ssm_conv, add, silu) sums in another order
+        np.testing.assert_allclose(
+            d.astype(np.float32), a.astype(np.float32), rtol=2.0**-7, atol=1e-5
+        )
+    xs = xv.astype(dtype.numpy).astype(np.float64) if half_x else xv.astype(np.float64)
+    ref = _conv_ref(xs, wv.astype(np.float64), bv.astype(np.float64))
+    np.testing.assert_allclose(got[0][0].astype(np.float64), ref, rtol=2.0**-7, atol=1e-6)
+    with pytest.raises(TypeError, match="output dtype"):
+        ops.causal_conv_silu(rc.tensor(xv), rc.tensor(wv), dtype=rc.int32)
 
 
 @pytest.mark.parametrize("dtype", [rc.bfloat16, rc.float16])

@@ -171,14 +171,15 @@ def _mamba2_step(model, x, y) -> tuple[float, dict[str, np.ndarray], int]:
 
 def test_mamba2_norm_and_out_proj_recomputed_under_autocast(monkeypatch) -> None:
     """Under autocast the gated norm and out_proj of each Mamba-2 mixer are recomputed in the
-    backward (RECOMPUTE_NORM_PROJ): the same loss and gradients, bit for bit, as when the
-    norm's 2-byte output is kept, and a planned peak smaller by at least that output of all
-    but one layer (n_tok * d_inner * 2 bytes each)."""
+    backward (RECOMPUTE_NORM_PROJ, KEEP_NORM_PROJ = 0): the same loss and gradients, bit for
+    bit, as when the norm's 2-byte output is kept, and a planned peak smaller by at least
+    that output of all but one layer (n_tok * d_inner * 2 bytes each)."""
     from recurra_models import mamba2
 
     n_layer, b, t = 4, 2, 24
     model = rm.create("mamba2", vocab_size=256, n_layer=n_layer, seed=3, **TINY["mamba2"])
     x, y = _batch(b, t)
+    monkeypatch.setattr(mamba2, "KEEP_NORM_PROJ", 0.0)  # every layer recomputes (default)
     monkeypatch.setattr(mamba2, "RECOMPUTE_NORM_PROJ", False)
     loss0, g0, peak0 = _mamba2_step(model, x, y)
     monkeypatch.setattr(mamba2, "RECOMPUTE_NORM_PROJ", True)
@@ -189,6 +190,31 @@ def test_mamba2_norm_and_out_proj_recomputed_under_autocast(monkeypatch) -> None
         assert np.array_equal(g, g0[n]), n
     d_inner = 2 * TINY["mamba2"]["d_model"]
     assert peak1 <= peak0 - (n_layer - 1) * b * t * d_inner * 2, (peak0, peak1)
+
+
+def test_mamba2_last_layers_keep_their_norm_output(monkeypatch) -> None:
+    """mamba2.KEEP_NORM_PROJ = f: the last floor(f * n_layer) layers keep the norm's output
+    (their norm and out_proj are not recomputed), the others recompute it: the same loss
+    and gradients, bit for bit, and a planned peak between recomputing in every layer and
+    in none, larger than the former by at least the kept outputs' bytes but one layer's."""
+    from recurra_models import mamba2
+
+    n_layer, b, t = 4, 2, 24
+    model = rm.create("mamba2", vocab_size=256, n_layer=n_layer, seed=3, **TINY["mamba2"])
+    assert [blk.mixer.layer_idx for blk in model.backbone.layers] == list(range(n_layer))
+    x, y = _batch(b, t)
+    got = {}
+    for k in (0, 2, n_layer):
+        monkeypatch.setattr(mamba2, "KEEP_NORM_PROJ", k / n_layer)
+        got[k] = _mamba2_step(model, x, y)
+    for k in (2, n_layer):
+        assert got[k][0] == got[0][0]
+        assert got[k][1].keys() == got[0][1].keys()
+        for n, g in got[k][1].items():
+            assert np.array_equal(g, got[0][1][n]), (k, n)
+    peak = {k: v[2] for k, v in got.items()}
+    out_bytes = b * t * 2 * TINY["mamba2"]["d_model"] * 2  # n_tok * d_inner * 2 bytes
+    assert peak[0] + (2 - 1) * out_bytes <= peak[2] < peak[n_layer], peak
 
 
 def test_mamba1_bf16_training_curve_follows_float32() -> None:

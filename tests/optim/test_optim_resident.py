@@ -401,3 +401,46 @@ def test_a_cached_step_keeps_no_gradient_alive(device: str) -> None:
         steps.append(next(iter(opt._plans.values())).step)
     assert len(opt._plans) == 1 and steps[0] is steps[1] is steps[2]
     assert_close(w.numpy(), adam(w0, gs, 0.01, (0.9, 0.999), 1e-8))
+
+
+# -- several tensors per device node: every update and every step count -------------------
+
+SHAPES = [(3, 4), (5,), (2, 2), (7, 3), (1,), (4, 4), (6,)]
+
+
+def _three_steps(device: str, make: object, clip: float | None) -> list[np.ndarray]:
+    rng = np.random.default_rng(11)
+    ws = [recurra.param(rng.standard_normal(s).astype(np.float32), device=device) for s in SHAPES]
+    opt = make(ws, max_grad_norm=clip)  # type: ignore[operator]
+    for _ in range(3):
+        for w in ws:
+            w.grad = recurra.tensor(rng.standard_normal(w.shape).astype(np.float32), device=device)
+        opt.step()
+    steps = [int(opt.state[w]["step"].numpy()[0]) for w in ws]
+    assert steps == [3] * len(ws), steps
+    return [w.numpy() for w in ws]
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps, **k: optim.SGD(ps, lr=0.1, **k),  # 3 sources a tensor: 3 tensors a node
+        lambda ps, **k: optim.SGD(ps, lr=0.1, momentum=0.9, **k),
+        lambda ps, **k: optim.Adam(ps, lr=0.05, **k),
+        lambda ps, **k: optim.AdamW(ps, lr=0.05, weight_decay=0.1, **k),
+        lambda ps, **k: optim.Lion(ps, lr=0.01, **k),
+    ],
+    ids=["sgd", "sgd-momentum", "adam", "adamw", "lion"],
+)
+def test_device_nodes_of_several_tensors_update_each_and_count_each_step(
+    vulkan: str, make: object, clip: float | None
+) -> None:
+    """Seven parameters stepped three times on the device, where a node holds up to 12
+    sources (two AdamW tensors, three SGD ones; with clipping the grad_norm tree too) and
+    one dispatch counts the steps of all its tensors: every step count is 3 and every
+    parameter is the CPU's."""
+    got = _three_steps(vulkan, make, clip)
+    want = _three_steps("cpu", make, clip)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

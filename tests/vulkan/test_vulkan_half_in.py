@@ -10,6 +10,7 @@ loss and gradients of the same step with the up-casts (recurra before these kern
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -202,20 +203,55 @@ def test_gated_rms_norm_writes_its_output_in_bf16(vulkan: str, gs: int) -> None:
     rng = np.random.default_rng(9)
     data = [rng.standard_normal(s).astype(np.float32) for s in [(B, T, C)] * 2 + [(C,)]]
     r = rng.standard_normal((B, T, C)).astype(np.float32)
+    _bf16_output_is_the_cast(
+        vulkan, data, r, lambda y, z, w, dtype: ops.gated_rms_norm(y, z, w, 1e-5, gs, dtype=dtype)
+    )
+
+
+def _bf16_output_is_the_cast(
+    vulkan: str, data: list[np.ndarray], r: np.ndarray, build: Callable[..., Any]
+) -> np.ndarray:
+    """build(*params, dtype) on the device (strict placement) with dtype=bf16 against
+    build(..., None) followed by a cast: bitwise the same output and gradients of every
+    parameter (made from ``data``) of sum(out * r). Returns the bf16 output."""
     got = []
     rc.set_strict_placement(True)
     try:
         for fused in (True, False):
             LAZY.clear()
-            y, z, w = (rc.param(a, device=vulkan) for a in data)
-            out = ops.gated_rms_norm(y, z, w, 1e-5, gs, dtype=rc.bfloat16 if fused else None)
+            ps = [rc.param(a, device=vulkan) for a in data]
+            out = build(*ps, rc.bfloat16 if fused else None)
             if not fused:
                 out = out.to(rc.bfloat16)
+            assert out.dtype == rc.bfloat16
             loss = ops.sum(out.to(rc.float32) * rc.tensor(r, device=vulkan))
             loss.backward()
-            got.append((out.numpy(), [p.grad.numpy() for p in (y, z, w)]))
+            got.append((out.numpy(), [p.grad.numpy() for p in ps]))
     finally:
         rc.set_strict_placement(False)
     assert got[0][0].tobytes() == got[1][0].tobytes()
     for a, b in zip(got[0][1], got[1][1]):
         assert a.tobytes() == b.tobytes()
+    return got[0][0]
+
+
+@pytest.mark.parametrize("half_x", [False, True])
+def test_causal_conv_writes_its_output_in_bf16(vulkan: str, half_x: bool) -> None:
+    """The conv before the scan writes the autocast dtype itself (ops.causal_conv_silu
+    dtype=...): on the device bitwise the float32 result rounded, as the cast after it gave,
+    the same gradients (the backward reads the bf16 gradient as it is), and the CPU's
+    result within a bf16 rounding."""
+    B, T, C, K = 2, 9, 70, 4  # channels past one 64-channel workgroup
+    rng = np.random.default_rng(4)
+    xv = rng.standard_normal((B, T, C)).astype(np.float32)
+    wv = (rng.standard_normal((C, K)) * 0.5).astype(np.float32)
+    bv = (rng.standard_normal(C) * 0.1).astype(np.float32)
+    r = rng.standard_normal((B, T, C)).astype(np.float32)
+    xin = xv.astype(rc.bfloat16.numpy) if half_x else xv
+    out = _bf16_output_is_the_cast(
+        vulkan, [xin, wv, bv], r, lambda x, w, b, dtype: ops.causal_conv_silu(x, w, b, dtype=dtype)
+    )
+    cpu = ops.causal_conv_silu(rc.tensor(xin), rc.tensor(wv), rc.tensor(bv), dtype=rc.bfloat16)
+    np.testing.assert_allclose(
+        out.astype(np.float32), cpu.numpy().astype(np.float32), rtol=2.0**-7, atol=1e-6
+    )

@@ -72,7 +72,9 @@ int causal_conv_silu_ops(Graph& g, const Node& n) {
   const int sx = g.op("pad", {xt}, {0, 0, 0, 0, k - 1, 0}, {0.0});
   int y = g.op("ssm_conv", {sx, n.src[1]});
   if (n.src.size() == 3) y = g.add(y, n.src[2]);
-  return g.op("silu", {y});
+  y = g.op("silu", {y});
+  if (n.ip.empty() || n.ip[RECURRA_P_CONV_OUT_DTYPE] == static_cast<int64_t>(DType::f32)) return y;
+  return g.op("cast", {y}, {n.ip[RECURRA_P_CONV_OUT_DTYPE]});
 }
 
 // ssm_scan with CHECKPOINTS_AUTO: the scan saving its checkpoints where the backend it would

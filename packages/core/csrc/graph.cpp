@@ -334,14 +334,34 @@ void Graph::recast_sources(Node& n, int end, std::map<int, int>& made, std::vect
   for (const auto& [orig, copy] : made) needs[copy] = needs[orig];
 }
 
+// Whether node s is a leaf, or a view, cast or dense copy of one (through any chain).
+bool Graph::of_leaf(int s) const {
+  static const int cast_op = OpTable::get().find("cast");
+  static const int contiguous_op = OpTable::get().find("contiguous");
+  const Node& n = nodes_[s];
+  if (n.is_leaf()) return true;
+  if (!n.is_view() && n.op != cast_op && n.op != contiguous_op) return false;
+  return of_leaf(n.src[0]);
+}
+
 // Appends a copy of every op node of segment `seg` among nodes [0, end], in order: the
 // same op, shape and parameters, sources (and view bases) inside the segment replaced by
 // their copies, casts outside it recomputed (recast); no flags, no data.
-// clone_of[original] = its copy.
-void Graph::clone_segment(int seg, int end, std::vector<int>& clone_of, std::vector<char>& needs) {
-  std::map<int, int> made;  // casts outside the segment, recomputed for it
+// clone_of[original] = its copy. leaf_casts: the recomputed casts of leaves (and their
+// views' copies) that the segments copied so far made, shared by every segment of one
+// backward: a weight read in several segments (the LM head in each chunk of a chunked
+// loss) is cast once in the backward, not once per segment; that copy then lives from the
+// first of those segments' copies to the last (the chunks of a loss run one after another).
+void Graph::clone_segment(int seg, int end, std::vector<int>& clone_of, std::vector<char>& needs,
+                          std::map<int, int>& leaf_casts) {
+  std::map<int, int> made = leaf_casts;  // casts outside the segment, recomputed for it
   for (int i = 0; i <= end; ++i) {
     if (nodes_[i].segment != seg || nodes_[i].is_leaf()) continue;
+    const auto shared = leaf_casts.find(i);  // a leaf's cast that another segment made again
+    if (shared != leaf_casts.end()) {
+      clone_of[i] = shared->second;
+      continue;
+    }
     Node c = nodes_[i];
     c.flags = 0;
     c.grad = -1;
@@ -355,6 +375,8 @@ void Graph::clone_segment(int seg, int end, std::vector<int>& clone_of, std::vec
     recast_sources(c, end, made, needs);
     clone_of[i] = push(std::move(c));
   }
+  for (const auto& [orig, copy] : made)
+    if (of_leaf(orig)) leaf_casts.emplace(orig, copy);
   needs.resize(nodes_.size(), 0);
   for (int k = 0; k <= end; ++k)
     if (clone_of[k] >= 0) needs[clone_of[k]] = needs[k];
@@ -405,12 +427,13 @@ void Graph::build_backward(int loss, int seed) {
   grads[loss] = seed >= 0 ? seed : fill(L.shape, 1.0, L.dtype);
 
   std::vector<int> clone_of(loss + 1, -1);  // node of a segment -> its recomputed copy
+  std::map<int, int> leaf_casts;  // the segments' recomputed casts of leaves (clone_segment)
   for (int i = loss; i >= 0; --i) {
     if (grads[i] < 0 || !needs[i]) continue;
     if (nodes_[i].is_leaf()) continue;
     int at = i;  // the node whose rule runs: i, or its copy when i is in a segment
     if (nodes_[i].segment != 0) {
-      if (clone_of[i] < 0) clone_segment(nodes_[i].segment, loss, clone_of, needs);
+      if (clone_of[i] < 0) clone_segment(nodes_[i].segment, loss, clone_of, needs, leaf_casts);
       at = clone_of[i];
     }
     Node n = nodes_[at];  // copy: the rule appends nodes

@@ -340,7 +340,9 @@ class Graph {
  private:
   int push(Node n);
   DType half_dtype_of(const std::string& name, const std::vector<int>& src) const;
-  void clone_segment(int seg, int end, std::vector<int>& clone_of, std::vector<char>& needs);
+  void clone_segment(int seg, int end, std::vector<int>& clone_of, std::vector<char>& needs,
+                     std::map<int, int>& leaf_casts);
+  bool of_leaf(int s) const;
   int recast(int s, int end, std::map<int, int>& made);
   void recast_sources(Node& n, int end, std::map<int, int>& made, std::vector<char>& needs);
   void check_ready() const;

@@ -14,7 +14,8 @@
 // walks the time axis (the loops run over W taps, TB rows or the parts: the host keeps each
 // below lavapipe's 65535 iterations).
 // The "_h" variant (-DHALF) reads x, c, bias and dy in the dtypes XDT, CDT, BDT, DYDT
-// (float32, bfloat16 or float16: ldf.glsl); the scratch and the outputs stay float32.
+// (float32, bfloat16 or float16: ldf.glsl) and writes OP 0's output in ODT (the float32
+// result rounded once); the scratch and the backward's outputs stay float32.
 #version 450
 #include "common.glsl"
 #include "ldf.glsl"
@@ -26,6 +27,7 @@ layout(constant_id = 2) const int XDT = 0;
 layout(constant_id = 3) const int CDT = 0;
 layout(constant_id = 4) const int BDT = 0;
 layout(constant_id = 5) const int DYDT = 0;
+layout(constant_id = 6) const int ODT = 0;  // the forward's output dtype (_h: 2-byte allowed)
 
 layout(push_constant) uniform PC {
   uvec2 x, c, b, dy, out_, g, part;
@@ -89,7 +91,11 @@ void main() {
   const int e = r * pc.D + ch;
   if (OP == 0) {
     const float a = silu_pre(s, t, ch);
+#ifdef HALF
+    st(pc.out_, uint(e), ODT, a / (1.0 + exp(-a)));
+#else
     FBuf(pc.out_).v[e] = a / (1.0 + exp(-a));
+#endif
   } else if (OP == 1) {
     const float a = silu_pre(s, t, ch);
     const float sg = 1.0 / (1.0 + exp(-a));

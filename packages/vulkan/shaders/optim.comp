@@ -1,5 +1,6 @@
 // Optimizer updates, in place, one tensor per dispatch (csrc/ops/optim.cpp):
-//   OP 0 sgd_step, 1 adam_step, 2 adamw_step, 3 lion_step, 4 grad_clip, 5 step count += 1.
+//   OP 0 sgd_step, 1 adam_step, 2 adamw_step, 3 lion_step, 4 grad_clip, 5 step counts += 1
+//   (those at step, g, s1, s2 that are not 0) and the node's dummy (at p, when not 0) = 0.
 // Semantics are the CPU kernels' (packages/core/csrc/ops/optim_kernels.cpp). The update
 // reads the step count before its increment (t = step + 1); OP 5 increments it in a later
 // dispatch, so no workgroup can see a half-updated count.
@@ -65,7 +66,13 @@ float one_minus_pow(int slot, int t) {
 
 void main() {
   if (OP == 5) {
-    if (gl_GlobalInvocationID.x == 0u) IBuf(pc.step).v[0] += 1;
+    if (gl_GlobalInvocationID.x != 0u) return;
+    const uvec2 zero = uvec2(0u);
+    if (pc.step != zero) IBuf(pc.step).v[0] += 1;
+    if (pc.g != zero) IBuf(pc.g).v[0] += 1;
+    if (pc.s1 != zero) IBuf(pc.s1).v[0] += 1;
+    if (pc.s2 != zero) IBuf(pc.s2).v[0] += 1;
+    if (pc.p != zero) UBuf(pc.p).v[0] = 0u;  // 0.0f
     return;
   }
   const bool has_gstat = (pc.flags & 1u) != 0u;

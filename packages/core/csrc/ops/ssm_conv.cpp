@@ -354,7 +354,18 @@ void causal_conv_check(Graph& g, Node& n, size_t off) {
   if (ns == 3 && g.node(n.src[off + 2]).shape != Shape{xs[2]}) fail_shape(g, n, "bias must be (d_inner,)");
   const Node& xn = g.node(n.src[off]);
   if (xs[2] > 1 && xn.strides[2] != 1) n.src[off] = g.contiguous(n.src[off]);
-  n.dtype = DType::f32;
+  // the forward may ask for its output's dtype (RECURRA_P_CONV_OUT_DTYPE): rounded once
+  DType out = DType::f32;
+  if (off == 0 && n.ip.size() == 1) {
+    const int64_t code = n.ip[RECURRA_P_CONV_OUT_DTYPE];
+    if (code < 0 || code >= kNumDTypes || !is_float(static_cast<DType>(code)))
+      throw TypeError("causal_conv_silu: the output dtype code must be 0 (float32), 2 (bfloat16) or 3 (float16), got " +
+                      std::to_string(code));
+    out = static_cast<DType>(code);
+  } else if (!n.ip.empty()) {
+    fail_shape(g, n, "takes no integer parameters");
+  }
+  n.dtype = out;
   n.shape = xs;  // the forward's result
 }
 

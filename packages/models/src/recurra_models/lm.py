@@ -291,9 +291,8 @@ def causal_conv(x: Any, state: Any | None, weight: Any, bias: Any | None) -> tup
     b, t, c = x.shape
     k = weight.shape[-1]
     half = rc.autocast_dtype()
-    if state is None:  # one op (fused where the backend has the kernel)
-        y = ops.causal_conv_silu(x, weight, bias)
-        return (y if half is None else y.to(half)), conv_state_after(x, k)
+    if state is None:  # one op (fused where the backend has the kernel), rounded by the op
+        return ops.causal_conv_silu(x, weight, bias, dtype=half), conv_state_after(x, k)
     step = _conv_step_hook
     if step is not None and t == 1 and half is None:
         done = step(x, state, weight, bias)

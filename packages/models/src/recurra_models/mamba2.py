@@ -48,6 +48,18 @@ RECOMPUTE_NORM_PROJ = True
 # chunk except under autocast (the chunked device backward then recomputes them); True
 # saves them under autocast too (the plan of before, for comparisons).
 SCAN_CHECKPOINTS: bool | None = None
+# Under autocast, the last KEEP_NORM_PROJ of the layers (a fraction: the last
+# floor(KEEP_NORM_PROJ * n_layer)) keep their norm's output (no recomputation segment:
+# out_proj's product and the norm run once), and the last KEEP_CHECKPOINTS (a fraction
+# too) save their scan's checkpoints (the float32 states entering each 64-token chunk,
+# which keep the scan's whole packed float32 result: the chunked device backward reads
+# them instead of recomputing them): time bought with memory, layer by layer. Both 0: on
+# the H200 (Mamba2-130m, 8 x 512) keeping the norm's output in every layer saved 2.4 ms of
+# 126 a step for 0.27 GiB, past the 0.6x-of-float32 memory bound, and the checkpoints
+# 6.3 ms for 1.8 GiB (docs/ops.md; bench/mixed_precision.py --precisions
+# bf16-keepnorm=F,bf16-keepck=F measures other fractions).
+KEEP_NORM_PROJ = 0.0
+KEEP_CHECKPOINTS = 0.0
 
 
 @dataclass
@@ -170,6 +182,13 @@ class Mamba2Mixer(nn.Module):
         self.norm = GatedRMSNorm(di, di // cfg.n_groups, cfg.norm_eps)
         self.D = nn.Parameter(np.ones(nh, np.float32))
         self.out_proj = nn.Linear(di, d, bias=cfg.bias, seed=rng)
+        # the mixer's layer in its model (Mamba2LM sets it; -1: standalone, in no model)
+        self.layer_idx = -1
+
+    def _among_last(self, fraction: float) -> bool:
+        """Whether this mixer is in the last floor(fraction * n_layer) layers of its model."""
+        n = self.cfg.n_layer
+        return self.layer_idx >= 0 and n - self.layer_idx <= int(fraction * n + 1e-9)
 
     def forward(self, h: Any, state: list[Any] | None = None) -> tuple[Any, list[Any]]:
         """h (B, T, d_model), state [conv (B, conv_dim, d_conv-1), ssm (B, n_heads, head_dim,
@@ -199,8 +218,11 @@ class Mamba2Mixer(nn.Module):
         a = step_constant(self, "A")  # -exp(A_log) per head (n_heads, 1)
         s0 = state[1] if state is not None else _zeros((b, nh, p, n), h.device)
         ids = np.arange(b, dtype=np.int32)
-        y, s1 = ops.ssm_scan(s0, x, dt, a, bm, cm, ids, checkpoints=SCAN_CHECKPOINTS)
         half = rc.autocast_dtype()
+        ck = SCAN_CHECKPOINTS
+        if ck is None and half is not None and self._among_last(KEEP_CHECKPOINTS):
+            ck = True
+        y, s1 = ops.ssm_scan(s0, x, dt, a, bm, cm, ids, checkpoints=ck)
         seg: Any = contextlib.nullcontext()
         if half is not None:
             # Under autocast: y rounded to the autocast dtype, as mamba-ssm's chunked scan
@@ -209,7 +231,7 @@ class Mamba2Mixer(nn.Module):
             # (RECOMPUTE_NORM_PROJ) the norm and out_proj in a recomputation segment.
             y = y.to(half)
             z = z.contiguous()  # the segment's input (z's own copy, as the norm reads it)
-            if RECOMPUTE_NORM_PROJ:
+            if RECOMPUTE_NORM_PROJ and not self._among_last(KEEP_NORM_PROJ):
                 seg = rc.recompute()
         with seg:
             y = self.norm(y.reshape(b, t, di), z, x=x.reshape(b, t, di), d=self.D)
@@ -238,6 +260,12 @@ class Mamba2LM(MambaFamilyLM):
     arch: ClassVar[str] = "mamba2"
     Config: ClassVar[type] = Mamba2Config
     Mixer: ClassVar[type] = Mamba2Mixer
+
+    def __init__(self, config: Any = None, seed: int = 0) -> None:
+        super().__init__(config, seed)
+        for i, layer in enumerate(self.backbone.layers):
+            assert isinstance(layer, MambaBlock)
+            layer.mixer.layer_idx = i  # for KEEP_NORM_PROJ / KEEP_CHECKPOINTS
 
     def init_state_shapes(self, batch: int) -> list[list[tuple[int, ...]]]:
         """Per layer: conv (batch, conv_dim, d_conv-1), ssm (batch, n_heads, head_dim,

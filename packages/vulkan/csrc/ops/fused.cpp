@@ -79,8 +79,12 @@ std::string conv_srcs_check(const recurra_node_desc& n, int off) {
   const int ns = n.n_src - off;
   if (!unfused(n).empty()) return unfused(n);
   if (ns != 2 && ns != 3) return std::string(n.op) + " takes (x, c) or (x, c, bias) after its gradient";
-  std::string why = require_f32_out(n);
+  // the forward's output dtype: ip[RECURRA_P_CONV_OUT_DTYPE] when given, else float32
+  std::string why = require_float(n, n.n_src);
   if (!why.empty()) return why;
+  if (n.n_ip > (off == 0 ? 1 : 0) || n.n_fp != 0) return std::string(n.op) + ": unexpected parameters";
+  if (n.dst.dtype != (n.n_ip == 1 ? static_cast<recurra_dtype>(n.ip[RECURRA_P_CONV_OUT_DTYPE]) : RECURRA_F32))
+    return std::string(n.op) + ": the output dtype does not match its parameter";
   const recurra_tensor_desc &x = n.src[off], &c = n.src[off + 1];
   if (x.ndim != 3) return std::string(n.op) + ": x must be (n_seqs, n_tok, d_inner)";
   if (c.ndim != 2 || c.shape[0] != x.shape[2] || c.shape[1] < 1) return std::string(n.op) + ": c must be (d_inner, d_conv)";
@@ -131,12 +135,14 @@ ConvPC conv_pc(NodeCall& c, int off) {
 }
 
 // causal_conv or its 2-byte variant, and the specialization constants (OP, HAS_B, then the
-// dtypes of x, c, bias and dy) of node c whose (x, c[, bias]) start at source `off` (dy: 0).
+// dtypes of x, c, bias and dy, and the forward's output dtype) of node c whose (x, c[, bias])
+// start at source `off` (dy: 0).
 std::string conv_module(const NodeCall& c) { return variant("causal_conv", has_half(c.node, c.node.n_src)); }
 
 std::vector<int32_t> conv_spec(int op, int has_b, const NodeCall& c, int off) {
   auto dt = [&](int i) { return i < c.node.n_src ? dt_code(c.node.src[i].dtype) : 0; };
-  return {op, has_b, dt(off), dt(off + 1), has_b ? dt(off + 2) : 0, off == 1 ? dt(0) : 0};
+  return {op, has_b, dt(off), dt(off + 1), has_b ? dt(off + 2) : 0, off == 1 ? dt(0) : 0,
+          off == 0 ? dt_code(c.node.dst.dtype) : 0};
 }
 
 // The grid of OP 0-2: 64 channels x 4 rows per workgroup.

@@ -12,7 +12,8 @@
 // The core's scheduler runs these nodes where the memory they write lives (OpDef
 // writes_src), so parameters and state never leave the device. The C table carries at most
 // RECURRA_MAX_SRC sources per node: recurra's FusedStep cuts device steps to fit.
-// Shaders: optim.comp (one dispatch per tensor, then one per step count), grad_norm.comp.
+// Shaders: optim.comp (one dispatch per tensor, then one for the step counts and the dummy),
+// grad_norm.comp.
 #include <algorithm>
 #include <string>
 
@@ -33,11 +34,6 @@ struct OptimPC {
 struct NormPC {
   uint64_t hyper, x, partial, out;
   uint32_t n, base, raw;
-};
-
-struct FillPC {
-  uint64_t d;
-  uint32_t n, bits;
 };
 
 int per_tensor(const recurra_node_desc& n, int op) {
@@ -114,10 +110,27 @@ void update_record(NodeCall& c) {
     if (pc.n)
       c.rec.dispatch("optim", {OP}, pc, grid_groups(pc.n, 1024), 1, 1, {c.src[0].range, gst, g.range, step.range},
                      {p.range, s1r, s2r});
-    c.rec.dispatch("optim", {kBump}, pc, 1, 1, 1, {}, {step.range});
   }
-  FillPC f{addr(c.dst), 1u, 0u};
-  c.rec.dispatch("fill", {}, f, 1, 1, 1, {}, {c.dst.range});
+  // After every update of the node (they read the counts before the increment): one
+  // dispatch increments up to 4 step counts (OP 5 takes their addresses in step, g, s1, s2)
+  // and the last one writes the node's 1-element dummy (0, as the CPU) into p: a node of
+  // two AdamW tensors records 3 dispatches, not 2 per tensor and a fill.
+  std::vector<const Tensor*> steps;
+  if (OP != kClip)
+    for (int64_t t = 0; t < count; ++t) steps.push_back(&c.src[first + static_cast<int>(t) * per + per - 1]);
+  size_t k = 0;
+  do {
+    OptimPC pc{};
+    uint64_t* slot[4] = {&pc.step, &pc.g, &pc.s1, &pc.s2};
+    Range r[4] = {};
+    for (int j = 0; j < 4 && k < steps.size(); ++j, ++k) {
+      *slot[j] = addr(*steps[k]);
+      r[j] = steps[k]->range;
+    }
+    const bool last = k == steps.size();
+    pc.p = last ? addr(c.dst) : 0;
+    c.rec.dispatch("optim", {kBump}, pc, 1, 1, 1, {}, {r[0], r[1], r[2], r[3], last ? c.dst.range : Range{}});
+  } while (k < steps.size());
 }
 
 std::string norm_check(const recurra_node_desc& n) {

@@ -84,7 +84,8 @@ def mse_loss(a: Any, b: Any) -> Any:
 
 
 def _out_dtype_ip(dtype: Any) -> tuple[int, ...]:
-    """gated_rms_norm's optional RECURRA_P_OUT_DTYPE parameter for ``dtype`` (None: none)."""
+    """The optional output-dtype parameter (gated_rms_norm's RECURRA_P_OUT_DTYPE,
+    causal_conv_silu's RECURRA_P_CONV_OUT_DTYPE) for ``dtype`` (None: none)."""
     if dtype is None:
         return ()
     from recurra._dtype import as_dtype
@@ -146,7 +147,7 @@ def gated_rms_norm(
     return apply("gated_rms_norm", srcs, ip=(gs, *_out_dtype_ip(dtype)), fp=(float(eps),))
 
 
-def causal_conv_silu(x: Any, weight: Any, bias: Any = None) -> Any:
+def causal_conv_silu(x: Any, weight: Any, bias: Any = None, dtype: Any = None) -> Any:
     """Mamba's depthwise causal convolution over time followed by SiLU, from zeros (no
     carried state): ``y[s, t, ch] = silu(bias[ch] + sum_k x[s, t - K + 1 + k, ch] *
     weight[ch, k])`` with x = 0 before t = 0.
@@ -154,11 +155,13 @@ def causal_conv_silu(x: Any, weight: Any, bias: Any = None) -> Any:
     ``x`` is (n_seqs, n_tok, channels) (a slice of a wider projection is read in place),
     ``weight`` (channels, K), ``bias`` (channels,) or None. One op (no transposed or padded
     copies where the backend has the fused kernel; elsewhere the scheduler builds pad +
-    ssm_conv + bias + silu, with the same result). Returns a float32 tensor of x's shape.
-    Raises ValueError for inconsistent shapes, TypeError for non-float32 inputs.
+    ssm_conv + bias + silu, with the same result). Returns a float32 tensor of x's shape;
+    with ``dtype`` (e.g. ``recurra.autocast_dtype()``) one of that dtype, the float32 result
+    rounded once by the op (no cast node after it). Raises ValueError for inconsistent
+    shapes, TypeError for non-float inputs or a dtype that is not a float dtype.
     """
     _, srcs = coerce([x, weight] if bias is None else [x, weight, bias])
-    return apply("causal_conv_silu", srcs)
+    return apply("causal_conv_silu", srcs, ip=_out_dtype_ip(dtype))
 
 
 def layer_norm(x: Any, eps: float = 1e-5) -> Any:

@@ -86,9 +86,11 @@ def pack_hyper(values: Mapping[str, float], out: np.ndarray | None = None) -> np
     return out
 
 
-#: Sources one optimizer node takes at most when it runs on a device backend (at most
-#: RECURRA_MAX_SRC, 12, of the C backend table); device steps are cut into such nodes.
-_DEVICE_MAX_SRC = 8
+#: Sources one optimizer node takes at most when it runs on a device backend
+#: (RECURRA_MAX_SRC of the C backend table, 12 since its ABI 2); device steps are cut into
+#: such nodes: two AdamW tensors a node (hyper + 2 x 5 sources), so that a device records
+#: one dispatch of step counts (and the node's dummy) for two tensors.
+_DEVICE_MAX_SRC = 12
 
 
 def _device_buffer(a: Any) -> Any:

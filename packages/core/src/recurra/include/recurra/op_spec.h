@@ -90,6 +90,7 @@ RECURRA_CODE_(RECURRA_UNARY_COUNT, 0 RECURRA_UNARY_MATHS(RECURRA_MATHS_ONE_)
 #define RECURRA_P_EPS 0           /* rms_norm, layer_norm, gated_rms_norm (and _back) fp */
 #define RECURRA_P_GROUP_SIZE 0    /* gated_rms_norm(_back) ip: channels per normalized group */
 #define RECURRA_P_OUT_DTYPE 1     /* gated_rms_norm ip (optional): its output's recurra_dtype */
+#define RECURRA_P_CONV_OUT_DTYPE 0 /* causal_conv_silu ip (optional): its output's recurra_dtype */
 #define RECURRA_P_N_ROWS 0        /* get_rows_back ip: the table's row count V */
 #define RECURRA_P_VALUE 0         /* fill, pad fp: the value */
 #define RECURRA_P_DTYPE 1         /* fill fp: the output's recurra_dtype code */
@@ -254,7 +255,8 @@ typedef struct recurra_op_spec {
   X(ssm_conv, 2, 2, 0, 0, 0, 0, -1, "sx (S, D, L), c (D, W)", "", "",                           \
     "y (S, L - W + 1, D), the depthwise causal convolution", "ssm_conv_back", "")               \
   X(ssm_conv_back, 3, 3, 0, 0, 0, 0, -1, "dy, sx, c", "", "", "packed: dsx, dc", "", "")        \
-  X(causal_conv_silu, 2, 3, 0, 0, 0, 0, -1, "x (S, T, D), c (D, K), [bias (D,)]", "", "",       \
+  X(causal_conv_silu, 2, 3, 0, 1, 0, 0, -1, "x (S, T, D), c (D, K), [bias (D,)]",              \
+    "[output dtype: float32 by default, rounded once]", "",                                     \
     "silu(bias + causal conv of x from zeros), x's shape", "causal_conv_silu_back",             \
     "permute, pad, ssm_conv, add, silu")                                                        \
   X(causal_conv_silu_back, 3, 4, 0, 0, 0, 0, -1, "dy, x, c, [bias]", "", "",                    \
@@ -314,7 +316,8 @@ typedef struct recurra_op_spec {
  * exactly to float32 where the kernel loads it, so a cast before them would change nothing):
  * their float sources may mix float32, bfloat16 and float16, their output is float32
  * (cross_entropy_back: its logits' dtype, the gradient's; gated_rms_norm: the dtype its
- * RECURRA_P_OUT_DTYPE asks for, which a product after it wants; rounded once on store). A gradient
+ * RECURRA_P_OUT_DTYPE asks for, which a product after it wants; causal_conv_silu: its
+ * RECURRA_P_CONV_OUT_DTYPE's, the autocast dtype the scan reads; rounded once on store). A gradient
  * they give a 2-byte source is cast to its dtype (build_backward), as the gradient of the
  * up-cast they replace was. A backend that has no kernel for a mix refuses the node; its
  * decomposition (gated_rms_norm, causal_conv_silu) then widens the 2-byte sources first. */
