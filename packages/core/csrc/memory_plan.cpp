@@ -22,7 +22,7 @@ using namespace sched;
 namespace sched {
 
 std::mutex g_scatter_mu;
-std::unordered_map<const Graph*, std::unordered_map<int, Scatter>> g_scatters;
+std::unordered_map<const Graph*, MergedAdds> g_scatters;
 
 }  // namespace sched
 
@@ -182,6 +182,14 @@ bool covers(const Scatter& sc, int64_t width) {
   return at == width;
 }
 
+// Whether node n's strides are those of a dense tensor of its shape.
+bool dense(const Node& n) {
+  TensorView v;
+  v.shape = n.shape;
+  std::copy(n.strides, n.strides + kMaxDims, v.strides);
+  return v.is_contiguous();
+}
+
 // Whether device backend b copies into a strided window of a tensor in place (an assign
 // whose destination is a window of a wider row), as a merged add runs there.
 bool assigns_into_windows(int b, DType dt) {
@@ -224,8 +232,9 @@ const MemoryPlan& Graph::plan() {
   for (int j = 0; j < n; ++j)
     for (int s : nodes_[j].src) ++readers[s];
   std::unordered_map<int, Scatter> merged;
+  std::unordered_map<int, RowsAdd> rows_adds;
+  const int add_op = tab.find("add");
   {
-    const int add_op = tab.find("add");
     std::map<std::pair<int, int>, bool> window_ok;  // (backend, dtype): takes window assigns
     auto takes = [&](int b, DType dt) {
       if (b == kCpuBackend) return dt == DType::f32;
@@ -254,10 +263,63 @@ const MemoryPlan& Graph::plan() {
       else
         ++it;
     }
+    // On the CPU, a piece that is a dense view of an add read by nothing else: the add's
+    // two dense sources are summed into the output instead (Scatter::lhs, rhs).
+    auto on_cpu = [&](int id) { return location(base_of(id)) == kCpuBackend; };
+    for (auto& [j, sc] : merged) {
+      sc.lhs.assign(sc.parts.size(), -1);
+      sc.rhs.assign(sc.parts.size(), -1);
+      if (place_.where[j] != kCpuBackend) continue;
+      for (size_t i = 0; i < sc.parts.size(); ++i) {
+        const int q = sc.parts[i], b = base_of(q);
+        const Node& a = nodes_[b];
+        if (a.is_leaf() || a.op != add_op || merged.count(b) || readers[b] != 1 || (q != b && readers[q] != 1) ||
+            (a.flags & (kOutput | kLoss)) || a.dtype != DType::f32 || !on_cpu(b) ||
+            nodes_[q].view_offset != 0 || nodes_[q].numel() != a.numel() || !dense(nodes_[q]))
+          continue;
+        bool ok = a.src.size() == 2;
+        for (int s : a.src)
+          ok = ok && nodes_[s].shape == a.shape && nodes_[s].dtype == DType::f32 && dense(nodes_[s]) && on_cpu(s);
+        if (!ok) continue;
+        sc.lhs[i] = a.src[0];
+        sc.rhs[i] = a.src[1];
+      }
+    }
+    // Tied embeddings: add(A, get_rows_back(g, idx)) on the CPU (see RowsAdd).
+    const int rows_op = tab.find("get_rows_back");
+    for (int j = 0; j < n; ++j) {
+      const Node& nd = nodes_[j];
+      if (nd.op != add_op || nd.src.size() != 2 || nd.dtype != DType::f32 || merged.count(j) ||
+          place_.where[j] != kCpuBackend || nd.src[0] == nd.src[1])
+        continue;
+      for (int k = 0; k < 2; ++k) {
+        const int r = nd.src[k], a = nd.src[1 - k];
+        const Node& rn = nodes_[r];
+        if (rn.is_leaf() || rn.op != rows_op || readers[r] != 1 || (rn.flags & (kOutput | kLoss)) ||
+            !on_cpu(r) || !on_cpu(rn.src[0]) || !on_cpu(rn.src[1]) || rn.dtype != DType::f32 ||
+            nodes_[rn.src[0]].dtype != DType::f32 || !dense(nodes_[rn.src[0]]) || !dense(nodes_[rn.src[1]]))
+          continue;
+        const Node& an = nodes_[a];
+        if (an.shape != nd.shape || an.dtype != DType::f32 || !dense(an) || !on_cpu(a)) continue;
+        rows_adds[j] = RowsAdd{a, rn.src[0], rn.src[1]};
+        break;
+      }
+    }
   }
+  // The nodes a merged add reads in place of its own sources.
+  std::unordered_map<int, std::vector<int>> merged_reads;
+  for (const auto& [j, sc] : merged) {
+    auto& r = merged_reads[j];
+    for (size_t i = 0; i < sc.parts.size(); ++i)
+      if (sc.lhs.empty() || sc.lhs[i] < 0)
+        r.push_back(sc.parts[i]);
+      else
+        r.insert(r.end(), {sc.lhs[i], sc.rhs[i]});
+  }
+  for (const auto& [j, ra] : rows_adds) merged_reads[j] = {ra.base, ra.grad, ra.idx};
   auto srcs_of = [&](int j) -> const std::vector<int>& {
-    const auto it = merged.find(j);
-    return it == merged.end() ? nodes_[j].src : it->second.parts;
+    const auto it = merged_reads.find(j);
+    return it == merged_reads.end() ? nodes_[j].src : it->second;
   };
   // Nodes the backward appended (after the loss) that nothing reads are not run: gradients
   // a rule left unused, or forms a rule or a scatter superseded. Outputs, in-place updates
@@ -365,7 +427,10 @@ const MemoryPlan& Graph::plan() {
   auto writable_source = [&](int j, bool chain) -> int {
     const Node& nd = nodes_[j];
     if (!elementwise[nd.op] || merged.count(j)) return -1;
-    for (int s : nd.src) {
+    // A merged rows add writes over its dense base only (see RowsAdd).
+    const auto ra = rows_adds.find(j);
+    const std::vector<int> over = ra == rows_adds.end() ? nd.src : std::vector<int>{ra->second.base};
+    for (int s : over) {
       const int base = base_of(s);
       const Node& bn = nodes_[base];
       const bool free = chain ? !p.own[base] && chain_root[base] < 0
@@ -375,7 +440,7 @@ const MemoryPlan& Graph::plan() {
           !identity_view(s, base))
         continue;
       bool ok = true;  // every source reading this memory reads it element for element
-      for (int o : nd.src) ok = ok && (base_of(o) != base || identity_view(o, base));
+      for (int o : srcs_of(j)) ok = ok && (base_of(o) != base || identity_view(o, base));
       if (ok) return base;
     }
     return -1;
@@ -512,10 +577,10 @@ const MemoryPlan& Graph::plan() {
       nodes_[j].data = static_cast<uint8_t*>(arena_.get()) + p.offsets[j];
   {
     std::lock_guard<std::mutex> lk(g_scatter_mu);
-    if (merged.empty())
+    if (merged.empty() && rows_adds.empty())
       g_scatters.erase(this);
     else
-      g_scatters[this] = std::move(merged);
+      g_scatters[this] = MergedAdds{std::move(merged), std::move(rows_adds)};
   }
   plan_ = std::move(p);
   planned_ = true;

@@ -38,12 +38,31 @@ struct Scatter {
   std::vector<int> parts;      // the nodes written into the output, by begin
   std::vector<int64_t> begin;  // their first column on the last axis
   std::vector<int64_t> end;
+  // On the CPU, per part: the two dense sources of an add whose result the part is (a dense
+  // view of it, read by nothing else), summed straight into the output instead of running
+  // that add (a Mamba-2 x's gradient from the scan and from the D skip); -1 when the part
+  // is copied as it is.
+  std::vector<int> lhs, rhs;
+};
+
+// A tied embedding's gradient is add(A, get_rows_back(g, idx)): the LM head's dense (V, D)
+// product and the few rows the lookup touched. On the CPU, plan() runs that add as A with
+// the row sums of g added into the rows of idx (the add writes over A when A dies there, as
+// the own chain of a parameter's gradient does), so the zeroed (V, D) scatter and the full
+// add are not run; each row sum is taken in index order first, then added: the same float
+// operations as before.
+struct RowsAdd {
+  int base, grad, idx;
 };
 
 // The merged adds of each planned graph, by add node: plan() writes them, compute() runs
 // them (memory_plan.cpp).
+struct MergedAdds {
+  std::unordered_map<int, Scatter> scatters;
+  std::unordered_map<int, RowsAdd> rows;
+};
 extern std::mutex g_scatter_mu;
-extern std::unordered_map<const Graph*, std::unordered_map<int, Scatter>> g_scatters;
+extern std::unordered_map<const Graph*, MergedAdds> g_scatters;
 
 
 }  // namespace sched
