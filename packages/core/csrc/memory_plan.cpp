@@ -148,7 +148,7 @@ bool scatter_parts(const Graph& g, const std::unordered_map<int, Scatter>& merge
   for (int i = 0; i < d - 1; ++i)
     if (nd.ip[d + 3 * i] != 0 || nd.ip[d + 3 * i + 1] != nd.shape.d[i] || nd.ip[d + 3 * i + 2] != 1) return false;
   if (nd.ip[d + 3 * (d - 1) + 2] != 1) return false;
-  *out = Scatter{{nd.src[0]}, {nd.ip[d + 3 * (d - 1)]}, {nd.ip[d + 3 * (d - 1) + 1]}};
+  *out = Scatter{{nd.src[0]}, {nd.ip[d + 3 * (d - 1)]}, {nd.ip[d + 3 * (d - 1) + 1]}, {}, {}};
   return true;
 }
 
