@@ -80,6 +80,10 @@ RC_SIMD float max_row(const float* __restrict x, int64_t n) {
 RC_SIMD void exp_shift_row(float* __restrict y, const float* __restrict x, int64_t n, float m) {
   for (int64_t i = 0; i < n; ++i) y[i] = exp_ftz_lane(x[i] - m);
 }
+// y = exp(y - m)
+RC_SIMD void exp_shift_inplace_row(float* __restrict y, int64_t n, float m) {
+  for (int64_t i = 0; i < n; ++i) y[i] = exp_ftz_lane(y[i] - m);
+}
 // y *= s
 RC_SIMD void scale_inplace_row(float* __restrict y, int64_t n, float s) {
   for (int64_t i = 0; i < n; ++i) y[i] *= s;
@@ -292,7 +296,10 @@ void cross_entropy_back_forward(KernelCtx& c) {
       const float* xr = x + r * C;
       float* dr = dx + r * C;
       const float m = max_row(xr, C);
-      exp_shift_row(dr, xr, C, m);
+      if (dr == xr)  // the plan gave the gradient the logits' memory (row by row)
+        exp_shift_inplace_row(dr, C, m);
+      else
+        exp_shift_row(dr, xr, C, m);
       scale_inplace_row(dr, C, gs / sum_row(dr, C));
       dr[t[r]] -= gs;
     }
