@@ -106,3 +106,38 @@ def test_rows_add_refuses_an_index_out_of_range():
     g, idx = randn(2, 4), np.array([1, 9], np.int32)
     with pytest.raises(ValueError, match="get_rows_back: index 9"):
         ops.add(rc.tensor(randn(5, 4)), ops.apply("get_rows_back", [g, idx], ip=(5,))).numpy()
+
+
+def _mixer_grad(refused: list[str]) -> tuple[np.ndarray, int]:
+    """The gradient of a Mamba-2-like projection split into z | xBC | dt, z gating the norm
+    and xBC through the conv (graph API), and the plan's n_redirected."""
+    from gradcheck import cpu_refuses
+
+    b, t, di, cd, nh = 2, 37, 40, 52, 4
+    rng = np.random.default_rng(5)
+    with cpu_refuses(*refused):
+        g = rc.Graph()
+        proj = g.param((b, t, di + cd + nh))
+        y, w, nw, d = g.input((b, t, di)), g.input((cd, 4)), g.input((di,)), g.input((nh,))
+        r1, r2, r3 = g.input((b, t, di)), g.input((b, t, cd)), g.input((b, t, nh))
+        xc = ops.causal_conv_silu(proj[:, :, di : di + cd], w)
+        out = ops.gated_rms_norm(y, proj[:, :, :di], nw, 1e-5, di, x=xc[:, :, :di], d=d)
+        terms = [ops.mul(out, r1), ops.mul(xc, r2), ops.mul(proj[:, :, di + cd :], r3)]
+        loss = ops.apply("sum_to", [terms[0]], ip=())
+        for term in terms[1:]:
+            loss = ops.add(loss, ops.apply("sum_to", [term], ip=()))
+        g.set_loss(loss)
+        g.build_backward(loss)
+        for leaf in (proj, y, w, nw, d, r1, r2, r3):
+            g.set_data(leaf, rng.standard_normal(leaf.shape).astype(np.float32))
+        g.compute()
+        return proj.grad.numpy(), int(g.memory()["n_redirected"])
+
+
+def test_norm_and_conv_write_their_pieces_into_the_projection_gradient():
+    # gated_rms_norm_back's dz and causal_conv_silu_back's dx go straight into their windows
+    # of the projection's gradient; the decomposed ops (no such kernels) give the reference.
+    got, redirected = _mixer_grad([])
+    want, none = _mixer_grad(["gated_rms_norm", "causal_conv_silu"])
+    assert (redirected, none) == (2, 0)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

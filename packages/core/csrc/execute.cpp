@@ -451,6 +451,7 @@ void Graph::compute(const std::vector<std::vector<int>>& groups, const std::func
         std::vector<TensorView> parts, plus(sc.parts.size());
         for (size_t i = 0; i < sc.parts.size(); ++i) {
           parts.push_back(host_view(sc.parts[i], kCpuBackend));
+          if (!sc.written.empty() && sc.written[i]) parts.back().data = nullptr;  // its producer wrote it
           if (sc.lhs.empty() || sc.lhs[i] < 0) continue;
           // the part as the add's two dense sources, in the part's shape
           TensorView& p = parts.back();
@@ -476,6 +477,10 @@ void Graph::compute(const std::vector<std::vector<int>>& groups, const std::func
         continue;
       }
       KernelCtx ctx{n, host_view(j, kCpuBackend), {}, tp};
+      if (merged && merged->redirects.count(j))
+        for (const Redirect& r : merged->redirects.at(j))
+          ctx.pieces.push_back({r.offset, host_view(r.scatter, kCpuBackend).f32() + r.col,
+                                row_len(nodes_[r.scatter].shape)});
       ctx.src.reserve(n.src.size());
       for (int s : n.src) ctx.src.push_back(host_view(s, kCpuBackend));
       if (n.op != cast_op && touches_half(ctx))

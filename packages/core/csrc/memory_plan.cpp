@@ -148,7 +148,7 @@ bool scatter_parts(const Graph& g, const std::unordered_map<int, Scatter>& merge
   for (int i = 0; i < d - 1; ++i)
     if (nd.ip[d + 3 * i] != 0 || nd.ip[d + 3 * i + 1] != nd.shape.d[i] || nd.ip[d + 3 * i + 2] != 1) return false;
   if (nd.ip[d + 3 * (d - 1) + 2] != 1) return false;
-  *out = Scatter{{nd.src[0]}, {nd.ip[d + 3 * (d - 1)]}, {nd.ip[d + 3 * (d - 1) + 1]}, {}, {}};
+  *out = Scatter{{nd.src[0]}, {nd.ip[d + 3 * (d - 1)]}, {nd.ip[d + 3 * (d - 1) + 1]}, {}, {}, {}};
   return true;
 }
 
@@ -188,6 +188,20 @@ bool is_dense(const Node& n) {
   v.shape = n.shape;
   std::copy(n.strides, n.strides + kMaxDims, v.strides);
   return v.is_contiguous();
+}
+
+// The first element of the piece of P's packed result that view q is, when P's kernel can
+// write that piece elsewhere (KernelCtx::pieces; see Redirect), else -1.
+int64_t redirectable_piece(const Graph& g, const Node& P, const Node& q) {
+  static const int norm_back = OpTable::get().find("gated_rms_norm_back");
+  static const int conv_back = OpTable::get().find("causal_conv_silu_back");
+  if (P.op != norm_back && P.op != conv_back) return -1;
+  if (P.op == norm_back && P.src.size() < 4) return -1;  // (g, y, w): no gate, no dz
+  const Node& first = g.node(P.src[1]);  // y (dy first, then dz), or x (dx first)
+  const int64_t off = P.op == norm_back ? first.numel() : 0;
+  const bool ok = q.view_offset == off && q.numel() == first.numel() && is_dense(q) && q.shape.ndim > 0 &&
+                  first.shape.ndim > 0 && q.shape.d[q.shape.ndim - 1] == first.shape.d[first.shape.ndim - 1];
+  return ok ? off : -1;
 }
 
 // Whether device backend b copies into a strided window of a tensor in place (an assign
@@ -233,6 +247,7 @@ const MemoryPlan& Graph::plan() {
     for (int s : nodes_[j].src) ++readers[s];
   std::unordered_map<int, Scatter> merged;
   std::unordered_map<int, RowsAdd> rows_adds;
+  std::unordered_map<int, std::vector<Redirect>> redirects;
   const int add_op = tab.find("add");
   {
     std::map<std::pair<int, int>, bool> window_ok;  // (backend, dtype): takes window assigns
@@ -283,6 +298,42 @@ const MemoryPlan& Graph::plan() {
         if (!ok) continue;
         sc.lhs[i] = a.src[0];
         sc.rhs[i] = a.src[1];
+      }
+    }
+    // Pieces their producers write into the scatter's output (see Redirect): the piece's
+    // view is read by the scatter only, and no other view of the producer reaches it.
+    std::vector<std::vector<int>> views_of(n);
+    for (int v = 0; v < n; ++v)
+      if (nodes_[v].is_view()) views_of[nodes_[v].view_base].push_back(v);
+    std::vector<char> inner(n, 0);  // merged adds that a later merged add took in whole
+    for (const auto& [j, sc] : merged)
+      for (int s : nodes_[j].src)
+        if (merged.count(s)) inner[s] = 1;
+    for (auto& [j, sc] : merged) {
+      sc.written.assign(sc.parts.size(), 0);
+      if (inner[j] || place_.where[j] != kCpuBackend || nodes_[j].dtype != DType::f32) continue;
+      for (size_t i = 0; i < sc.parts.size(); ++i) {
+        const int q = sc.parts[i], b = base_of(q);
+        const Node& P = nodes_[b];
+        if (sc.lhs[i] >= 0 || q == b || P.is_leaf() || readers[q] != 1 || place_.where[b] != kCpuBackend ||
+            P.dtype != DType::f32 || redirects.count(b))
+          continue;
+        const int64_t off = redirectable_piece(*this, P, nodes_[q]), len = nodes_[q].numel();
+        bool ok = off >= 0;
+        for (int s : P.src) ok = ok && !is_half(nodes_[s].dtype);
+        std::vector<int> chain;  // q and the views it is made from (unpack: a slice, reshaped)
+        for (int v = q; v != b && ok; v = nodes_[v].src[0]) {
+          ok = readers[v] == 1;
+          chain.push_back(v);
+        }
+        for (int v : views_of[b]) {
+          const Node& o = nodes_[v];
+          const bool apart = is_dense(o) && (o.view_offset + o.numel() <= off || o.view_offset >= off + len);
+          ok = ok && (apart || std::find(chain.begin(), chain.end(), v) != chain.end());
+        }
+        if (!ok) continue;
+        sc.written[i] = 1;
+        redirects[b].push_back({j, off, sc.begin[i]});
       }
     }
     // Tied embeddings: add(A, get_rows_back(g, idx)) on the CPU (see RowsAdd).
@@ -380,6 +431,7 @@ const MemoryPlan& Graph::plan() {
     if (mr.backend != kCpuBackend) check_fits(mr.backend, mr.base, true);
 
   MemoryPlan p;
+  for (const auto& [producer, rs] : redirects) p.n_redirected += rs.size();
   p.offsets.assign(n, SIZE_MAX);
   p.segments.assign(n, 0);
   // Outputs with memory of their own (kOwnMemory): no place in the arena (compute() makes
@@ -479,9 +531,19 @@ const MemoryPlan& Graph::plan() {
 
   size_t split_i = 0;
   size_t live = 0;  // bytes of planned intermediates (and mirrors) alive now
+  // A scatter that producers write into (Redirect) takes its memory at the first of them.
+  auto place = [&](int j) {
+    const auto slot = arena(place_.where[j]).alloc(nodes_[j].nbytes());
+    live += align_up(std::max<size_t>(nodes_[j].nbytes(), 1));
+    p.segments[j] = slot.segment;
+    p.offsets[j] = slot.offset;
+  };
   for (int j = 0; j < n; ++j) {
     const Node& nd = nodes_[j];
     if (nd.is_leaf() || nd.is_view() || !keep[j]) continue;
+    if (const auto rd = redirects.find(j); rd != redirects.end())
+      for (const Redirect& r : rd->second)
+        if (!p.own[r.scatter] && chain_root[r.scatter] < 0 && p.offsets[r.scatter] == SIZE_MAX) place(r.scatter);
     // Mirrors are written when their split starts: allocate them there, before the
     // split's own nodes, so nothing still live in the split can share their memory.
     while (split_i < place_.splits.size() && place_.splits[split_i].nodes.front() <= j) {
@@ -507,11 +569,8 @@ const MemoryPlan& Graph::plan() {
         p.offsets[j] = p.offsets[reuse];
         p.n_in_place++;
         p.in_place_bytes += bytes;
-      } else {
-        const auto slot = arena(place_.where[j]).alloc(nd.nbytes());
-        live += bytes;
-        p.segments[j] = slot.segment;
-        p.offsets[j] = slot.offset;
+      } else if (p.offsets[j] == SIZE_MAX) {
+        place(j);
       }
       if (live > p.peak_live_bytes) p.peak_live_bytes = live, p.peak_node = j;
       p.unplanned_bytes += bytes;
@@ -593,7 +652,7 @@ const MemoryPlan& Graph::plan() {
     if (merged.empty() && rows_adds.empty())
       g_scatters.erase(this);
     else
-      g_scatters[this] = MergedAdds{std::move(merged), std::move(rows_adds)};
+      g_scatters[this] = MergedAdds{std::move(merged), std::move(rows_adds), std::move(redirects)};
   }
   plan_ = std::move(p);
   planned_ = true;

@@ -43,6 +43,20 @@ struct Scatter {
   // that add (a Mamba-2 x's gradient from the scan and from the D skip); -1 when the part
   // is copied as it is.
   std::vector<int> lhs, rhs;
+  // Per part: 1 when its producer writes it into the output itself (see Redirect); the
+  // scatter leaves those columns as they are.
+  std::vector<char> written;
+};
+
+// On the CPU, a scatter part that is a piece of a packed result whose kernel can write that
+// piece anywhere (KernelCtx::pieces: gated_rms_norm_back's dz, causal_conv_silu_back's dx;
+// Mamba-2's z and xBC gradients) and that nothing else reads: the producer writes it
+// straight into its window of the scatter's output, whose memory is planned from the
+// producer on. That part is then neither written twice nor read again.
+struct Redirect {
+  int scatter;     // the merged add whose output takes the piece
+  int64_t offset;  // the piece's first element in the producer's packed result
+  int64_t col;     // its first column in the scatter's output
 };
 
 // A tied embedding's gradient is add(A, get_rows_back(g, idx)): the LM head's dense (V, D)
@@ -60,6 +74,7 @@ struct RowsAdd {
 struct MergedAdds {
   std::unordered_map<int, Scatter> scatters;
   std::unordered_map<int, RowsAdd> rows;
+  std::unordered_map<int, std::vector<Redirect>> redirects;  // by producer node
 };
 extern std::mutex g_scatter_mu;
 extern std::unordered_map<const Graph*, MergedAdds> g_scatters;

@@ -250,13 +250,14 @@ void gated_back_forward(KernelCtx& c) {
     for (int64_t r = part * kRowsPerPart; r < std::min(R, (part + 1) * kRowsPerPart); ++r) {
       const float *gr = g.at(r), *yr = y.at(r), *zr = z.at(r), *xr = x.at(r);
       float* dyr = dy + r * C;
+      float* dzr = dz ? c.piece_row(RC, r, C) : nullptr;  // in dst, or a scatter's window
       for (int64_t k = 0; k < C; k += gs) {
         // h into dy's row first: its sum of squares and <g w, h> give r and c1.
         float acc_h[16] = {}, acc_g[16] = {}, rest_h = 0.0f, rest_g = 0.0f;
         for (int64_t b0 = k; b0 < k + gs; b0 += cb) {
           const int64_t n = std::min(cb, k + gs - b0);
           gate_row(dyr + b0, yr + b0, xr ? xr + b0 : nullptr, d.data() + b0, zr ? zr + b0 : nullptr,
-                   dz ? dz + r * C + b0 : nullptr, n);  // sigmoid(z) into dz's row
+                   dzr ? dzr + b0 : nullptr, n);  // sigmoid(z) into dz's row
           rest_h += dot3_acc(acc_h, dyr + b0, dyr + b0, ones.data(), n);
           rest_g += dot3_acc(acc_g, gr + b0, w + b0, dyr + b0, n);
         }
@@ -265,7 +266,7 @@ void gated_back_forward(KernelCtx& c) {
         const float c1 = rr * dot3_total(acc_g, rest_g) / static_cast<float>(gs);
         for (int64_t b0 = k; b0 < k + gs; b0 += cb) {
           const int64_t n = std::min(cb, k + gs - b0);
-          gate_back_row(dyr + b0, dz ? dz + r * C + b0 : nullptr, skip ? dx + r * C + b0 : nullptr, pwp + b0,
+          gate_back_row(dyr + b0, dzr ? dzr + b0 : nullptr, skip ? dx + r * C + b0 : nullptr, pwp + b0,
                         pdp ? pdp + b0 : nullptr, gr + b0, yr + b0, xr ? xr + b0 : nullptr, d.data() + b0,
                         zr ? zr + b0 : nullptr, w + b0, rr, c1, n);
         }

@@ -348,7 +348,7 @@ void causal_conv_back_forward(KernelCtx& c) {
           const int64_t tt = t + W - 1 - k;
           rows[k] = tt < te ? g.data() + (tt - t0) * n : nullptr;
         }
-        conv_dx_row(dx + (s * d.T + t) * D + c0, rows.data(), cT.data() + c0, D, W, n);
+        conv_dx_row(c.piece_row(0, s * d.T + t, D) + c0, rows.data(), cT.data() + c0, D, W, n);
       }
     }
   });

@@ -148,7 +148,8 @@ RC_SIMD void sum_into_row(float* __restrict d, const float* __restrict a, const 
 
 // dst (..., C) = zeros with parts[i] (..., e_i - b_i) written at columns [b_i, e_i) of every
 // row; the parts are sorted by begin and disjoint. Where plus[i] has data (a dense tensor of
-// parts[i]'s shape, parts[i] then dense too), parts[i] + plus[i] is written instead. Each
+// parts[i]'s shape, parts[i] then dense too), parts[i] + plus[i] is written instead; where
+// parts[i] has none, its columns are left as they are (its producer wrote them). Each
 // output row is written once.
 void scatter_last_axis(const TensorView& dst, const std::vector<TensorView>& parts,
                        const std::vector<TensorView>& plus, const std::vector<int64_t>& begin,
@@ -162,15 +163,16 @@ void scatter_last_axis(const TensorView& dst, const std::vector<TensorView>& par
       for (size_t i = 0; i < parts.size(); ++i) {
         const TensorView& p = parts[i];
         const int64_t n = row_len(p.shape), ps = last_stride(p.strides, p.shape);
-        const float* sp = p.f32() + row_offset(p.shape, p.strides, r);
         std::fill(dp + at, dp + begin[i], 0.0f);
+        at = begin[i] + n;
+        if (!p.data) continue;
+        const float* sp = p.f32() + row_offset(p.shape, p.strides, r);
         if (plus[i].data)
           sum_into_row(dp + begin[i], sp, plus[i].f32() + r * n, n);
         else if (ps == 1)
           std::memcpy(dp + begin[i], sp, n * sizeof(float));
         else
           for (int64_t k = 0; k < n; ++k) dp[begin[i] + k] = sp[k * ps];
-        at = begin[i] + n;
       }
       std::fill(dp + at, dp + len, 0.0f);
     }

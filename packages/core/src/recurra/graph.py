@@ -229,7 +229,8 @@ class Graph:
         ``own_bytes`` (parameters' gradients: memory of their own, outside the arenas, handed
         over as ``.grad``), ``n_in_place``/``in_place_bytes`` (nodes that write over a source
         dying there: elementwise ones, and on the CPU cross_entropy_back over its logits;
-        and the bytes that saved); ``live_nodes_at_peak`` lists
+        and the bytes that saved), ``n_redirected`` (pieces of packed CPU results written
+        straight into their window of a merged gradient scatter); ``live_nodes_at_peak`` lists
         the nodes alive at the peak, ``(id, op, dtype, shape, bytes, made by the forward)``,
         and ``peak_node`` is the node at which the peak is reached."""
         return dict(self._g.plan())
