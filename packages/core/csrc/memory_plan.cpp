@@ -316,14 +316,14 @@ const MemoryPlan& Graph::plan() {
         const int q = sc.parts[i], b = base_of(q);
         const Node& P = nodes_[b];
         if (sc.lhs[i] >= 0 || q == b || P.is_leaf() || readers[q] != 1 || place_.where[b] != kCpuBackend ||
-            P.dtype != DType::f32 || redirects.count(b))
+            P.dtype != DType::f32 || (P.flags & (kOutput | kLoss)) || redirects.count(b))
           continue;
         const int64_t off = redirectable_piece(*this, P, nodes_[q]), len = nodes_[q].numel();
         bool ok = off >= 0;
         for (int s : P.src) ok = ok && !is_half(nodes_[s].dtype);
         std::vector<int> chain;  // q and the views it is made from (unpack: a slice, reshaped)
         for (int v = q; v != b && ok; v = nodes_[v].src[0]) {
-          ok = readers[v] == 1;
+          ok = readers[v] == 1 && !(nodes_[v].flags & (kOutput | kLoss));  // nobody reads the piece
           chain.push_back(v);
         }
         for (int v : views_of[b]) {
