@@ -141,3 +141,44 @@ def test_norm_and_conv_write_their_pieces_into_the_projection_gradient():
     want, none = _mixer_grad(["gated_rms_norm", "causal_conv_silu"])
     assert (redirected, none) == (2, 0)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _scan_norm_grads(refused: list[str]) -> tuple[list[np.ndarray], int]:
+    """Gradients of a scan whose y feeds the gated norm (Mamba-2's order), graph API, and
+    the plan's n_redirected."""
+    from gradcheck import cpu_refuses
+
+    rng = np.random.default_rng(9)
+    shapes = {
+        "x": (2, 7, 3, 4),
+        "dt": (2, 7, 3),
+        "b": (2, 7, 1, 5),
+        "c": (2, 7, 1, 5),
+        "z": (2, 7, 12),
+    }
+    with cpu_refuses(*refused):
+        g = rc.Graph()
+        p = {k: g.param(s) for k, s in shapes.items()}
+        s0, a, w = g.input((2, 3, 4, 5)), g.input((3, 1)), g.input((12,))
+        ids, r = g.input((2,), "int32"), g.input((2, 7, 12))
+        y, _ = ops.ssm_scan(s0, p["x"], p["dt"], a, p["b"], p["c"], ids)
+        out = ops.gated_rms_norm(y.reshape(2, 7, 12), p["z"], w, 1e-5, 12)
+        loss = ops.apply("sum_to", [ops.mul(out, r)], ip=())
+        g.set_loss(loss)
+        g.build_backward(loss)
+        for leaf in (*p.values(), s0, w, r):
+            g.set_data(leaf, rng.standard_normal(leaf.shape).astype(np.float32))
+        g.set_data(a, -np.abs(rng.standard_normal((3, 1))).astype(np.float32))
+        g.set_data(ids, np.arange(2, dtype=np.int32))
+        g.compute()
+        return [t.grad.numpy() for t in p.values()], int(g.memory()["n_redirected"])
+
+
+def test_norm_writes_its_dy_into_the_scans_padded_gradient():
+    # The scan's packed result's gradient is y's gradient zero-padded (slice_grad): the
+    # norm's backward writes dy into it, the slice_grad only the zeros.
+    got, redirected = _scan_norm_grads([])
+    want, none = _scan_norm_grads(["gated_rms_norm"])
+    assert (redirected, none) == (1, 0)
+    for u, v in zip(got, want):
+        np.testing.assert_allclose(u, v, rtol=1e-4, atol=1e-5)

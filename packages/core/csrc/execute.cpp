@@ -25,6 +25,7 @@ using namespace sched;
 void scatter_last_axis(const TensorView& dst, const std::vector<TensorView>& parts,
                        const std::vector<TensorView>& plus, const std::vector<int64_t>& begin,
                        ThreadPool& tp);  // ops/views.cpp
+void zeros_around(const TensorView& dst, int64_t b, int64_t e, ThreadPool& tp);  // ops/views.cpp
 void add_rows_back(const TensorView& dst, const TensorView& base, const TensorView& grad, const TensorView& idx,
                    ThreadPool& tp);  // ops/nn.cpp
 
@@ -479,8 +480,14 @@ void Graph::compute(const std::vector<std::vector<int>>& groups, const std::func
       KernelCtx ctx{n, host_view(j, kCpuBackend), {}, tp};
       if (merged && merged->redirects.count(j))
         for (const Redirect& r : merged->redirects.at(j))
-          ctx.pieces.push_back({r.offset, host_view(r.scatter, kCpuBackend).f32() + r.col,
-                                row_len(nodes_[r.scatter].shape)});
+          ctx.pieces.push_back({r.offset, host_view(r.scatter, kCpuBackend).f32() + r.col, r.stride});
+      if (merged && merged->written_slices.count(j)) {  // its slice written by its producer
+        zeros_around(ctx.dst, n.ip[1], n.ip[2], tp);
+        if (prof) profile_record(profile_key(n, "slice_grad", {host_view(n.src[0], kCpuBackend)}), elapsed_ns(t0));
+        ++done;
+        report();
+        continue;
+      }
       ctx.src.reserve(n.src.size());
       for (int s : n.src) ctx.src.push_back(host_view(s, kCpuBackend));
       if (n.op != cast_op && touches_half(ctx))

@@ -9,6 +9,7 @@
 #include <new>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "backend_registry.h"
 #include "graph.h"
@@ -190,18 +191,19 @@ bool is_dense(const Node& n) {
   return v.is_contiguous();
 }
 
-// The first element of the piece of P's packed result that view q is, when P's kernel can
-// write that piece elsewhere (KernelCtx::pieces; see Redirect), else -1.
-int64_t redirectable_piece(const Graph& g, const Node& P, const Node& q) {
+// The first element of the piece of P's packed result that dense view q is, when P's kernel
+// can write that piece elsewhere (KernelCtx::pieces; see Redirect), else -1; *row: the
+// length of the piece's rows.
+int64_t redirectable_piece(const Graph& g, const Node& P, const Node& q, int64_t* row) {
   static const int norm_back = OpTable::get().find("gated_rms_norm_back");
   static const int conv_back = OpTable::get().find("causal_conv_silu_back");
-  if (P.op != norm_back && P.op != conv_back) return -1;
-  if (P.op == norm_back && P.src.size() < 4) return -1;  // (g, y, w): no gate, no dz
+  if ((P.op != norm_back && P.op != conv_back) || !is_dense(q)) return -1;
   const Node& first = g.node(P.src[1]);  // y (dy first, then dz), or x (dx first)
-  const int64_t off = P.op == norm_back ? first.numel() : 0;
-  const bool ok = q.view_offset == off && q.numel() == first.numel() && is_dense(q) && q.shape.ndim > 0 &&
-                  first.shape.ndim > 0 && q.shape.d[q.shape.ndim - 1] == first.shape.d[first.shape.ndim - 1];
-  return ok ? off : -1;
+  if (first.shape.ndim == 0 || q.numel() != first.numel()) return -1;
+  *row = first.shape.d[first.shape.ndim - 1];
+  const bool dz = P.op == norm_back && P.src.size() >= 4;  // (g, y, w): no gate, no dz
+  if (q.view_offset == 0 || (dz && q.view_offset == first.numel())) return q.view_offset;
+  return -1;
 }
 
 // Whether device backend b copies into a strided window of a tensor in place (an assign
@@ -300,42 +302,6 @@ const MemoryPlan& Graph::plan() {
         sc.rhs[i] = a.src[1];
       }
     }
-    // Pieces their producers write into the scatter's output (see Redirect): the piece's
-    // view is read by the scatter only, and no other view of the producer reaches it.
-    std::vector<std::vector<int>> views_of(n);
-    for (int v = 0; v < n; ++v)
-      if (nodes_[v].is_view()) views_of[nodes_[v].view_base].push_back(v);
-    std::vector<char> inner(n, 0);  // merged adds that a later merged add took in whole
-    for (const auto& [j, sc] : merged)
-      for (int s : nodes_[j].src)
-        if (merged.count(s)) inner[s] = 1;
-    for (auto& [j, sc] : merged) {
-      sc.written.assign(sc.parts.size(), 0);
-      if (inner[j] || place_.where[j] != kCpuBackend || nodes_[j].dtype != DType::f32) continue;
-      for (size_t i = 0; i < sc.parts.size(); ++i) {
-        const int q = sc.parts[i], b = base_of(q);
-        const Node& P = nodes_[b];
-        if (sc.lhs[i] >= 0 || q == b || P.is_leaf() || readers[q] != 1 || place_.where[b] != kCpuBackend ||
-            P.dtype != DType::f32 || (P.flags & (kOutput | kLoss)) || redirects.count(b))
-          continue;
-        const int64_t off = redirectable_piece(*this, P, nodes_[q]), len = nodes_[q].numel();
-        bool ok = off >= 0;
-        for (int s : P.src) ok = ok && !is_half(nodes_[s].dtype);
-        std::vector<int> chain;  // q and the views it is made from (unpack: a slice, reshaped)
-        for (int v = q; v != b && ok; v = nodes_[v].src[0]) {
-          ok = readers[v] == 1 && !(nodes_[v].flags & (kOutput | kLoss));  // nobody reads the piece
-          chain.push_back(v);
-        }
-        for (int v : views_of[b]) {
-          const Node& o = nodes_[v];
-          const bool apart = is_dense(o) && (o.view_offset + o.numel() <= off || o.view_offset >= off + len);
-          ok = ok && (apart || std::find(chain.begin(), chain.end(), v) != chain.end());
-        }
-        if (!ok) continue;
-        sc.written[i] = 1;
-        redirects[b].push_back({j, off, sc.begin[i]});
-      }
-    }
     // Tied embeddings: add(A, get_rows_back(g, idx)) on the CPU (see RowsAdd).
     const int rows_op = tab.find("get_rows_back");
     for (int j = 0; j < n; ++j) {
@@ -386,6 +352,60 @@ const MemoryPlan& Graph::plan() {
     keep[j] = nd.is_leaf() || (nd.flags & (kOutput | kLoss)) || effect || read[j];
     if (keep[j])
       for (int s : srcs_of(j)) read[s] = 1;
+  }
+
+  // Pieces their producers write into the node that would copy them (see Redirect): a kept
+  // merged scatter's window, or a kept slice_grad's slice (a packed 1-D gradient zero-padded
+  // around it: Mamba-2's scan reading the norm's dy). The piece's view is read there only,
+  // and no other view of the producer reaches it.
+  std::unordered_set<int> written_slices;
+  {
+    std::vector<std::vector<int>> views_of(n);
+    for (int v = 0; v < n; ++v)
+      if (nodes_[v].is_view()) views_of[nodes_[v].view_base].push_back(v);
+    auto try_redirect = [&](int target, int q, int64_t col, int64_t last_dim) {
+      const int b = base_of(q);
+      const Node& P = nodes_[b];
+      if (q == b || P.is_leaf() || !keep[target] || place_.where[target] != kCpuBackend ||
+          nodes_[target].dtype != DType::f32 || place_.where[b] != kCpuBackend || P.dtype != DType::f32 ||
+          (P.flags & (kOutput | kLoss)))
+        return false;
+      int64_t row = 0;
+      const int64_t off = redirectable_piece(*this, P, nodes_[q], &row), len = nodes_[q].numel();
+      bool ok = off >= 0 && (last_dim < 0 || last_dim == row);
+      for (const Redirect& r : redirects[b]) ok = ok && r.offset != off;
+      for (int s : P.src) ok = ok && !is_half(nodes_[s].dtype);
+      std::vector<int> chain;  // q and the views it is made from (unpack: a slice, reshaped)
+      for (int v = q; v != b && ok; v = nodes_[v].src[0]) {
+        ok = readers[v] == 1 && !(nodes_[v].flags & (kOutput | kLoss));  // nobody else reads the piece
+        chain.push_back(v);
+      }
+      for (int v : views_of[b]) {
+        const Node& o = nodes_[v];
+        const bool apart = is_dense(o) && (o.view_offset + o.numel() <= off || o.view_offset >= off + len);
+        ok = ok && (apart || std::find(chain.begin(), chain.end(), v) != chain.end());
+      }
+      if (!ok) return false;
+      const Shape& ts = nodes_[target].shape;  // a scatter's rows, or the slice's own
+      const int64_t stride = last_dim < 0 ? row : ts.d[ts.ndim - 1];
+      redirects[b].push_back({target, off, col, stride});
+      return true;
+    };
+    for (auto& [j, sc] : merged) {
+      sc.written.assign(sc.parts.size(), 0);
+      for (size_t i = 0; i < sc.parts.size(); ++i) {
+        const Node& q = nodes_[sc.parts[i]];
+        if (sc.lhs[i] < 0 && q.shape.ndim > 0 && try_redirect(j, sc.parts[i], sc.begin[i], q.shape.d[q.shape.ndim - 1]))
+          sc.written[i] = 1;
+      }
+    }
+    const int slice_grad_op = tab.find("slice_grad");
+    for (int j = 0; j < n; ++j) {
+      const Node& nd = nodes_[j];
+      if (nd.op != slice_grad_op || nd.shape.ndim != 1 || nd.ip.size() != 4 || nd.ip[3] != 1 || merged.count(j))
+        continue;
+      if (try_redirect(j, nd.src[0], nd.ip[1], -1)) written_slices.insert(j);
+    }
   }
 
   // Splits, and the mirrors each one needs.
@@ -649,10 +669,10 @@ const MemoryPlan& Graph::plan() {
       nodes_[j].data = static_cast<uint8_t*>(arena_.get()) + p.offsets[j];
   {
     std::lock_guard<std::mutex> lk(g_scatter_mu);
-    if (merged.empty() && rows_adds.empty())
+    if (merged.empty() && rows_adds.empty() && redirects.empty())
       g_scatters.erase(this);
     else
-      g_scatters[this] = MergedAdds{std::move(merged), std::move(rows_adds), std::move(redirects)};
+      g_scatters[this] = MergedAdds{std::move(merged), std::move(rows_adds), std::move(redirects), std::move(written_slices)};
   }
   plan_ = std::move(p);
   planned_ = true;

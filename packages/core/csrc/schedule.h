@@ -4,6 +4,7 @@
 
 #include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "graph.h"
@@ -53,10 +54,13 @@ struct Scatter {
 // Mamba-2's z and xBC gradients) and that nothing else reads: the producer writes it
 // straight into its window of the scatter's output, whose memory is planned from the
 // producer on. That part is then neither written twice nor read again.
+// The same for a slice_grad of a 1-D packed gradient whose slice is such a piece: the
+// producer writes it there, the slice_grad writes only the zeros around it.
 struct Redirect {
-  int scatter;     // the merged add whose output takes the piece
+  int scatter;     // the merged add (or slice_grad) whose output takes the piece
   int64_t offset;  // the piece's first element in the producer's packed result
-  int64_t col;     // its first column in the scatter's output
+  int64_t col;     // its first column in the scatter's output (the slice's first element)
+  int64_t stride;  // floats between the piece's rows there
 };
 
 // A tied embedding's gradient is add(A, get_rows_back(g, idx)): the LM head's dense (V, D)
@@ -75,6 +79,7 @@ struct MergedAdds {
   std::unordered_map<int, Scatter> scatters;
   std::unordered_map<int, RowsAdd> rows;
   std::unordered_map<int, std::vector<Redirect>> redirects;  // by producer node
+  std::unordered_set<int> written_slices;                     // slice_grads so written
 };
 extern std::mutex g_scatter_mu;
 extern std::unordered_map<const Graph*, MergedAdds> g_scatters;

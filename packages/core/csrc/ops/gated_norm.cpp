@@ -249,7 +249,7 @@ void gated_back_forward(KernelCtx& c) {
     float* pdp = skip ? pd.data() + part * C : nullptr;
     for (int64_t r = part * kRowsPerPart; r < std::min(R, (part + 1) * kRowsPerPart); ++r) {
       const float *gr = g.at(r), *yr = y.at(r), *zr = z.at(r), *xr = x.at(r);
-      float* dyr = dy + r * C;
+      float* dyr = c.piece_row(0, r, C);  // in dst, or where the piece goes
       float* dzr = dz ? c.piece_row(RC, r, C) : nullptr;  // in dst, or a scatter's window
       for (int64_t k = 0; k < C; k += gs) {
         // h into dy's row first: its sum of squares and <g w, h> give r and c1.

@@ -146,6 +146,17 @@ RC_SIMD void sum_into_row(float* __restrict d, const float* __restrict a, const 
 
 }  // namespace
 
+// dst (1-D) = zeros outside [b, e), which is left as it is (written by the producer of the
+// slice's gradient: see Redirect in schedule.h).
+void zeros_around(const TensorView& dst, int64_t b, int64_t e, ThreadPool& tp) {
+  float* d = dst.f32();
+  const int64_t total = dst.numel();
+  tp.parallel_for(total, kGrainElems * 8, [&](int64_t lo, int64_t hi, int) {
+    for (int64_t i = lo; i < std::min(hi, b); ++i) d[i] = 0.0f;
+    for (int64_t i = std::max(lo, e); i < hi; ++i) d[i] = 0.0f;
+  });
+}
+
 // dst (..., C) = zeros with parts[i] (..., e_i - b_i) written at columns [b_i, e_i) of every
 // row; the parts are sorted by begin and disjoint. Where plus[i] has data (a dense tensor of
 // parts[i]'s shape, parts[i] then dense too), parts[i] + plus[i] is written instead; where
