@@ -61,24 +61,30 @@ def test_grads(impl, bias):
     check_grads(impl, arrays)
 
 
-def test_wide_channels_gradient_matches_decomposition():
-    # More channels than one backward task holds (64), a slice of a wider projection as x.
-    proj = RNG.standard_normal((2, 33, 150)).astype(np.float32)
-    w = RNG.standard_normal((130, 4)).astype(np.float32)
-    b = RNG.standard_normal(130).astype(np.float32)
-    g = RNG.standard_normal((2, 33, 130)).astype(np.float32)
+@pytest.mark.parametrize(
+    "t,d,k",
+    [(33, 130, 4), (70, 600, 4), (37, 300, 3)],  # 600, 300: channel blocks of 256 and a rest
+    ids=str,
+)
+def test_wide_channels_gradient_matches_decomposition(t, d, k):
+    # More channels than one backward task holds (64) and than one channel block of the
+    # kernels (256), tokens over several blocks of 32, a slice of a wider projection as x.
+    proj = RNG.standard_normal((2, t, d + 20)).astype(np.float32)
+    w = RNG.standard_normal((d, k)).astype(np.float32)
+    b = RNG.standard_normal(d).astype(np.float32)
+    g = RNG.standard_normal((2, t, d)).astype(np.float32)
     grads = []
     for refused in ([], ["causal_conv_silu"]):
         with cpu_refuses(*refused):
             ps = [rc.param(proj), rc.param(w), rc.param(b)]
-            out = fused(ps[0][:, :, 7:137], ps[1], ps[2])
-            want = ref(proj[:, :, 7:137], w, b)
+            out = fused(ps[0][:, :, 7 : 7 + d], ps[1], ps[2])
+            want = ref(proj[:, :, 7 : 7 + d], w, b)
             np.testing.assert_allclose(out.numpy(), want, rtol=2e-5, atol=2e-6)
             (out * rc.tensor(g)).sum().backward()
             grads.append([p.grad.numpy() for p in ps])
     for u, v in zip(*grads):
         np.testing.assert_allclose(u, v, rtol=1e-4, atol=1e-4)
-    assert np.all(grads[0][0][:, :, :7] == 0) and np.all(grads[0][0][:, :, 137:] == 0)
+    assert np.all(grads[0][0][:, :, :7] == 0) and np.all(grads[0][0][:, :, 7 + d :] == 0)
 
 
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])

@@ -54,6 +54,8 @@ CASES = [  # (leading axes, C, heads, group size)
     ((3,), 6, 3, 3),
     ((2, 17), 40, 5, 40),
     ((2, 5), 48, 4, 16),
+    ((2, 3), 600, 6, 600),  # the kernels' channel blocks (256): 256 + 256 + 88
+    ((3,), 1200, 4, 300),  # groups of 256 + 44
 ]
 
 
@@ -95,6 +97,22 @@ def test_strided_inputs_match_dense():
         ref_out = fused(y, q[:, :, c : 2 * c], w, 1e-5, c, q[:, :, 5 : 5 + c], d)
         (ref_out * rc.tensor(gw)).sum().backward()
     np.testing.assert_allclose(p.grad.numpy(), q.grad.numpy(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("c,gs", [(600, 600), (1200, 300)], ids=str)
+def test_wide_groups_gradients_match_the_decomposition(c, gs):
+    # Groups over several channel blocks of the kernels, sizes no multiple of 16.
+    arrays = inputs((2, 3), c, 4, True)
+    gw = RNG.standard_normal((2, 3, c)).astype(np.float32)
+    grads = []
+    for refused in ([], ["gated_rms_norm"]):
+        with cpu_refuses(*refused):
+            ps = [rc.param(a) for a in arrays]
+            out = fused(*ps[:3], 1e-5, gs, *ps[3:])
+            (out * rc.tensor(gw)).sum().backward()
+            grads.append([p.grad.numpy() for p in ps])
+    for u, v in zip(*grads):
+        np.testing.assert_allclose(u, v, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize(

@@ -196,6 +196,26 @@ def test_cross_entropy_grad_matches_closed_form():
     np.testing.assert_allclose(p.grad.numpy(), want / 17, rtol=1e-5, atol=1e-7)
 
 
+def test_cross_entropy_grad_takes_the_logits_memory():
+    # Logits computed in the graph die at the backward, which writes their gradient over
+    # them row by row: one (N, C) tensor less in the arena, the same gradient.
+    n, c, d = 13, 37, 6
+    g = rc.Graph()
+    w, h, t = g.param((d, c)), g.input((n, d)), g.input((n,), "int32")
+    loss = ops.cross_entropy(ops.matmul(h, w), t)
+    g.set_loss(loss)
+    g.build_backward(loss)
+    wv, hv, tv = randn(d, c), randn(n, d), RNG.integers(0, c, n).astype(np.int32)
+    for leaf, v in ((w, wv), (h, hv), (t, tv)):
+        g.set_data(leaf, v)
+    g.compute()
+    dlogits = softmax_ref((hv @ wv).astype(np.float64))
+    dlogits[np.arange(n), tv] -= 1.0
+    want = hv.astype(np.float64).T @ (dlogits / n)
+    np.testing.assert_allclose(w.grad.numpy(), want, rtol=1e-5, atol=1e-6)
+    assert g.memory()["in_place_bytes"] >= n * c * 4
+
+
 def test_cross_entropy_type_and_shape_errors():
     logits = rc.tensor(randn(3, 4))
     with pytest.raises(TypeError, match="int32"):

@@ -134,9 +134,10 @@ def test_peak_falls_on_large_logits(recompute):
     assert _planned_peak(model, x, y, None) == whole  # below loss_chunk_above: whole
     model.loss_chunk_above = logits - 1
     chunked = _planned_peak(model, x, y, None)  # the model's settings
-    # the unchunked plan holds the logits and their gradient at once
-    assert whole >= 2 * logits
-    assert chunked < whole - logits, (whole, chunked)
+    # the unchunked plan holds the logits (on the CPU their gradient is written over them,
+    # cross_entropy_back in place); chunks of an eighth hold much less
+    assert whole >= logits
+    assert chunked < whole - logits * 3 // 4, (whole, chunked)
     model.loss_chunk_bytes = 0  # off: the plan of the whole loss again
     assert _planned_peak(model, x, y, None) == whole
 

@@ -23,7 +23,11 @@ namespace recurra {
 using namespace sched;
 
 void scatter_last_axis(const TensorView& dst, const std::vector<TensorView>& parts,
-                       const std::vector<int64_t>& begin, ThreadPool& tp);  // ops/views.cpp
+                       const std::vector<TensorView>& plus, const std::vector<int64_t>& begin,
+                       ThreadPool& tp);  // ops/views.cpp
+void zeros_around(const TensorView& dst, int64_t b, int64_t e, ThreadPool& tp);  // ops/views.cpp
+void add_rows_back(const TensorView& dst, const TensorView& base, const TensorView& grad, const TensorView& idx,
+                   ThreadPool& tp);  // ops/nn.cpp
 
 void Graph::AlignedFree::operator()(void* p) const { host_free(p); }
 
@@ -213,8 +217,9 @@ void Graph::fill_mirror(const Placement::Mirror& m) {
 
 namespace {
 
-// The adds plan() merged for graph g (see Scatter), or null; stable until g's next plan().
-const std::unordered_map<int, Scatter>* merged_adds(const Graph* g) {
+// The adds plan() merged for graph g (see Scatter, RowsAdd), or null; stable until g's
+// next plan().
+const MergedAdds* merged_adds(const Graph* g) {
   std::lock_guard<std::mutex> lk(g_scatter_mu);
   const auto it = g_scatters.find(g);
   return it == g_scatters.end() ? nullptr : &it->second;
@@ -228,7 +233,7 @@ void Graph::run_device_split(const Placement::Split& sp, size_t begin, size_t en
   if (e.closed) throw StateError(e.name + " was released; rebuild the graph on another device");
   if (begin >= end && extra.empty()) return;
   const OpTable& tab = OpTable::get();
-  const std::unordered_map<int, Scatter>* merged = merged_adds(this);
+  const MergedAdds* merged = merged_adds(this);
   std::vector<recurra_node_desc> descs;
   descs.reserve(end - begin);
   for (size_t q = begin; q < end; ++q) {
@@ -236,8 +241,8 @@ void Graph::run_device_split(const Placement::Split& sp, size_t begin, size_t en
     const Node& nd = nodes_[j];
     const Scatter* sc = nullptr;
     if (merged) {
-      const auto it = merged->find(j);
-      if (it != merged->end()) sc = &it->second;
+      const auto it = merged->scatters.find(j);
+      if (it != merged->scatters.end()) sc = &it->second;
     }
     if (sc) {
       // A merged add of slice gradients (see Scatter): each piece copied in place into its
@@ -437,22 +442,52 @@ void Graph::compute(const std::vector<std::vector<int>>& groups, const std::func
       }
       continue;
     }
-    const std::unordered_map<int, Scatter>* merged = merged_adds(this);
+    const MergedAdds* merged = merged_adds(this);
     for (int j : sp.nodes) {
       const Node& n = nodes_[j];
       const bool prof = profile_enabled();
       const auto t0 = std::chrono::steady_clock::now();
-      if (merged && merged->count(j)) {
-        const Scatter& sc = merged->at(j);
-        std::vector<TensorView> parts;
-        for (int q : sc.parts) parts.push_back(host_view(q, kCpuBackend));
-        scatter_last_axis(host_view(j, kCpuBackend), parts, sc.begin, tp);
+      if (merged && merged->scatters.count(j)) {
+        const Scatter& sc = merged->scatters.at(j);
+        std::vector<TensorView> parts, plus(sc.parts.size());
+        for (size_t i = 0; i < sc.parts.size(); ++i) {
+          parts.push_back(host_view(sc.parts[i], kCpuBackend));
+          if (!sc.written.empty() && sc.written[i]) parts.back().data = nullptr;  // its producer wrote it
+          if (sc.lhs.empty() || sc.lhs[i] < 0) continue;
+          // the part as the add's two dense sources, in the part's shape
+          TensorView& p = parts.back();
+          p.data = host_view(sc.lhs[i], kCpuBackend).data;
+          contiguous_strides(p.shape, p.strides);
+          plus[i] = p;
+          plus[i].data = host_view(sc.rhs[i], kCpuBackend).data;
+        }
+        scatter_last_axis(host_view(j, kCpuBackend), parts, plus, sc.begin, tp);
         if (prof) profile_record(profile_key(n, "scatter", parts), elapsed_ns(t0));
         ++done;
         report();
         continue;
       }
+      if (merged && merged->rows.count(j)) {
+        const RowsAdd& ra = merged->rows.at(j);
+        const std::vector<TensorView> src{host_view(ra.base, kCpuBackend), host_view(ra.grad, kCpuBackend),
+                                          host_view(ra.idx, kCpuBackend)};
+        add_rows_back(host_view(j, kCpuBackend), src[0], src[1], src[2], tp);
+        if (prof) profile_record(profile_key(n, "add_rows_back", src), elapsed_ns(t0));
+        ++done;
+        report();
+        continue;
+      }
       KernelCtx ctx{n, host_view(j, kCpuBackend), {}, tp};
+      if (merged && merged->redirects.count(j))
+        for (const Redirect& r : merged->redirects.at(j))
+          ctx.pieces.push_back({r.offset, host_view(r.scatter, kCpuBackend).f32() + r.col, r.stride});
+      if (merged && merged->written_slices.count(j)) {  // its slice written by its producer
+        zeros_around(ctx.dst, n.ip[1], n.ip[2], tp);
+        if (prof) profile_record(profile_key(n, "slice_grad", {host_view(n.src[0], kCpuBackend)}), elapsed_ns(t0));
+        ++done;
+        report();
+        continue;
+      }
       ctx.src.reserve(n.src.size());
       for (int s : n.src) ctx.src.push_back(host_view(s, kCpuBackend));
       if (n.op != cast_op && touches_half(ctx))

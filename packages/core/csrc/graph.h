@@ -102,6 +102,22 @@ struct KernelCtx {
   TensorView dst;
   std::vector<TensorView> src;
   ThreadPool& pool;
+  // Pieces of a packed float32 result that go elsewhere (on the CPU, straight into their
+  // window of a merged scatter's output: see Redirect in schedule.h): the piece starting at
+  // element `offset` of dst has its rows `stride` floats apart from `data`.
+  struct Piece {
+    int64_t offset;
+    float* data;
+    int64_t stride;
+  };
+  std::vector<Piece> pieces = {};
+  // Row r of the piece of rows of `len` floats at element `offset` of dst: where the kernel
+  // writes it (kernels that take pieces: gated_rms_norm_back's dz, causal_conv_silu_back's dx).
+  float* piece_row(int64_t offset, int64_t r, int64_t len) const {
+    for (const Piece& p : pieces)
+      if (p.offset == offset) return p.data + r * p.stride;
+    return dst.f32() + offset + r * len;
+  }
 };
 
 // Collects the gradient contributions of one node's backward rule.
@@ -185,6 +201,9 @@ struct MemoryPlan {
   // memory_plan.cpp), and the bytes that saved.
   size_t n_in_place = 0;
   size_t in_place_bytes = 0;
+  // Pieces of packed CPU results their kernels write straight into a merged scatter's
+  // output (see Redirect in schedule.h), instead of the scatter copying them.
+  size_t n_redirected = 0;
   // Per node: the segment of its backend's arena and the byte offset in it (SIZE_MAX: none).
   // A device backend's arena is split into segments no larger than its largest buffer; the
   // host's arena is one segment.

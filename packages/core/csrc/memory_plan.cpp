@@ -9,6 +9,7 @@
 #include <new>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "backend_registry.h"
 #include "graph.h"
@@ -22,7 +23,7 @@ using namespace sched;
 namespace sched {
 
 std::mutex g_scatter_mu;
-std::unordered_map<const Graph*, std::unordered_map<int, Scatter>> g_scatters;
+std::unordered_map<const Graph*, MergedAdds> g_scatters;
 
 }  // namespace sched
 
@@ -148,7 +149,7 @@ bool scatter_parts(const Graph& g, const std::unordered_map<int, Scatter>& merge
   for (int i = 0; i < d - 1; ++i)
     if (nd.ip[d + 3 * i] != 0 || nd.ip[d + 3 * i + 1] != nd.shape.d[i] || nd.ip[d + 3 * i + 2] != 1) return false;
   if (nd.ip[d + 3 * (d - 1) + 2] != 1) return false;
-  *out = Scatter{{nd.src[0]}, {nd.ip[d + 3 * (d - 1)]}, {nd.ip[d + 3 * (d - 1) + 1]}};
+  *out = Scatter{{nd.src[0]}, {nd.ip[d + 3 * (d - 1)]}, {nd.ip[d + 3 * (d - 1) + 1]}, {}, {}, {}};
   return true;
 }
 
@@ -180,6 +181,29 @@ bool covers(const Scatter& sc, int64_t width) {
     at = sc.end[i];
   }
   return at == width;
+}
+
+// Whether node n's strides are those of a dense tensor of its shape.
+bool is_dense(const Node& n) {
+  TensorView v;
+  v.shape = n.shape;
+  std::copy(n.strides, n.strides + kMaxDims, v.strides);
+  return v.is_contiguous();
+}
+
+// The first element of the piece of P's packed result that dense view q is, when P's kernel
+// can write that piece elsewhere (KernelCtx::pieces; see Redirect), else -1; *row: the
+// length of the piece's rows.
+int64_t redirectable_piece(const Graph& g, const Node& P, const Node& q, int64_t* row) {
+  static const int norm_back = OpTable::get().find("gated_rms_norm_back");
+  static const int conv_back = OpTable::get().find("causal_conv_silu_back");
+  if ((P.op != norm_back && P.op != conv_back) || !is_dense(q)) return -1;
+  const Node& first = g.node(P.src[1]);  // y (dy first, then dz), or x (dx first)
+  if (first.shape.ndim == 0 || q.numel() != first.numel()) return -1;
+  *row = first.shape.d[first.shape.ndim - 1];
+  const bool dz = P.op == norm_back && P.src.size() >= 4;  // (g, y, w): no gate, no dz
+  if (q.view_offset == 0 || (dz && q.view_offset == first.numel())) return q.view_offset;
+  return -1;
 }
 
 // Whether device backend b copies into a strided window of a tensor in place (an assign
@@ -224,8 +248,10 @@ const MemoryPlan& Graph::plan() {
   for (int j = 0; j < n; ++j)
     for (int s : nodes_[j].src) ++readers[s];
   std::unordered_map<int, Scatter> merged;
+  std::unordered_map<int, RowsAdd> rows_adds;
+  std::unordered_map<int, std::vector<Redirect>> redirects;
+  const int add_op = tab.find("add");
   {
-    const int add_op = tab.find("add");
     std::map<std::pair<int, int>, bool> window_ok;  // (backend, dtype): takes window assigns
     auto takes = [&](int b, DType dt) {
       if (b == kCpuBackend) return dt == DType::f32;
@@ -254,10 +280,63 @@ const MemoryPlan& Graph::plan() {
       else
         ++it;
     }
+    // On the CPU, a piece that is a dense view of an add read by nothing else: the add's
+    // two dense sources are summed into the output instead (Scatter::lhs, rhs).
+    auto on_cpu = [&](int id) { return location(base_of(id)) == kCpuBackend; };
+    for (auto& [j, sc] : merged) {
+      sc.lhs.assign(sc.parts.size(), -1);
+      sc.rhs.assign(sc.parts.size(), -1);
+      if (place_.where[j] != kCpuBackend) continue;
+      for (size_t i = 0; i < sc.parts.size(); ++i) {
+        const int q = sc.parts[i], b = base_of(q);
+        const Node& a = nodes_[b];
+        if (a.is_leaf() || a.op != add_op || merged.count(b) || readers[b] != 1 || (q != b && readers[q] != 1) ||
+            (a.flags & (kOutput | kLoss)) || a.dtype != DType::f32 || !on_cpu(b) ||
+            nodes_[q].view_offset != 0 || nodes_[q].numel() != a.numel() || !is_dense(nodes_[q]))
+          continue;
+        bool ok = a.src.size() == 2;
+        for (int s : a.src)
+          ok = ok && nodes_[s].shape == a.shape && nodes_[s].dtype == DType::f32 && is_dense(nodes_[s]) && on_cpu(s);
+        if (!ok) continue;
+        sc.lhs[i] = a.src[0];
+        sc.rhs[i] = a.src[1];
+      }
+    }
+    // Tied embeddings: add(A, get_rows_back(g, idx)) on the CPU (see RowsAdd).
+    const int rows_op = tab.find("get_rows_back");
+    for (int j = 0; j < n; ++j) {
+      const Node& nd = nodes_[j];
+      if (nd.op != add_op || nd.src.size() != 2 || nd.dtype != DType::f32 || merged.count(j) ||
+          place_.where[j] != kCpuBackend || nd.src[0] == nd.src[1])
+        continue;
+      for (int k = 0; k < 2; ++k) {
+        const int r = nd.src[k], a = nd.src[1 - k];
+        const Node& rn = nodes_[r];
+        if (rn.is_leaf() || rn.op != rows_op || readers[r] != 1 || (rn.flags & (kOutput | kLoss)) ||
+            !on_cpu(r) || !on_cpu(rn.src[0]) || !on_cpu(rn.src[1]) || rn.dtype != DType::f32 ||
+            nodes_[rn.src[0]].dtype != DType::f32 || !is_dense(nodes_[rn.src[0]]) || !is_dense(nodes_[rn.src[1]]))
+          continue;
+        const Node& an = nodes_[a];
+        if (an.shape != nd.shape || an.dtype != DType::f32 || !is_dense(an) || !on_cpu(a)) continue;
+        rows_adds[j] = RowsAdd{a, rn.src[0], rn.src[1]};
+        break;
+      }
+    }
   }
+  // The nodes a merged add reads in place of its own sources.
+  std::unordered_map<int, std::vector<int>> merged_reads;
+  for (const auto& [j, sc] : merged) {
+    auto& r = merged_reads[j];
+    for (size_t i = 0; i < sc.parts.size(); ++i)
+      if (sc.lhs.empty() || sc.lhs[i] < 0)
+        r.push_back(sc.parts[i]);
+      else
+        r.insert(r.end(), {sc.lhs[i], sc.rhs[i]});
+  }
+  for (const auto& [j, ra] : rows_adds) merged_reads[j] = {ra.base, ra.grad, ra.idx};
   auto srcs_of = [&](int j) -> const std::vector<int>& {
-    const auto it = merged.find(j);
-    return it == merged.end() ? nodes_[j].src : it->second.parts;
+    const auto it = merged_reads.find(j);
+    return it == merged_reads.end() ? nodes_[j].src : it->second;
   };
   // Nodes the backward appended (after the loss) that nothing reads are not run: gradients
   // a rule left unused, or forms a rule or a scatter superseded. Outputs, in-place updates
@@ -273,6 +352,60 @@ const MemoryPlan& Graph::plan() {
     keep[j] = nd.is_leaf() || (nd.flags & (kOutput | kLoss)) || effect || read[j];
     if (keep[j])
       for (int s : srcs_of(j)) read[s] = 1;
+  }
+
+  // Pieces their producers write into the node that would copy them (see Redirect): a kept
+  // merged scatter's window, or a kept slice_grad's slice (a packed 1-D gradient zero-padded
+  // around it: Mamba-2's scan reading the norm's dy). The piece's view is read there only,
+  // and no other view of the producer reaches it.
+  std::unordered_set<int> written_slices;
+  {
+    std::vector<std::vector<int>> views_of(n);
+    for (int v = 0; v < n; ++v)
+      if (nodes_[v].is_view()) views_of[nodes_[v].view_base].push_back(v);
+    auto try_redirect = [&](int target, int q, int64_t col, int64_t last_dim) {
+      const int b = base_of(q);
+      const Node& P = nodes_[b];
+      if (q == b || P.is_leaf() || !keep[target] || place_.where[target] != kCpuBackend ||
+          nodes_[target].dtype != DType::f32 || place_.where[b] != kCpuBackend || P.dtype != DType::f32 ||
+          (P.flags & (kOutput | kLoss)))
+        return false;
+      int64_t row = 0;
+      const int64_t off = redirectable_piece(*this, P, nodes_[q], &row), len = nodes_[q].numel();
+      bool ok = off >= 0 && (last_dim < 0 || last_dim == row);
+      for (const Redirect& r : redirects[b]) ok = ok && r.offset != off;
+      for (int s : P.src) ok = ok && !is_half(nodes_[s].dtype);
+      std::vector<int> chain;  // q and the views it is made from (unpack: a slice, reshaped)
+      for (int v = q; v != b && ok; v = nodes_[v].src[0]) {
+        ok = readers[v] == 1 && !(nodes_[v].flags & (kOutput | kLoss));  // nobody else reads the piece
+        chain.push_back(v);
+      }
+      for (int v : views_of[b]) {
+        const Node& o = nodes_[v];
+        const bool apart = is_dense(o) && (o.view_offset + o.numel() <= off || o.view_offset >= off + len);
+        ok = ok && (apart || std::find(chain.begin(), chain.end(), v) != chain.end());
+      }
+      if (!ok) return false;
+      const Shape& ts = nodes_[target].shape;  // a scatter's rows, or the slice's own
+      const int64_t stride = last_dim < 0 ? row : ts.d[ts.ndim - 1];
+      redirects[b].push_back({target, off, col, stride});
+      return true;
+    };
+    for (auto& [j, sc] : merged) {
+      sc.written.assign(sc.parts.size(), 0);
+      for (size_t i = 0; i < sc.parts.size(); ++i) {
+        const Node& q = nodes_[sc.parts[i]];
+        if (sc.lhs[i] < 0 && q.shape.ndim > 0 && try_redirect(j, sc.parts[i], sc.begin[i], q.shape.d[q.shape.ndim - 1]))
+          sc.written[i] = 1;
+      }
+    }
+    const int slice_grad_op = tab.find("slice_grad");
+    for (int j = 0; j < n; ++j) {
+      const Node& nd = nodes_[j];
+      if (nd.op != slice_grad_op || nd.shape.ndim != 1 || nd.ip.size() != 4 || nd.ip[3] != 1 || merged.count(j))
+        continue;
+      if (try_redirect(j, nd.src[0], nd.ip[1], -1)) written_slices.insert(j);
+    }
   }
 
   // Splits, and the mirrors each one needs.
@@ -318,6 +451,7 @@ const MemoryPlan& Graph::plan() {
     if (mr.backend != kCpuBackend) check_fits(mr.backend, mr.base, true);
 
   MemoryPlan p;
+  for (const auto& [producer, rs] : redirects) p.n_redirected += rs.size();
   p.offsets.assign(n, SIZE_MAX);
   p.segments.assign(n, 0);
   // Outputs with memory of their own (kOwnMemory): no place in the arena (compute() makes
@@ -345,6 +479,13 @@ const MemoryPlan& Graph::plan() {
   }
   for (int id = 0; id < tab.size(); ++id)
     if (tab.spec(id).unary >= 0) elementwise[id] = 1;
+  // Row by row on the CPU: a kernel that reads the whole row of one source before it writes
+  // that row of its output may write over that source too (float32). cross_entropy_back's
+  // logits, (N, V): the gradient takes their memory (at 1024 x 50288, 206 MB less at the
+  // peak, and its rows are written where they were just read, not into memory fetched for
+  // it).
+  std::vector<int> row_source(tab.size(), -1);
+  row_source[tab.find("cross_entropy_back")] = 1;
   std::vector<int> taken_by(n, -1);  // a source whose memory node taken_by[s] took over
   auto identity_view = [&](int s, int base) {
     if (s == base) return true;
@@ -364,8 +505,17 @@ const MemoryPlan& Graph::plan() {
   // arena is planned), else among the sources planned in the arena so far.
   auto writable_source = [&](int j, bool chain) -> int {
     const Node& nd = nodes_[j];
-    if (!elementwise[nd.op] || merged.count(j)) return -1;
-    for (int s : nd.src) {
+    if (merged.count(j)) return -1;
+    std::vector<int> over;  // the sources it may write over
+    if (const auto ra = rows_adds.find(j); ra != rows_adds.end())
+      over = {ra->second.base};  // a merged rows add: its dense base only (see RowsAdd)
+    else if (elementwise[nd.op])
+      over = nd.src;
+    else if (row_source[nd.op] >= 0 && place_.where[j] == kCpuBackend && nd.dtype == DType::f32)
+      over = {nd.src[row_source[nd.op]]};
+    else
+      return -1;
+    for (int s : over) {
       const int base = base_of(s);
       const Node& bn = nodes_[base];
       const bool free = chain ? !p.own[base] && chain_root[base] < 0
@@ -375,7 +525,7 @@ const MemoryPlan& Graph::plan() {
           !identity_view(s, base))
         continue;
       bool ok = true;  // every source reading this memory reads it element for element
-      for (int o : nd.src) ok = ok && (base_of(o) != base || identity_view(o, base));
+      for (int o : srcs_of(j)) ok = ok && (base_of(o) != base || identity_view(o, base));
       if (ok) return base;
     }
     return -1;
@@ -401,9 +551,19 @@ const MemoryPlan& Graph::plan() {
 
   size_t split_i = 0;
   size_t live = 0;  // bytes of planned intermediates (and mirrors) alive now
+  // A scatter that producers write into (Redirect) takes its memory at the first of them.
+  auto place = [&](int j) {
+    const auto slot = arena(place_.where[j]).alloc(nodes_[j].nbytes());
+    live += align_up(std::max<size_t>(nodes_[j].nbytes(), 1));
+    p.segments[j] = slot.segment;
+    p.offsets[j] = slot.offset;
+  };
   for (int j = 0; j < n; ++j) {
     const Node& nd = nodes_[j];
     if (nd.is_leaf() || nd.is_view() || !keep[j]) continue;
+    if (const auto rd = redirects.find(j); rd != redirects.end())
+      for (const Redirect& r : rd->second)
+        if (!p.own[r.scatter] && chain_root[r.scatter] < 0 && p.offsets[r.scatter] == SIZE_MAX) place(r.scatter);
     // Mirrors are written when their split starts: allocate them there, before the
     // split's own nodes, so nothing still live in the split can share their memory.
     while (split_i < place_.splits.size() && place_.splits[split_i].nodes.front() <= j) {
@@ -429,11 +589,8 @@ const MemoryPlan& Graph::plan() {
         p.offsets[j] = p.offsets[reuse];
         p.n_in_place++;
         p.in_place_bytes += bytes;
-      } else {
-        const auto slot = arena(place_.where[j]).alloc(nd.nbytes());
-        live += bytes;
-        p.segments[j] = slot.segment;
-        p.offsets[j] = slot.offset;
+      } else if (p.offsets[j] == SIZE_MAX) {
+        place(j);
       }
       if (live > p.peak_live_bytes) p.peak_live_bytes = live, p.peak_node = j;
       p.unplanned_bytes += bytes;
@@ -512,10 +669,10 @@ const MemoryPlan& Graph::plan() {
       nodes_[j].data = static_cast<uint8_t*>(arena_.get()) + p.offsets[j];
   {
     std::lock_guard<std::mutex> lk(g_scatter_mu);
-    if (merged.empty())
+    if (merged.empty() && rows_adds.empty() && redirects.empty())
       g_scatters.erase(this);
     else
-      g_scatters[this] = std::move(merged);
+      g_scatters[this] = MergedAdds{std::move(merged), std::move(rows_adds), std::move(redirects), std::move(written_slices)};
   }
   plan_ = std::move(p);
   planned_ = true;

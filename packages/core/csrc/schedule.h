@@ -4,6 +4,7 @@
 
 #include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "graph.h"
@@ -38,12 +39,50 @@ struct Scatter {
   std::vector<int> parts;      // the nodes written into the output, by begin
   std::vector<int64_t> begin;  // their first column on the last axis
   std::vector<int64_t> end;
+  // On the CPU, per part: the two dense sources of an add whose result the part is (a dense
+  // view of it, read by nothing else), summed straight into the output instead of running
+  // that add (a Mamba-2 x's gradient from the scan and from the D skip); -1 when the part
+  // is copied as it is.
+  std::vector<int> lhs, rhs;
+  // Per part: 1 when its producer writes it into the output itself (see Redirect); the
+  // scatter leaves those columns as they are.
+  std::vector<char> written;
+};
+
+// On the CPU, a scatter part that is a piece of a packed result whose kernel can write that
+// piece anywhere (KernelCtx::pieces: gated_rms_norm_back's dz, causal_conv_silu_back's dx;
+// Mamba-2's z and xBC gradients) and that nothing else reads: the producer writes it
+// straight into its window of the scatter's output, whose memory is planned from the
+// producer on. That part is then neither written twice nor read again.
+// The same for a slice_grad of a 1-D packed gradient whose slice is such a piece: the
+// producer writes it there, the slice_grad writes only the zeros around it.
+struct Redirect {
+  int scatter;     // the merged add (or slice_grad) whose output takes the piece
+  int64_t offset;  // the piece's first element in the producer's packed result
+  int64_t col;     // its first column in the scatter's output (the slice's first element)
+  int64_t stride;  // floats between the piece's rows there
+};
+
+// A tied embedding's gradient is add(A, get_rows_back(g, idx)): the LM head's dense (V, D)
+// product and the few rows the lookup touched. On the CPU, plan() runs that add as A with
+// the row sums of g added into the rows of idx (the add writes over A when A dies there, as
+// the own chain of a parameter's gradient does), so the zeroed (V, D) scatter and the full
+// add are not run; each row sum is taken in index order first, then added: the same float
+// operations as before.
+struct RowsAdd {
+  int base, grad, idx;
 };
 
 // The merged adds of each planned graph, by add node: plan() writes them, compute() runs
 // them (memory_plan.cpp).
+struct MergedAdds {
+  std::unordered_map<int, Scatter> scatters;
+  std::unordered_map<int, RowsAdd> rows;
+  std::unordered_map<int, std::vector<Redirect>> redirects;  // by producer node
+  std::unordered_set<int> written_slices;                     // slice_grads so written
+};
 extern std::mutex g_scatter_mu;
-extern std::unordered_map<const Graph*, std::unordered_map<int, Scatter>> g_scatters;
+extern std::unordered_map<const Graph*, MergedAdds> g_scatters;
 
 
 }  // namespace sched

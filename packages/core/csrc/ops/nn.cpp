@@ -80,6 +80,10 @@ RC_SIMD float max_row(const float* __restrict x, int64_t n) {
 RC_SIMD void exp_shift_row(float* __restrict y, const float* __restrict x, int64_t n, float m) {
   for (int64_t i = 0; i < n; ++i) y[i] = exp_ftz_lane(x[i] - m);
 }
+// y = exp(y - m)
+RC_SIMD void exp_shift_inplace_row(float* __restrict y, int64_t n, float m) {
+  for (int64_t i = 0; i < n; ++i) y[i] = exp_ftz_lane(y[i] - m);
+}
 // y *= s
 RC_SIMD void scale_inplace_row(float* __restrict y, int64_t n, float s) {
   for (int64_t i = 0; i < n; ++i) y[i] *= s;
@@ -292,7 +296,10 @@ void cross_entropy_back_forward(KernelCtx& c) {
       const float* xr = x + r * C;
       float* dr = dx + r * C;
       const float m = max_row(xr, C);
-      exp_shift_row(dr, xr, C, m);
+      if (dr == xr)  // the plan gave the gradient the logits' memory (row by row)
+        exp_shift_inplace_row(dr, C, m);
+      else
+        exp_shift_row(dr, xr, C, m);
       scale_inplace_row(dr, C, gs / sum_row(dr, C));
       dr[t[r]] -= gs;
     }
@@ -450,6 +457,43 @@ OpDef make_op(const char* name, std::function<void(Graph&, Node&)> infer,
 }
 
 }  // namespace
+
+// add(base, get_rows_back(grad, idx)) as plan() merges it (see RowsAdd in schedule.h):
+// dst = base (nothing copied when dst is base's memory) with each row v that idx names
+// added its sum of grad rows, in index order, as get_rows_back sums them. base and dst
+// (V, D) dense, grad (..., D) dense, idx the lookup's indices.
+void add_rows_back(const TensorView& dst, const TensorView& base, const TensorView& grad, const TensorView& idx,
+                   ThreadPool& tp) {
+  const int64_t V = dst.shape.d[0], D = dst.shape.d[1], N = idx.numel();
+  const int32_t* ix = idx.i32();
+  check_indices("get_rows_back", "index", ix, N, V);
+  float* out = dst.f32();
+  const float* a = base.f32();
+  if (out != a) {
+    const int64_t total = V * D;
+    tp.parallel_for(total, kGrainElems * 8, [&](int64_t lo, int64_t hi, int) {
+      std::memcpy(out + lo, a + lo, (hi - lo) * sizeof(float));
+    });
+  }
+  if (D == 0 || N == 0) return;
+  std::vector<int64_t> order(N);  // positions grouped by row, each group in index order
+  for (int64_t i = 0; i < N; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return ix[x] < ix[y]; });
+  std::vector<int64_t> starts;
+  for (int64_t i = 0; i < N; ++i)
+    if (i == 0 || ix[order[i]] != ix[order[i - 1]]) starts.push_back(i);
+  starts.push_back(N);
+  const float* gp = grad.f32();
+  const int64_t n_groups = static_cast<int64_t>(starts.size()) - 1;
+  tp.parallel_for(n_groups, row_grain(D), [&](int64_t b, int64_t e, int) {
+    std::vector<float> acc(D);
+    for (int64_t q = b; q < e; ++q) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t i = starts[q]; i < starts[q + 1]; ++i) add_inplace_row(acc.data(), gp + order[i] * D, D);
+      add_inplace_row(out + ix[order[starts[q]]] * D, acc.data(), D);
+    }
+  });
+}
 
 void register_gated_norm_ops(OpTable& t);  // gated_norm.cpp
 

@@ -139,12 +139,32 @@ int transposed_product(Graph& g, int grad, const std::vector<int64_t>& inv) {
   return g.op("matmul", {bt, at});
 }
 
+// d = a + b
+RC_SIMD void sum_into_row(float* __restrict d, const float* __restrict a, const float* __restrict b, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) d[i] = a[i] + b[i];
+}
+
 }  // namespace
 
+// dst (1-D) = zeros outside [b, e), which is left as it is (written by the producer of the
+// slice's gradient: see Redirect in schedule.h).
+void zeros_around(const TensorView& dst, int64_t b, int64_t e, ThreadPool& tp) {
+  float* d = dst.f32();
+  const int64_t total = dst.numel();
+  tp.parallel_for(total, kGrainElems * 8, [&](int64_t lo, int64_t hi, int) {
+    for (int64_t i = lo; i < std::min(hi, b); ++i) d[i] = 0.0f;
+    for (int64_t i = std::max(lo, e); i < hi; ++i) d[i] = 0.0f;
+  });
+}
+
 // dst (..., C) = zeros with parts[i] (..., e_i - b_i) written at columns [b_i, e_i) of every
-// row; the parts are sorted by begin and disjoint. Each output row is written once.
+// row; the parts are sorted by begin and disjoint. Where plus[i] has data (a dense tensor of
+// parts[i]'s shape, parts[i] then dense too), parts[i] + plus[i] is written instead; where
+// parts[i] has none, its columns are left as they are (its producer wrote them). Each
+// output row is written once.
 void scatter_last_axis(const TensorView& dst, const std::vector<TensorView>& parts,
-                       const std::vector<int64_t>& begin, ThreadPool& tp) {
+                       const std::vector<TensorView>& plus, const std::vector<int64_t>& begin,
+                       ThreadPool& tp) {
   const int64_t len = row_len(dst.shape), rows = n_rows(dst.shape);
   float* out = dst.f32();
   tp.parallel_for(rows, row_grain(len), [&](int64_t r0, int64_t r1, int) {
@@ -154,13 +174,16 @@ void scatter_last_axis(const TensorView& dst, const std::vector<TensorView>& par
       for (size_t i = 0; i < parts.size(); ++i) {
         const TensorView& p = parts[i];
         const int64_t n = row_len(p.shape), ps = last_stride(p.strides, p.shape);
-        const float* sp = p.f32() + row_offset(p.shape, p.strides, r);
         std::fill(dp + at, dp + begin[i], 0.0f);
-        if (ps == 1)
+        at = begin[i] + n;
+        if (!p.data) continue;
+        const float* sp = p.f32() + row_offset(p.shape, p.strides, r);
+        if (plus[i].data)
+          sum_into_row(dp + begin[i], sp, plus[i].f32() + r * n, n);
+        else if (ps == 1)
           std::memcpy(dp + begin[i], sp, n * sizeof(float));
         else
           for (int64_t k = 0; k < n; ++k) dp[begin[i] + k] = sp[k * ps];
-        at = begin[i] + n;
       }
       std::fill(dp + at, dp + len, 0.0f);
     }

@@ -227,8 +227,10 @@ class Graph:
         once: arena_bytes less fragmentation) and ``live_at_peak`` (``(op, bytes)`` pairs,
         largest first: which ops made what is alive then - where to look to save memory),
         ``own_bytes`` (parameters' gradients: memory of their own, outside the arenas, handed
-        over as ``.grad``), ``n_in_place``/``in_place_bytes`` (elementwise nodes that write
-        over a source dying there, and the bytes that saved); ``live_nodes_at_peak`` lists
+        over as ``.grad``), ``n_in_place``/``in_place_bytes`` (nodes that write over a source
+        dying there: elementwise ones, and on the CPU cross_entropy_back over its logits;
+        and the bytes that saved), ``n_redirected`` (pieces of packed CPU results written
+        straight into their window of a merged gradient scatter); ``live_nodes_at_peak`` lists
         the nodes alive at the peak, ``(id, op, dtype, shape, bytes, made by the forward)``,
         and ``peak_node`` is the node at which the peak is reached."""
         return dict(self._g.plan())
