@@ -3,12 +3,14 @@
     python bench/scan_back.py [--threads 2] [--reps 15] [--shape S,T,H,P,N,G] [--per-state]
 
 Default shape: batch 4, T 256, 24 heads, head_dim 64, d_state 128, one group, one decay
-per head (bench/scale.py's mamba2-130m train step calls it 24 times per step). Times one
-call of the op through recurra.ops.apply (inputs uploaded once; the figure includes reading
-the packed result, ~1% of it) and prints the median, the spread, GFLOP/s on the nominal
-count of the sequential form (10 flops per state element per token: the forward sweep's
-S += u B^T and dC += S^T dy, the reverse sweep's lam += dy C^T, dB += lam^T u, du += lam B)
-and the process CPU time per call, beside the load average.
+per head (bench/scale.py's mamba2-130m train step calls it 24 times per step). Calls the op
+through recurra.ops.apply and prints, as medians over the calls: the op's own time
+(recurra.profile's timer around the kernel, what bench/profile_step.py reports), the wall
+time of the whole call (with recording, the upload of the inputs and reading the result)
+and the process CPU time of the call; GFLOP/s on the op's time and the nominal count of
+the sequential form (10 flops per state element per token: the forward sweep's S += u B^T
+and dC += S^T dy, the reverse sweep's lam += dy C^T, dB += lam^T u, du += lam B); the load
+average beside them.
 """
 
 from __future__ import annotations
@@ -53,19 +55,22 @@ def main() -> None:
 
     for _ in range(2):
         call()
-    wall, cpu = [], []
+    op_ms, wall, cpu = [], [], []
     for _ in range(args.reps):
         c0, t0 = time.process_time(), time.perf_counter()
-        call()
+        with rc.profile() as prof:
+            call()
         wall.append((time.perf_counter() - t0) * 1e3)
         cpu.append((time.process_time() - c0) * 1e3)
-    ms = float(np.median(wall))
+        op_ms.append(sum(o.seconds for o in prof.ops if o.key == "ssm_scan_back") * 1e3)
+    ms = float(np.median(op_ms))
     gflop = 10.0 * S * T * H * P * N / 1e9
+    decay = "per-state A" if args.per_state else "A per head"
     print(
-        f"ssm_scan_back S{S} T{T} H{H} P{P} N{N} G{G} {'per-state A' if args.per_state else 'A per head'}"
-        f", {args.threads} threads: {ms:.2f} ms/call (min {min(wall):.2f}, max {max(wall):.2f}),"
-        f" {gflop / ms * 1e3:.1f} GFLOP/s, CPU {float(np.median(cpu)):.2f} ms/call,"
-        f" load {os.getloadavg()[0]:.2f}"
+        f"ssm_scan_back S{S} T{T} H{H} P{P} N{N} G{G} {decay}, {args.threads} threads:"
+        f" op {ms:.2f} ms/call (min {min(op_ms):.2f}, max {max(op_ms):.2f}),"
+        f" {gflop / ms * 1e3:.1f} GFLOP/s; whole call {float(np.median(wall)):.2f} ms wall,"
+        f" {float(np.median(cpu)):.2f} ms CPU; load {os.getloadavg()[0]:.2f}"
     )
 
 
