@@ -53,12 +53,18 @@ size_t rows_bwd_unit_floats(int64_t T, int64_t N, int64_t pl, int64_t K, bool pe
   return static_cast<size_t>(pl * Np * (1 + nanch) + T * (per_n ? Np : 1)) + rows_bwd_scratch(Np, plp);
 }
 
+// Rows of N floats from src into dst with rows of Np, zeros past N.
+void copy_rows_padded(float* dst, const float* src, int64_t rows, int64_t N, int64_t Np) {
+  for (int64_t p = 0; p < rows; ++p) {
+    std::memcpy(dst + p * Np, src + p * N, static_cast<size_t>(N) * sizeof(float));
+    std::memset(dst + p * Np + N, 0, static_cast<size_t>(Np - N) * sizeof(float));
+  }
+}
+
 void rows_bwd_begin(RowsBwd& f) {
   const int64_t N = f.N, Np = (N + 15) / 16 * 16, plp = (f.pl + 15) / 16 * 16;
-  const size_t nv = rows_bwd_scratch(Np, plp);
-  for (size_t k = 0; k < nv; ++k) f.v[k] = 0.0f;
-  for (int64_t p = 0; p < f.pl; ++p)
-    for (int64_t n = 0; n < Np; ++n) f.S[p * Np + n] = n < N ? f.s0[p * N + n] : 0.0f;
+  std::memset(f.v, 0, rows_bwd_scratch(Np, plp) * sizeof(float));
+  copy_rows_padded(f.S, f.s0, f.pl, N, Np);
   for (int64_t n = 0; n < Np; ++n) f.v[n] = 1.0f;  // Pv
   f.P = 1.0f;
 }
@@ -408,8 +414,7 @@ RC_SIMD void rows_bwd_fwd(RowsBwd& f, int64_t t0, int64_t t1, bool first) {
 // Between the sweeps: lam = dL/d(final state), R = 1.
 void rows_bwd_mid(RowsBwd& f) {
   const int64_t N = f.N, Np = (N + 15) / 16 * 16;
-  for (int64_t p = 0; p < f.pl; ++p)
-    for (int64_t n = 0; n < Np; ++n) f.S[p * Np + n] = n < N ? f.dsf[p * N + n] : 0.0f;
+  copy_rows_padded(f.S, f.dsf, f.pl, N, Np);
   for (int64_t n = 0; n < Np; ++n) {
     f.v[n] = 1.0f;           // Rv
     f.v[7 * Np + n] = 0.0f;  // dAv
@@ -574,7 +579,7 @@ RC_SIMD void rows_bwd_rev(RowsBwd& f, int64_t t0, int64_t t1, bool first) {
 }
 
 // After the reverse sweep: d_s = lam (times R) and the unit's dA.
-void rows_bwd_end(const RowsBwd& f) {
+RC_SIMD void rows_bwd_end(const RowsBwd& f) {
   const int64_t N = f.N, Np = (N + 15) / 16 * 16;
   const bool per_n = f.a == nullptr;
   const float* Rv = f.v;
