@@ -46,7 +46,9 @@ struct RowsBwd {
 //   0 Pv / Rv | 1 (unused) | 2 an (bh) | 3 bt (cr) | 4 dc | 5 Z | 6 db | 7 dAv   (Np each)
 //   8 Np: for each of two tokens: uv, du (plp each), dupart (16 plp); then bt2, dc2 /
 //   cr2, bh2, db2 (Np each) for the second token of a pair.
-size_t rows_bwd_scratch(int64_t Np, int64_t plp) { return static_cast<size_t>(8 * Np + 2 * 18 * plp + 3 * Np); }
+size_t rows_bwd_scratch(int64_t Np, int64_t plp) {
+  return static_cast<size_t>(8 * Np + 2 * 18 * plp + 3 * Np);
+}
 
 size_t rows_bwd_unit_floats(int64_t T, int64_t N, int64_t pl, int64_t K, bool per_n) {
   const int64_t Np = (N + 15) / 16 * 16, plp = (pl + 15) / 16 * 16, nanch = (T + K - 1) / K;
@@ -191,12 +193,14 @@ RC_INLINE void rev_pn(float* lam, const float* const* c, const float* const* bh,
       rev_pn_chunk<vf, 1, M, true>(lam, c, bh, u, dy, db, dupart, 0, pl, Np);
       n = 16;
     }
-    for (; n + 16 * NV <= Np; n += 16 * NV) rev_pn_chunk<vf, NV, M, false>(lam, c, bh, u, dy, db, dupart, n, pl, Np);
+    for (; n + 16 * NV <= Np; n += 16 * NV)
+      rev_pn_chunk<vf, NV, M, false>(lam, c, bh, u, dy, db, dupart, n, pl, Np);
     for (; n < Np; n += 16) rev_pn_chunk<vf, 1, M, false>(lam, c, bh, u, dy, db, dupart, n, pl, Np);
   }
   if (!wide_registers()) {  // the sums of hsum16x16, in its order, without 16-float shuffles
     for (int m = 0; m < M; ++m)
-      for (int64_t p = 0; p < pl; ++p) du[m][p] = hsum8(v8load(dupart[m] + 16 * p) + v8load(dupart[m] + 16 * p + 8));
+      for (int64_t p = 0; p < pl; ++p)
+        du[m][p] = hsum8(v8load(dupart[m] + 16 * p) + v8load(dupart[m] + 16 * p + 8));
     return;
   }
   for (int m = 0; m < M; ++m)
@@ -273,7 +277,6 @@ RC_INLINE void scaled_row(const float* Bt, float k, int64_t N, int64_t Np, float
   }
   for (int64_t n0 = 0; n0 < Np; n0 += 8) v8store(out + n0, row8_at(Bt, n0, N) * k);
 }
-
 
 struct Stage {
   float *uv, *du, *dupart;
