@@ -266,7 +266,7 @@ RC_INLINE void row_put(float* p, int64_t n0, int64_t N, vf v, bool add) {
 
 // The per-token steps of one decay per head work on 8-float vectors (row8_at, scan.h), or
 // with AVX-512 and N a multiple of 16 on whole 16-float vectors: half the instructions, no
-// tails (those steps took ~40% of the time beside the sweeps at N 128).
+// tails (at Mamba2-130M's shape, N 128, one call 15% faster on one thread).
 inline bool wide_rows(int64_t N) { return wide_registers() && N % 16 == 0; }
 
 // out[n] = B_t[n] * k (n < Np).
