@@ -257,6 +257,32 @@ def test_ssm_scan_backward_mamba2_size_matches_float64_vjp(per_state, d_state):
         np.testing.assert_allclose(g, w, rtol=1e-3, atol=3e-5 * np.abs(w).max(), err_msg=name)
 
 
+@pytest.mark.parametrize(
+    "head_dim,d_state,n_head,n_group",
+    [
+        (20, 48, 6, 1),  # whole 16-float rows (AVX-512), channels 16 + 4
+        (24, 40, 8, 2),  # d_state 40 = 2 x 16 + 8: the 8-float rows with a tail, 2 groups
+        (64, 16, 6, 1),  # d_state 16: one 16-float row per state row
+    ],
+)
+def test_ssm_scan_backward_rows_per_head_remainders_match_float64_vjp(
+    head_dim, d_state, n_head, n_group
+):
+    # The per-token steps of the rows backward with one decay per head (ssm_scan/back_rows.cpp):
+    # whole 16-float rows where d_state is a multiple of 16, 8-float rows with a tail
+    # otherwise; channel counts that are not a multiple of 16; anchors past K = 64 tokens and
+    # renormalisations (strong decays at tokens 40..43). With 2 sequences the heads of a
+    # group are split 4 ways (op.cpp, n_splits), so a task adds several heads into its dB, dC.
+    args = scan_inputs(2, 150, n_head, head_dim, d_state, n_group, per_state=False, n_rows=2)
+    args[2][:, 40:44] = 5.0
+    got = _grads(args, rc.get_num_threads())
+    gy = np.random.default_rng(7).standard_normal(got[0].shape)
+    gs = np.random.default_rng(8).standard_normal(got[1].shape)
+    want = ssm_scan_vjp_ref(args, f32(gy).astype(np.float64), f32(gs).astype(np.float64))
+    for name, g, w in zip(["ds", "dx", "ddt", "dA", "dB", "dC"], got[2:], want):
+        np.testing.assert_allclose(g, w, rtol=1e-3, atol=3e-5 * np.abs(w).max(), err_msg=name)
+
+
 def test_ssm_scan_backward_matches_float64_gradient():
     # The analytic backward against a float64 gradient of the reference (central differences
     # in float64, so the tolerance can be much tighter than gradcheck's float32 one).

@@ -50,7 +50,7 @@
 //
 // Peak extra memory of the backward, in floats (Np = N rounded up to 16, plp likewise PB):
 //   per thread, rows:  U units, U * PB ~ 64 channels, each
-//                      PB * Np * (1 + ceil(T / K)) + T * (1 or Np) + 11 Np + 38 plp,
+//                      PB * Np * (1 + ceil(T / K)) + T * (1 or Np) + 11 Np + 36 plp,
 //                      plus 4 T per head (K >= 64 and ceil(T / K) <= 17)
 //   per thread, heads: blocks_per_task * 16 N * (3 + ceil(T / K)) + 16 K (2 + N + 3 Np)
 //                      (K = max(32, T / 64))
