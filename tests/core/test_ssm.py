@@ -241,6 +241,17 @@ def test_ssm_scan_threads_agree(layout, restore_threads):
         np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6 * np.abs(a).max())
 
 
+def _assert_grads_match_vjp(args):
+    """The op's gradients (on all threads) for random output and final-state cotangents
+    against the float64 reverse-mode reference that keeps every state."""
+    got = _grads(args, rc.get_num_threads())
+    gy = np.random.default_rng(7).standard_normal(got[0].shape)
+    gs = np.random.default_rng(8).standard_normal(got[1].shape)
+    want = ssm_scan_vjp_ref(args, f32(gy).astype(np.float64), f32(gs).astype(np.float64))
+    for name, g, w in zip(["ds", "dx", "ddt", "dA", "dB", "dC"], got[2:], want):
+        np.testing.assert_allclose(g, w, rtol=1e-3, atol=3e-5 * np.abs(w).max(), err_msg=name)
+
+
 @pytest.mark.parametrize("per_state,d_state", [(False, 128), (True, 20)])
 def test_ssm_scan_backward_mamba2_size_matches_float64_vjp(per_state, d_state):
     # Mamba-2's head size (64 x 128 states): the rows backward's full-size units (the
@@ -249,12 +260,7 @@ def test_ssm_scan_backward_mamba2_size_matches_float64_vjp(per_state, d_state):
     # against a float64 reverse-mode reference that keeps every state.
     args = scan_inputs(2, 150, 3, 64, d_state, 1, per_state=per_state, n_rows=2, ids=[1, 0])
     args[2][:, 40:44] = 5.0
-    got = _grads(args, rc.get_num_threads())
-    gy = np.random.default_rng(7).standard_normal(got[0].shape)
-    gs = np.random.default_rng(8).standard_normal(got[1].shape)
-    want = ssm_scan_vjp_ref(args, f32(gy).astype(np.float64), f32(gs).astype(np.float64))
-    for name, g, w in zip(["ds", "dx", "ddt", "dA", "dB", "dC"], got[2:], want):
-        np.testing.assert_allclose(g, w, rtol=1e-3, atol=3e-5 * np.abs(w).max(), err_msg=name)
+    _assert_grads_match_vjp(args)
 
 
 @pytest.mark.parametrize(
@@ -275,12 +281,7 @@ def test_ssm_scan_backward_rows_per_head_remainders_match_float64_vjp(
     # group are split 4 ways (op.cpp, n_splits), so a task adds several heads into its dB, dC.
     args = scan_inputs(2, 150, n_head, head_dim, d_state, n_group, per_state=False, n_rows=2)
     args[2][:, 40:44] = 5.0
-    got = _grads(args, rc.get_num_threads())
-    gy = np.random.default_rng(7).standard_normal(got[0].shape)
-    gs = np.random.default_rng(8).standard_normal(got[1].shape)
-    want = ssm_scan_vjp_ref(args, f32(gy).astype(np.float64), f32(gs).astype(np.float64))
-    for name, g, w in zip(["ds", "dx", "ddt", "dA", "dB", "dC"], got[2:], want):
-        np.testing.assert_allclose(g, w, rtol=1e-3, atol=3e-5 * np.abs(w).max(), err_msg=name)
+    _assert_grads_match_vjp(args)
 
 
 def test_ssm_scan_backward_matches_float64_gradient():

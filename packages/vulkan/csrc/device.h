@@ -193,6 +193,8 @@ class Device {
   void wait_all();           // all of them; reports shader-detected errors
   void check_lost() const;
   void staged_copy(const Allocation& a, size_t offset, void* host, size_t nbytes, bool to_device);
+  Allocation transfer_range(const recurra_buffer& b, size_t offset, size_t nbytes, const void* host,
+                            const char* what, const char* kind);
   // Records and submits one buffer-to-buffer copy (behind all earlier work, visible to the
   // host once done); returns the submission's serial for wait_serial().
   uint64_t submit_copy(VkBuffer src, VkDeviceSize src_offset, VkBuffer dst, VkDeviceSize dst_offset,

@@ -72,14 +72,22 @@ void Device::staged_copy(const Allocation& a, size_t offset, void* host, size_t 
   finish(1);
 }
 
-void Device::copy_in(const recurra_buffer& dst, size_t offset, const void* src, size_t nbytes) {
+// The allocation of a copy_in / copy_out: the device not lost, bytes [offset, offset + nbytes)
+// inside the buffer, a host pointer where there are bytes to copy.
+Allocation Device::transfer_range(const recurra_buffer& b, size_t offset, size_t nbytes, const void* host,
+                                  const char* what, const char* kind) {
   check_lost();
-  const Allocation a = memory_->lookup(dst, "copy_in");
+  const Allocation a = memory_->lookup(b, what);
   if (offset > a.nbytes || nbytes > a.nbytes - offset)
-    fail_invalid("copy_in: bytes [" + std::to_string(offset) + ", " + std::to_string(offset + nbytes) +
+    fail_invalid(std::string(what) + ": bytes [" + std::to_string(offset) + ", " + std::to_string(offset + nbytes) +
                  ") lie outside the buffer of " + std::to_string(a.nbytes) + " bytes");
+  if (nbytes && !host) fail_invalid(std::string(what) + ": null " + kind + " pointer");
+  return a;
+}
+
+void Device::copy_in(const recurra_buffer& dst, size_t offset, const void* src, size_t nbytes) {
+  const Allocation a = transfer_range(dst, offset, nbytes, src, "copy_in", "source");
   if (nbytes == 0) return;
-  if (!src) fail_invalid("copy_in: null source pointer");
   wait_all();
   if (uint8_t* p = memory_->mapped(a)) {
     std::memcpy(p + offset, src, nbytes);
@@ -95,13 +103,8 @@ void Device::copy_in(const recurra_buffer& dst, size_t offset, const void* src, 
 }
 
 void Device::copy_out(const recurra_buffer& src, size_t offset, void* dst, size_t nbytes) {
-  check_lost();
-  const Allocation a = memory_->lookup(src, "copy_out");
-  if (offset > a.nbytes || nbytes > a.nbytes - offset)
-    fail_invalid("copy_out: bytes [" + std::to_string(offset) + ", " + std::to_string(offset + nbytes) +
-                 ") lie outside the buffer of " + std::to_string(a.nbytes) + " bytes");
+  const Allocation a = transfer_range(src, offset, nbytes, dst, "copy_out", "destination");
   if (nbytes == 0) return;
-  if (!dst) fail_invalid("copy_out: null destination pointer");
   wait_all();
   if (const uint8_t* p = memory_->mapped(a)) {
     std::memcpy(dst, p + offset, nbytes);
