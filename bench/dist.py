@@ -38,8 +38,9 @@ The MPI sum alone, without a model (CPU only; --mb of float32 cut into buckets):
 compares, per bucket size, MPI_Allreduce in place (DataParallel's collective="blocking"),
 MPI_Allreduce into another buffer, MPI_Iallreduce in place (collective="nonblocking") and
 the pairwise sum (collective="pairwise", what the default "auto" takes for buckets of 1 MiB
-and more) adding in one thread and in DataParallel's add_threads; each --cvar NAME=VALUE
-adds a run with that MPICH setting.
+and more) by messages adding in one thread and in DataParallel's add_threads, by messages
+in pieces of 16 MiB (piece_mb) and by direct reads (direct_reads, the default on one host);
+each --cvar NAME=VALUE adds a run with that MPICH setting.
 --collective picks DataParallel's for the training and --exchange-only runs.
 On a GPU machine, `bash bench/h200.sh build bench-dist` runs the three (the mpich wheel's
 mpiexec and libmpi set up: MPI4PY_LIBMPI).
@@ -265,6 +266,8 @@ def exchange_worker(args, ctx, model, dp, data, global_batch: int) -> None:
             mine = statistics.median(r[k][key] for r in runs[1:])
             row[key] = max(ctx.comm.allgather(mine))
         rows.append(row)
+    tail = statistics.median(r[-1]["tail_s"] for r in runs[1:])
+    rows[-1]["tail_s"] = max(ctx.comm.allgather(tail))
     whole_s = statistics.median([max(v) for v in zip(*ctx.comm.allgather(whole))])
     if ctx.rank != 0:
         return
@@ -288,6 +291,12 @@ def exchange_worker(args, ctx, model, dp, data, global_batch: int) -> None:
         "  (total upload: every bucket at once, as a step does; the whole exchange as a step "
         f"runs it after the backward, sync_gradients: {1e3 * whole_s:.1f} ms)"
     )
+    last = rows[-2]
+    print(
+        f"  the last bucket ({last['bytes'] / 1e6:.1f} MB) downloaded, summed and written back "
+        f"as a step does (pieces of {dp.stream_mb:g} MB; with overlap what stays exposed "
+        f"after the backward): {1e3 * rows[-1]['tail_s']:.1f} ms"
+    )
     print("RESULT " + json.dumps({"buckets": rows, "sync_gradients_s": whole_s}), flush=True)
 
 
@@ -296,7 +305,7 @@ def allreduce_worker(args: argparse.Namespace) -> None:
     import numpy as np
     from mpi4py import MPI
 
-    from recurra_dist._exchange import pairwise_sum
+    from recurra_dist._exchange import DirectReads, pairwise_sum
 
     comm = MPI.COMM_WORLD
     n = int(args.mb * 1e6) // 4
@@ -315,9 +324,12 @@ def allreduce_worker(args: argparse.Namespace) -> None:
         "allreduce out of place",
         "iallreduce in place",
         "pairwise 1 thread",
+        "direct 1 thread",
     ]
     if pool is not None:
-        ways.append(f"pairwise {threads} threads")
+        ways += [f"pairwise {threads} threads", f"pieces {threads} threads"]
+        ways.append(f"direct {threads} threads")
+    direct = DirectReads()
     res = []
     for bmb in args.bucket_sizes:
         be = max(1, int(bmb * (1 << 20)) // 4)
@@ -333,15 +345,20 @@ def allreduce_worker(args: argparse.Namespace) -> None:
                 elif way == "allreduce out of place":
                     for a, b in cuts:
                         comm.Allreduce(buf[a:b], out[a:b], op=MPI.SUM)
-                elif way.startswith("pairwise"):  # DataParallel's collective="pairwise"
+                elif way.split()[0] in ("pairwise", "pieces", "direct"):
+                    # DataParallel's collective="pairwise": messages (whole buckets or in
+                    # pieces of 16 MiB, piece_mb), or direct reads (direct_reads)
+                    piece = (16 << 20) // 4 if way.startswith("pieces") else 0
                     for a, b in cuts:
                         pairwise_sum(
                             comm,
                             buf[a:b],
                             MPI.Request.Waitall,
                             lambda k: scratch[:k],
-                            pool if way != "pairwise 1 thread" else None,
+                            pool if "1 thread" not in way else None,
                             threads,
+                            piece,
+                            direct if way.startswith("direct") else None,
                         )
                 else:
                     reqs = [comm.Iallreduce(MPI.IN_PLACE, buf[a:b], op=MPI.SUM) for a, b in cuts]
@@ -352,6 +369,8 @@ def allreduce_worker(args: argparse.Namespace) -> None:
                 assert res_buf[0] == total and res_buf[-1] == total, (way, res_buf[0])
                 buf.fill(comm.rank + 1)  # the same values every time (no overflow)
             sec = max(comm.allgather(statistics.median(times[1:])))
+            if way.startswith("direct") and not all(direct._usable.values()):
+                way += " (not usable here: messages)"
             res.append({"bucket_mb": bmb, "way": way, "s": sec, "gb_s": 4 * n / sec / 1e9})
     if comm.rank == 0:
         print("RESULT " + json.dumps(res), flush=True)

@@ -14,6 +14,9 @@ thread keeps calling MPI on the job's communicator meanwhile.
 
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
 import threading
 import time
 from collections import deque
@@ -22,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Exchanger", "Ticket", "pairwise_sum", "threads_supported"]
+__all__ = ["DirectReads", "Exchanger", "Ticket", "pairwise_sum", "threads_supported"]
 
 # pairwise_sum's message tags: the reduce-scatter's, the allgather's
 _TAG_SCATTER, _TAG_GATHER = 7301, 7302
@@ -36,12 +39,16 @@ def threads_supported() -> bool:
 
 
 class Ticket:
-    """One bucket handed to the exchange thread: :meth:`Exchanger.wait_for` waits for it."""
+    """One bucket handed to the exchange thread: :meth:`Exchanger.wait_for` waits for it.
 
-    __slots__ = ("owner", "number")
+    A bucket handed over in pieces has the ticket of its last piece, whose ``pieces`` lists
+    ``((start, stop), ticket)`` of every piece (elements of the bucket), in order."""
+
+    __slots__ = ("owner", "number", "pieces")
 
     def __init__(self, owner: Exchanger, number: int) -> None:
         self.owner, self.number = owner, number
+        self.pieces: list[tuple[tuple[int, int], Ticket]] = []
 
 
 class Exchanger:
@@ -121,6 +128,8 @@ def pairwise_sum(
     scratch: Callable[[int], np.ndarray],
     pool: Any = None,
     threads: int = 1,
+    piece: int = 0,
+    direct: DirectReads | None = None,
 ) -> None:
     """Sums ``buf`` (float32, the same size on every rank) over the ranks of ``comm``, in
     place: a reduce-scatter and an allgather by point-to-point messages, the sum by numpy.
@@ -132,49 +141,280 @@ def pairwise_sum(
     with the same bits, the same in every run. ``wait`` waits for a list of requests (the
     timeout), ``scratch(n)`` gives a float32 array of at least n elements for the parts
     received, and ``pool`` (an executor of ``threads`` threads, or None) adds in several
-    threads (numpy lets go of the GIL while it adds)."""
+    threads (numpy lets go of the GIL while it adds).
+
+    ``piece`` > 0 (elements, the same on every rank) pipelines a large buffer: it is cut
+    into pieces of ``piece`` elements (the last one shorter), each summed as above, and
+    while piece k is added (in ``pool``'s threads), piece k + 1's parts arrive and piece
+    k - 1's sums go out. Each element is still the same rank-order float32 sum, so the
+    result is bitwise the same however the buffer is cut.
+
+    ``direct`` (all ranks on one host): the same sums, but each rank reads the other ranks'
+    values straight out of their buffers (:class:`DirectReads`) instead of MPI messages,
+    where every rank can (else the messages above)."""
     size, me = comm.Get_size(), comm.Get_rank()
     if size == 1:  # the sum over one rank
         return
-    cut = [k * buf.size // size for k in range(size + 1)]
-    mine = buf[cut[me] : cut[me + 1]]
-    m = mine.size
-    tmp = scratch((size - 1) * m)
-    terms: list[np.ndarray] = []
-    reqs: list[Any] = []
-    for q in range(size):
-        if q == me:
-            terms.append(mine)
-            continue
-        part = tmp[len(reqs) // 2 * m : (len(reqs) // 2 + 1) * m]
-        terms.append(part)
-        reqs.append(comm.Irecv(part, source=q, tag=_TAG_SCATTER))
-        reqs.append(comm.Isend(buf[cut[q] : cut[q + 1]], dest=q, tag=_TAG_SCATTER))
-    wait(reqs)
-    _add_in_order(terms, mine, pool, threads)
-    reqs = []
-    for q in range(size):
-        if q != me:
-            reqs.append(comm.Irecv(buf[cut[q] : cut[q + 1]], source=q, tag=_TAG_GATHER))
-            reqs.append(comm.Isend(mine, dest=q, tag=_TAG_GATHER))
-    wait(reqs)
+    if direct is not None and direct.sum(comm, buf, wait, scratch, pool, threads):
+        return
+    n = buf.size
+    step = n if piece <= 0 or piece >= n else int(piece)
+    spans = [(a, min(n, a + step)) for a in range(0, n, step)] if n else [(0, 0)]
+    width = -(-step // size)  # the most elements a rank owns of one piece
+    slots = min(2, len(spans))  # scratch for the parts of two pieces at a time
+    tmp = scratch(slots * (size - 1) * width)
+    parts = [_Piece(buf, a, b, size, me) for a, b in spans]
+    for k in range(slots):
+        parts[k].scatter(comm, tmp, k * (size - 1) * width)
+    adding: list[Any] = []
+    try:
+        for k, part in enumerate(parts):
+            wait(part.reqs)
+            adding = _add_in_order(part.terms, part.mine, pool, threads, block=False)
+            # while it adds: the sums of the piece before go out, the next piece comes in
+            later = parts[k - 1].reqs if k else []
+            ahead = parts[k + 1].reqs if k + 1 < len(parts) else []
+            wait(later + ahead)
+            _join(adding)
+            adding = []
+            part.gather(comm)
+            if k + slots < len(parts):  # its scratch is free again
+                parts[k + slots].scatter(comm, tmp, (k % slots) * (size - 1) * width)
+        wait(parts[-1].reqs)
+    finally:
+        _join(adding)  # no thread writes into buf after an error
+
+
+class _Piece:
+    """Elements [a, b) of a pairwise sum's buffer: the part of each rank, the requests in
+    flight (the reduce-scatter's, then the allgather's) and the terms of the sum."""
+
+    __slots__ = ("buf", "cut", "me", "mine", "reqs", "terms")
+
+    def __init__(self, buf: np.ndarray, a: int, b: int, size: int, me: int) -> None:
+        self.buf, self.me = buf, me
+        self.cut = [a + k * (b - a) // size for k in range(size + 1)]
+        self.mine = buf[self.cut[me] : self.cut[me + 1]]
+        self.reqs: list[Any] = []
+        self.terms: list[np.ndarray] = []
+
+    def scatter(self, comm: Any, tmp: np.ndarray, at: int) -> None:
+        """Receives the other ranks' values of this rank's part (into ``tmp`` from ``at``)
+        and sends them theirs."""
+        m, cut = self.mine.size, self.cut
+        for q in range(len(cut) - 1):
+            if q == self.me:
+                self.terms.append(self.mine)
+                continue
+            got = tmp[at : at + m]
+            at += m
+            self.terms.append(got)
+            self.reqs.append(comm.Irecv(got, source=q, tag=_TAG_SCATTER))
+            self.reqs.append(comm.Isend(self.buf[cut[q] : cut[q + 1]], dest=q, tag=_TAG_SCATTER))
+
+    def gather(self, comm: Any) -> None:
+        """Sends this rank's sums to the other ranks and receives theirs."""
+        cut, self.reqs, self.terms = self.cut, [], []
+        for q in range(len(cut) - 1):
+            if q != self.me:
+                theirs = self.buf[cut[q] : cut[q + 1]]
+                self.reqs.append(comm.Irecv(theirs, source=q, tag=_TAG_GATHER))
+                self.reqs.append(comm.Isend(self.mine, dest=q, tag=_TAG_GATHER))
+
+
+def _join(futures: list[Any]) -> None:
+    for f in futures:
+        f.result()
+
+
+class DirectReads:
+    """The pairwise sum without messages, for ranks of one host: each rank reads the other
+    ranks' values of its part straight out of their buffers (Linux ``process_vm_readv``: one
+    copy by the kernel, in several threads) a chunk at a time into a small scratch that
+    stays in the cache, and adds it at once, then reads the other ranks' sums straight into
+    its buffer. The same rank-order float32 sums as the messages: the same bits. Per rank
+    and element of its part the memory sees 3 passes for the sum and 2 for the gather
+    (MPI: a copy into scratch, then the 3 of the add; the gather's copy).
+
+    Where the ranks cannot read each other's memory (another OS, ptrace forbidden, a buffer
+    the kernel cannot pin, such as some device mappings), :meth:`sum` says so and the caller
+    sends messages; every rank takes the same way (they agree once per set of buffers)."""
+
+    #: elements read and added at a time (per thread): small enough to stay in the cache
+    CHUNK = 1 << 18
+
+    def __init__(self) -> None:
+        self._usable: dict[tuple[int, ...], bool] = {}
+        self._read = _process_vm_readv()
+
+    def sum(
+        self,
+        comm: Any,
+        buf: np.ndarray,
+        wait: Callable[[list[Any]], None],
+        scratch: Callable[[int], np.ndarray],
+        pool: Any,
+        threads: int,
+    ) -> bool:
+        """Sums ``buf`` in place over ``comm`` (pairwise_sum's arguments); False (nothing
+        done, on every rank) where some rank cannot read the others' buffers."""
+        size, me = comm.Get_size(), comm.Get_rank()
+        where = np.array(
+            [os.getpid(), buf.ctypes.data, buf.nbytes, self._read is not None], np.int64
+        )
+        everyone = np.empty(4 * size, where.dtype)
+        wait([comm.Iallgather(where, everyone)])  # also: every rank's values are ready
+        peers = everyone.reshape(size, 4)
+        key = tuple(peers.ravel().tolist())
+        if key not in self._usable:  # a collective: every rank misses the same keys
+            if len(self._usable) >= 4096:  # buffers come and go: forget the old ones
+                self._usable.clear()
+            ok = np.array([int(peers[:, 3].all() and self._probe(peers, me))], np.int32)
+            wait([comm.Iallreduce(_mpi().IN_PLACE, ok, op=_mpi().MIN)])
+            self._usable[key] = bool(ok[0])
+        if not self._usable[key]:
+            return False
+        n, chunk = buf.size, self.CHUNK
+        cut = [k * n // size for k in range(size + 1)]
+        a, b = cut[me], cut[me + 1]
+        workers = max(1, min(threads if pool is not None else 1, -(-(b - a) // chunk)))
+        tmp = scratch(workers * (size - 1) * chunk)
+        bounds = [a + k * (b - a) // workers for k in range(workers + 1)]
+
+        def add(w: int) -> None:  # elements [bounds[w], bounds[w + 1]) of this rank's part
+            slot = tmp[w * (size - 1) * chunk : (w + 1) * (size - 1) * chunk]
+            for lo in range(bounds[w], bounds[w + 1], chunk):
+                hi = min(lo + chunk, bounds[w + 1])
+                terms = []
+                for q in range(size):
+                    if q == me:
+                        terms.append(buf[lo:hi])
+                        continue
+                    k = q - (q > me)
+                    part = slot[k * chunk : k * chunk + hi - lo]
+                    self._from(peers[q], lo, part)
+                    terms.append(part)
+                _add_slice(terms, buf[lo:hi], 0, hi - lo)
+
+        self._run(pool, add, workers)
+        wait([comm.Ibarrier()])  # every part summed: the sums may be read
+
+        others = [(q, cut[q], cut[q + 1]) for q in range(size) if q != me]
+        total = sum(hi - lo for _, lo, hi in others)
+        jobs = max(1, min(threads if pool is not None else 1, -(-total // chunk)))
+
+        def gather(w: int) -> None:  # the w-th of ``jobs`` equal shares of the others' parts
+            lo_w, hi_w = w * total // jobs, (w + 1) * total // jobs
+            at = 0
+            for q, lo, hi in others:
+                x, y = max(lo, lo + lo_w - at), min(hi, lo + hi_w - at)
+                if x < y:
+                    self._from(peers[q], x, buf[x:y])
+                at += hi - lo
+
+        self._run(pool, gather, jobs)
+        wait([comm.Ibarrier()])  # nobody reads this buffer any more: it may change
+        return True
+
+    def _from(self, peer: np.ndarray, at: int, out: np.ndarray) -> None:
+        """Reads elements [at, at + out.size) of ``peer``'s buffer into ``out``."""
+        assert self._read is not None
+        self._read(int(peer[0]), int(peer[1]) + 4 * at, out)
+
+    def _probe(self, peers: np.ndarray, me: int) -> bool:
+        """Whether this rank reads the first and the last element of every other rank's
+        buffer."""
+        one = np.empty(1, np.float32)
+        try:
+            for q, peer in enumerate(peers):
+                if q != me and peer[2] >= 4:
+                    self._from(peer, 0, one)
+                    self._from(peer, int(peer[2]) // 4 - 1, one)
+        except OSError:
+            return False
+        return True
+
+    @staticmethod
+    def _run(pool: Any, work: Callable[[int], None], jobs: int) -> None:
+        if pool is None or jobs == 1:
+            for w in range(jobs):
+                work(w)
+        else:
+            list(pool.map(work, range(jobs)))
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _process_vm_readv() -> Callable[[int, int, np.ndarray], None] | None:
+    """``read(pid, address, out)``: copies out.nbytes bytes at ``address`` in process
+    ``pid`` into ``out`` (OSError when the kernel refuses), or None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        readv = libc.process_vm_readv
+    except (OSError, AttributeError):
+        return None
+    readv.restype = ctypes.c_ssize_t
+    readv.argtypes = [
+        ctypes.c_int,
+        ctypes.POINTER(_Iovec),
+        ctypes.c_ulong,
+        ctypes.POINTER(_Iovec),
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    ]
+    # Yama's ptrace_scope 1 lets only a parent read a process: let the other ranks (of the
+    # same user) read this one, as MPI libraries' single-copy paths do
+    try:
+        libc.prctl(ctypes.c_int(0x59616D61), ctypes.c_ulong(2**64 - 1), 0, 0, 0)
+    except AttributeError:
+        pass
+
+    def read(pid: int, address: int, out: np.ndarray) -> None:
+        base, n, done = out.ctypes.data, out.nbytes, 0
+        while done < n:  # the kernel may copy less than asked
+            local = _Iovec(base + done, n - done)
+            remote = _Iovec(address + done, n - done)
+            got = readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+            if got <= 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"process_vm_readv from process {pid}: {os.strerror(err)}")
+            done += got
+
+    return read
+
+
+def _mpi() -> Any:
+    from mpi4py import MPI
+
+    return MPI
 
 
 #: pieces of at least this many elements are added in threads of their own
 _ADD_PIECE = 1 << 18
 
 
-def _add_in_order(terms: list[np.ndarray], out: np.ndarray, pool: Any, threads: int) -> None:
+def _add_in_order(
+    terms: list[np.ndarray], out: np.ndarray, pool: Any, threads: int, block: bool = True
+) -> list[Any]:
     """out = terms[0] + terms[1] + ... (float32, left to right), elementwise; ``out`` may be
     one of the terms. With ``pool``, the elements are cut into pieces added in its threads
-    (each element's sum is the same however they are cut)."""
+    (each element's sum is the same however they are cut); ``block=False`` returns their
+    futures at once (:func:`_join` waits for them), else they are waited for."""
     n = out.size
     pieces = 1 if pool is None else max(1, min(threads, n // _ADD_PIECE))
-    if pieces == 1:
+    if pool is None or (pieces == 1 and block):
         _add_slice(terms, out, 0, n)
-        return
+        return []
     cuts = [k * n // pieces for k in range(pieces + 1)]
-    list(pool.map(lambda k: _add_slice(terms, out, cuts[k], cuts[k + 1]), range(pieces)))
+    futures = [pool.submit(_add_slice, terms, out, cuts[k], cuts[k + 1]) for k in range(pieces)]
+    if block:
+        _join(futures)
+        return []
+    return futures
 
 
 def _add_slice(terms: list[np.ndarray], out: np.ndarray, a: int, b: int) -> None:

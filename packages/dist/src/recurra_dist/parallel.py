@@ -29,7 +29,13 @@ import numpy as np
 
 import recurra as rc
 from recurra import Tensor, _core
-from recurra_dist._exchange import Exchanger, Ticket, pairwise_sum, threads_supported
+from recurra_dist._exchange import (
+    DirectReads,
+    Exchanger,
+    Ticket,
+    pairwise_sum,
+    threads_supported,
+)
 from recurra_dist.context import Context, init
 
 __all__ = ["DataParallel", "ExchangeTimeout"]
@@ -126,6 +132,18 @@ class DataParallel:
         backward; exchanges; last_bytes.
         exchange_thread: whether the buckets are summed in the exchange thread (may be
         switched between steps); add_threads: the threads a pairwise sum adds in.
+        direct_reads: where all ranks run on one host, a pairwise sum reads the other ranks'
+        values straight out of their buffers (``_exchange.DirectReads``: Linux
+        ``process_vm_readv``, in ``add_threads`` threads, no messages; it lets processes of
+        the same user read this one's memory, as MPI libraries' single-copy paths do); where
+        some rank cannot, that sum takes messages. piece_mb: without direct reads, a
+        pairwise sum cuts a bucket into pieces of this many megabytes (0: none) and adds one
+        while the next one's messages arrive. stream_mb: with the exchange thread, a bucket
+        summed pairwise of more than twice this many megabytes is handed to it in pieces of
+        this size (0: whole), and on a device each piece is written back while the next ones
+        are summed (the tail of the exchange after the backward: the last bucket, often the
+        embedding's gradient alone); streamed counts those buckets. All three give the same
+        bits.
     """
 
     def __init__(
@@ -176,6 +194,14 @@ class DataParallel:
             from concurrent.futures import ThreadPoolExecutor
 
             self._add_pool = ThreadPoolExecutor(self.add_threads, "recurra-dist-add")
+        # ranks of one host read each other's buckets straight out of their memory
+        self.direct_reads = self.ctx.local_size == self.world_size
+        self._direct = DirectReads()
+        # with threads to add in, large buckets' messages and adds overlap, piece by piece
+        self.piece_mb = 16.0 if self._add_pool is not None else 0.0
+        # a large bucket in device memory: summed and written back piece by piece
+        self.stream_mb = 32.0
+        self.streamed = 0  # buckets summed in pieces of stream_mb
         # The last parameters first: the backward completes their gradients first.
         self.buckets = _make_buckets(self.params[::-1], int(bucket_mb * (1 << 20)) // 4)
         self.last_exchange_s = 0.0
@@ -301,9 +327,24 @@ class DataParallel:
         """Sums ``buf`` over the ranks, in place: returns what to wait for (:meth:`_wait`):
         the exchange thread's ticket (``exchange_thread``), else the request (nonblocking),
         or None once it is done (blocking)."""
-        if self.exchange_thread:
+        if not self.exchange_thread:
+            return self._start_sum(self._xcomm, buf)
+        step = int(self.stream_mb * (1 << 20)) // 4
+        if step <= 0 or buf.size <= 2 * step or not self._pairwise(buf[:step]):
             return self._exchanger.submit(buf)
-        return self._start_sum(self._xcomm, buf)
+        # in pieces (each summed pairwise: the same bits): each one can be written back
+        # while the next is summed (_finish)
+        spans = [(a, min(buf.size, a + step)) for a in range(0, buf.size, step)]
+        pieces = [(ab, self._exchanger.submit(buf[ab[0] : ab[1]])) for ab in spans]
+        last = pieces[-1][1]
+        last.pieces = pieces
+        self.streamed += 1
+        return last
+
+    def _pairwise(self, buf: np.ndarray) -> bool:
+        """Whether ``collective`` sums ``buf`` pairwise."""
+        how = self.collective
+        return how == "pairwise" or (how == "auto" and buf.nbytes >= _BLOCKING_MIN_BYTES)
 
     def _reduce(self, comm: Any, buf: np.ndarray) -> None:
         """The exchange thread's work: sums ``buf`` in place over ``comm``, waiting for it."""
@@ -313,12 +354,14 @@ class DataParallel:
         """Starts the sum of ``buf`` over ``comm``, in place: the request to wait for
         (nonblocking), or None once it is done (blocking: every rank is waited for first,
         under the timeout); see ``collective``."""
-        how = self.collective
-        if how == "nonblocking" or (how == "auto" and buf.nbytes < _BLOCKING_MIN_BYTES):
-            return comm.Iallreduce(_in_place(), buf, op=_op("SUM"))
-        if how in ("auto", "pairwise"):
-            pairwise_sum(comm, buf, self._wait, self._scratch_of, self._add_pool, self.add_threads)
+        if self._pairwise(buf):
+            direct = self._direct if self.direct_reads else None
+            piece = int(self.piece_mb * (1 << 20)) // 4
+            pool, threads = self._add_pool, self.add_threads
+            pairwise_sum(comm, buf, self._wait, self._scratch_of, pool, threads, piece, direct)
             return None
+        if self.collective != "blocking":
+            return comm.Iallreduce(_in_place(), buf, op=_op("SUM"))
         self._wait([comm.Ibarrier()])
         comm.Allreduce(_in_place(), buf, op=_op("SUM"))
         return None
@@ -336,25 +379,39 @@ class DataParallel:
         host buffer: on a device one packed download), ``allreduce_s`` (the sum alone) and
         ``upload_s`` (the mean back into the gradients, this bucket alone). The last entry,
         ``bucket = -1``, holds the totals, with ``upload_s`` the time of writing every
-        bucket back at once (as :meth:`sync_gradients` does). Leaves every gradient the
-        mean over the ranks, as :meth:`sync_gradients`. Every parameter needs a gradient."""
+        bucket back at once (as :meth:`sync_gradients` does), and ``tail_s`` the last
+        bucket's download, sum and write back one after the other as a step runs them (in
+        pieces: stream_mb): with overlap, what stays exposed after the backward, which
+        completes that bucket last. Leaves every gradient the mean over the ranks, as
+        :meth:`sync_gradients`. Every parameter needs a gradient."""
         missing = [i for i, p in enumerate(self.params) if p.grad is None]
         if missing:
             raise ValueError(
                 f"profile_exchange: parameter {missing[0]} has no gradient; run a backward first"
             )
         scale = np.float32(1.0 / self.world_size)
+        last = self.buckets[-1]
+        kept = [p.grad for p in last.params]
+        self.barrier()
+        t0 = time.perf_counter()
+        dev = _pack(last)
+        # (the host path writes the means into the gradients in place: put them back below)
+        packed = last.buffer.copy() if dev is None else None
+        req = self._allreduce(last.buffer)
+        tail: list[_Bucket] = []
+        self._finish(last, [True] * len(last.params), req, dev, scale, tail)
+        _upload_staged(tail, scale)
+        tail_s = time.perf_counter() - t0
+        for i, (p, g) in enumerate(zip(last.params, kept)):  # the backward's gradients again
+            p.grad = g
+            if packed is not None:
+                _write_grad(p, packed[last.offsets[i] : last.offsets[i + 1]].reshape(p.shape))
         rows: list[dict[str, float]] = []
         devs = []
         for k, b in enumerate(self.buckets):
             self.barrier()
             t0 = time.perf_counter()
-            dev = _packed_device(b, [True] * len(b.params))
-            if dev is not None:
-                _download_packed(b)
-            else:
-                for i, p in enumerate(b.params):
-                    _read_grad_into(p, b.view(i))
+            dev = _pack(b)
             t1 = time.perf_counter()
             self.barrier()
             t2 = time.perf_counter()
@@ -364,6 +421,7 @@ class DataParallel:
             row = {"bucket": k, "bytes": b.buffer.nbytes, "download_s": t1 - t0}
             rows.append({**row, "allreduce_s": t3 - t2})
         total = {"bucket": -1, "bytes": sum(r["bytes"] for r in rows), "upload_s": 0.0}
+        total["tail_s"] = tail_s
         for key in ("download_s", "allreduce_s"):
             total[key] = sum(r[key] for r in rows)
         saved = [b.buffer.copy() for b in self.buckets]
@@ -404,10 +462,10 @@ class DataParallel:
         bucket in host-visible memory of its device: added to ``staged``, written back by
         :func:`_upload_staged`; those summed already are written back before waiting for
         this one's sum, while the exchange thread goes on)."""
-        if staged and isinstance(req, Ticket) and not req.owner.done(req):
-            _upload_staged(staged, scale)
-            staged.clear()
-        self._wait([req])
+        if dev is not None and b.staged is not None and isinstance(req, Ticket) and req.pieces:
+            self._finish_pieces(b, req.pieces, scale, staged)
+            return
+        self._wait_writing_back(req, scale, staged)
         if dev is not None and b.staged is not None:
             staged.append(b)
             return
@@ -418,6 +476,38 @@ class DataParallel:
         for i, p in enumerate(b.params):
             if act[i]:
                 _write_grad(p, b.view(i))
+
+    def _wait_writing_back(self, req: Any, scale: np.float32, staged: list[_Bucket]) -> None:
+        """Waits for ``req``; the buckets in ``staged`` are written back first where the
+        exchange thread is not done with it (and ``staged`` emptied)."""
+        if staged and isinstance(req, Ticket) and not req.owner.done(req):
+            _upload_staged(staged, scale)
+            staged.clear()
+        self._wait([req])
+
+    def _finish_pieces(
+        self,
+        b: _Bucket,
+        pieces: list[tuple[tuple[int, int], Ticket]],
+        scale: np.float32,
+        staged: list[_Bucket],
+    ) -> None:
+        """_finish for a bucket in host-visible memory of its device summed in pieces: each
+        piece goes to the device as soon as it is summed, while the next ones are summed;
+        then each parameter's pieces are joined there into its new gradient."""
+        got: list[list[Tensor]] = [[] for _ in b.params]
+        for (lo, hi), ticket in pieces:
+            self._wait_writing_back(ticket, scale, staged)
+            parts = _staged_parts(b, lo, hi, scale)
+            _compute([t for _, t in parts])
+            for i, t in parts:
+                got[i].append(t)
+        with rc.no_grad():
+            news = [
+                (p, (rc.ops.concat(ts) if len(ts) > 1 else ts[0]).reshape(p.shape))
+                for p, ts in zip(b.params, got)
+            ]
+        _set_grads(news)
 
     # -- the step ----------------------------------------------------------------------------
     @property
@@ -684,6 +774,18 @@ def _packed_device(b: _Bucket, act: list[bool]) -> Any:
     return dev
 
 
+def _pack(b: _Bucket) -> Any:
+    """Copies every gradient of bucket ``b`` into its buffer (on one device: packed there,
+    one download); returns that device, or None."""
+    dev = _packed_device(b, [True] * len(b.params))
+    if dev is not None:
+        _download_packed(b)
+    else:
+        for i, p in enumerate(b.params):
+            _read_grad_into(p, b.view(i))
+    return dev
+
+
 def _download_packed(b: _Bucket) -> None:
     """Concatenates the bucket's gradients on their device and downloads them at once."""
     with rc.no_grad():
@@ -719,13 +821,28 @@ def _upload_staged(buckets: list[_Bucket], scale: np.float32) -> None:
     news: list[tuple[Tensor, Tensor]] = []
     with rc.no_grad():
         for b in buckets:
-            assert b.staged is not None
-            dev = b.params[0].device
-            n = b.offsets[-1]
-            whole = Tensor._new(None, (), (), (), (n,), rc.float32, b.staged, False, dev)
-            for i, p in enumerate(b.params):
-                part = rc.ops.getitem(whole, slice(b.offsets[i], b.offsets[i + 1]))
-                news.append((p, part.reshape(p.shape) * float(scale)))
+            for i, t in _staged_parts(b, 0, b.offsets[-1], scale):
+                news.append((b.params[i], t.reshape(b.params[i].shape)))
+    _set_grads(news)
+
+
+def _staged_parts(b: _Bucket, lo: int, hi: int, scale: np.float32) -> list[tuple[int, Tensor]]:
+    """Elements [lo, hi) of bucket ``b``'s host-visible buffer, scaled by ``scale`` on its
+    device (lazily), cut at its parameters' bounds: (parameter index, 1-D tensor), in order."""
+    assert b.staged is not None
+    dev = b.params[0].device
+    whole = Tensor._new(None, (), (), (), (b.offsets[-1],), rc.float32, b.staged, False, dev)
+    out = []
+    with rc.no_grad():
+        for i in range(len(b.params)):
+            x, y = max(lo, b.offsets[i]), min(hi, b.offsets[i + 1])
+            if x < y:
+                out.append((i, rc.ops.getitem(whole, slice(x, y)) * float(scale)))
+    return out
+
+
+def _set_grads(news: list[tuple[Tensor, Tensor]]) -> None:
+    """Computes the new gradients (one run) and sets them."""
     _compute([t for _, t in news])
     for p, t in news:
         p.grad = t.detach()
