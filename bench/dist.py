@@ -292,6 +292,8 @@ def exchange_worker(args, ctx, model, dp, data, global_batch: int) -> None:
         f"runs it after the backward, sync_gradients: {1e3 * whole_s:.1f} ms)"
     )
     last = rows[-2]
+    ways = {"direct reads" if v else "messages" for v in dp.direct.usable.values()}
+    print(f"  pairwise sums by {', '.join(sorted(ways)) or 'none'}")
     print(
         f"  the last bucket ({last['bytes'] / 1e6:.1f} MB) downloaded, summed and written back "
         f"as a step does (pieces of {dp.stream_mb:g} MB; with overlap what stays exposed "
@@ -369,7 +371,7 @@ def allreduce_worker(args: argparse.Namespace) -> None:
                 assert res_buf[0] == total and res_buf[-1] == total, (way, res_buf[0])
                 buf.fill(comm.rank + 1)  # the same values every time (no overflow)
             sec = max(comm.allgather(statistics.median(times[1:])))
-            if way.startswith("direct") and not all(direct._usable.values()):
+            if way.startswith("direct") and not all(direct.usable.values()):
                 way += " (not usable here: messages)"
             res.append({"bucket_mb": bmb, "way": way, "s": sec, "gb_s": 4 * n / sec / 1e9})
     if comm.rank == 0:

@@ -208,7 +208,7 @@ def profile_checks(ctx: Any, model: Any, opt: Any, collective: str) -> None:
         assert row["download_s"] >= 0 and row["allreduce_s"] > 0 and row["upload_s"] > 0, row
     # the pairwise sums read the other ranks' buckets where this host lets them (Linux, Yama
     # at most "restricted"), else they took messages
-    usable = set(dp._direct._usable.values())
+    usable = set(dp.direct.usable.values())
     assert usable == (set() if messages or how == "auto" else {can_read_peers()}), usable
 
 
@@ -266,9 +266,9 @@ def sum_checks(ctx: Any) -> None:
                     pairwise_sum(comm, buf, MPI.Request.Waitall, scratch, p, threads, piece, d)
                     assert buf.tobytes() == ref.tobytes(), (size, piece, threads, d)
     expected = {can_read_peers()} if n > 1 else set()
-    assert set(direct._usable.values()) == expected, direct._usable
-    assert set(small._usable.values()) == expected, small._usable
-    assert set(blind._usable.values()) == ({False} if n > 1 else set()), blind._usable
+    assert set(direct.usable.values()) == expected, direct.usable
+    assert set(small.usable.values()) == expected, small.usable
+    assert set(blind.usable.values()) == ({False} if n > 1 else set()), blind.usable
     if me == 0:
         print("SUMS OK", flush=True)
 

@@ -244,7 +244,8 @@ class DirectReads:
     CHUNK = 1 << 18
 
     def __init__(self) -> None:
-        self._usable: dict[tuple[int, ...], bool] = {}
+        #: per set of buffers summed (every rank's pid, address, size): read directly or not
+        self.usable: dict[tuple[int, ...], bool] = {}
         self._read = _process_vm_readv()
 
     def sum(
@@ -266,13 +267,13 @@ class DirectReads:
         wait([comm.Iallgather(where, everyone)])  # also: every rank's values are ready
         peers = everyone.reshape(size, 4)
         key = tuple(peers.ravel().tolist())
-        if key not in self._usable:  # a collective: every rank misses the same keys
-            if len(self._usable) >= 4096:  # buffers come and go: forget the old ones
-                self._usable.clear()
+        if key not in self.usable:  # a collective: every rank misses the same keys
+            if len(self.usable) >= 4096:  # buffers come and go: forget the old ones
+                self.usable.clear()
             ok = np.array([int(peers[:, 3].all() and self._probe(peers, me))], np.int32)
             wait([comm.Iallreduce(_mpi().IN_PLACE, ok, op=_mpi().MIN)])
-            self._usable[key] = bool(ok[0])
-        if not self._usable[key]:
+            self.usable[key] = bool(ok[0])
+        if not self.usable[key]:
             return False
         n, chunk = buf.size, self.CHUNK
         cut = [k * n // size for k in range(size + 1)]

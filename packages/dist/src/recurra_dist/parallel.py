@@ -136,14 +136,14 @@ class DataParallel:
         values straight out of their buffers (``_exchange.DirectReads``: Linux
         ``process_vm_readv``, in ``add_threads`` threads, no messages; it lets processes of
         the same user read this one's memory, as MPI libraries' single-copy paths do); where
-        some rank cannot, that sum takes messages. piece_mb: without direct reads, a
-        pairwise sum cuts a bucket into pieces of this many megabytes (0: none) and adds one
-        while the next one's messages arrive. stream_mb: with the exchange thread, a bucket
-        summed pairwise of more than twice this many megabytes is handed to it in pieces of
-        this size (0: whole), and on a device each piece is written back while the next ones
-        are summed (the tail of the exchange after the backward: the last bucket, often the
-        embedding's gradient alone); streamed counts those buckets. All three give the same
-        bits.
+        some rank cannot, that sum takes messages (``direct.usable``: which sums could).
+        piece_mb: without direct reads, a pairwise sum cuts a bucket into pieces of this
+        many megabytes (0: none) and adds one while the next one's messages arrive.
+        stream_mb: with the exchange thread, a bucket summed pairwise of more than twice
+        this many megabytes is handed to it in pieces of this size (0: whole), and on a
+        device each piece is written back while the next ones are summed (the tail of the
+        exchange after the backward: the last bucket, often the embedding's gradient
+        alone); streamed counts those buckets. All three give the same bits.
     """
 
     def __init__(
@@ -196,7 +196,7 @@ class DataParallel:
             self._add_pool = ThreadPoolExecutor(self.add_threads, "recurra-dist-add")
         # ranks of one host read each other's buckets straight out of their memory
         self.direct_reads = self.ctx.local_size == self.world_size
-        self._direct = DirectReads()
+        self.direct = DirectReads()
         # with threads to add in, large buckets' messages and adds overlap, piece by piece
         self.piece_mb = 16.0 if self._add_pool is not None else 0.0
         # a large bucket in device memory: summed and written back piece by piece
@@ -355,7 +355,7 @@ class DataParallel:
         (nonblocking), or None once it is done (blocking: every rank is waited for first,
         under the timeout); see ``collective``."""
         if self._pairwise(buf):
-            direct = self._direct if self.direct_reads else None
+            direct = self.direct if self.direct_reads else None
             piece = int(self.piece_mb * (1 << 20)) // 4
             pool, threads = self._add_pool, self.add_threads
             pairwise_sum(comm, buf, self._wait, self._scratch_of, pool, threads, piece, direct)
