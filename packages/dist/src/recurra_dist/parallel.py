@@ -28,7 +28,22 @@ from typing import Any
 import numpy as np
 
 import recurra as rc
-from recurra import Tensor, _core
+from recurra import Tensor
+from recurra_dist._buckets import (
+    Bucket,
+    compute,
+    download_packed,
+    make_buckets,
+    pack,
+    packed_device,
+    read_grad_into,
+    read_into,
+    set_grads,
+    staged_parts,
+    upload_packed,
+    upload_staged,
+    write_grad,
+)
 from recurra_dist._exchange import (
     DirectReads,
     Exchanger,
@@ -43,40 +58,6 @@ __all__ = ["DataParallel", "ExchangeTimeout"]
 
 class ExchangeTimeout(RuntimeError):
     """A collective did not complete within the wrapper's timeout (a rank is gone or stuck)."""
-
-
-def _device_buffer(t: Tensor) -> rc.DeviceBuffer | None:
-    """The DeviceBuffer behind a device tensor, or None for a host tensor."""
-    v = t.storage
-    return v if isinstance(v, rc.DeviceBuffer) else None
-
-
-class _Bucket:
-    """A run of consecutive parameters exchanged together, and its host buffer.
-
-    Where the parameters live on a device with asynchronous reads, the buffer is host-visible
-    memory of that device (``staged``): MPI sums into it in place, and the averaged
-    gradients are cut out of it on the device, without a copy to upload first."""
-
-    __slots__ = ("params", "offsets", "buffer", "staged")
-
-    def __init__(self, params: list[Tensor]) -> None:
-        self.params = params
-        self.offsets = np.cumsum([0] + [int(p.size) for p in params]).tolist()
-        self.buffer = np.empty(self.offsets[-1], np.float32)
-        self.staged: rc.DeviceBuffer | None = None
-        dev = params[0].device
-        if (
-            dev.backend != "cpu"
-            and all(p.device == dev and p.dtype == rc.float32 for p in params)
-            and _core.has_async_reads(str(dev))
-        ):
-            self.staged = _core.DeviceBuffer(str(dev), max(self.buffer.nbytes, 4), "host")
-            self.buffer = self.staged.host_array()[: self.buffer.nbytes].view(np.float32)
-
-    def view(self, i: int) -> np.ndarray:
-        p = self.params[i]
-        return self.buffer[self.offsets[i] : self.offsets[i + 1]].reshape(p.shape)
 
 
 class DataParallel:
@@ -100,8 +81,10 @@ class DataParallel:
             point-to-point messages, each rank adding its part of the bucket with numpy in rank
             order (in ``add_threads`` threads); measured faster than MPICH's ``MPI_Allreduce`` on
             one host (2 ranks, 516 MB in 25 MB buckets on the H200 host: 137 ms against 225 ms;
-            bench/dist.py --allreduce). ``"blocking"``: every rank is first waited for
-            (``MPI_Ibarrier`` under ``timeout``), then ``MPI_Allreduce`` runs in place.
+            bench/dist.py --allreduce); by direct reads instead of messages where the ranks
+            share a host (``direct_reads`` below: 75 ms there). ``"blocking"``: every rank is
+            first waited for (``MPI_Ibarrier`` under ``timeout``), then ``MPI_Allreduce`` runs
+            in place.
             ``"nonblocking"``: ``MPI_Iallreduce``, progressed while the next bucket is packed and
             waited for with naps: better for small buckets, whose time is latency. ``"auto"`` (the
             default): pairwise for buckets of at least 1 MiB, else nonblocking. Each gives the same
@@ -197,13 +180,13 @@ class DataParallel:
         # ranks of one host read each other's buckets straight out of their memory
         self.direct_reads = self.ctx.local_size == self.world_size
         self.direct = DirectReads()
-        # with threads to add in, large buckets' messages and adds overlap, piece by piece
-        self.piece_mb = 16.0 if self._add_pool is not None else 0.0
+        # by messages in pieces: a piece added while the next one arrives
+        self.piece_mb = 0.0  # off: not measured faster (slower on 2 cores)
         # a large bucket in device memory: summed and written back piece by piece
         self.stream_mb = 32.0
         self.streamed = 0  # buckets summed in pieces of stream_mb
         # The last parameters first: the backward completes their gradients first.
-        self.buckets = _make_buckets(self.params[::-1], int(bucket_mb * (1 << 20)) // 4)
+        self.buckets = make_buckets(self.params[::-1], int(bucket_mb * (1 << 20)) // 4)
         self.last_exchange_s = 0.0
         self.last_span_s = 0.0
         self.total_exchange_s = 0.0
@@ -263,7 +246,7 @@ class DataParallel:
         for b in self.buckets:
             if self.rank == root:
                 for i, p in enumerate(b.params):
-                    _read_into(p, b.view(i))
+                    read_into(p, b.view(i))
             self._wait([comm.Ibcast(b.buffer, root=root)])
             if self.rank != root:
                 for i, p in enumerate(b.params):
@@ -295,15 +278,15 @@ class DataParallel:
         flags = iter(present.tolist())
         active = [[bool(next(flags)) for _ in b.params] for b in self.buckets]
         scale = np.float32(1.0 / n)
-        pending: list[tuple[_Bucket, list[bool], Any, Any]] = []
-        staged: list[_Bucket] = []  # buckets to write back in one computation
+        pending: list[tuple[Bucket, list[bool], Any, Any]] = []
+        staged: list[Bucket] = []  # buckets to write back in one computation
         nbytes = 0
         for b, act in zip(self.buckets, active):
             if not any(act):
                 continue
-            dev = _packed_device(b, act)
+            dev = packed_device(b, act)
             if dev is not None:
-                _download_packed(b)
+                download_packed(b)
             else:
                 for i, p in enumerate(b.params):
                     if not act[i]:
@@ -311,7 +294,7 @@ class DataParallel:
                     if p.grad is None:
                         b.view(i)[...] = 0.0
                     else:
-                        _read_grad_into(p, b.view(i))
+                        read_grad_into(p, b.view(i))
             req = self._allreduce(b.buffer)
             pending.append((b, act, req, dev))
             nbytes += b.buffer.nbytes
@@ -319,7 +302,7 @@ class DataParallel:
                 self._finish(*pending.pop(0), scale, staged)
         while pending:
             self._finish(*pending.pop(0), scale, staged)
-        _upload_staged(staged, scale)
+        upload_staged(staged, scale)
         dt = time.perf_counter() - t0
         self._timed(dt, dt, nbytes)
 
@@ -394,24 +377,24 @@ class DataParallel:
         kept = [p.grad for p in last.params]
         self.barrier()
         t0 = time.perf_counter()
-        dev = _pack(last)
+        dev = pack(last)
         # (the host path writes the means into the gradients in place: put them back below)
         packed = last.buffer.copy() if dev is None else None
         req = self._allreduce(last.buffer)
-        tail: list[_Bucket] = []
+        tail: list[Bucket] = []
         self._finish(last, [True] * len(last.params), req, dev, scale, tail)
-        _upload_staged(tail, scale)
+        upload_staged(tail, scale)
         tail_s = time.perf_counter() - t0
         for i, (p, g) in enumerate(zip(last.params, kept)):  # the backward's gradients again
             p.grad = g
             if packed is not None:
-                _write_grad(p, packed[last.offsets[i] : last.offsets[i + 1]].reshape(p.shape))
+                write_grad(p, packed[last.offsets[i] : last.offsets[i + 1]].reshape(p.shape))
         rows: list[dict[str, float]] = []
         devs = []
         for k, b in enumerate(self.buckets):
             self.barrier()
             t0 = time.perf_counter()
-            dev = _pack(b)
+            dev = pack(b)
             t1 = time.perf_counter()
             self.barrier()
             t2 = time.perf_counter()
@@ -428,9 +411,9 @@ class DataParallel:
         for k, (b, dev) in enumerate(zip(self.buckets, devs)):  # each bucket alone
             self.barrier()
             t0 = time.perf_counter()
-            staged: list[_Bucket] = []
+            staged: list[Bucket] = []
             self._finish(b, [True] * len(b.params), None, dev, scale, staged)
-            _upload_staged(staged, scale)
+            upload_staged(staged, scale)
             rows[k]["upload_s"] = time.perf_counter() - t0
             np.copyto(b.buffer, saved[k])  # the sum again: the host path scaled it
         self.barrier()
@@ -438,7 +421,7 @@ class DataParallel:
         staged = []
         for b, dev in zip(self.buckets, devs):  # all at once, as sync_gradients
             self._finish(b, [True] * len(b.params), None, dev, scale, staged)
-        _upload_staged(staged, scale)
+        upload_staged(staged, scale)
         total["upload_s"] = time.perf_counter() - t0
         return rows + [total]
 
@@ -451,16 +434,16 @@ class DataParallel:
 
     def _finish(
         self,
-        b: _Bucket,
+        b: Bucket,
         act: list[bool],
         req: Any,
         dev: Any,
         scale: np.float32,
-        staged: list[_Bucket],
+        staged: list[Bucket],
     ) -> None:
         """Waits for bucket ``b``'s sum and writes its mean back into the gradients (a
         bucket in host-visible memory of its device: added to ``staged``, written back by
-        :func:`_upload_staged`; those summed already are written back before waiting for
+        :func:`upload_staged`; those summed already are written back before waiting for
         this one's sum, while the exchange thread goes on)."""
         if dev is not None and b.staged is not None and isinstance(req, Ticket) and req.pieces:
             self._finish_pieces(b, req.pieces, scale, staged)
@@ -471,26 +454,26 @@ class DataParallel:
             return
         b.buffer *= scale
         if dev is not None:
-            _upload_packed(b, dev)
+            upload_packed(b, dev)
             return
         for i, p in enumerate(b.params):
             if act[i]:
-                _write_grad(p, b.view(i))
+                write_grad(p, b.view(i))
 
-    def _wait_writing_back(self, req: Any, scale: np.float32, staged: list[_Bucket]) -> None:
+    def _wait_writing_back(self, req: Any, scale: np.float32, staged: list[Bucket]) -> None:
         """Waits for ``req``; the buckets in ``staged`` are written back first where the
         exchange thread is not done with it (and ``staged`` emptied)."""
         if staged and isinstance(req, Ticket) and not req.owner.done(req):
-            _upload_staged(staged, scale)
+            upload_staged(staged, scale)
             staged.clear()
         self._wait([req])
 
     def _finish_pieces(
         self,
-        b: _Bucket,
+        b: Bucket,
         pieces: list[tuple[tuple[int, int], Ticket]],
         scale: np.float32,
-        staged: list[_Bucket],
+        staged: list[Bucket],
     ) -> None:
         """_finish for a bucket in host-visible memory of its device summed in pieces: each
         piece goes to the device as soon as it is summed, while the next ones are summed;
@@ -498,8 +481,8 @@ class DataParallel:
         got: list[list[Tensor]] = [[] for _ in b.params]
         for (lo, hi), ticket in pieces:
             self._wait_writing_back(ticket, scale, staged)
-            parts = _staged_parts(b, lo, hi, scale)
-            _compute([t for _, t in parts])
+            parts = staged_parts(b, lo, hi, scale)
+            compute([t for _, t in parts])
             for i, t in parts:
                 got[i].append(t)
         with rc.no_grad():
@@ -507,7 +490,7 @@ class DataParallel:
                 (p, (rc.ops.concat(ts) if len(ts) > 1 else ts[0]).reshape(p.shape))
                 for p, ts in zip(b.params, got)
             ]
-        _set_grads(news)
+        set_grads(news)
 
     # -- the step ----------------------------------------------------------------------------
     @property
@@ -645,10 +628,10 @@ class _Early:
                 read(i, view)
                 if prev is not None:  # the sum backward() makes: prev + this gradient
                     extra = np.empty_like(view)
-                    _read_into(prev, extra)
+                    read_into(prev, extra)
                     np.add(extra, view, out=view)
             elif prev is not None:
-                _read_into(prev, view)
+                read_into(prev, view)
             else:
                 view[...] = 0.0
         self.packed[k] = True
@@ -680,14 +663,14 @@ class _Early:
         dp._wait([self.flags_req])
         assert self.present is not None
         flags = iter(self.present.tolist())
-        staged: list[_Bucket] = []
+        staged: list[Bucket] = []
         for b, req in zip(dp.buckets, self.reqs):
             act = [bool(next(flags)) for _ in b.params]
             if any(act):
-                dp._finish(b, act, req, _packed_device(b, act), scale, staged)
+                dp._finish(b, act, req, packed_device(b, act), scale, staged)
             else:
                 dp._wait([req])
-        _upload_staged(staged, scale)
+        upload_staged(staged, scale)
         self.started = False
         self._reset()
 
@@ -735,154 +718,3 @@ def _test(reqs: list[Any]) -> None:
 
 def _as_list(params: Iterable[Tensor]) -> list[Tensor]:
     return list(params)
-
-
-def _make_buckets(params: list[Tensor], max_elems: int) -> list[_Bucket]:
-    """Cuts ``params`` (in order) into runs of at most ``max_elems`` elements (a larger
-    parameter is a bucket alone)."""
-    out: list[_Bucket] = []
-    run: list[Tensor] = []
-    size = 0
-    for p in params:
-        if run and size + int(p.size) > max_elems:
-            out.append(_Bucket(run))
-            run, size = [], 0
-        run.append(p)
-        size += int(p.size)
-    if run:
-        out.append(_Bucket(run))
-    return out
-
-
-def _compute(ts: list[Tensor]) -> None:
-    """Runs what ``ts`` still need (one lazy run; the results stay on their device)."""
-    pending = [t for t in ts if t.storage is None]
-    if pending:
-        pending[0]._frontend.run(pending)
-
-
-def _packed_device(b: _Bucket, act: list[bool]) -> Any:
-    """The device of a bucket whose gradients all live on one device backend (they are then
-    packed there into one tensor: one download and one upload per bucket), else None."""
-    dev = b.params[0].device
-    if dev.backend == "cpu" or not all(act):
-        return None
-    for p in b.params:
-        g = p.grad
-        if not isinstance(g, Tensor) or g.device != dev or g.shape != p.shape or p.device != dev:
-            return None
-    return dev
-
-
-def _pack(b: _Bucket) -> Any:
-    """Copies every gradient of bucket ``b`` into its buffer (on one device: packed there,
-    one download); returns that device, or None."""
-    dev = _packed_device(b, [True] * len(b.params))
-    if dev is not None:
-        _download_packed(b)
-    else:
-        for i, p in enumerate(b.params):
-            _read_grad_into(p, b.view(i))
-    return dev
-
-
-def _download_packed(b: _Bucket) -> None:
-    """Concatenates the bucket's gradients on their device and downloads them at once."""
-    with rc.no_grad():
-        flat = []
-        for p in b.params:
-            assert p.grad is not None  # _device_of checked every gradient of the bucket
-            flat.append(p.grad.reshape(-1))
-        packed = rc.ops.concat(flat) if len(flat) > 1 else flat[0]
-    _compute([packed])
-    _read_into(packed, b.buffer)
-
-
-def _upload_packed(b: _Bucket, dev: Any) -> None:
-    """Uploads the bucket at once and cuts it into the new gradients on the device."""
-    whole = rc.tensor(b.buffer, device=dev)
-    with rc.no_grad():
-        parts = [
-            rc.ops.getitem(whole, slice(b.offsets[i], b.offsets[i + 1])).reshape(p.shape)
-            for i, p in enumerate(b.params)
-        ]
-    _compute(parts)
-    for p, t in zip(b.params, parts):
-        p.grad = t.detach()
-
-
-def _upload_staged(buckets: list[_Bucket], scale: np.float32) -> None:
-    """Writes the means of buckets summed in host-visible device memory back into their
-    gradients: one computation for all of them, which cuts each bucket into its parameters'
-    shapes and scales it by ``scale`` on the device (the same float32 product as on the
-    host)."""
-    if not buckets:
-        return
-    news: list[tuple[Tensor, Tensor]] = []
-    with rc.no_grad():
-        for b in buckets:
-            for i, t in _staged_parts(b, 0, b.offsets[-1], scale):
-                news.append((b.params[i], t.reshape(b.params[i].shape)))
-    _set_grads(news)
-
-
-def _staged_parts(b: _Bucket, lo: int, hi: int, scale: np.float32) -> list[tuple[int, Tensor]]:
-    """Elements [lo, hi) of bucket ``b``'s host-visible buffer, scaled by ``scale`` on its
-    device (lazily), cut at its parameters' bounds: (parameter index, 1-D tensor), in order."""
-    assert b.staged is not None
-    dev = b.params[0].device
-    whole = Tensor._new(None, (), (), (), (b.offsets[-1],), rc.float32, b.staged, False, dev)
-    out = []
-    with rc.no_grad():
-        for i in range(len(b.params)):
-            x, y = max(lo, b.offsets[i]), min(hi, b.offsets[i + 1])
-            if x < y:
-                out.append((i, rc.ops.getitem(whole, slice(x, y)) * float(scale)))
-    return out
-
-
-def _set_grads(news: list[tuple[Tensor, Tensor]]) -> None:
-    """Computes the new gradients (one run) and sets them."""
-    _compute([t for _, t in news])
-    for p, t in news:
-        p.grad = t.detach()
-
-
-def _read_into(t: Tensor, out: np.ndarray) -> None:
-    """Copies tensor ``t``'s value into host array ``out`` (a download for a device tensor)."""
-    buf = _device_buffer(t)
-    if buf is not None:
-        buf.download(out)
-    else:
-        np.copyto(out, np.asarray(t), casting="same_kind")
-
-
-def _read_grad_into(p: Tensor, out: np.ndarray) -> None:
-    g: Tensor | np.ndarray | None = p.grad  # a numpy array where a user set one
-    if g is None or g.shape != p.shape:
-        shape = None if g is None else g.shape
-        raise ValueError(f"the gradient has shape {shape}, the parameter {p.shape}")
-    if isinstance(g, Tensor):
-        _read_into(g, out)
-    else:
-        np.copyto(out, np.asarray(g, np.float32))
-
-
-def _write_grad(p: Tensor, value: np.ndarray) -> None:
-    """Sets ``p.grad`` to ``value``, in place where the gradient's buffer allows it."""
-    g = p.grad
-    if isinstance(g, Tensor) and g.is_leaf:
-        buf = _device_buffer(g)
-        if buf is not None:
-            buf.upload(value)
-            return
-        arr = g.storage
-        if (
-            isinstance(arr, np.ndarray)
-            and arr.dtype == np.float32
-            and arr.flags.writeable
-            and arr.flags.c_contiguous
-        ):
-            np.copyto(arr, value)
-            return
-    p.grad = rc.tensor(value, device=p.device)
