@@ -260,9 +260,8 @@ class DirectReads:
         """Sums ``buf`` in place over ``comm`` (pairwise_sum's arguments); False (nothing
         done, on every rank) where some rank cannot read the others' buffers."""
         size, me = comm.Get_size(), comm.Get_rank()
-        where = np.array(
-            [os.getpid(), buf.ctypes.data, buf.nbytes, self._read is not None], np.int64
-        )
+        readable = self._read is not None and bool(buf.flags.c_contiguous)
+        where = np.array([os.getpid(), buf.ctypes.data, buf.nbytes, readable], np.int64)
         everyone = np.empty(4 * size, where.dtype)
         wait([comm.Iallgather(where, everyone)])  # also: every rank's values are ready
         peers = everyone.reshape(size, 4)

@@ -126,7 +126,8 @@ class DataParallel:
         this many megabytes is handed to it in pieces of this size (0: whole), and on a
         device each piece is written back while the next ones are summed (the tail of the
         exchange after the backward: the last bucket, often the embedding's gradient
-        alone); streamed counts those buckets. All three give the same bits.
+        alone); streamed counts those buckets. All three give the same bits; each must be
+        the same on every rank (else their collectives do not match).
     """
 
     def __init__(
