@@ -39,7 +39,10 @@ compares, per bucket size, MPI_Allreduce in place (DataParallel's collective="bl
 MPI_Allreduce into another buffer, MPI_Iallreduce in place (collective="nonblocking") and
 the pairwise sum (collective="pairwise", what the default "auto" takes for buckets of 1 MiB
 and more) by messages adding in one thread and in DataParallel's add_threads, by messages
-in pieces of 16 MiB (piece_mb) and by direct reads (direct_reads, the default on one host);
+in pieces of 16 MiB (piece_mb), and through MPI's shared memory (shared_memory, the default
+on one host): "shared" sums buffers that lie in a shared window (DataParallel's host
+buffers), "shared/copy" buffers of their own (host-visible device memory: the parts the
+other ranks add are copied into the window first);
 each --cvar NAME=VALUE adds a run with that MPICH setting.
 --collective picks DataParallel's for the training and --exchange-only runs.
 On a GPU machine, `bash bench/h200.sh build bench-dist` runs the three (the mpich wheel's
@@ -292,8 +295,11 @@ def exchange_worker(args, ctx, model, dp, data, global_batch: int) -> None:
         f"runs it after the backward, sync_gradients: {1e3 * whole_s:.1f} ms)"
     )
     last = rows[-2]
-    ways = {"direct reads" if v else "messages" for v in dp.direct.usable.values()}
-    print(f"  pairwise sums by {', '.join(sorted(ways)) or 'none'}")
+    sh = dp.shared
+    print(
+        f"  pairwise sums through shared memory: {sh.in_place} in place, {sh.copied} copied "
+        f"in (host-visible device memory), the others by messages"
+    )
     print(
         f"  the last bucket ({last['bytes'] / 1e6:.1f} MB) downloaded, summed and written back "
         f"as a step does (pieces of {dp.stream_mb:g} MB; with overlap what stays exposed "
@@ -307,7 +313,8 @@ def allreduce_worker(args: argparse.Namespace) -> None:
     import numpy as np
     from mpi4py import MPI
 
-    from recurra_dist._exchange import DirectReads, pairwise_sum
+    from recurra_dist._exchange import pairwise_sum
+    from recurra_dist._shared import SharedSums
 
     comm = MPI.COMM_WORLD
     n = int(args.mb * 1e6) // 4
@@ -321,17 +328,20 @@ def allreduce_worker(args: argparse.Namespace) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         pool = ThreadPoolExecutor(threads)
+    shared = SharedSums(comm)
+    inwin = shared.allocate(n)  # where DataParallel keeps the buckets of the host
+    inwin.fill(comm.rank + 1)
     ways = [
         "allreduce in place",
         "allreduce out of place",
         "iallreduce in place",
         "pairwise 1 thread",
-        "direct 1 thread",
+        "shared 1 thread",
+        "shared/copy 1 thread",
     ]
     if pool is not None:
         ways += [f"pairwise {threads} threads", f"pieces {threads} threads"]
-        ways.append(f"direct {threads} threads")
-    direct = DirectReads()
+        ways += [f"shared {threads} threads", f"shared/copy {threads} threads"]
     res = []
     for bmb in args.bucket_sizes:
         be = max(1, int(bmb * (1 << 20)) // 4)
@@ -347,20 +357,23 @@ def allreduce_worker(args: argparse.Namespace) -> None:
                 elif way == "allreduce out of place":
                     for a, b in cuts:
                         comm.Allreduce(buf[a:b], out[a:b], op=MPI.SUM)
-                elif way.split()[0] in ("pairwise", "pieces", "direct"):
+                elif way.split()[0] in ("pairwise", "pieces", "shared", "shared/copy"):
                     # DataParallel's collective="pairwise": messages (whole buckets or in
-                    # pieces of 16 MiB, piece_mb), or direct reads (direct_reads)
+                    # pieces of 16 MiB, piece_mb), or through shared memory, the buffer in
+                    # the window (DataParallel's host buffers) or copied in (host-visible
+                    # device memory)
                     piece = (16 << 20) // 4 if way.startswith("pieces") else 0
+                    src = inwin if way.startswith("shared ") else buf
                     for a, b in cuts:
                         pairwise_sum(
                             comm,
-                            buf[a:b],
+                            src[a:b],
                             MPI.Request.Waitall,
                             lambda k: scratch[:k],
                             pool if "1 thread" not in way else None,
                             threads,
                             piece,
-                            direct if way.startswith("direct") else None,
+                            shared if way.startswith("shared") else None,
                         )
                 else:
                     reqs = [comm.Iallreduce(MPI.IN_PLACE, buf[a:b], op=MPI.SUM) for a, b in cuts]
@@ -368,11 +381,13 @@ def allreduce_worker(args: argparse.Namespace) -> None:
                 times.append(time.perf_counter() - t0)
                 total = comm.size * (comm.size + 1) / 2
                 res_buf = out if way == "allreduce out of place" else buf
+                res_buf = inwin if way.startswith("shared ") else res_buf
                 assert res_buf[0] == total and res_buf[-1] == total, (way, res_buf[0])
                 buf.fill(comm.rank + 1)  # the same values every time (no overflow)
+                inwin.fill(comm.rank + 1)
             sec = max(comm.allgather(statistics.median(times[1:])))
-            if way.startswith("direct") and not all(direct.usable.values()):
-                way += " (not usable here: messages)"
+            if way.startswith("shared") and not shared.usable:
+                way += " (ranks on several hosts: messages)"
             res.append({"bucket_mb": bmb, "way": way, "s": sec, "gb_s": 4 * n / sec / 1e9})
     if comm.rank == 0:
         print("RESULT " + json.dumps(res), flush=True)

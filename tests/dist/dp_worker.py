@@ -7,7 +7,7 @@ reference) and run under ``mpiexec`` (the data-parallel runs).
     mpiexec -n 2 python dp_worker.py fail {raise,exit,kill,sysexit,hang} OUT_DIR
     mpiexec -n 3 python dp_worker.py train OUT_DIR STEPS [--resume]
     mpiexec -n 2 python dp_worker.py exchange [vulkan]  # argument checks, profile_exchange()
-    mpiexec -n 3 python dp_worker.py sums  # pairwise_sum: pieces, direct reads, threads
+    mpiexec -n 3 python dp_worker.py sums  # pairwise_sum: pieces, shared memory, threads
 
 Rank 0 writes the losses and final weights of every case to the .npz file, with whether the
 ranks ended bit-identical.
@@ -35,8 +35,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 #: DataParallel settings that cut buckets into pieces: summed and written back in pieces of
-#: 262 elements, each by messages in pieces of 131, no direct reads
-PIECES = {"stream_mb": 0.001, "piece_mb": 0.0005, "direct_reads": False}
+#: 262 elements, each by messages in pieces of 131, not through shared memory
+PIECES = {"stream_mb": 0.001, "piece_mb": 0.0005, "shared_memory": False}
 
 
 def tokens() -> np.ndarray:
@@ -165,7 +165,7 @@ def profile_checks(ctx: Any, model: Any, opt: Any, collective: str) -> None:
 
     how, _, messages = collective.partition("/")
     dp = recurra_dist.DataParallel(model, opt, bucket_mb=0.01, overlap=False, collective=how)
-    assert dp.direct_reads  # the ranks share this host
+    assert dp.shared_memory  # the ranks share this host
     if messages:  # pipelined messages, buckets in pieces (the last ones shorter)
         for name, value in PIECES.items():
             setattr(dp, name, value)
@@ -206,34 +206,29 @@ def profile_checks(ctx: Any, model: Any, opt: Any, collective: str) -> None:
     assert prof[-1]["bytes"] == 4 * sum(int(p.size) for p in dp.params)
     for row in prof:
         assert row["download_s"] >= 0 and row["allreduce_s"] > 0 and row["upload_s"] > 0, row
-    # the pairwise sums read the other ranks' buckets where this host lets them (Linux, Yama
-    # at most "restricted"), else they took messages
-    usable = set(dp.direct.usable.values())
-    assert usable == (set() if messages or how == "auto" else {can_read_peers()}), usable
-
-
-def can_read_peers() -> bool:
-    """Whether processes of one user may read each other's memory here (process_vm_readv;
-    DirectReads lets them under Yama's ptrace_scope 1)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
-            return int(f.read()) <= 1
-    except FileNotFoundError:
-        return True
+    # the pairwise sums went through shared memory: in place in the window (host buffers),
+    # or copied into it (host-visible device memory); the others are no pairwise sums
+    sh = dp.shared
+    if messages or how == "auto":
+        assert sh.in_place == sh.copied == 0, (sh.in_place, sh.copied)
+    elif ctx.world_size > 1:
+        staged = any(b.staged is not None for b in dp.buckets)
+        assert (sh.in_place > 0, sh.copied > 0) == (not staged, staged), (sh.in_place, sh.copied)
 
 
 def sum_checks(ctx: Any) -> None:
-    """pairwise_sum by messages (whole, or in pieces that mostly do not divide the buffer),
-    by direct reads (chunks of the default size and of 1000 elements; and where one rank
-    cannot read, every rank falls back to messages), with and without threads: each gives
-    the float32 rank-order sum of the gathered values, bitwise."""
+    """pairwise_sum by messages (whole, or in pieces that mostly do not divide the buffer)
+    and through MPI's shared memory: buffers in a window at the same place on every rank
+    (summed there: cache chunks of the default size and of 1000 elements), at different
+    places or outside it (copied in), and with the ranks on two "hosts" (every rank takes
+    the messages); with and without threads. Each gives the float32 rank-order sum of the
+    gathered values, bitwise."""
     from concurrent.futures import ThreadPoolExecutor
 
     from mpi4py import MPI
 
-    from recurra_dist._exchange import DirectReads, pairwise_sum
+    from recurra_dist._exchange import pairwise_sum
+    from recurra_dist._shared import SharedSums
 
     comm = ctx.comm
     me, n = comm.Get_rank(), comm.Get_size()
@@ -244,13 +239,16 @@ def sum_checks(ctx: Any) -> None:
             kept[0] = np.empty(k, np.float32)
         return kept[0]
 
-    direct, small, blind = DirectReads(), DirectReads(), DirectReads()
+    shared, small = SharedSums(comm), SharedSums(comm)
     small.CHUNK = 1000
-    if me == n - 1:
-        blind._read = None  # this rank cannot read the others': nobody reads directly
-    ways = [(None, 0), (None, 1), (None, 7), (None, 65_537), (direct, 0), (small, 0), (blind, 0)]
+    apart = SharedSums(comm, node=comm.Split(me % 2, me))  # odd and even ranks: two hosts
+    assert shared.usable and small.usable and apart.usable == (n == 1)
+    top = (1 << 20) + 3
+    windows = {id(s): s.allocate(top + 5) for s in (shared, small, apart)}
+    ways = [(None, 0), (None, 1), (None, 7), (None, 65_537), (shared, 0), (small, 0), (apart, 0)]
+    expect = {id(s): [0, 0] for s in (shared, small, apart)}  # sums in place, copied in
     with ThreadPoolExecutor(3) as pool:
-        for size in (0, 1, 5, 1000, 300_007, (1 << 20) + 3):
+        for size in (0, 1, 5, 1000, 300_007, top):
             rng = np.random.default_rng(100 * size + me)
             mine = rng.standard_normal(size).astype(np.float32)
             mine *= np.float32(10.0) ** rng.integers(-3, 4, size).astype(np.float32)
@@ -261,14 +259,20 @@ def sum_checks(ctx: Any) -> None:
             for d, piece in ways + [(None, size // 3 + 1)]:
                 if piece and size // piece > 200:
                     continue
-                for p, threads in ((None, 1), (pool, 3)):
-                    buf = mine.copy()
-                    pairwise_sum(comm, buf, MPI.Request.Waitall, scratch, p, threads, piece, d)
-                    assert buf.tobytes() == ref.tobytes(), (size, piece, threads, d)
-    expected = {can_read_peers()} if n > 1 else set()
-    assert set(direct.usable.values()) == expected, direct.usable
-    assert set(small.usable.values()) == expected, small.usable
-    assert set(blind.usable.values()) == ({False} if n > 1 else set()), blind.usable
+                # outside any window; in it at the same place; at another place on rank 0
+                places = [("out", 0), ("same", 5), ("other", 5 - (me == 0))]
+                for how, at in places if d is not None else places[:1]:
+                    for p, threads in ((None, 1), (pool, 3)):
+                        buf = mine.copy() if how == "out" else windows[id(d)][at : at + size]
+                        buf[...] = mine
+                        pairwise_sum(comm, buf, MPI.Request.Waitall, scratch, p, threads, piece, d)
+                        assert buf.tobytes() == ref.tobytes(), (size, piece, threads, how)
+                        if d is not None and d.usable and n > 1:  # (an empty one lies anywhere)
+                            expect[id(d)][how == "out" or (how == "other" and size > 0)] += 1
+    # which way each took: in place only where every rank's buffer lay at the same place
+    for s in (shared, small, apart):
+        assert [s.in_place, s.copied] == expect[id(s)], (s.in_place, s.copied, expect[id(s)])
+    assert shared.in_place * shared.copied > 0 or n == 1
     if me == 0:
         print("SUMS OK", flush=True)
 

@@ -160,8 +160,8 @@ def test_profile_exchange_and_argument_checks(mpiexec, device, n, request):
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
-def test_pairwise_sums_in_pieces_and_by_direct_reads(mpiexec, n):
-    """pairwise_sum in pieces, by direct reads and by their fallback, with and without
+def test_pairwise_sums_in_pieces_and_through_shared_memory(mpiexec, n):
+    """pairwise_sum in pieces, through shared memory and by its fallback, with and without
     threads: bitwise the float32 rank-order sum (dp_worker.py sum_checks)."""
     r = launch(mpiexec, n, ["sums"])
     assert r.returncode == 0, r.stdout + r.stderr

@@ -14,18 +14,18 @@ thread keeps calling MPI on the job's communicator meanwhile.
 
 from __future__ import annotations
 
-import ctypes
-import os
-import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-__all__ = ["DirectReads", "Exchanger", "Ticket", "pairwise_sum", "threads_supported"]
+if TYPE_CHECKING:
+    from recurra_dist._shared import SharedSums
+
+__all__ = ["Exchanger", "Ticket", "pairwise_sum", "threads_supported"]
 
 # pairwise_sum's message tags: the reduce-scatter's, the allgather's
 _TAG_SCATTER, _TAG_GATHER = 7301, 7302
@@ -129,7 +129,7 @@ def pairwise_sum(
     pool: Any = None,
     threads: int = 1,
     piece: int = 0,
-    direct: DirectReads | None = None,
+    shared: SharedSums | None = None,
 ) -> None:
     """Sums ``buf`` (float32, the same size on every rank) over the ranks of ``comm``, in
     place: a reduce-scatter and an allgather by point-to-point messages, the sum by numpy.
@@ -149,13 +149,13 @@ def pairwise_sum(
     k - 1's sums go out. Each element is still the same rank-order float32 sum, so the
     result is bitwise the same however the buffer is cut.
 
-    ``direct`` (all ranks on one host): the same sums, but each rank reads the other ranks'
-    values straight out of their buffers (:class:`DirectReads`) instead of MPI messages,
-    where every rank can (else the messages above)."""
+    ``shared`` (all ranks on one host): the same sums through MPI's shared memory, without
+    messages (:class:`~recurra_dist._shared.SharedSums`), where the ranks share a host (else
+    the messages above)."""
     size, me = comm.Get_size(), comm.Get_rank()
     if size == 1:  # the sum over one rank
         return
-    if direct is not None and direct.sum(comm, buf, wait, scratch, pool, threads):
+    if shared is not None and shared.sum(comm, buf, wait, pool, threads):
         return
     n = buf.size
     step = n if piece <= 0 or piece >= n else int(piece)
@@ -225,172 +225,6 @@ class _Piece:
 def _join(futures: list[Any]) -> None:
     for f in futures:
         f.result()
-
-
-class DirectReads:
-    """The pairwise sum without messages, for ranks of one host: each rank reads the other
-    ranks' values of its part straight out of their buffers (Linux ``process_vm_readv``: one
-    copy by the kernel, in several threads) a chunk at a time into a small scratch that
-    stays in the cache, and adds it at once, then reads the other ranks' sums straight into
-    its buffer. The same rank-order float32 sums as the messages: the same bits. Per rank
-    and element of its part the memory sees 3 passes for the sum and 2 for the gather
-    (MPI: a copy into scratch, then the 3 of the add; the gather's copy).
-
-    Where the ranks cannot read each other's memory (another OS, ptrace forbidden, a buffer
-    the kernel cannot pin, such as some device mappings), :meth:`sum` says so and the caller
-    sends messages; every rank takes the same way (they agree once per set of buffers)."""
-
-    #: elements read and added at a time (per thread): small enough to stay in the cache
-    CHUNK = 1 << 18
-
-    def __init__(self) -> None:
-        #: per set of buffers summed (every rank's pid, address, size): read directly or not
-        self.usable: dict[tuple[int, ...], bool] = {}
-        self._read = _process_vm_readv()
-
-    def sum(
-        self,
-        comm: Any,
-        buf: np.ndarray,
-        wait: Callable[[list[Any]], None],
-        scratch: Callable[[int], np.ndarray],
-        pool: Any,
-        threads: int,
-    ) -> bool:
-        """Sums ``buf`` in place over ``comm`` (pairwise_sum's arguments); False (nothing
-        done, on every rank) where some rank cannot read the others' buffers."""
-        size, me = comm.Get_size(), comm.Get_rank()
-        readable = self._read is not None and bool(buf.flags.c_contiguous)
-        where = np.array([os.getpid(), buf.ctypes.data, buf.nbytes, readable], np.int64)
-        everyone = np.empty(4 * size, where.dtype)
-        wait([comm.Iallgather(where, everyone)])  # also: every rank's values are ready
-        peers = everyone.reshape(size, 4)
-        key = tuple(peers.ravel().tolist())
-        if key not in self.usable:  # a collective: every rank misses the same keys
-            if len(self.usable) >= 4096:  # buffers come and go: forget the old ones
-                self.usable.clear()
-            ok = np.array([int(peers[:, 3].all() and self._probe(peers, me))], np.int32)
-            wait([comm.Iallreduce(_mpi().IN_PLACE, ok, op=_mpi().MIN)])
-            self.usable[key] = bool(ok[0])
-        if not self.usable[key]:
-            return False
-        n, chunk = buf.size, self.CHUNK
-        cut = [k * n // size for k in range(size + 1)]
-        a, b = cut[me], cut[me + 1]
-        workers = max(1, min(threads if pool is not None else 1, -(-(b - a) // chunk)))
-        tmp = scratch(workers * (size - 1) * chunk)
-        bounds = [a + k * (b - a) // workers for k in range(workers + 1)]
-
-        def add(w: int) -> None:  # elements [bounds[w], bounds[w + 1]) of this rank's part
-            slot = tmp[w * (size - 1) * chunk : (w + 1) * (size - 1) * chunk]
-            for lo in range(bounds[w], bounds[w + 1], chunk):
-                hi = min(lo + chunk, bounds[w + 1])
-                terms = []
-                for q in range(size):
-                    if q == me:
-                        terms.append(buf[lo:hi])
-                        continue
-                    k = q - (q > me)
-                    part = slot[k * chunk : k * chunk + hi - lo]
-                    self._from(peers[q], lo, part)
-                    terms.append(part)
-                _add_slice(terms, buf[lo:hi], 0, hi - lo)
-
-        self._run(pool, add, workers)
-        wait([comm.Ibarrier()])  # every part summed: the sums may be read
-
-        others = [(q, cut[q], cut[q + 1]) for q in range(size) if q != me]
-        total = sum(hi - lo for _, lo, hi in others)
-        jobs = max(1, min(threads if pool is not None else 1, -(-total // chunk)))
-
-        def gather(w: int) -> None:  # the w-th of ``jobs`` equal shares of the others' parts
-            lo_w, hi_w = w * total // jobs, (w + 1) * total // jobs
-            at = 0
-            for q, lo, hi in others:
-                x, y = max(lo, lo + lo_w - at), min(hi, lo + hi_w - at)
-                if x < y:
-                    self._from(peers[q], x, buf[x:y])
-                at += hi - lo
-
-        self._run(pool, gather, jobs)
-        wait([comm.Ibarrier()])  # nobody reads this buffer any more: it may change
-        return True
-
-    def _from(self, peer: np.ndarray, at: int, out: np.ndarray) -> None:
-        """Reads elements [at, at + out.size) of ``peer``'s buffer into ``out``."""
-        assert self._read is not None
-        self._read(int(peer[0]), int(peer[1]) + 4 * at, out)
-
-    def _probe(self, peers: np.ndarray, me: int) -> bool:
-        """Whether this rank reads the first and the last element of every other rank's
-        buffer."""
-        one = np.empty(1, np.float32)
-        try:
-            for q, peer in enumerate(peers):
-                if q != me and peer[2] >= 4:
-                    self._from(peer, 0, one)
-                    self._from(peer, int(peer[2]) // 4 - 1, one)
-        except OSError:
-            return False
-        return True
-
-    @staticmethod
-    def _run(pool: Any, work: Callable[[int], None], jobs: int) -> None:
-        if pool is None or jobs == 1:
-            for w in range(jobs):
-                work(w)
-        else:
-            list(pool.map(work, range(jobs)))
-
-
-class _Iovec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
-def _process_vm_readv() -> Callable[[int, int, np.ndarray], None] | None:
-    """``read(pid, address, out)``: copies out.nbytes bytes at ``address`` in process
-    ``pid`` into ``out`` (OSError when the kernel refuses), or None off Linux."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        readv = libc.process_vm_readv
-    except (OSError, AttributeError):
-        return None
-    readv.restype = ctypes.c_ssize_t
-    readv.argtypes = [
-        ctypes.c_int,
-        ctypes.POINTER(_Iovec),
-        ctypes.c_ulong,
-        ctypes.POINTER(_Iovec),
-        ctypes.c_ulong,
-        ctypes.c_ulong,
-    ]
-    # Yama's ptrace_scope 1 lets only a parent read a process: let the other ranks (of the
-    # same user) read this one, as MPI libraries' single-copy paths do
-    try:
-        libc.prctl(ctypes.c_int(0x59616D61), ctypes.c_ulong(2**64 - 1), 0, 0, 0)
-    except AttributeError:
-        pass
-
-    def read(pid: int, address: int, out: np.ndarray) -> None:
-        base, n, done = out.ctypes.data, out.nbytes, 0
-        while done < n:  # the kernel may copy less than asked
-            local = _Iovec(base + done, n - done)
-            remote = _Iovec(address + done, n - done)
-            got = readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-            if got <= 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"process_vm_readv from process {pid}: {os.strerror(err)}")
-            done += got
-
-    return read
-
-
-def _mpi() -> Any:
-    from mpi4py import MPI
-
-    return MPI
 
 
 #: pieces of at least this many elements are added in threads of their own

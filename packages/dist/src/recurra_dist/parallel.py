@@ -45,12 +45,12 @@ from recurra_dist._buckets import (
     write_grad,
 )
 from recurra_dist._exchange import (
-    DirectReads,
     Exchanger,
     Ticket,
     pairwise_sum,
     threads_supported,
 )
+from recurra_dist._shared import SharedSums
 from recurra_dist.context import Context, init
 
 __all__ = ["DataParallel", "ExchangeTimeout"]
@@ -81,8 +81,8 @@ class DataParallel:
             point-to-point messages, each rank adding its part of the bucket with numpy in rank
             order (in ``add_threads`` threads); measured faster than MPICH's ``MPI_Allreduce`` on
             one host (2 ranks, 516 MB in 25 MB buckets on the H200 host: 137 ms against 225 ms;
-            bench/dist.py --allreduce); by direct reads instead of messages where the ranks
-            share a host (``direct_reads`` below: 75 ms there). ``"blocking"``: every rank is
+            bench/dist.py --allreduce); through MPI's shared memory instead of messages where
+            the ranks share a host (``shared_memory`` below). ``"blocking"``: every rank is
             first waited for (``MPI_Ibarrier`` under ``timeout``), then ``MPI_Allreduce`` runs
             in place.
             ``"nonblocking"``: ``MPI_Iallreduce``, progressed while the next bucket is packed and
@@ -115,12 +115,13 @@ class DataParallel:
         backward; exchanges; last_bytes.
         exchange_thread: whether the buckets are summed in the exchange thread (may be
         switched between steps); add_threads: the threads a pairwise sum adds in.
-        direct_reads: where all ranks run on one host, a pairwise sum reads the other ranks'
-        values straight out of their buffers (``_exchange.DirectReads``: Linux
-        ``process_vm_readv``, in ``add_threads`` threads, no messages; it lets processes of
-        the same user read this one's memory, as MPI libraries' single-copy paths do); where
-        some rank cannot, that sum takes messages (``direct.usable``: which sums could).
-        piece_mb: without direct reads, a pairwise sum cuts a bucket into pieces of this
+        shared_memory: where all ranks run on one host, the buckets' host buffers live in
+        MPI-3 shared windows (``MPI_Win_allocate_shared``) and a pairwise sum reads the other
+        ranks' values straight out of them (``_shared.SharedSums``, in ``add_threads``
+        threads, no messages; host-visible device memory is copied into a window first).
+        False where the ranks are on several hosts (or to force messages); ``shared``
+        counts the sums done in place (``in_place``) and copied in (``copied``).
+        piece_mb: without shared memory, a pairwise sum cuts a bucket into pieces of this
         many megabytes (0: none) and adds one while the next one's messages arrive.
         stream_mb: with the exchange thread, a bucket summed pairwise of more than twice
         this many megabytes is handed to it in pieces of this size (0: whole), and on a
@@ -178,9 +179,9 @@ class DataParallel:
             from concurrent.futures import ThreadPoolExecutor
 
             self._add_pool = ThreadPoolExecutor(self.add_threads, "recurra-dist-add")
-        # ranks of one host read each other's buckets straight out of their memory
-        self.direct_reads = self.ctx.local_size == self.world_size
-        self.direct = DirectReads()
+        # ranks of one host read each other's buckets straight out of MPI's shared memory
+        self.shared = SharedSums(self._xcomm)
+        self.shared_memory = self.shared.usable
         # by messages in pieces: a piece added while the next one arrives
         self.piece_mb = 0.0  # off: not measured faster (slower on 2 cores)
         # a large bucket in device memory: summed and written back piece by piece
@@ -188,6 +189,7 @@ class DataParallel:
         self.streamed = 0  # buckets summed in pieces of stream_mb
         # The last parameters first: the backward completes their gradients first.
         self.buckets = make_buckets(self.params[::-1], int(bucket_mb * (1 << 20)) // 4)
+        self._place_buckets()
         self.last_exchange_s = 0.0
         self.last_span_s = 0.0
         self.total_exchange_s = 0.0
@@ -339,16 +341,28 @@ class DataParallel:
         (nonblocking), or None once it is done (blocking: every rank is waited for first,
         under the timeout); see ``collective``."""
         if self._pairwise(buf):
-            direct = self.direct if self.direct_reads else None
+            shared = self.shared if self.shared_memory else None
             piece = int(self.piece_mb * (1 << 20)) // 4
             pool, threads = self._add_pool, self.add_threads
-            pairwise_sum(comm, buf, self._wait, self._scratch_of, pool, threads, piece, direct)
+            pairwise_sum(comm, buf, self._wait, self._scratch_of, pool, threads, piece, shared)
             return None
         if self.collective != "blocking":
             return comm.Iallreduce(_in_place(), buf, op=_op("SUM"))
         self._wait([comm.Ibarrier()])
         comm.Allreduce(_in_place(), buf, op=_op("SUM"))
         return None
+
+    def _place_buckets(self) -> None:
+        """Moves the host buffers of the buckets into one shared window (where the ranks
+        share a host; not those in host-visible device memory, which are copied in)."""
+        plain = [b for b in self.buckets if b.staged is None]
+        if not self.shared.usable or not plain:
+            return
+        whole = self.shared.allocate(sum(b.buffer.size for b in plain))
+        at = 0
+        for b in plain:
+            b.buffer = whole[at : at + b.buffer.size]
+            at += b.buffer.size
 
     def _scratch_of(self, n: int) -> np.ndarray:
         """A float32 array of at least ``n`` elements, kept for the next bucket."""
