@@ -214,6 +214,16 @@ def profile_checks(ctx: Any, model: Any, opt: Any, collective: str) -> None:
     elif ctx.world_size > 1:
         staged = any(b.staged is not None for b in dp.buckets)
         assert (sh.in_place > 0, sh.copied > 0) == (not staged, staged), (sh.in_place, sh.copied)
+    # without the windows (freed): messages, the same bits
+    dp.close()
+    assert not dp.shared_memory and not sh.usable
+    counts = (sh.in_place, sh.copied)
+    model.loss(x[rows], y[rows]).backward()
+    dp.sync_gradients()
+    for i, p in enumerate(dp.params):
+        assert p.grad.numpy().tobytes() == again[i].tobytes(), (i, collective)
+    dp.zero_grad()
+    assert (sh.in_place, sh.copied) == counts
 
 
 def sum_checks(ctx: Any) -> None:

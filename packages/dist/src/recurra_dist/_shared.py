@@ -99,10 +99,12 @@ class SharedSums:
         return w.mine
 
     def close(self) -> None:
-        """Frees the windows (a collective); arrays from :meth:`allocate` must be dropped."""
+        """Frees the windows (a collective; arrays from :meth:`allocate` must be dropped):
+        later sums return False and allocations are private."""
         for w in self._windows + ([self._scratch] if self._scratch else []):
             w.free()
         self._windows, self._scratch = [], None
+        self.usable, self.node = False, None
 
     def sum(
         self,

@@ -364,6 +364,15 @@ class DataParallel:
             b.buffer = whole[at : at + b.buffer.size]
             at += b.buffer.size
 
+    def close(self) -> None:
+        """Frees the MPI shared windows of the buckets (a collective: every rank calls it,
+        between steps); the wrapper goes on with buffers of its own and messages."""
+        for b in self.buckets:
+            if b.staged is None:
+                b.buffer = b.buffer.copy()
+        self.shared_memory = False
+        self.shared.close()
+
     def _scratch_of(self, n: int) -> np.ndarray:
         """A float32 array of at least ``n`` elements, kept for the next bucket."""
         if self._scratch.size < n:
