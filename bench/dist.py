@@ -98,6 +98,13 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         help="DataParallel's exchange_thread: sum the buckets in a thread of their own",
     )
     ap.add_argument(
+        "--staging",
+        choices=["on", "off"],
+        default="on",
+        help="on a device: buckets in host-visible device memory (on) or in MPI's shared "
+        "window (off: downloaded into it through a staging copy)",
+    )
+    ap.add_argument(
         "--exchange-only",
         action="store_true",
         help="time the exchange phase by phase and bucket by bucket (no training)",
@@ -162,6 +169,9 @@ def worker(args: argparse.Namespace) -> None:
     model.to(dev)
     opt = recurra_optim.AdamW(list(model.parameters()), lr=1e-4, weight_decay=0.01)
     overlap = args.overlap == "on"
+    from recurra_dist._buckets import Bucket
+
+    Bucket.stage = args.staging == "on"
     dp = recurra_dist.DataParallel(
         model,
         opt,

@@ -28,6 +28,10 @@ class Bucket:
 
     __slots__ = ("params", "offsets", "buffer", "staged")
 
+    #: whether buffers may be host-visible device memory (bench/dist.py --staging off: no;
+    #: they then live in MPI's shared window, downloaded into it through a staging copy)
+    stage = True
+
     def __init__(self, params: list[Tensor]) -> None:
         self.params = params
         self.offsets = np.cumsum([0] + [int(p.size) for p in params]).tolist()
@@ -38,6 +42,7 @@ class Bucket:
             dev.backend != "cpu"
             and all(p.device == dev and p.dtype == rc.float32 for p in params)
             and _core.has_async_reads(str(dev))
+            and Bucket.stage
         ):
             self.staged = _core.DeviceBuffer(str(dev), max(self.buffer.nbytes, 4), "host")
             self.buffer = self.staged.host_array()[: self.buffer.nbytes].view(np.float32)
