@@ -38,8 +38,12 @@ The MPI sum alone, without a model (CPU only; --mb of float32 cut into buckets):
 compares, per bucket size, MPI_Allreduce in place (DataParallel's collective="blocking"),
 MPI_Allreduce into another buffer, MPI_Iallreduce in place (collective="nonblocking") and
 the pairwise sum (collective="pairwise", what the default "auto" takes for buckets of 1 MiB
-and more) adding in one thread and in DataParallel's add_threads; each --cvar NAME=VALUE
-adds a run with that MPICH setting.
+and more) by messages adding in one thread and in DataParallel's add_threads, by messages
+in pieces of 16 MiB (piece_mb), and through MPI's shared memory (shared_memory, the default
+on one host): "shared" sums buffers that lie in a shared window (DataParallel's host
+buffers), "shared/copy" buffers of their own (host-visible device memory: the parts the
+other ranks add are copied into the window first);
+each --cvar NAME=VALUE adds a run with that MPICH setting.
 --collective picks DataParallel's for the training and --exchange-only runs.
 On a GPU machine, `bash bench/h200.sh build bench-dist` runs the three (the mpich wheel's
 mpiexec and libmpi set up: MPI4PY_LIBMPI).
@@ -92,6 +96,13 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["on", "off"],
         default="on",
         help="DataParallel's exchange_thread: sum the buckets in a thread of their own",
+    )
+    ap.add_argument(
+        "--staging",
+        choices=["on", "off"],
+        default="on",
+        help="on a device: buckets in host-visible device memory (on) or in MPI's shared "
+        "window (off: downloaded into it through a staging copy)",
     )
     ap.add_argument(
         "--exchange-only",
@@ -158,6 +169,9 @@ def worker(args: argparse.Namespace) -> None:
     model.to(dev)
     opt = recurra_optim.AdamW(list(model.parameters()), lr=1e-4, weight_decay=0.01)
     overlap = args.overlap == "on"
+    from recurra_dist._buckets import Bucket
+
+    Bucket.stage = args.staging == "on"
     dp = recurra_dist.DataParallel(
         model,
         opt,
@@ -265,6 +279,8 @@ def exchange_worker(args, ctx, model, dp, data, global_batch: int) -> None:
             mine = statistics.median(r[k][key] for r in runs[1:])
             row[key] = max(ctx.comm.allgather(mine))
         rows.append(row)
+    tail = statistics.median(r[-1]["tail_s"] for r in runs[1:])
+    rows[-1]["tail_s"] = max(ctx.comm.allgather(tail))
     whole_s = statistics.median([max(v) for v in zip(*ctx.comm.allgather(whole))])
     if ctx.rank != 0:
         return
@@ -288,6 +304,17 @@ def exchange_worker(args, ctx, model, dp, data, global_batch: int) -> None:
         "  (total upload: every bucket at once, as a step does; the whole exchange as a step "
         f"runs it after the backward, sync_gradients: {1e3 * whole_s:.1f} ms)"
     )
+    last = rows[-2]
+    sh = dp.shared
+    print(
+        f"  pairwise sums through shared memory: {sh.in_place} in place, {sh.copied} copied "
+        f"in (host-visible device memory), the others by messages"
+    )
+    print(
+        f"  the last bucket ({last['bytes'] / 1e6:.1f} MB) downloaded, summed and written back "
+        f"as a step does (pieces of {dp.stream_mb:g} MB; with overlap what stays exposed "
+        f"after the backward): {1e3 * rows[-1]['tail_s']:.1f} ms"
+    )
     print("RESULT " + json.dumps({"buckets": rows, "sync_gradients_s": whole_s}), flush=True)
 
 
@@ -297,6 +324,7 @@ def allreduce_worker(args: argparse.Namespace) -> None:
     from mpi4py import MPI
 
     from recurra_dist._exchange import pairwise_sum
+    from recurra_dist._shared import SharedSums
 
     comm = MPI.COMM_WORLD
     n = int(args.mb * 1e6) // 4
@@ -310,14 +338,20 @@ def allreduce_worker(args: argparse.Namespace) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         pool = ThreadPoolExecutor(threads)
+    shared = SharedSums(comm)
+    inwin = shared.allocate(n)  # where DataParallel keeps the buckets of the host
+    inwin.fill(comm.rank + 1)
     ways = [
         "allreduce in place",
         "allreduce out of place",
         "iallreduce in place",
         "pairwise 1 thread",
+        "shared 1 thread",
+        "shared/copy 1 thread",
     ]
     if pool is not None:
-        ways.append(f"pairwise {threads} threads")
+        ways += [f"pairwise {threads} threads", f"pieces {threads} threads"]
+        ways += [f"shared {threads} threads", f"shared/copy {threads} threads"]
     res = []
     for bmb in args.bucket_sizes:
         be = max(1, int(bmb * (1 << 20)) // 4)
@@ -333,15 +367,23 @@ def allreduce_worker(args: argparse.Namespace) -> None:
                 elif way == "allreduce out of place":
                     for a, b in cuts:
                         comm.Allreduce(buf[a:b], out[a:b], op=MPI.SUM)
-                elif way.startswith("pairwise"):  # DataParallel's collective="pairwise"
+                elif way.split()[0] in ("pairwise", "pieces", "shared", "shared/copy"):
+                    # DataParallel's collective="pairwise": messages (whole buckets or in
+                    # pieces of 16 MiB, piece_mb), or through shared memory, the buffer in
+                    # the window (DataParallel's host buffers) or copied in (host-visible
+                    # device memory)
+                    piece = (16 << 20) // 4 if way.startswith("pieces") else 0
+                    src = inwin if way.startswith("shared ") else buf
                     for a, b in cuts:
                         pairwise_sum(
                             comm,
-                            buf[a:b],
+                            src[a:b],
                             MPI.Request.Waitall,
                             lambda k: scratch[:k],
-                            pool if way != "pairwise 1 thread" else None,
+                            pool if "1 thread" not in way else None,
                             threads,
+                            piece,
+                            shared if way.startswith("shared") else None,
                         )
                 else:
                     reqs = [comm.Iallreduce(MPI.IN_PLACE, buf[a:b], op=MPI.SUM) for a, b in cuts]
@@ -349,9 +391,13 @@ def allreduce_worker(args: argparse.Namespace) -> None:
                 times.append(time.perf_counter() - t0)
                 total = comm.size * (comm.size + 1) / 2
                 res_buf = out if way == "allreduce out of place" else buf
+                res_buf = inwin if way.startswith("shared ") else res_buf
                 assert res_buf[0] == total and res_buf[-1] == total, (way, res_buf[0])
                 buf.fill(comm.rank + 1)  # the same values every time (no overflow)
+                inwin.fill(comm.rank + 1)
             sec = max(comm.allgather(statistics.median(times[1:])))
+            if way.startswith("shared") and not shared.usable:
+                way += " (ranks on several hosts: messages)"
             res.append({"bucket_mb": bmb, "way": way, "s": sec, "gb_s": 4 * n / sec / 1e9})
     if comm.rank == 0:
         print("RESULT " + json.dumps(res), flush=True)

@@ -7,6 +7,7 @@ reference) and run under ``mpiexec`` (the data-parallel runs).
     mpiexec -n 2 python dp_worker.py fail {raise,exit,kill,sysexit,hang} OUT_DIR
     mpiexec -n 3 python dp_worker.py train OUT_DIR STEPS [--resume]
     mpiexec -n 2 python dp_worker.py exchange [vulkan]  # argument checks, profile_exchange()
+    mpiexec -n 3 python dp_worker.py sums  # pairwise_sum: pieces, shared memory, threads
 
 Rank 0 writes the losses and final weights of every case to the .npz file, with whether the
 ranks ended bit-identical.
@@ -31,6 +32,11 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "adamw_clip": ("AdamW", {"lr": 3e-3, "weight_decay": 0.01, "max_grad_norm": 0.05}),
     "adamw_accum": ("AdamW", {"lr": 3e-3, "weight_decay": 0.01, "accumulate_steps": 2}),
 }
+
+
+#: DataParallel settings that cut buckets into pieces: summed and written back in pieces of
+#: 262 elements, each by messages in pieces of 131, not through shared memory
+PIECES = {"stream_mb": 0.001, "piece_mb": 0.0005, "shared_memory": False}
 
 
 def tokens() -> np.ndarray:
@@ -64,12 +70,13 @@ def run(
     capture: bool = True,
     collective: str = "auto",
     exchange_thread: bool = True,
+    settings: dict[str, Any] | None = None,
 ) -> tuple[list[float], dict[str, np.ndarray], bool]:
     """Trains ``case`` on ``device`` (``capture``: the Trainer's captured steps); returns
     (losses, final weights, ranks bit-identical).
     With ``parallel``, the weights get the entries ``"@overlapped"``: how many exchanges began
     during the backward, and ``"@threaded"``: whether the buckets were summed in the
-    exchange thread."""
+    exchange thread. ``settings``: DataParallel attributes to set (stream_mb, ...)."""
     import recurra_models as rm
 
     model, opt = make(case, device)
@@ -89,6 +96,8 @@ def run(
             collective=collective,
             exchange_thread=exchange_thread,
         )
+        for name, value in (settings or {}).items():
+            setattr(dp, name, value)
     trainer = rm.Trainer(
         model,
         opt,
@@ -111,6 +120,7 @@ def run(
     if dp is not None:
         weights["@overlapped"] = np.asarray(dp.overlapped)
         weights["@threaded"] = np.asarray(dp.exchange_thread)
+        weights["@streamed"] = np.asarray(dp.streamed)
         if steps and dp.world_size > 1:  # the last step exchanged: its timers make sense
             assert dp.last_span_s >= dp.last_exchange_s > 0, (dp.last_span_s, dp.last_exchange_s)
     return [float(r["loss"]) for r in hist], weights, same
@@ -140,7 +150,7 @@ def exchange_checks(ctx: Any, device: str) -> None:
             assert "collective" in str(e), e
         else:
             raise AssertionError(f"collective={bad!r} was taken")
-    for collective in ("auto", "pairwise"):
+    for collective in ("auto", "pairwise", "pairwise/messages"):
         profile_checks(ctx, model, opt, collective)
     if ctx.rank == 0:
         print("EXCHANGE OK", flush=True)
@@ -153,7 +163,12 @@ def profile_checks(ctx: Any, model: Any, opt: Any, collective: str) -> None:
     import recurra_dist
     import recurra_models as rm
 
-    dp = recurra_dist.DataParallel(model, opt, bucket_mb=0.01, overlap=False, collective=collective)
+    how, _, messages = collective.partition("/")
+    dp = recurra_dist.DataParallel(model, opt, bucket_mb=0.01, overlap=False, collective=how)
+    assert dp.shared_memory  # the ranks share this host
+    if messages:  # pipelined messages, buckets in pieces (the last ones shorter)
+        for name, value in PIECES.items():
+            setattr(dp, name, value)
     try:
         dp.profile_exchange()
     except ValueError as e:
@@ -181,15 +196,95 @@ def profile_checks(ctx: Any, model: Any, opt: Any, collective: str) -> None:
         for r in range(1, n):
             total = total + everyone[r][i]  # float32, rank order (MPICH's order for 2 ranks)
         ref = total * np.float32(1.0 / n)
-        if n == 2 or collective == "pairwise":
+        if n == 2 or how == "pairwise":
             assert g.tobytes() == ref.tobytes(), i
         else:
             np.testing.assert_allclose(g, ref, rtol=1e-6, atol=1e-7)
-        assert g.tobytes() == again[i].tobytes(), i
+        assert g.tobytes() == again[i].tobytes(), (i, collective)
     assert len(prof) == len(dp.buckets) + 1 and prof[-1]["bucket"] == -1
+    assert prof[-1]["tail_s"] > 0
     assert prof[-1]["bytes"] == 4 * sum(int(p.size) for p in dp.params)
     for row in prof:
         assert row["download_s"] >= 0 and row["allreduce_s"] > 0 and row["upload_s"] > 0, row
+    # the pairwise sums went through shared memory: in place in the window (host buffers),
+    # or copied into it (host-visible device memory); the others are no pairwise sums
+    sh = dp.shared
+    if messages or how == "auto":
+        assert sh.in_place == sh.copied == 0, (sh.in_place, sh.copied)
+    elif ctx.world_size > 1:
+        staged = any(b.staged is not None for b in dp.buckets)
+        assert (sh.in_place > 0, sh.copied > 0) == (not staged, staged), (sh.in_place, sh.copied)
+    # without the windows (freed): messages, the same bits
+    dp.close()
+    assert not dp.shared_memory and not sh.usable
+    counts = (sh.in_place, sh.copied)
+    model.loss(x[rows], y[rows]).backward()
+    dp.sync_gradients()
+    for i, p in enumerate(dp.params):
+        assert p.grad.numpy().tobytes() == again[i].tobytes(), (i, collective)
+    dp.zero_grad()
+    assert (sh.in_place, sh.copied) == counts
+
+
+def sum_checks(ctx: Any) -> None:
+    """pairwise_sum by messages (whole, or in pieces that mostly do not divide the buffer)
+    and through MPI's shared memory: buffers in a window at the same place on every rank
+    (summed there: cache chunks of the default size and of 1000 elements), at different
+    places or outside it (copied in), and with the ranks on two "hosts" (every rank takes
+    the messages); with and without threads. Each gives the float32 rank-order sum of the
+    gathered values, bitwise."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mpi4py import MPI
+
+    from recurra_dist._exchange import pairwise_sum
+    from recurra_dist._shared import SharedSums
+
+    comm = ctx.comm
+    me, n = comm.Get_rank(), comm.Get_size()
+    kept = [np.empty(0, np.float32)]
+
+    def scratch(k: int) -> np.ndarray:
+        if kept[0].size < k:
+            kept[0] = np.empty(k, np.float32)
+        return kept[0]
+
+    shared, small = SharedSums(comm), SharedSums(comm)
+    small.CHUNK = 1000
+    apart = SharedSums(comm, node=comm.Split(me % 2, me))  # odd and even ranks: two hosts
+    assert shared.usable and small.usable and apart.usable == (n == 1)
+    top = (1 << 20) + 3
+    windows = {id(s): s.allocate(top + 5) for s in (shared, small, apart)}
+    ways = [(None, 0), (None, 1), (None, 7), (None, 65_537), (shared, 0), (small, 0), (apart, 0)]
+    expect = {id(s): [0, 0] for s in (shared, small, apart)}  # sums in place, copied in
+    with ThreadPoolExecutor(3) as pool:
+        for size in (0, 1, 5, 1000, 300_007, top):
+            rng = np.random.default_rng(100 * size + me)
+            mine = rng.standard_normal(size).astype(np.float32)
+            mine *= np.float32(10.0) ** rng.integers(-3, 4, size).astype(np.float32)
+            everyone = comm.allgather(mine)
+            ref = everyone[0].copy()
+            for v in everyone[1:]:
+                ref = ref + v  # float32, rank order
+            for d, piece in ways + [(None, size // 3 + 1)]:
+                if piece and size // piece > 200:
+                    continue
+                # outside any window; in it at the same place; at another place on rank 0
+                places = [("out", 0), ("same", 5), ("other", 5 - (me == 0))]
+                for how, at in places if d is not None else places[:1]:
+                    for p, threads in ((None, 1), (pool, 3)):
+                        buf = mine.copy() if how == "out" else windows[id(d)][at : at + size]
+                        buf[...] = mine
+                        pairwise_sum(comm, buf, MPI.Request.Waitall, scratch, p, threads, piece, d)
+                        assert buf.tobytes() == ref.tobytes(), (size, piece, threads, how)
+                        if d is not None and d.usable and n > 1:  # (an empty one lies anywhere)
+                            expect[id(d)][how == "out" or (how == "other" and size > 0)] += 1
+    # which way each took: in place only where every rank's buffer lay at the same place
+    for s in (shared, small, apart):
+        assert [s.in_place, s.copied] == expect[id(s)], (s.in_place, s.copied, expect[id(s)])
+    assert shared.in_place * shared.copied > 0 or n == 1
+    if me == 0:
+        print("SUMS OK", flush=True)
 
 
 def main(argv: list[str]) -> None:
@@ -206,6 +301,11 @@ def main(argv: list[str]) -> None:
         # (another sum order on 3 ranks: not bitwise)
         results["sgd/blocking"] = run("sgd", True, device=device, collective="blocking")
         results["sgd/pairwise"] = run("sgd", True, device=device, collective="pairwise")
+        # the same, each bucket of more than 524 elements summed and written back in pieces
+        # of 262 (stream_mb), by messages in pieces of 131 (piece_mb), not read directly
+        results["sgd/pairwise/pieces"] = run(
+            "sgd", True, device=device, collective="pairwise", settings=PIECES
+        )
         # the buckets summed in the caller's thread, with and without overlap
         for case in ("sgd", "sgd/late"):
             overlap = case == "sgd"
@@ -215,6 +315,8 @@ def main(argv: list[str]) -> None:
             _save(argv[1], results)
     elif mode == "exchange":  # [DEVICE]
         exchange_checks(ctx, ctx.device(argv[1]) if len(argv) > 1 else "cpu")
+    elif mode == "sums":
+        sum_checks(ctx)
     elif mode == "fail":
         how, out_dir = argv[1], argv[2]
 

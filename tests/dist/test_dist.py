@@ -25,6 +25,7 @@ def _load(path: Path, case: str) -> tuple[np.ndarray, dict[str, np.ndarray], boo
     weights = {k[len(prefix) :]: z[k] for k in z.files if k.startswith(prefix)}
     weights.pop("@overlapped", None)
     weights.pop("@threaded", None)
+    weights.pop("@streamed", None)
     return z[f"{case}/losses"], weights, bool(z[f"{case}/consistent"])
 
 
@@ -92,6 +93,12 @@ def _check_pairwise(path: Path, ref: tuple, n: int) -> None:
     assert _overlapped(path, "sgd/pairwise") == STEPS
     worst = _compare(losses, weights, ref)
     assert worst < RTOL, f"sgd, pairwise: {n} ranks differ by {worst:.2e}"
+    # summed and written back in pieces, by pipelined messages: the same bits
+    piece_losses, piece_weights, same = _load(path, "sgd/pairwise/pieces")
+    assert same and _overlapped(path, "sgd/pairwise/pieces") == STEPS
+    assert int(np.load(path)["sgd/pairwise/pieces/w/@streamed"]) > 0
+    assert losses.tobytes() == piece_losses.tobytes()
+    assert all(w.tobytes() == piece_weights[k].tobytes() for k, w in weights.items())
     if n == 2:
         mpi_losses, mpi_weights, _ = _load(path, "sgd")
         assert losses.tobytes() == mpi_losses.tobytes()
@@ -150,6 +157,15 @@ def test_profile_exchange_and_argument_checks(mpiexec, device, n, request):
     r = launch(mpiexec, n, args)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "EXCHANGE OK" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_pairwise_sums_in_pieces_and_through_shared_memory(mpiexec, n):
+    """pairwise_sum in pieces, through shared memory and by its fallback, with and without
+    threads: bitwise the float32 rank-order sum (dp_worker.py sum_checks)."""
+    r = launch(mpiexec, n, ["sums"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SUMS OK" in r.stdout, r.stdout
 
 
 def test_reference_differs_from_a_smaller_batch(reference):

@@ -28,8 +28,29 @@ from typing import Any
 import numpy as np
 
 import recurra as rc
-from recurra import Tensor, _core
-from recurra_dist._exchange import Exchanger, Ticket, pairwise_sum, threads_supported
+from recurra import Tensor
+from recurra_dist._buckets import (
+    Bucket,
+    compute,
+    download_packed,
+    make_buckets,
+    pack,
+    packed_device,
+    read_grad_into,
+    read_into,
+    set_grads,
+    staged_parts,
+    upload_packed,
+    upload_staged,
+    write_grad,
+)
+from recurra_dist._exchange import (
+    Exchanger,
+    Ticket,
+    pairwise_sum,
+    threads_supported,
+)
+from recurra_dist._shared import SharedSums
 from recurra_dist.context import Context, init
 
 __all__ = ["DataParallel", "ExchangeTimeout"]
@@ -37,40 +58,6 @@ __all__ = ["DataParallel", "ExchangeTimeout"]
 
 class ExchangeTimeout(RuntimeError):
     """A collective did not complete within the wrapper's timeout (a rank is gone or stuck)."""
-
-
-def _device_buffer(t: Tensor) -> rc.DeviceBuffer | None:
-    """The DeviceBuffer behind a device tensor, or None for a host tensor."""
-    v = t.storage
-    return v if isinstance(v, rc.DeviceBuffer) else None
-
-
-class _Bucket:
-    """A run of consecutive parameters exchanged together, and its host buffer.
-
-    Where the parameters live on a device with asynchronous reads, the buffer is host-visible
-    memory of that device (``staged``): MPI sums into it in place, and the averaged
-    gradients are cut out of it on the device, without a copy to upload first."""
-
-    __slots__ = ("params", "offsets", "buffer", "staged")
-
-    def __init__(self, params: list[Tensor]) -> None:
-        self.params = params
-        self.offsets = np.cumsum([0] + [int(p.size) for p in params]).tolist()
-        self.buffer = np.empty(self.offsets[-1], np.float32)
-        self.staged: rc.DeviceBuffer | None = None
-        dev = params[0].device
-        if (
-            dev.backend != "cpu"
-            and all(p.device == dev and p.dtype == rc.float32 for p in params)
-            and _core.has_async_reads(str(dev))
-        ):
-            self.staged = _core.DeviceBuffer(str(dev), max(self.buffer.nbytes, 4), "host")
-            self.buffer = self.staged.host_array()[: self.buffer.nbytes].view(np.float32)
-
-    def view(self, i: int) -> np.ndarray:
-        p = self.params[i]
-        return self.buffer[self.offsets[i] : self.offsets[i + 1]].reshape(p.shape)
 
 
 class DataParallel:
@@ -94,8 +81,10 @@ class DataParallel:
             point-to-point messages, each rank adding its part of the bucket with numpy in rank
             order (in ``add_threads`` threads); measured faster than MPICH's ``MPI_Allreduce`` on
             one host (2 ranks, 516 MB in 25 MB buckets on the H200 host: 137 ms against 225 ms;
-            bench/dist.py --allreduce). ``"blocking"``: every rank is first waited for
-            (``MPI_Ibarrier`` under ``timeout``), then ``MPI_Allreduce`` runs in place.
+            bench/dist.py --allreduce); through MPI's shared memory instead of messages where
+            the ranks share a host (``shared_memory`` below). ``"blocking"``: every rank is
+            first waited for (``MPI_Ibarrier`` under ``timeout``), then ``MPI_Allreduce`` runs
+            in place.
             ``"nonblocking"``: ``MPI_Iallreduce``, progressed while the next bucket is packed and
             waited for with naps: better for small buckets, whose time is latency. ``"auto"`` (the
             default): pairwise for buckets of at least 1 MiB, else nonblocking. Each gives the same
@@ -126,6 +115,20 @@ class DataParallel:
         backward; exchanges; last_bytes.
         exchange_thread: whether the buckets are summed in the exchange thread (may be
         switched between steps); add_threads: the threads a pairwise sum adds in.
+        shared_memory: where all ranks run on one host, the buckets' host buffers live in
+        MPI-3 shared windows (``MPI_Win_allocate_shared``) and a pairwise sum reads the other
+        ranks' values straight out of them (``_shared.SharedSums``, in ``add_threads``
+        threads, no messages; host-visible device memory is copied into a window first).
+        False where the ranks are on several hosts (or to force messages); ``shared``
+        counts the sums done in place (``in_place``) and copied in (``copied``).
+        piece_mb: without shared memory, a pairwise sum cuts a bucket into pieces of this
+        many megabytes (0: none) and adds one while the next one's messages arrive.
+        stream_mb: with the exchange thread, a bucket summed pairwise of more than twice
+        this many megabytes is handed to it in pieces of this size (0: whole), and on a
+        device each piece is written back while the next ones are summed (the tail of the
+        exchange after the backward: the last bucket, often the embedding's gradient
+        alone); streamed counts those buckets. All three give the same bits; each must be
+        the same on every rank (else their collectives do not match).
     """
 
     def __init__(
@@ -176,8 +179,17 @@ class DataParallel:
             from concurrent.futures import ThreadPoolExecutor
 
             self._add_pool = ThreadPoolExecutor(self.add_threads, "recurra-dist-add")
+        # ranks of one host read each other's buckets straight out of MPI's shared memory
+        self.shared = SharedSums(self._xcomm)
+        self.shared_memory = self.shared.usable
+        # by messages in pieces: a piece added while the next one arrives
+        self.piece_mb = 0.0  # off: not measured faster (slower on 2 cores)
+        # a large bucket in device memory: summed and written back piece by piece
+        self.stream_mb = 32.0
+        self.streamed = 0  # buckets summed in pieces of stream_mb
         # The last parameters first: the backward completes their gradients first.
-        self.buckets = _make_buckets(self.params[::-1], int(bucket_mb * (1 << 20)) // 4)
+        self.buckets = make_buckets(self.params[::-1], int(bucket_mb * (1 << 20)) // 4)
+        self._place_buckets()
         self.last_exchange_s = 0.0
         self.last_span_s = 0.0
         self.total_exchange_s = 0.0
@@ -237,7 +249,7 @@ class DataParallel:
         for b in self.buckets:
             if self.rank == root:
                 for i, p in enumerate(b.params):
-                    _read_into(p, b.view(i))
+                    read_into(p, b.view(i))
             self._wait([comm.Ibcast(b.buffer, root=root)])
             if self.rank != root:
                 for i, p in enumerate(b.params):
@@ -269,15 +281,15 @@ class DataParallel:
         flags = iter(present.tolist())
         active = [[bool(next(flags)) for _ in b.params] for b in self.buckets]
         scale = np.float32(1.0 / n)
-        pending: list[tuple[_Bucket, list[bool], Any, Any]] = []
-        staged: list[_Bucket] = []  # buckets to write back in one computation
+        pending: list[tuple[Bucket, list[bool], Any, Any]] = []
+        staged: list[Bucket] = []  # buckets to write back in one computation
         nbytes = 0
         for b, act in zip(self.buckets, active):
             if not any(act):
                 continue
-            dev = _packed_device(b, act)
+            dev = packed_device(b, act)
             if dev is not None:
-                _download_packed(b)
+                download_packed(b)
             else:
                 for i, p in enumerate(b.params):
                     if not act[i]:
@@ -285,7 +297,7 @@ class DataParallel:
                     if p.grad is None:
                         b.view(i)[...] = 0.0
                     else:
-                        _read_grad_into(p, b.view(i))
+                        read_grad_into(p, b.view(i))
             req = self._allreduce(b.buffer)
             pending.append((b, act, req, dev))
             nbytes += b.buffer.nbytes
@@ -293,7 +305,7 @@ class DataParallel:
                 self._finish(*pending.pop(0), scale, staged)
         while pending:
             self._finish(*pending.pop(0), scale, staged)
-        _upload_staged(staged, scale)
+        upload_staged(staged, scale)
         dt = time.perf_counter() - t0
         self._timed(dt, dt, nbytes)
 
@@ -301,9 +313,24 @@ class DataParallel:
         """Sums ``buf`` over the ranks, in place: returns what to wait for (:meth:`_wait`):
         the exchange thread's ticket (``exchange_thread``), else the request (nonblocking),
         or None once it is done (blocking)."""
-        if self.exchange_thread:
+        if not self.exchange_thread:
+            return self._start_sum(self._xcomm, buf)
+        step = int(self.stream_mb * (1 << 20)) // 4
+        if step <= 0 or buf.size <= 2 * step or not self._pairwise(buf[:step]):
             return self._exchanger.submit(buf)
-        return self._start_sum(self._xcomm, buf)
+        # in pieces (each summed pairwise: the same bits): each one can be written back
+        # while the next is summed (_finish)
+        spans = [(a, min(buf.size, a + step)) for a in range(0, buf.size, step)]
+        pieces = [(ab, self._exchanger.submit(buf[ab[0] : ab[1]])) for ab in spans]
+        last = pieces[-1][1]
+        last.pieces = pieces
+        self.streamed += 1
+        return last
+
+    def _pairwise(self, buf: np.ndarray) -> bool:
+        """Whether ``collective`` sums ``buf`` pairwise."""
+        how = self.collective
+        return how == "pairwise" or (how == "auto" and buf.nbytes >= _BLOCKING_MIN_BYTES)
 
     def _reduce(self, comm: Any, buf: np.ndarray) -> None:
         """The exchange thread's work: sums ``buf`` in place over ``comm``, waiting for it."""
@@ -313,15 +340,38 @@ class DataParallel:
         """Starts the sum of ``buf`` over ``comm``, in place: the request to wait for
         (nonblocking), or None once it is done (blocking: every rank is waited for first,
         under the timeout); see ``collective``."""
-        how = self.collective
-        if how == "nonblocking" or (how == "auto" and buf.nbytes < _BLOCKING_MIN_BYTES):
-            return comm.Iallreduce(_in_place(), buf, op=_op("SUM"))
-        if how in ("auto", "pairwise"):
-            pairwise_sum(comm, buf, self._wait, self._scratch_of, self._add_pool, self.add_threads)
+        if self._pairwise(buf):
+            shared = self.shared if self.shared_memory else None
+            piece = int(self.piece_mb * (1 << 20)) // 4
+            pool, threads = self._add_pool, self.add_threads
+            pairwise_sum(comm, buf, self._wait, self._scratch_of, pool, threads, piece, shared)
             return None
+        if self.collective != "blocking":
+            return comm.Iallreduce(_in_place(), buf, op=_op("SUM"))
         self._wait([comm.Ibarrier()])
         comm.Allreduce(_in_place(), buf, op=_op("SUM"))
         return None
+
+    def _place_buckets(self) -> None:
+        """Moves the host buffers of the buckets into one shared window (where the ranks
+        share a host; not those in host-visible device memory, which are copied in)."""
+        plain = [b for b in self.buckets if b.staged is None]
+        if not self.shared.usable or not plain:
+            return
+        whole = self.shared.allocate(sum(b.buffer.size for b in plain))
+        at = 0
+        for b in plain:
+            b.buffer = whole[at : at + b.buffer.size]
+            at += b.buffer.size
+
+    def close(self) -> None:
+        """Frees the MPI shared windows of the buckets (a collective: every rank calls it,
+        between steps); the wrapper goes on with buffers of its own and messages."""
+        for b in self.buckets:
+            if b.staged is None:
+                b.buffer = b.buffer.copy()
+        self.shared_memory = False
+        self.shared.close()
 
     def _scratch_of(self, n: int) -> np.ndarray:
         """A float32 array of at least ``n`` elements, kept for the next bucket."""
@@ -336,25 +386,39 @@ class DataParallel:
         host buffer: on a device one packed download), ``allreduce_s`` (the sum alone) and
         ``upload_s`` (the mean back into the gradients, this bucket alone). The last entry,
         ``bucket = -1``, holds the totals, with ``upload_s`` the time of writing every
-        bucket back at once (as :meth:`sync_gradients` does). Leaves every gradient the
-        mean over the ranks, as :meth:`sync_gradients`. Every parameter needs a gradient."""
+        bucket back at once (as :meth:`sync_gradients` does), and ``tail_s`` the last
+        bucket's download, sum and write back one after the other as a step runs them (in
+        pieces: stream_mb): with overlap, what stays exposed after the backward, which
+        completes that bucket last. Leaves every gradient the mean over the ranks, as
+        :meth:`sync_gradients`. Every parameter needs a gradient."""
         missing = [i for i, p in enumerate(self.params) if p.grad is None]
         if missing:
             raise ValueError(
                 f"profile_exchange: parameter {missing[0]} has no gradient; run a backward first"
             )
         scale = np.float32(1.0 / self.world_size)
+        last = self.buckets[-1]
+        kept = [p.grad for p in last.params]
+        self.barrier()
+        t0 = time.perf_counter()
+        dev = pack(last)
+        # (the host path writes the means into the gradients in place: put them back below)
+        packed = last.buffer.copy() if dev is None else None
+        req = self._allreduce(last.buffer)
+        tail: list[Bucket] = []
+        self._finish(last, [True] * len(last.params), req, dev, scale, tail)
+        upload_staged(tail, scale)
+        tail_s = time.perf_counter() - t0
+        for i, (p, g) in enumerate(zip(last.params, kept)):  # the backward's gradients again
+            p.grad = g
+            if packed is not None:
+                write_grad(p, packed[last.offsets[i] : last.offsets[i + 1]].reshape(p.shape))
         rows: list[dict[str, float]] = []
         devs = []
         for k, b in enumerate(self.buckets):
             self.barrier()
             t0 = time.perf_counter()
-            dev = _packed_device(b, [True] * len(b.params))
-            if dev is not None:
-                _download_packed(b)
-            else:
-                for i, p in enumerate(b.params):
-                    _read_grad_into(p, b.view(i))
+            dev = pack(b)
             t1 = time.perf_counter()
             self.barrier()
             t2 = time.perf_counter()
@@ -364,15 +428,16 @@ class DataParallel:
             row = {"bucket": k, "bytes": b.buffer.nbytes, "download_s": t1 - t0}
             rows.append({**row, "allreduce_s": t3 - t2})
         total = {"bucket": -1, "bytes": sum(r["bytes"] for r in rows), "upload_s": 0.0}
+        total["tail_s"] = tail_s
         for key in ("download_s", "allreduce_s"):
             total[key] = sum(r[key] for r in rows)
         saved = [b.buffer.copy() for b in self.buckets]
         for k, (b, dev) in enumerate(zip(self.buckets, devs)):  # each bucket alone
             self.barrier()
             t0 = time.perf_counter()
-            staged: list[_Bucket] = []
+            staged: list[Bucket] = []
             self._finish(b, [True] * len(b.params), None, dev, scale, staged)
-            _upload_staged(staged, scale)
+            upload_staged(staged, scale)
             rows[k]["upload_s"] = time.perf_counter() - t0
             np.copyto(b.buffer, saved[k])  # the sum again: the host path scaled it
         self.barrier()
@@ -380,7 +445,7 @@ class DataParallel:
         staged = []
         for b, dev in zip(self.buckets, devs):  # all at once, as sync_gradients
             self._finish(b, [True] * len(b.params), None, dev, scale, staged)
-        _upload_staged(staged, scale)
+        upload_staged(staged, scale)
         total["upload_s"] = time.perf_counter() - t0
         return rows + [total]
 
@@ -393,31 +458,63 @@ class DataParallel:
 
     def _finish(
         self,
-        b: _Bucket,
+        b: Bucket,
         act: list[bool],
         req: Any,
         dev: Any,
         scale: np.float32,
-        staged: list[_Bucket],
+        staged: list[Bucket],
     ) -> None:
         """Waits for bucket ``b``'s sum and writes its mean back into the gradients (a
         bucket in host-visible memory of its device: added to ``staged``, written back by
-        :func:`_upload_staged`; those summed already are written back before waiting for
+        :func:`upload_staged`; those summed already are written back before waiting for
         this one's sum, while the exchange thread goes on)."""
-        if staged and isinstance(req, Ticket) and not req.owner.done(req):
-            _upload_staged(staged, scale)
-            staged.clear()
-        self._wait([req])
+        if dev is not None and b.staged is not None and isinstance(req, Ticket) and req.pieces:
+            self._finish_pieces(b, req.pieces, scale, staged)
+            return
+        self._wait_writing_back(req, scale, staged)
         if dev is not None and b.staged is not None:
             staged.append(b)
             return
         b.buffer *= scale
         if dev is not None:
-            _upload_packed(b, dev)
+            upload_packed(b, dev)
             return
         for i, p in enumerate(b.params):
             if act[i]:
-                _write_grad(p, b.view(i))
+                write_grad(p, b.view(i))
+
+    def _wait_writing_back(self, req: Any, scale: np.float32, staged: list[Bucket]) -> None:
+        """Waits for ``req``; the buckets in ``staged`` are written back first where the
+        exchange thread is not done with it (and ``staged`` emptied)."""
+        if staged and isinstance(req, Ticket) and not req.owner.done(req):
+            upload_staged(staged, scale)
+            staged.clear()
+        self._wait([req])
+
+    def _finish_pieces(
+        self,
+        b: Bucket,
+        pieces: list[tuple[tuple[int, int], Ticket]],
+        scale: np.float32,
+        staged: list[Bucket],
+    ) -> None:
+        """_finish for a bucket in host-visible memory of its device summed in pieces: each
+        piece goes to the device as soon as it is summed, while the next ones are summed;
+        then each parameter's pieces are joined there into its new gradient."""
+        got: list[list[Tensor]] = [[] for _ in b.params]
+        for (lo, hi), ticket in pieces:
+            self._wait_writing_back(ticket, scale, staged)
+            parts = staged_parts(b, lo, hi, scale)
+            compute([t for _, t in parts])
+            for i, t in parts:
+                got[i].append(t)
+        with rc.no_grad():
+            news = [
+                (p, (rc.ops.concat(ts) if len(ts) > 1 else ts[0]).reshape(p.shape))
+                for p, ts in zip(b.params, got)
+            ]
+        set_grads(news)
 
     # -- the step ----------------------------------------------------------------------------
     @property
@@ -555,10 +652,10 @@ class _Early:
                 read(i, view)
                 if prev is not None:  # the sum backward() makes: prev + this gradient
                     extra = np.empty_like(view)
-                    _read_into(prev, extra)
+                    read_into(prev, extra)
                     np.add(extra, view, out=view)
             elif prev is not None:
-                _read_into(prev, view)
+                read_into(prev, view)
             else:
                 view[...] = 0.0
         self.packed[k] = True
@@ -590,14 +687,14 @@ class _Early:
         dp._wait([self.flags_req])
         assert self.present is not None
         flags = iter(self.present.tolist())
-        staged: list[_Bucket] = []
+        staged: list[Bucket] = []
         for b, req in zip(dp.buckets, self.reqs):
             act = [bool(next(flags)) for _ in b.params]
             if any(act):
-                dp._finish(b, act, req, _packed_device(b, act), scale, staged)
+                dp._finish(b, act, req, packed_device(b, act), scale, staged)
             else:
                 dp._wait([req])
-        _upload_staged(staged, scale)
+        upload_staged(staged, scale)
         self.started = False
         self._reset()
 
@@ -645,127 +742,3 @@ def _test(reqs: list[Any]) -> None:
 
 def _as_list(params: Iterable[Tensor]) -> list[Tensor]:
     return list(params)
-
-
-def _make_buckets(params: list[Tensor], max_elems: int) -> list[_Bucket]:
-    """Cuts ``params`` (in order) into runs of at most ``max_elems`` elements (a larger
-    parameter is a bucket alone)."""
-    out: list[_Bucket] = []
-    run: list[Tensor] = []
-    size = 0
-    for p in params:
-        if run and size + int(p.size) > max_elems:
-            out.append(_Bucket(run))
-            run, size = [], 0
-        run.append(p)
-        size += int(p.size)
-    if run:
-        out.append(_Bucket(run))
-    return out
-
-
-def _compute(ts: list[Tensor]) -> None:
-    """Runs what ``ts`` still need (one lazy run; the results stay on their device)."""
-    pending = [t for t in ts if t.storage is None]
-    if pending:
-        pending[0]._frontend.run(pending)
-
-
-def _packed_device(b: _Bucket, act: list[bool]) -> Any:
-    """The device of a bucket whose gradients all live on one device backend (they are then
-    packed there into one tensor: one download and one upload per bucket), else None."""
-    dev = b.params[0].device
-    if dev.backend == "cpu" or not all(act):
-        return None
-    for p in b.params:
-        g = p.grad
-        if not isinstance(g, Tensor) or g.device != dev or g.shape != p.shape or p.device != dev:
-            return None
-    return dev
-
-
-def _download_packed(b: _Bucket) -> None:
-    """Concatenates the bucket's gradients on their device and downloads them at once."""
-    with rc.no_grad():
-        flat = []
-        for p in b.params:
-            assert p.grad is not None  # _device_of checked every gradient of the bucket
-            flat.append(p.grad.reshape(-1))
-        packed = rc.ops.concat(flat) if len(flat) > 1 else flat[0]
-    _compute([packed])
-    _read_into(packed, b.buffer)
-
-
-def _upload_packed(b: _Bucket, dev: Any) -> None:
-    """Uploads the bucket at once and cuts it into the new gradients on the device."""
-    whole = rc.tensor(b.buffer, device=dev)
-    with rc.no_grad():
-        parts = [
-            rc.ops.getitem(whole, slice(b.offsets[i], b.offsets[i + 1])).reshape(p.shape)
-            for i, p in enumerate(b.params)
-        ]
-    _compute(parts)
-    for p, t in zip(b.params, parts):
-        p.grad = t.detach()
-
-
-def _upload_staged(buckets: list[_Bucket], scale: np.float32) -> None:
-    """Writes the means of buckets summed in host-visible device memory back into their
-    gradients: one computation for all of them, which cuts each bucket into its parameters'
-    shapes and scales it by ``scale`` on the device (the same float32 product as on the
-    host)."""
-    if not buckets:
-        return
-    news: list[tuple[Tensor, Tensor]] = []
-    with rc.no_grad():
-        for b in buckets:
-            assert b.staged is not None
-            dev = b.params[0].device
-            n = b.offsets[-1]
-            whole = Tensor._new(None, (), (), (), (n,), rc.float32, b.staged, False, dev)
-            for i, p in enumerate(b.params):
-                part = rc.ops.getitem(whole, slice(b.offsets[i], b.offsets[i + 1]))
-                news.append((p, part.reshape(p.shape) * float(scale)))
-    _compute([t for _, t in news])
-    for p, t in news:
-        p.grad = t.detach()
-
-
-def _read_into(t: Tensor, out: np.ndarray) -> None:
-    """Copies tensor ``t``'s value into host array ``out`` (a download for a device tensor)."""
-    buf = _device_buffer(t)
-    if buf is not None:
-        buf.download(out)
-    else:
-        np.copyto(out, np.asarray(t), casting="same_kind")
-
-
-def _read_grad_into(p: Tensor, out: np.ndarray) -> None:
-    g: Tensor | np.ndarray | None = p.grad  # a numpy array where a user set one
-    if g is None or g.shape != p.shape:
-        shape = None if g is None else g.shape
-        raise ValueError(f"the gradient has shape {shape}, the parameter {p.shape}")
-    if isinstance(g, Tensor):
-        _read_into(g, out)
-    else:
-        np.copyto(out, np.asarray(g, np.float32))
-
-
-def _write_grad(p: Tensor, value: np.ndarray) -> None:
-    """Sets ``p.grad`` to ``value``, in place where the gradient's buffer allows it."""
-    g = p.grad
-    if isinstance(g, Tensor) and g.is_leaf:
-        buf = _device_buffer(g)
-        if buf is not None:
-            buf.upload(value)
-            return
-        arr = g.storage
-        if (
-            isinstance(arr, np.ndarray)
-            and arr.dtype == np.float32
-            and arr.flags.writeable
-            and arr.flags.c_contiguous
-        ):
-            np.copyto(arr, value)
-            return
-    p.grad = rc.tensor(value, device=p.device)

@@ -1,0 +1,203 @@
+"""The buckets of :class:`~recurra_dist.parallel.DataParallel` and the moves of their
+gradients: packed into a bucket's host buffer (on a device: concatenated there, one
+download), and the averaged values back into the gradients (on a device: cut into them
+there, in one computation or piece by piece)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import recurra as rc
+from recurra import Tensor, _core
+
+
+def _device_buffer(t: Tensor) -> rc.DeviceBuffer | None:
+    """The DeviceBuffer behind a device tensor, or None for a host tensor."""
+    v = t.storage
+    return v if isinstance(v, rc.DeviceBuffer) else None
+
+
+class Bucket:
+    """A run of consecutive parameters exchanged together, and its host buffer.
+
+    Where the parameters live on a device with asynchronous reads, the buffer is host-visible
+    memory of that device (``staged``): MPI sums into it in place, and the averaged
+    gradients are cut out of it on the device, without a copy to upload first."""
+
+    __slots__ = ("params", "offsets", "buffer", "staged")
+
+    #: whether buffers may be host-visible device memory (bench/dist.py --staging off: no;
+    #: they then live in MPI's shared window, downloaded into it through a staging copy)
+    stage = True
+
+    def __init__(self, params: list[Tensor]) -> None:
+        self.params = params
+        self.offsets = np.cumsum([0] + [int(p.size) for p in params]).tolist()
+        self.buffer = np.empty(self.offsets[-1], np.float32)
+        self.staged: rc.DeviceBuffer | None = None
+        dev = params[0].device
+        if (
+            dev.backend != "cpu"
+            and all(p.device == dev and p.dtype == rc.float32 for p in params)
+            and _core.has_async_reads(str(dev))
+            and Bucket.stage
+        ):
+            self.staged = _core.DeviceBuffer(str(dev), max(self.buffer.nbytes, 4), "host")
+            self.buffer = self.staged.host_array()[: self.buffer.nbytes].view(np.float32)
+
+    def view(self, i: int) -> np.ndarray:
+        p = self.params[i]
+        return self.buffer[self.offsets[i] : self.offsets[i + 1]].reshape(p.shape)
+
+
+def make_buckets(params: list[Tensor], max_elems: int) -> list[Bucket]:
+    """Cuts ``params`` (in order) into runs of at most ``max_elems`` elements (a larger
+    parameter is a bucket alone)."""
+    out: list[Bucket] = []
+    run: list[Tensor] = []
+    size = 0
+    for p in params:
+        if run and size + int(p.size) > max_elems:
+            out.append(Bucket(run))
+            run, size = [], 0
+        run.append(p)
+        size += int(p.size)
+    if run:
+        out.append(Bucket(run))
+    return out
+
+
+def compute(ts: list[Tensor]) -> None:
+    """Runs what ``ts`` still need (one lazy run; the results stay on their device)."""
+    pending = [t for t in ts if t.storage is None]
+    if pending:
+        pending[0]._frontend.run(pending)
+
+
+def packed_device(b: Bucket, act: list[bool]) -> Any:
+    """The device of a bucket whose gradients all live on one device backend (they are then
+    packed there into one tensor: one download and one upload per bucket), else None."""
+    dev = b.params[0].device
+    if dev.backend == "cpu" or not all(act):
+        return None
+    for p in b.params:
+        g = p.grad
+        if not isinstance(g, Tensor) or g.device != dev or g.shape != p.shape or p.device != dev:
+            return None
+    return dev
+
+
+def pack(b: Bucket) -> Any:
+    """Copies every gradient of bucket ``b`` into its buffer (on one device: packed there,
+    one download); returns that device, or None."""
+    dev = packed_device(b, [True] * len(b.params))
+    if dev is not None:
+        download_packed(b)
+    else:
+        for i, p in enumerate(b.params):
+            read_grad_into(p, b.view(i))
+    return dev
+
+
+def download_packed(b: Bucket) -> None:
+    """Concatenates the bucket's gradients on their device and downloads them at once."""
+    with rc.no_grad():
+        flat = []
+        for p in b.params:
+            assert p.grad is not None  # _device_of checked every gradient of the bucket
+            flat.append(p.grad.reshape(-1))
+        packed = rc.ops.concat(flat) if len(flat) > 1 else flat[0]
+    compute([packed])
+    read_into(packed, b.buffer)
+
+
+def upload_packed(b: Bucket, dev: Any) -> None:
+    """Uploads the bucket at once and cuts it into the new gradients on the device."""
+    whole = rc.tensor(b.buffer, device=dev)
+    with rc.no_grad():
+        parts = [
+            rc.ops.getitem(whole, slice(b.offsets[i], b.offsets[i + 1])).reshape(p.shape)
+            for i, p in enumerate(b.params)
+        ]
+    compute(parts)
+    for p, t in zip(b.params, parts):
+        p.grad = t.detach()
+
+
+def upload_staged(buckets: list[Bucket], scale: np.float32) -> None:
+    """Writes the means of buckets summed in host-visible device memory back into their
+    gradients: one computation for all of them, which cuts each bucket into its parameters'
+    shapes and scales it by ``scale`` on the device (the same float32 product as on the
+    host)."""
+    if not buckets:
+        return
+    news: list[tuple[Tensor, Tensor]] = []
+    with rc.no_grad():
+        for b in buckets:
+            for i, t in staged_parts(b, 0, b.offsets[-1], scale):
+                news.append((b.params[i], t.reshape(b.params[i].shape)))
+    set_grads(news)
+
+
+def staged_parts(b: Bucket, lo: int, hi: int, scale: np.float32) -> list[tuple[int, Tensor]]:
+    """Elements [lo, hi) of bucket ``b``'s host-visible buffer, scaled by ``scale`` on its
+    device (lazily), cut at its parameters' bounds: (parameter index, 1-D tensor), in order."""
+    assert b.staged is not None
+    dev = b.params[0].device
+    whole = Tensor._new(None, (), (), (), (b.offsets[-1],), rc.float32, b.staged, False, dev)
+    out = []
+    with rc.no_grad():
+        for i in range(len(b.params)):
+            x, y = max(lo, b.offsets[i]), min(hi, b.offsets[i + 1])
+            if x < y:
+                out.append((i, rc.ops.getitem(whole, slice(x, y)) * float(scale)))
+    return out
+
+
+def set_grads(news: list[tuple[Tensor, Tensor]]) -> None:
+    """Computes the new gradients (one run) and sets them."""
+    compute([t for _, t in news])
+    for p, t in news:
+        p.grad = t.detach()
+
+
+def read_into(t: Tensor, out: np.ndarray) -> None:
+    """Copies tensor ``t``'s value into host array ``out`` (a download for a device tensor)."""
+    buf = _device_buffer(t)
+    if buf is not None:
+        buf.download(out)
+    else:
+        np.copyto(out, np.asarray(t), casting="same_kind")
+
+
+def read_grad_into(p: Tensor, out: np.ndarray) -> None:
+    g: Tensor | np.ndarray | None = p.grad  # a numpy array where a user set one
+    if g is None or g.shape != p.shape:
+        shape = None if g is None else g.shape
+        raise ValueError(f"the gradient has shape {shape}, the parameter {p.shape}")
+    if isinstance(g, Tensor):
+        read_into(g, out)
+    else:
+        np.copyto(out, np.asarray(g, np.float32))
+
+
+def write_grad(p: Tensor, value: np.ndarray) -> None:
+    """Sets ``p.grad`` to ``value``, in place where the gradient's buffer allows it."""
+    g = p.grad
+    if isinstance(g, Tensor) and g.is_leaf:
+        buf = _device_buffer(g)
+        if buf is not None:
+            buf.upload(value)
+            return
+        arr = g.storage
+        if (
+            isinstance(arr, np.ndarray)
+            and arr.dtype == np.float32
+            and arr.flags.writeable
+            and arr.flags.c_contiguous
+        ):
+            np.copyto(arr, value)
+            return
+    p.grad = rc.tensor(value, device=p.device)
