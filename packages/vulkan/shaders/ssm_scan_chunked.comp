@@ -53,6 +53,9 @@ layout(constant_id = 3) const int XDT = 0;   // float16; the "_h" variant reads 
 layout(constant_id = 4) const int BDT = 0;   // they are)
 layout(constant_id = 5) const int CDT = 0;
 layout(constant_id = 6) const int KT = 16;  // K step: 16 or 32
+// Rows of sM: 64 for MODE 4, 5, 6, 2 for MODE 7, else 1 (each pipeline declares only the
+// shared memory it uses: more workgroups fit on a multiprocessor)
+layout(constant_id = 7) const int SMR = 64;
 
 const int L = 64;        // chunk length and tile edge
 const int KE = KT / 4;   // staged elements of one operand per thread and K step
@@ -72,7 +75,7 @@ shared float sCs[L], sDtp[L];
 // vec4: a thread reads its 4 neighbouring rows / columns at once; one vec4 of padding per
 // row keeps the staging stores (16 threads down a column) at 2-way bank conflicts
 shared vec4 sA[KT][L / 4 + 1], sB[KT][L / 4 + 1];
-shared float sM[L][L + 1];
+shared float sM[SMR][L + 1];
 
 float acc[4][4];
 int lid, tx, ty;

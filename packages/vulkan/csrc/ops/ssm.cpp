@@ -407,20 +407,21 @@ SsdGeom ssd_geom(const ScanDims& d) {
   return g;
 }
 
-// ssm_scan_chunked.comp's shared memory with K steps of kt: cs, dtp, two staged kt x 68
-// tiles, one 64 x 65 matrix.
-constexpr uint32_t ssd_shared(uint32_t kt) { return 4 * (2 * 64 + 2 * kt * 68 + 64 * 65); }
-constexpr uint32_t kSsdShared = ssd_shared(16);
+// Rows of ssm_scan_chunked.comp's matrix sM that a MODE uses (its constant SMR).
+int32_t ssd_rows(int mode) { return mode >= 4 && mode <= 6 ? 64 : mode == 7 ? 2 : 1; }
 
-// The K step of the chunked kernels' matmuls: 32 (half the barrier rounds of 16) where the
-// device has the shared memory (~35 KB), else 16. RECURRA_VK_SSD_KT=16|32 forces one (where
-// it fits; for tests and measurements).
-int32_t ssd_kt(Device& dev) {
-  const uint32_t shmem = limits_of(dev).shmem;
+// ssm_scan_chunked.comp's shared memory with K steps of kt and `rows` rows of sM: cs, dtp,
+// two staged kt x 68 tiles, a rows x 65 matrix.
+constexpr uint32_t ssd_shared(uint32_t kt, uint32_t rows) { return 4 * (2 * 64 + 2 * kt * 68 + rows * 65); }
+constexpr uint32_t kSsdShared = ssd_shared(16, 64);
+
+// The K step of a MODE's matmuls: 32 (half the barrier rounds of 16) where the device has
+// the shared memory (MODE 4, 5, 6: ~35 KB; the others ~18 KB), else 16.
+// RECURRA_VK_SSD_KT=16 forces 16 (for tests and measurements).
+int32_t ssd_kt(Device& dev, int mode) {
   const char* env = std::getenv("RECURRA_VK_SSD_KT");
-  const int forced = env ? std::atoi(env) : 0;
-  if (forced == 16) return 16;
-  return shmem >= ssd_shared(32) ? 32 : 16;
+  if (env && std::atoi(env) == 16) return 16;
+  return limits_of(dev).shmem >= ssd_shared(32, ssd_rows(mode)) ? 32 : 16;
 }
 
 // RECURRA_VK_SSM: "seq" forces the sequential kernels, "chunk" the chunked ones wherever
@@ -454,8 +455,8 @@ void ssd_dispatch(Recorder& rec, const ScanDts& dts, int mode, int var, const Ss
   uint32_t gx, gy;
   grid_2d(groups, gx, gy);
   rec.dispatch(variant("ssm_scan_chunked", dts.half()),
-               {mode, var, dts.v[0], dts.v[1], dts.v[2], dts.v[3], ssd_kt(rec.device())}, pc, gx, gy, 1, reads,
-               writes);
+               {mode, var, dts.v[0], dts.v[1], dts.v[2], dts.v[3], ssd_kt(rec.device(), mode), ssd_rows(mode)}, pc,
+               gx, gy, 1, reads, writes);
 }
 
 SsdPC ssd_pc(NodeCall& c, const ScanDims& d, const SsdGeom& g, int off) {
