@@ -166,13 +166,15 @@ ivec2 tile_pos(int kind, int j) {
   return kind < KFAST ? ivec2(e % KT, e / KT) : ivec2(e / L, e % L);
 }
 
-// This thread's KE elements of the tile starting at k0 (loaded into registers ahead of use).
-void fetch4(int kind, int k0, out float v[KE]) {
+// This thread's KE elements of the tile starting at k0 (loaded into registers ahead of use),
+// at the positions this thread stages for operand kind `at`.
+void fetch4_at(int kind, int at, int k0, out float v[KE]) {
   [[unroll]] for (int j = 0; j < KE; ++j) {
-    const ivec2 kr = tile_pos(kind, j);
+    const ivec2 kr = tile_pos(at, j);
     v[j] = fetch(kind, k0 + kr.x, kr.y);
   }
 }
+void fetch4(int kind, int k0, out float v[KE]) { fetch4_at(kind, kind, k0, v); }
 
 void store4(int kind, float v[KE], bool into_a) {
   [[unroll]] for (int j = 0; j < KE; ++j) {
@@ -191,18 +193,16 @@ void clear_acc() {
 // acc[r][q] += sum_{k < K} A(k, r) B(k, q), both operands staged from memory; the next
 // tile's loads are issued before this tile's products (their latency overlaps the maths).
 // lam_hin (with bkind LAM_PN): also adds lam * h_in over the staged elements into lh_acc
-// (each element of the P tile once), reading only h_in beside the staged lam.
+// (each element of the P tile once), h_in loaded beside the staged lam (and as early).
 float lh_acc = 0.0;
 void mma(int akind, int bkind, int K, bool lam_hin) {
-  float ra[KE], rb[KE];
+  float ra[KE], rb[KE], rh[KE];
   fetch4(akind, 0, ra);
   fetch4(bkind, 0, rb);
+  if (lam_hin) fetch4_at(HIN_PN, bkind, 0, rh);
   for (int k0 = 0; k0 < K; k0 += KT) {
     if (lam_hin)
-      [[unroll]] for (int j = 0; j < KE; ++j) {
-        const ivec2 kr = tile_pos(bkind, j);
-        lh_acc += rb[j] * fetch(HIN_PN, k0 + kr.x, kr.y);
-      }
+      [[unroll]] for (int j = 0; j < KE; ++j) lh_acc += rb[j] * rh[j];
     barrier();
     store4(akind, ra, true);
     store4(bkind, rb, false);
@@ -210,6 +210,7 @@ void mma(int akind, int bkind, int K, bool lam_hin) {
     if (k0 + KT < K) {
       fetch4(akind, k0 + KT, ra);
       fetch4(bkind, k0 + KT, rb);
+      if (lam_hin) fetch4_at(HIN_PN, bkind, k0 + KT, rh);
     }
     [[unroll]] for (int k = 0; k < KT; ++k) {
       const vec4 av = sA[k][ty], bv = sB[k][tx];
