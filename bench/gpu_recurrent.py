@@ -8,8 +8,9 @@ ssm_scan path on Vulkan (mamba2_* cases): --ssm-path sets RECURRA_VK_SSM for the
 of shaders/ssm_scan_chunked.comp for one decay per head and n_tok >= 128 (so at the full sizes;
 --small's 32 tokens run the sequential ones), "chunk" forces them for any Mamba-2 shape, "seq"
 forces the sequential kernels of shaders/ssm_scan.comp. Mamba-1 (one decay per state) is always
-sequential. Tuning knob of the chunked backward: RECURRA_VK_SSD_HBLK=1|2|4 heads per dC/dB workgroup
-(default: 2 while >= 512 workgroups remain, else 1; 2 at the full size).
+sequential. Tuning knobs of the chunked kernels: RECURRA_VK_SSD_HBLK=1|2|4 heads per dC/dB
+workgroup of the backward (default: 2 while >= 512 workgroups remain, else 1; 2 at the full
+size); RECURRA_VK_SSD_KT=16 stages their matmuls 16 steps of K at a time instead of 32.
 
 Cases (issue 5; shapes in numpy order, docs/ops.md):
 
