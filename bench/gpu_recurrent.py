@@ -8,8 +8,9 @@ ssm_scan path on Vulkan (mamba2_* cases): --ssm-path sets RECURRA_VK_SSM for the
 of shaders/ssm_scan_chunked.comp for one decay per head and n_tok >= 128 (so at the full sizes;
 --small's 32 tokens run the sequential ones), "chunk" forces them for any Mamba-2 shape, "seq"
 forces the sequential kernels of shaders/ssm_scan.comp. Mamba-1 (one decay per state) is always
-sequential. Tuning knob of the chunked backward: RECURRA_VK_SSD_HBLK=1|2|4 heads per dC/dB workgroup
-(default: 2 while >= 512 workgroups remain, else 1; 2 at the full size).
+sequential. Tuning knobs of the chunked kernels: RECURRA_VK_SSD_HBLK=1|2|4 heads per dC/dB
+workgroup of the backward (default: 2 while >= 512 workgroups remain, else 1; 2 at the full
+size); RECURRA_VK_SSD_KT=16 stages their matmuls 16 steps of K at a time instead of 32.
 
 Cases (issue 5; shapes in numpy order, docs/ops.md):
 
@@ -21,6 +22,9 @@ Cases (issue 5; shapes in numpy order, docs/ops.md):
 - wkv6_*_fb, wkv7_*_fb: head size 64, 32 heads, 1 x 4096 and 4 x 1024 tokens, forward +
   backward, against fla's chunk_rwkv6 / chunk_rwkv7 (the latter as fla's RWKV-7 layer calls
   it: safe_gate, lower_bound -0.6065, chunk 64; our decays are drawn inside that bound).
+- mamba2_step_fb: the same at the shape of one layer of a Mamba2-130m training step at batch
+  8 x 512 (bench/mixed_precision.py; 8 sequences of 512 tokens, 24 heads), against
+  chunk_simple_gla.
 - mamba1_fb: ssm_scan, Mamba-1 (d_state 16, d_inner 1536), 4 x 1024 tokens, fwd + bwd,
   against the per-token PyTorch loop; target >= 50x.
 - conv_fb / conv_fwd: ssm_conv (d_inner 1536, d_conv 4), 4 x 1024 tokens, against
@@ -78,6 +82,7 @@ from gpu_recurrent_peers import (  # noqa: E402
 # --- shapes -------------------------------------------------------------------------------
 FULL: dict[str, dict[str, int]] = {
     "mamba2": {"ns": 4, "nt": 1024, "nh": 32, "hd": 64, "ds": 128},
+    "mamba2_step": {"ns": 8, "nt": 512, "nh": 24, "hd": 64, "ds": 128},
     "mamba1": {"ns": 4, "nt": 1024, "nh": 1536, "hd": 1, "ds": 16},
     "conv": {"ns": 4, "nt": 1024, "d": 1536, "w": 4},
     "rwkv_t4096": {"ns": 1, "T": 4096, "H": 32, "S": 64},
@@ -85,6 +90,7 @@ FULL: dict[str, dict[str, int]] = {
 }
 SMALL: dict[str, dict[str, int]] = {
     "mamba2": {"ns": 2, "nt": 32, "nh": 2, "hd": 16, "ds": 32},
+    "mamba2_step": {"ns": 2, "nt": 96, "nh": 2, "hd": 16, "ds": 32},
     "mamba1": {"ns": 2, "nt": 32, "nh": 64, "hd": 1, "ds": 16},
     "conv": {"ns": 2, "nt": 32, "d": 64, "w": 4},
     "rwkv_t4096": {"ns": 1, "T": 32, "H": 2, "S": 64},
@@ -122,6 +128,9 @@ SPECS: dict[str, Spec] = {
         ["fla-simple-gla", "fla-gla"],
         "(none; ggml-vk fwd 1.11 ms)",
         refs={"ggml-vk (ref)": 1.11},
+    ),
+    "mamba2_step_fb": Spec(
+        "mamba2", "mamba2_step", True, ["fla-simple-gla"], "(Mamba2-130m training step's scan)"
     ),
     "mamba1_fb": Spec(
         "mamba1", "mamba1", True, ["torch-loop"], ">= 50x torch loop", target_ratio=50.0

@@ -155,6 +155,7 @@ py::dict backend_info() {
     e["vk_index"] = d.vk_index;
     e["coopmat"] = d.coopmat.summary();
     e["half_storage"] = d.storage16;
+    e["max_shared_bytes"] = d.max_shared_bytes;
     devices.append(e);
   }
   py::dict out;

@@ -170,6 +170,7 @@ Instance::Instance() {
     d.driver = std::string(drv.driverName) + (drv.driverInfo[0] ? std::string(" ") + drv.driverInfo : "");
     d.max_allocation = m3.maxMemoryAllocationSize ? m3.maxMemoryAllocationSize : (VkDeviceSize(1) << 32);
     d.timestamp_period_ns = p.limits.timestampPeriod;
+    d.max_shared_bytes = p.limits.maxComputeSharedMemorySize;
 
     VkPhysicalDeviceVulkan12Features f12{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES};
     VkPhysicalDevice16BitStorageFeatures s16{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_16BIT_STORAGE_FEATURES};

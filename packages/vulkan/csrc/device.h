@@ -46,6 +46,7 @@ struct PhysicalDevice {
   VkDeviceSize max_allocation = 0;
   CoopMatCaps coopmat;  // tensor cores through VK_KHR_cooperative_matrix (coopmat.h)
   bool storage16 = false;  // storageBuffer16BitAccess: shaders read and write 2-byte elements
+  uint32_t max_shared_bytes = 0;  // maxComputeSharedMemorySize
 
   // The largest buffer the core may ask for (recurra_device_info::max_buffer_bytes): the
   // device's largest allocation, at most its heap, at most RECURRA_VK_MAX_BUFFER_MB (which

@@ -20,13 +20,16 @@
 // MODE (specialization constant 0), one dispatch each; VAR (constant 1) picks a variant:
 //   0 prep    per (i, h, chunk): dtp_t and cs_t into scratch
 //   1 cb      per (i, g, chunk): CB[t][s] = C_t . B_s (s <= t, else 0)
-//   2 state   per (i, h, chunk, P tile, N tile): VAR 0 sum_s e^{cs_L - cs_s} u_s B_s^T,
-//             VAR 1 sum_t e^{cs_t} dy_t^T C_t, into the chunk's slot of hin / lam
-//   3 pass    per state element (i, h, p, n), sequential over chunks: VAR 0/1/3 forward
-//             (slot c of hin becomes the state entering chunk c; VAR 0 writes the final
-//             state, VAR 1 is the backward's recomputation, VAR 3 fills the forward's
-//             checkpoints after the sequential kernels ran), VAR 2 backward (slot c of lam
-//             becomes the gradient of the state leaving chunk c; d s_init per sequence)
+//   2 states  per (i, h, P tile, N tile), the chunks in sequence (the running state in
+//             registers): VAR 0/1/3 forward, slot c of hin <- the state entering chunk c,
+//             then state <- e^{cs_L} state + sum_s e^{cs_L - cs_s} u_s B_s^T (VAR 0 writes
+//             the final state, VAR 1 is the backward's recomputation, VAR 3 fills the
+//             forward's checkpoints after the sequential kernels ran); VAR 2 backward, in
+//             reverse: slot c of lam <- the gradient of the state leaving chunk c, then
+//             lam <- e^{cs_L} lam + sum_t e^{cs_t} dy_t^T C_t (d s_init per sequence).
+//             One dispatch instead of a chunk-local pass and an elementwise sequential
+//             one (MODE 3 before): no local states go through memory (on the H200 at 8 x
+//             512 tokens, 24 heads, 384 workgroups of 8 chunks: 0.22 ms instead of 0.36).
 //   4 y       per (i, h, chunk, P tile): y
 //   5 dcdb    per (i, g, block of hblk heads, chunk): the block's dC, dB (all N tiles in
 //             turn; the blocks of a group are summed later) and dy_t . y_t per head and token
@@ -34,8 +37,9 @@
 //             -u . du and du . x, and the tile's part of <lam, h_out>
 //   7 decay   per (i, h, chunk): d a by a reverse sum, ddt, the chunk's part of dA
 // Every matmul is a 64 x 64 output tile for 256 threads (4 x 4 each, rows 4 ty + a, columns
-// 4 tx + b) over K in steps of 16 staged in shared memory. All sums run in a fixed order:
-// no atomics, results do not depend on timing.
+// 4 tx + b) over K in steps of KT (constant 6: 16, or 32 where the device has the shared
+// memory: half the barrier rounds) staged in shared memory. All sums run in a fixed order
+// (the same for either K step): no atomics, results do not depend on timing.
 #version 450
 #include "common.glsl"
 #include "ldf.glsl"  // the "_h" variant (-DHALF): dt, x, B, C in the dtypes DTDT .. CDT
@@ -47,9 +51,13 @@ layout(constant_id = 2) const int DTDT = 0;  // dtypes of dt, x, B, C (float32, 
 layout(constant_id = 3) const int XDT = 0;   // float16; the "_h" variant reads them as
 layout(constant_id = 4) const int BDT = 0;   // they are)
 layout(constant_id = 5) const int CDT = 0;
+layout(constant_id = 6) const int KT = 16;  // K step: 16 or 32
+// Rows of sM: 64 for MODE 4, 5, 6, 2 for MODE 7, else 1 (each pipeline declares only the
+// shared memory it uses: more workgroups fit on a multiprocessor)
+layout(constant_id = 7) const int SMR = 64;
 
-const int L = 64;   // chunk length and tile edge
-const int KT = 16;  // K step
+const int L = 64;        // chunk length and tile edge
+const int KE = KT / 4;   // staged elements of one operand per thread and K step
 
 layout(push_constant) uniform PC {
   uvec2 gr;    // backward: packed (dy, d final state)
@@ -66,7 +74,7 @@ shared float sCs[L], sDtp[L];
 // vec4: a thread reads its 4 neighbouring rows / columns at once; one vec4 of padding per
 // row keeps the staging stores (16 threads down a column) at 2-way bank conflicts
 shared vec4 sA[KT][L / 4 + 1], sB[KT][L / 4 + 1];
-shared float sM[L][L + 1];
+shared float sM[SMR][L + 1];
 
 float acc[4][4];
 int lid, tx, ty;
@@ -151,22 +159,24 @@ float fetch(int kind, int k, int r) {
   }
 }
 
-// Element j (< 4) of this thread in a staged K x 64 tile: (k, r).
+// Element j (< KE) of this thread in a staged K x 64 tile: (k, r).
 ivec2 tile_pos(int kind, int j) {
   const int e = lid + 256 * j;
   return kind < KFAST ? ivec2(e % KT, e / KT) : ivec2(e / L, e % L);
 }
 
-// This thread's 4 elements of the tile starting at k0 (loaded into registers ahead of use).
-void fetch4(int kind, int k0, out float v[4]) {
-  [[unroll]] for (int j = 0; j < 4; ++j) {
-    const ivec2 kr = tile_pos(kind, j);
+// This thread's KE elements of the tile starting at k0 (loaded into registers ahead of use),
+// at the positions this thread stages for operand kind `at`.
+void fetch4_at(int kind, int at, int k0, out float v[KE]) {
+  [[unroll]] for (int j = 0; j < KE; ++j) {
+    const ivec2 kr = tile_pos(at, j);
     v[j] = fetch(kind, k0 + kr.x, kr.y);
   }
 }
+void fetch4(int kind, int k0, out float v[KE]) { fetch4_at(kind, kind, k0, v); }
 
-void store4(int kind, float v[4], bool into_a) {
-  [[unroll]] for (int j = 0; j < 4; ++j) {
+void store4(int kind, float v[KE], bool into_a) {
+  [[unroll]] for (int j = 0; j < KE; ++j) {
     const ivec2 kr = tile_pos(kind, j);
     if (into_a)
       sA[kr.x][kr.y >> 2][kr.y & 3] = v[j];
@@ -182,18 +192,16 @@ void clear_acc() {
 // acc[r][q] += sum_{k < K} A(k, r) B(k, q), both operands staged from memory; the next
 // tile's loads are issued before this tile's products (their latency overlaps the maths).
 // lam_hin (with bkind LAM_PN): also adds lam * h_in over the staged elements into lh_acc
-// (each element of the P tile once), reading only h_in beside the staged lam.
+// (each element of the P tile once), h_in loaded beside the staged lam (and as early).
 float lh_acc = 0.0;
 void mma(int akind, int bkind, int K, bool lam_hin) {
-  float ra[4], rb[4];
+  float ra[KE], rb[KE], rh[KE];
   fetch4(akind, 0, ra);
   fetch4(bkind, 0, rb);
+  if (lam_hin) fetch4_at(HIN_PN, bkind, 0, rh);
   for (int k0 = 0; k0 < K; k0 += KT) {
     if (lam_hin)
-      [[unroll]] for (int j = 0; j < 4; ++j) {
-        const ivec2 kr = tile_pos(bkind, j);
-        lh_acc += rb[j] * fetch(HIN_PN, k0 + kr.x, kr.y);
-      }
+      [[unroll]] for (int j = 0; j < KE; ++j) lh_acc += rb[j] * rh[j];
     barrier();
     store4(akind, ra, true);
     store4(bkind, rb, false);
@@ -201,6 +209,7 @@ void mma(int akind, int bkind, int K, bool lam_hin) {
     if (k0 + KT < K) {
       fetch4(akind, k0 + KT, ra);
       fetch4(bkind, k0 + KT, rb);
+      if (lam_hin) fetch4_at(HIN_PN, bkind, k0 + KT, rh);
     }
     [[unroll]] for (int k = 0; k < KT; ++k) {
       const vec4 av = sA[k][ty], bv = sB[k][tx];
@@ -211,7 +220,7 @@ void mma(int akind, int bkind, int K, bool lam_hin) {
 
 // acc[r][q] += sum_{k < K} M(r, k) B(k, q) with M = sM (trans: sM^T), K <= L.
 void mma_m(bool trans, int bkind, int K) {
-  float rb[4];
+  float rb[KE];
   fetch4(bkind, 0, rb);
   for (int k0 = 0; k0 < K; k0 += KT) {
     barrier();
@@ -227,6 +236,11 @@ void mma_m(bool trans, int bkind, int K) {
   }
 }
 
+// This thread's element (a, b) of a P x N state tile: whether it is inside the state, and
+// its offset in a (P, N) state.
+bool st_in(int a, int b) { return p0 + 4 * ty + a < pc.P && n0 + 4 * tx + b < pc.N; }
+uint st_at(int a, int b) { return uint((p0 + 4 * ty + a) * pc.N + n0 + 4 * tx + b); }
+
 int round_k(int k) { return (k + KT - 1) / KT * KT; }
 
 // dtp and cs of this chunk into shared memory (after prep ran).
@@ -240,11 +254,17 @@ void load_chunk() {
 }
 
 // sM[t][s] = CB[t][s] e^{cs_t - cs_s} (s <= t < len, else 0).
+// The 16 loads of a thread are issued before any is used (their latencies overlap).
 void load_m() {
   const uint ob = o_cb + uint((i * pc.G + g) * nc_ + c) * uint(L * L);
-  for (int e = lid; e < L * L; e += 256) {
-    const int t = e / L, s = e % L;
-    sM[t][s] = (s <= t && t < len) ? FBuf(pc.scr).v[ob + uint(e)] * exp(sCs[t] - sCs[s]) : 0.0;
+  float v[L * L / 256];
+  [[unroll]] for (int j = 0; j < L * L / 256; ++j) {
+    const int e = lid + 256 * j, t = e / L, s = e % L;
+    v[j] = (s <= t && t < len) ? FBuf(pc.scr).v[ob + uint(e)] : 0.0;
+  }
+  [[unroll]] for (int j = 0; j < L * L / 256; ++j) {
+    const int e = lid + 256 * j, t = e / L, s = e % L;
+    sM[t][s] = (s <= t && t < len) ? v[j] * exp(sCs[t] - sCs[s]) : 0.0;
   }
 }
 
@@ -287,60 +307,7 @@ void main() {
   FBuf sc = FBuf(pc.scr);
   const uint wg = group_index();
 
-  if (MODE == 3) {  // ---- pass: one thread per state element ---------------------------
-    // VAR 0 forward (also writes the final state), 1 the backward's recomputation, 3 the
-    // forward's checkpoints alone (after the sequential kernels), 2 the reverse pass. The
-    // chunk-local values of KP chunks are loaded before any is used (their loads overlap).
-    const int KP = 16;
-    const uint PN = uint(P * N), e = wg * 256u + uint(lid);
-    if (e >= uint(S * H) * PN) return;
-    const uint pn = e % PN, ih = e / PN;
-    i = int(ih) / H;
-    h = int(ih) % H;
-    const uint ocs = o_cs + ih * uint(T);
-    if (VAR != 2) {
-      FBuf hv = FBuf(pc.hin);
-      const uint base = ih * uint(nc) * PN + pn;  // slot (i, h, k) at base + k PN
-      int row = IBuf(pc.ids).v[i];
-      const bool bad = row < 0 || row >= pc.R;
-      if (bad && pn == 0u) set_error(pc.err, VAR == 1 ? ERR_SSM_SCAN_BACK : ERR_SSM_SCAN);
-      float hc = bad ? 0.0 : FBuf(pc.s).v[uint(row * H + h) * PN + pn];
-      for (int k0 = 0; k0 < nc; k0 += KP) {
-        float local[KP], decay[KP];
-        [[unroll]] for (int j = 0; j < KP; ++j) {
-          const int k = min(k0 + j, nc - 1);
-          local[j] = hv.v[base + uint(k) * PN];
-          decay[j] = exp(sc.v[ocs + uint(min(T, k * L + L) - 1)]);
-        }
-        [[unroll]] for (int j = 0; j < KP; ++j)
-          if (k0 + j < nc) {
-            hv.v[base + uint(k0 + j) * PN] = hc;
-            hc = decay[j] * hc + local[j];
-          }
-      }
-      if (VAR == 0) FBuf(pc.out_).v[uint(S * T * H * P) + ih * PN + pn] = bad ? 0.0 : hc;
-    } else {
-      const uint base = o_lam + ih * uint(nc) * PN + pn;
-      float lc = FBuf(pc.gr).v[uint(S * T * H * P) + ih * PN + pn];
-      for (int k0 = nc - 1; k0 >= 0; k0 -= KP) {
-        float local[KP], decay[KP];
-        [[unroll]] for (int j = 0; j < KP; ++j) {
-          const int k = max(k0 - j, 0);
-          local[j] = sc.v[base + uint(k) * PN];
-          decay[j] = exp(sc.v[ocs + uint(min(T, k * L + L) - 1)]);
-        }
-        [[unroll]] for (int j = 0; j < KP; ++j)
-          if (k0 - j >= 0) {
-            sc.v[base + uint(k0 - j) * PN] = lc;
-            lc = decay[j] * lc + local[j];
-          }
-      }
-      sc.v[o_dsi + ih * PN + pn] = lc;
-    }
-    return;
-  }
-
-  // ---- the per-chunk modes: decode the workgroup -----------------------------------------
+  // ---- decode the workgroup ----------------------------------------------------------------
   uint rest = wg;
   int pt = 0, nt = 0, hb = 0;
   if (MODE == 2) {
@@ -351,8 +318,11 @@ void main() {
     pt = int(rest % uint(npt));
     rest /= uint(npt);
   }
-  c = int(rest % uint(nc));
-  rest /= uint(nc);
+  c = 0;
+  if (MODE != 2) {  // MODE 2 walks the chunks itself
+    c = int(rest % uint(nc));
+    rest /= uint(nc);
+  }
   if (MODE == 1 || MODE == 5) {  // MODE 5: rest = (i, g, head block)
     if (MODE == 5) {
       hb = int(rest % uint(hpg / hblk_));
@@ -402,22 +372,55 @@ void main() {
     return;
   }
 
-  load_chunk();
-
-  if (MODE == 2) {  // ---- chunk-local state / state gradient ------------------------------
-    clear_acc();
-    if (VAR == 0)
-      mma(X_W, B_SN, round_k(len), false);
-    else
-      mma(DY_W, C_SN, round_k(len), false);
-    FBuf dst = FBuf(VAR == 0 ? pc.hin : pc.scr);
-    const uint o = (VAR == 0 ? 0u : o_lam) + slot * uint(P * N);
-    [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
-      const int p = p0 + 4 * ty + a, n = n0 + 4 * tx + b;
-      if (p < P && n < N) dst.v[o + uint(p * N + n)] = acc[a][b];
+  if (MODE == 2) {  // ---- the states entering (leaving) each chunk, in sequence -----------
+    const bool rev = VAR == 2;
+    const uint PN = uint(P * N);
+    float st[4][4];  // the running state (forward) or its gradient (VAR 2)
+    bool bad = false;
+    if (!rev) {
+      const int row = IBuf(pc.ids).v[i];
+      bad = row < 0 || row >= pc.R;
+      if (bad && lid == 0 && pt == 0 && nt == 0) set_error(pc.err, VAR == 1 ? ERR_SSM_SCAN_BACK : ERR_SSM_SCAN);
+      const uint o = uint(row * H + h) * PN;
+      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b)
+        st[a][b] = (bad || !st_in(a, b)) ? 0.0 : FBuf(pc.s).v[o + st_at(a, b)];
+    } else {
+      const uint o = uint(S * T * H * P) + ih * PN;
+      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b)
+        st[a][b] = st_in(a, b) ? FBuf(pc.gr).v[o + st_at(a, b)] : 0.0;
+    }
+    FBuf dst = FBuf(rev ? pc.scr : pc.hin);
+    for (int k = 0; k < nc; ++k) {
+      c = rev ? nc - 1 - k : k;
+      t0 = c * L;
+      len = min(L, T - t0);
+      slot = uint((i * H + h) * nc + c);
+      const uint o = (rev ? o_lam : 0u) + slot * PN;
+      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b)
+        if (st_in(a, b)) dst.v[o + st_at(a, b)] = st[a][b];
+      // the last chunk's own part only makes the final state (VAR 0)
+      if (!rev && VAR != 0 && k == nc - 1) break;
+      barrier();  // everyone is done with the previous chunk's cs, dtp
+      load_chunk();
+      clear_acc();
+      if (rev)
+        mma(DY_W, C_SN, round_k(len), false);  // sum_t e^{cs_t} dy_t^T C_t
+      else
+        mma(X_W, B_SN, round_k(len), false);  // sum_s e^{cs_L - cs_s} u_s B_s^T
+      const float decay = exp(sCs[len - 1]);
+      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) st[a][b] = decay * st[a][b] + acc[a][b];
+    }
+    if (rev) {
+      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b)
+        if (st_in(a, b)) sc.v[o_dsi + ih * PN + st_at(a, b)] = st[a][b];
+    } else if (VAR == 0) {
+      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b)
+        if (st_in(a, b)) FBuf(pc.out_).v[uint(S * T * H * P) + ih * PN + st_at(a, b)] = bad ? 0.0 : st[a][b];
     }
     return;
   }
+
+  load_chunk();
 
   if (MODE == 4 || MODE == 6) {  // ---- y / du ----------------------------------------------
     load_m();

@@ -54,22 +54,21 @@
 // a positive A the recurrence itself grows exponentially, and both paths can overflow.
 // Dispatches (256 threads each) for the Mamba-2 benchmark (S 4, T 1024, H 32, P 64, N 128,
 // G 1: nc = 16 chunks, 1 P tile, 2 N tiles; "chunks" = S*H*nc = 2048):
-//   forward   prep 2048 | CB 64 | chunk states 4096 | state pass 4096 (one thread per state
-//             element, 16 chunks in sequence) | y 2048
-//   backward  prep 2048 | CB 64 | [chunk states 4096 | state pass 4096] | chunk state
-//             grads 4096 | reverse pass 4096 | dC,dB 1024 (2 heads each) | du 2048 | decay
-//             2048 | fin: dB,dC 2048, dA 1, ds 4096
+//   forward   prep 2048 | CB 64 | states 256 (one per state tile, 16 chunks in sequence) |
+//             y 2048
+//   backward  prep 2048 | CB 64 | [states 256] | state grads 256 (in reverse) | dC,dB 1024
+//             (2 heads each) | du 2048 | decay 2048 | fin: dB,dC 2048, dA 1, ds 4096
 // Checkpoints: a forward asked to save them (flag RECURRA_SSM_SCAN_SAVE_CHECKPOINTS: the Python API does when a gradient
 // follows and an input is on a device) writes the states entering each chunk (nc*nst floats,
 // the core's layout (S, H, nc, P, N)) after (y, final states) in its output instead of
-// scratch; the backward given that output as a 9th source reads them and skips the two
-// bracketed dispatches (the forward's recomputation). Under RECURRA_VK_SSM=seq the
-// sequential forward runs and prep, chunk states and a pass (VAR 3) then fill them; with
+// scratch; the backward given that output as a 9th source reads them and skips the
+// bracketed dispatch (the forward's recomputation). Under RECURRA_VK_SSM=seq the
+// sequential forward runs and prep and the states (VAR 3) then fill them; with
 // checkpoints the chunked kernels run from T = 1 on. Head_dim 1 checkpoints (Mamba-1's CPU
 // layout) are refused: such a node runs on the CPU.
 // Each dispatch declares the scratch regions it reads and writes, so independent ones share
-// a barrier phase: forward [prep, CB] [states] [pass] [y], backward [prep, CB] [states, state
-// grads] [pass, reverse pass] [ds, dC/dB, du] [decay, fin dB/dC] [fin dA].
+// a barrier phase: forward [prep, CB] [states] [y], backward [prep, CB] [states, state grads]
+// [ds, dC/dB, du] [decay, fin dB/dC] [fin dA].
 // Scratch (floats; sht = S*H*T, nst = S*H*P*N): forward 2*sht + S*G*nc*64*64 + nc*nst
 // = 17.3M (69 MB; the nc*nst states, 16.8M, go to the output with checkpoints); backward
 // adds nc*nst (state gradients) + nst + 2*S*T*N*H/hblk (dB, dC per block of hblk heads)
@@ -408,8 +407,22 @@ SsdGeom ssd_geom(const ScanDims& d) {
   return g;
 }
 
-// ssm_scan_chunked.comp's shared memory: cs, dtp, two staged 16 x 68 tiles, one 64 x 65 matrix.
-constexpr uint32_t kSsdShared = 4 * (2 * 64 + 2 * 16 * 68 + 64 * 65);
+// Rows of ssm_scan_chunked.comp's matrix sM that a MODE uses (its constant SMR).
+int32_t ssd_rows(int mode) { return mode >= 4 && mode <= 6 ? 64 : mode == 7 ? 2 : 1; }
+
+// ssm_scan_chunked.comp's shared memory with K steps of kt and `rows` rows of sM: cs, dtp,
+// two staged kt x 68 tiles, a rows x 65 matrix.
+constexpr uint32_t ssd_shared(uint32_t kt, uint32_t rows) { return 4 * (2 * 64 + 2 * kt * 68 + rows * 65); }
+constexpr uint32_t kSsdShared = ssd_shared(16, 64);
+
+// The K step of a MODE's matmuls: 32 (half the barrier rounds of 16) where the device has
+// the shared memory (MODE 4, 5, 6: ~35 KB; the others ~18 KB), else 16.
+// RECURRA_VK_SSD_KT=16 forces 16 (for tests and measurements).
+int32_t ssd_kt(Device& dev, int mode) {
+  const char* env = std::getenv("RECURRA_VK_SSD_KT");
+  if (env && std::atoi(env) == 16) return 16;
+  return limits_of(dev).shmem >= ssd_shared(32, ssd_rows(mode)) ? 32 : 16;
+}
 
 // RECURRA_VK_SSM: "seq" forces the sequential kernels, "chunk" the chunked ones wherever
 // they apply; "" or "auto": chunked from T >= 2 chunks. They apply to one decay per head,
@@ -441,8 +454,9 @@ void ssd_dispatch(Recorder& rec, const ScanDts& dts, int mode, int var, const Ss
                   std::initializer_list<Range> reads, std::initializer_list<Range> writes) {
   uint32_t gx, gy;
   grid_2d(groups, gx, gy);
-  rec.dispatch(variant("ssm_scan_chunked", dts.half()), {mode, var, dts.v[0], dts.v[1], dts.v[2], dts.v[3]}, pc, gx,
-               gy, 1, reads, writes);
+  rec.dispatch(variant("ssm_scan_chunked", dts.half()),
+               {mode, var, dts.v[0], dts.v[1], dts.v[2], dts.v[3], ssd_kt(rec.device(), mode), ssd_rows(mode)}, pc,
+               gx, gy, 1, reads, writes);
 }
 
 SsdPC ssd_pc(NodeCall& c, const ScanDims& d, const SsdGeom& g, int off) {
@@ -461,7 +475,7 @@ Range part(const Range& r, int64_t lo, int64_t hi) {
 
 // The forward, chunked; with ck the states entering each chunk go to the output's checkpoint
 // region instead of scratch. fill_only: the sequential kernels computed y and the final
-// states; only the checkpoints are computed here (prep, chunk states, pass VAR 3).
+// states; only the checkpoints are computed here (prep, states VAR 3).
 void ssd_record(NodeCall& c, const ScanDims& d, bool ck, bool fill_only = false) {
   Recorder& rec = c.rec;
   const SsdGeom g = ssd_geom(d);
@@ -478,15 +492,14 @@ void ssd_record(NodeCall& c, const ScanDims& d, bool ck, bool fill_only = false)
   const Range pre = part(scr.range, 0, 2 * sht), cb = part(scr.range, 2 * sht, o_hin),
               hin = ck ? part(c.dst.range, nx + nst, nx + nst + ck_floats(d)) : part(scr.range, o_hin, g.fwd_floats);
   const Range out_y = part(c.dst.range, 0, nx), out_fin = part(c.dst.range, nx, nx + nst);
-  const int64_t chunks = d.S * d.H * g.nc;
+  const int64_t chunks = d.S * d.H * g.nc, tiles = d.S * d.H * g.npt * g.nnt;
   ssd_dispatch(rec, dts, 0, 0, pc, chunks, {dtr, Ar}, {pre});
   if (!fill_only) ssd_dispatch(rec, dts, 1, 0, pc, d.S * d.G * g.nc, {Br, Cr}, {cb});
-  ssd_dispatch(rec, dts, 2, 0, pc, chunks * g.npt * g.nnt, {xr, Br, pre}, {hin});
   if (fill_only) {
-    ssd_dispatch(rec, dts, 3, 3, pc, ceil_div(nst, 256), {sr, idr, pre, hin}, {hin});
+    ssd_dispatch(rec, dts, 2, 3, pc, tiles, {sr, idr, xr, Br, pre}, {hin});
     return;
   }
-  ssd_dispatch(rec, dts, 3, 0, pc, ceil_div(nst, 256), {sr, idr, pre, hin}, {hin, out_fin});
+  ssd_dispatch(rec, dts, 2, 0, pc, tiles, {sr, idr, xr, Br, pre}, {hin, out_fin});
   ssd_dispatch(rec, dts, 4, 0, pc, chunks * g.npt, {xr, Cr, idr, pre, cb, hin}, {out_y});
 }
 
@@ -527,15 +540,13 @@ void ssd_back_record(NodeCall& c, const ScanDims& d) {
   pc.hin = ck ? addr(c.src[8]) + uint64_t(nx + nst) * 4 : scr.addr + uint64_t(o_hin) * 4;
   const Range &grr = c.src[0].range, &sr = c.src[1].range, &xr = c.src[2].range, &dtr = c.src[3].range,
               &Ar = c.src[4].range, &Br = c.src[5].range, &Cr = c.src[6].range, &idr = c.src[7].range;
-  const int64_t chunks = d.S * d.H * g.nc, elems = ceil_div(nst, 256);
+  const int64_t chunks = d.S * d.H * g.nc, tiles = d.S * d.H * g.npt * g.nnt;
   // Recorded in dependency order; consecutive dispatches on disjoint regions share a phase:
-  // [prep, CB] [states, state grads] [pass, reverse pass] [ds, dC/dB, du] [decay, dB/dC] [dA]
+  // [prep, CB] [states, state grads] [ds, dC/dB, du] [decay, dB/dC] [dA]
   ssd_dispatch(rec, dts, 0, 0, pc, chunks, {dtr, Ar}, {pre});
   ssd_dispatch(rec, dts, 1, 0, pc, d.S * d.G * g.nc, {Br, Cr}, {cb});
-  if (!ck) ssd_dispatch(rec, dts, 2, 0, pc, chunks * g.npt * g.nnt, {xr, Br, pre}, {hin});
-  ssd_dispatch(rec, dts, 2, 1, pc, chunks * g.npt * g.nnt, {grr, Cr, pre}, {lam});
-  if (!ck) ssd_dispatch(rec, dts, 3, 1, pc, elems, {sr, idr, pre, hin}, {hin});
-  ssd_dispatch(rec, dts, 3, 2, pc, elems, {grr, pre, lam}, {lam, dsi});
+  if (!ck) ssd_dispatch(rec, dts, 2, 1, pc, tiles, {sr, idr, xr, Br, pre}, {hin});
+  ssd_dispatch(rec, dts, 2, 2, pc, tiles, {grr, Cr, pre}, {lam, dsi});
 
   const uint64_t sa = scr.addr;
   FinPC f{};
