@@ -119,8 +119,8 @@ def _variant_defines() -> dict[str, list[str]]:
 
 
 def _params(flags: list[str]) -> dict[str, int]:
-    """BM BN BK WM WN STAGES PD BT of a variant (the shader's defaults for the last three)."""
-    d = {"STAGES": 2, "PD": 1, "BT": 0}
+    """BM BN BK WM WN STAGES PD BT DEFER of a variant (the shader's defaults for the last four)."""
+    d = {"STAGES": 2, "PD": 1, "BT": 0, "DEFER": 0}
     d.update({k: int(v) for k, v in (f[2:].split("=") for f in flags)})
     return d
 
@@ -145,7 +145,7 @@ def _workgroup(
 ) -> np.ndarray:
     """The accumulators (subgroup, i, j, 16, 16) of the workgroup whose C tile is at (m0, n0)."""
     bm, bn, bk, wm_, wn_ = d["BM"], d["BN"], d["BK"], d["WM"], d["WN"]
-    stages, pd, bt = d["STAGES"], d["PD"], d["BT"]
+    stages, pd, bt, defer = d["STAGES"], d["PD"], d["BT"], d["DEFER"]
     nw = (bm // wm_) * (bn // wn_)
     wg = nw * sg
     na, nb = bm * bk // 8 // wg, bk * bn // 8 // wg
@@ -206,13 +206,20 @@ def _workgroup(
     steps = k // bk
     load(0, 0)
     store(0, 0)
+    if defer and pd < steps:
+        load(0, pd * bk)
     for p in range(1, pd):
         load(p, p * bk)
     interval += 1
     for s0 in range(0, steps, pd):
         for u in range(pd):
             step = s0 + u
-            if step + pd < steps:
+            if defer:  # store the next step's slabs, then load those of step + 1 + PD
+                if step + 1 < steps:
+                    store((u + 1) % pd, (step + 1) % stages)
+                if step + 1 + pd < steps:
+                    load((u + 1) % pd, (step + 1 + pd) * bk)
+            elif step + pd < steps:
                 load(u, (step + pd) * bk)
             cur = step % stages
             assert holds[cur] == step, f"step {step} reads buffer {cur} holding {holds[cur]}"
@@ -235,10 +242,11 @@ def _workgroup(
                             for j in range(wn_ // 16)
                         ]
                     acc[w] += np.einsum("iab,jbc->ijac", np.array(fa), np.array(fb))
-            if stages == 1:
-                interval += 1  # barrier
-            if step + 1 < steps:
-                store((u + 1) % pd, (step + 1) % stages)
+            if not defer:
+                if stages == 1:
+                    interval += 1  # barrier
+                if step + 1 < steps:
+                    store((u + 1) % pd, (step + 1) % stages)
             interval += 1  # barrier
     reads = {(i, buf) for i, buf, rw in access if rw == "r"}
     writes = {(i, buf) for i, buf, rw in access if rw == "w"}
@@ -278,15 +286,17 @@ def test_the_shader_schedule_computes_a_at_b(name: str) -> None:
     nw = (d["BM"] // d["WM"]) * (d["BN"] // d["WN"])
     rng = np.random.default_rng(len(name))
     # 2 x 3 tiles (9 tile rows for one variant: past a GROUP_M band), 3 loop iterations of K
+    # (DEFER: also one, where the prologue's loads of later steps are left out)
     tiles_m = 9 if name == "cm64" else 2
-    m, n, k = d["BM"] * tiles_m, d["BN"] * 3, d["BK"] * d["PD"] * 3
-    a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
-    ref = a @ b
-    for sg in (32, 16, 8):  # subgroup sizes the host accepts (where the slabs divide)
-        if (d["BM"] * d["BK"] // 8) % (nw * sg) or (d["BK"] * d["BN"] // 8) % (nw * sg):
-            continue
-        c = _simulate(d, a, b, sg)
-        assert np.max(np.abs(c - ref)) <= 1e-12 * np.max(np.abs(a) @ np.abs(b))
+    for iterations in (1, 3) if d["DEFER"] else (3,):
+        m, n, k = d["BM"] * tiles_m, d["BN"] * 3, d["BK"] * d["PD"] * iterations
+        a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
+        ref = a @ b
+        for sg in (32, 16, 8):  # subgroup sizes the host accepts (where the slabs divide)
+            if (d["BM"] * d["BK"] // 8) % (nw * sg) or (d["BK"] * d["BN"] // 8) % (nw * sg):
+                continue
+            c = _simulate(d, a, b, sg)
+            assert np.max(np.abs(c - ref)) <= 1e-12 * np.max(np.abs(a) @ np.abs(b))
 
 
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
@@ -388,6 +398,10 @@ def test_unsupported_dtype_raises_with_the_reason(vulkan: str, dtype: str) -> No
         (260, 130, 100, "cm256x128k32s1p2"),
         (100, 100, 100, "cm64x128w2p2"),
         (130, 140, 70, "cm128w4k64s1bt"),
+        (300, 260, 48, "cm128x256d"),
+        (130, 140, 16, "cm128x256d"),
+        (200, 300, 40, "cm128w4dp2"),
+        (100, 100, 100, "cm128w4dp2"),
     ],
 )
 def test_coopmat_matmul_matches_float64(

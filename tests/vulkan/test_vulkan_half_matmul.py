@@ -361,6 +361,111 @@ def frag(x: np.ndarray, start: int, stride: int) -> np.ndarray:
     return np.concatenate([x[rows], x[rows + 1]], axis=1)
 
 
+def _op_tile(
+    t: dict[str, int],
+    oa: Operand,
+    ob: Operand,
+    layout: tuple[int, int, int, int],
+    m0: int,
+    n0: int,
+    K: int,
+) -> np.ndarray:
+    """The accumulators (subgroup, i, j, 16, 16) of the workgroup whose C tile is at (m0, n0),
+    by matmul_coopmat_op.comp's K loop: the staging, the fragment loads, the double buffering
+    (which step each buffer holds when read; no buffer read and written between barriers)."""
+    bm, bn, bk, wm_, wn_ = t["BM"], t["BN"], t["BK"], t["WM"], t["WN"]
+    stages = t.get("STAGES", 2)
+    a_t, b_t, vec_a, vec_b = layout
+    nw = (bm // wm_) * (bn // wn_)
+    a_stage = max(bm * (bk + 8), bk * (bm + 8)) // 8
+    b_stage = max(bk * (bn + 8), bn * (bk + 8)) // 8
+    a_cols, b_cols = (bm if a_t else bk), (bk if b_t else bn)
+    sa, sb = a_cols // 8 + 1, b_cols // 8 + 1
+    qa, qb = np.arange(bm * bk // 8), np.arange(bk * bn // 8)
+    a_s = np.full((stages * a_stage, 8), np.nan)
+    b_s = np.full((stages * b_stage, 8), np.nan)
+    holds = [-1] * stages
+    access: set[tuple[int, int, str]] = set()
+    acc = np.zeros((nw, wm_ // 16, wn_ // 16, 16, 16))
+    steps = -(-K // bk)
+    interval = 0  # barriers passed
+
+    def load(s: int) -> tuple[np.ndarray, np.ndarray, int]:
+        k0 = s * bk
+        ra = oa.item(
+            k0 if a_t else m0,
+            m0 if a_t else k0,
+            qa // (a_cols // 8),
+            qa % (a_cols // 8),
+            bool(vec_a),
+        )
+        rb = ob.item(
+            n0 if b_t else k0,
+            k0 if b_t else n0,
+            qb // (b_cols // 8),
+            qb % (b_cols // 8),
+            bool(vec_b),
+        )
+        return ra, rb, s
+
+    def store(regs: tuple[np.ndarray, np.ndarray, int], buf: int) -> None:
+        ra, rb, s = regs
+        a_s[buf * a_stage + (qa // (a_cols // 8)) * sa + qa % (a_cols // 8)] = ra
+        b_s[buf * b_stage + (qb // (b_cols // 8)) * sb + qb % (b_cols // 8)] = rb
+        holds[buf] = s
+        access.add((interval, buf, "w"))
+
+    def math(cur: int, s: int) -> None:
+        assert holds[cur] == s
+        access.add((interval, cur, "r"))
+        ab, bb = cur * a_stage, cur * b_stage
+        for w in range(nw):
+            wm, wn = (w // (bn // wn_)) * wm_, (w % (bn // wn_)) * wn_
+            for kk in range(0, bk, 16):
+                fa = [
+                    frag(a_s, ab + kk * sa + (wm + i * 16) // 8, sa).T
+                    if a_t
+                    else frag(a_s, ab + (wm + i * 16) * sa + kk // 8, sa)
+                    for i in range(wm_ // 16)
+                ]
+                fb = [
+                    frag(b_s, bb + (wn + j * 16) * sb + kk // 8, sb).T
+                    if b_t
+                    else frag(b_s, bb + kk * sb + (wn + j * 16) // 8, sb)
+                    for j in range(wn_ // 16)
+                ]
+                acc[w] += np.einsum("iab,jbc->ijac", np.array(fa), np.array(fb))
+
+    if t.get("DEFER", 0):
+        # step s reads buffer s & 1; first the slabs of step s + 1 (loaded during
+        # step s - 1) go to buffer (s + 1) & 1, then those of step s + 2 are loaded
+        store(load(0), 0)
+        regs = load(1) if steps > 1 else None
+        interval += 1
+        for s in range(steps):
+            if s + 1 < steps:
+                assert regs is not None and regs[2] == s + 1
+                store(regs, (s + 1) & 1)
+            if s + 2 < steps:
+                regs = load(s + 2)
+            math(s & 1, s)
+            interval += 1
+    else:
+        for s in range(steps + 1):
+            regs = load(s) if s < steps else None
+            if s > 0:
+                math((s - 1) & 1 if stages == 2 else 0, s - 1)
+                if stages == 1:  # a barrier between the fragment loads and the stores
+                    interval += 1
+            if regs is not None:
+                store(regs, s & 1 if stages == 2 else 0)
+            interval += 1
+    reads = {(i, x) for i, x, rw in access if rw == "r"}
+    writes = {(i, x) for i, x, rw in access if rw == "w"}
+    assert not reads & writes
+    return acc
+
+
 def simulate_op(
     t: dict[str, int],
     sg: int,
@@ -383,7 +488,6 @@ def simulate_op(
     nw = (bm // wm_) * (bn // wn_)
     wg = nw * sg
     a_stage = max(bm * (bk + 8), bk * (bm + 8)) // 8
-    b_stage = max(bk * (bn + 8), bn * (bk + 8)) // 8
     assert (bm * bk // 8) % wg == 0 and (bk * bn // 8) % wg == 0
     assert stages * a_stage >= nw * 64
     tiles_n, tiles_m = -(-N // bn), -(-M // bm)
@@ -407,68 +511,11 @@ def simulate_op(
             N if b_t else K,
             K if b_t else N,
         )
-        a_cols, b_cols = (bm if a_t else bk), (bk if b_t else bn)
-        sa, sb = a_cols // 8 + 1, b_cols // 8 + 1
-        qa, qb = np.arange(bm * bk // 8), np.arange(bk * bn // 8)
         done = set()
         for tm, tn in grouped_tiles(tiles_m, tiles_n, GROUP_M):
             done.add((tm, tn))
             m0, n0 = tm * bm, tn * bn
-            a_s = np.full((stages * a_stage, 8), np.nan)
-            b_s = np.full((stages * b_stage, 8), np.nan)
-            holds = [-1] * stages
-            access: set[tuple[int, int, str]] = set()
-            acc = np.zeros((nw, wm_ // 16, wn_ // 16, 16, 16))
-            steps = -(-K // bk)
-            for s in range(steps + 1):
-                if s < steps:
-                    k0 = s * bk
-                    ra = oa.item(
-                        k0 if a_t else m0,
-                        m0 if a_t else k0,
-                        qa // (a_cols // 8),
-                        qa % (a_cols // 8),
-                        bool(vec_a),
-                    )
-                    rb = ob.item(
-                        n0 if b_t else k0,
-                        k0 if b_t else n0,
-                        qb // (b_cols // 8),
-                        qb % (b_cols // 8),
-                        bool(vec_b),
-                    )
-                if s > 0:
-                    cur = (s - 1) & 1 if stages == 2 else 0
-                    assert holds[cur] == s - 1
-                    access.add((2 * s, cur, "r"))
-                    ab, bb = cur * a_stage, cur * b_stage
-                    for w in range(nw):
-                        wm, wn = (w // (bn // wn_)) * wm_, (w % (bn // wn_)) * wn_
-                        for kk in range(0, bk, 16):
-                            fa = [
-                                frag(a_s, ab + kk * sa + (wm + i * 16) // 8, sa).T
-                                if a_t
-                                else frag(a_s, ab + (wm + i * 16) * sa + kk // 8, sa)
-                                for i in range(wm_ // 16)
-                            ]
-                            fb = [
-                                frag(b_s, bb + (wn + j * 16) * sb + kk // 8, sb).T
-                                if b_t
-                                else frag(b_s, bb + kk * sb + (wn + j * 16) // 8, sb)
-                                for j in range(wn_ // 16)
-                            ]
-                            acc[w] += np.einsum("iab,jbc->ijac", np.array(fa), np.array(fb))
-                # STAGES 1: a barrier between the fragment loads and the stores
-                sub = 1 if stages == 1 and s > 0 else 0
-                if s < steps:
-                    buf = s & 1 if stages == 2 else 0
-                    a_s[buf * a_stage + (qa // (a_cols // 8)) * sa + qa % (a_cols // 8)] = ra
-                    b_s[buf * b_stage + (qb // (b_cols // 8)) * sb + qb % (b_cols // 8)] = rb
-                    holds[buf] = s
-                    access.add((2 * s + sub, buf, "w"))
-            reads = {(i, x) for i, x, rw in access if rw == "r"}
-            writes = {(i, x) for i, x, rw in access if rw == "w"}
-            assert not reads & writes
+            acc = _op_tile(t, oa, ob, (a_t, b_t, vec_a, vec_b), m0, n0, K)
             for w in range(nw):
                 wm, wn = (w // (bn // wn_)) * wm_, (w % (bn // wn_)) * wn_
                 for i in range(wm_ // 16):
@@ -590,9 +637,9 @@ def test_the_op_shaders_compile_without_function_storage(tmp_path: Path) -> None
     tools = find_coopmat_compiler()
     if not tools[0]:
         pytest.skip(f"no cooperative-matrix compiler here: {tools[4]}")
-    tile = op_tiles()["op64"]
-    for dt in ("f16", "bf16"):
-        spv = tmp_path / f"op64_{dt}.spv"
+    for name, dt in [(n, dt) for n in ("op64", "op128x256d") for dt in ("f16", "bf16")]:
+        tile = op_tiles()[name]  # op128x256d: the DEFER schedule
+        spv = tmp_path / f"{name}_{dt}.spv"
         flags = [f"-D{k}={v}" for k, v in tile.items()]
         flags += [f"-I{VK_DIR / 'shaders'}", f"-I{VK_DIR.parent / 'core/src/recurra/include'}"]
         src = VK_DIR / "shaders" / "matmul_coopmat_op.comp"

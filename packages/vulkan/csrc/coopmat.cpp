@@ -75,6 +75,8 @@ const Variant kVariants[] = {
     {"cm256x128k32s1p2", 256, 128, 32, 64, 64, 1, 2},
     {"cm64x128w2p2", 64, 128, 16, 64, 64, 2, 2},
     {"cm128w4k64s1bt", 128, 128, 64, 64, 64, 1, 1, true},
+    {"cm128x256d", 128, 256, 16, 64, 64},  // DEFER: the schedule does not change the tile
+    {"cm128w4dp2", 128, 128, 16, 64, 64, 2, 2},
 };
 
 const Variant* find_variant(const std::string& name) {
@@ -206,9 +208,9 @@ std::vector<std::string> coopmat_variants() {
 const CoopMatOpTile kOpTiles[] = {
     {"op128", 128, 128, 32, 64, 64},     // 4 subgroups of 64x64 (cm128w4's tiling)
     {"op256x128", 256, 128, 16, 64, 64}, // 8 subgroups of 64x64 (cm256x128's tiling)
-    {"op128x256", 128, 256, 16, 64, 64}, // 8 subgroups of 64x64 (cm128x256's tiling)
     {"op128k64s1", 128, 128, 64, 64, 64, 1},  // cm128w4k64s1's: K steps of 64, one buffer
     {"op64", 64, 64, 32, 32, 32},        // 4 subgroups of 32x32 (cm64's tiling)
+    {"op128x256d", 128, 256, 16, 64, 64},  // 8 subgroups of 64x64, DEFER (cm128x256d's)
 };
 
 static const CoopMatOpTile* find_op_tile(const std::string& name) {
@@ -229,18 +231,22 @@ std::string coopmat_op_why_not(const Device& d, bool bf16) {
   return "";
 }
 
-const CoopMatOpTile* coopmat_op_tile(int64_t m, int64_t n, int64_t batch) {
+const CoopMatOpTile* coopmat_op_tile(int64_t m, int64_t n, int64_t k, int64_t batch) {
   const char* env = std::getenv("RECURRA_VK_COOPMAT");
   const std::string v = env ? env : "";
   if (v == "off") return nullptr;
   if (v.empty() || v == "auto") {
-    // Measured on an H200 (132 SMs), float16, same run: 128x256 tiles win where there are two
-    // per SM (4096^3: 178 TFLOP/s vs op128 164); 128x128 tiles from one per SM (in_proj dW,
-    // 162 tiles: 162 vs op64 94; the LM head's dX, 192 tiles: 156 vs op64 80); the 64x64
-    // tile only below that.
+    // Measured on an H200 (132 SMs), bfloat16, same run (bench/coopmat.py; workgroups counted
+    // with the split-K slices as the batch): op128x256d where there are two 128x256
+    // workgroups per SM (4096^3: 228 TFLOP/s vs 183 for op128x256, the same tiling without
+    // DEFER; the LM head's x@W and dW +18% and +20%), and from 160 of them when K is at most
+    // 4096 (in_proj dW, 168: 126 vs op128 100; out_proj x@W and dX, 192: 109 vs 95 and 190 vs
+    // 117; in_proj dX, 192: 108 vs 106); with a long K (the LM head's dX, K 25140 a slice, 192:
+    // 105 vs op128 142) or fewer, op128 from one 128x128 tile per SM (the out_proj dW, 144: 97
+    // vs op128x256d 85); the 64x64 tile only below that.
     const int64_t tiles = ((m + 127) / 128) * ((n + 127) / 128) * batch;
     const int64_t wide = ((m + 127) / 128) * ((n + 255) / 256) * batch;
-    if (wide >= 264) return find_op_tile("op128x256");
+    if (wide >= 264 || (wide >= 160 && k <= 4096)) return find_op_tile("op128x256d");
     return find_op_tile(tiles >= 132 ? "op128" : "op64");
   }
   if (const CoopMatOpTile* t = find_op_tile(v)) return t;

@@ -148,12 +148,13 @@ struct CoopMatOpTile {
 // subgroup size of at least 8, 2-byte storage), else why not.
 std::string coopmat_op_why_not(const Device& d, bool bf16);
 
-// The tiling for a product with an M x N output per batch matrix: RECURRA_VK_COOPMAT names one
-// ("op128", "op256x128", "op128x256", "op128k64s1", "op64"), else by size: the 128x128 tile when it gives enough
-// workgroups to fill the GPU (two per SM of an H200), else the 64x64 one. nullptr when
+// The tiling for a product with an M x N output per batch matrix and inner size K:
+// RECURRA_VK_COOPMAT names one ("op128", "op256x128", "op128k64s1", "op64", "op128x256d"), else
+// by size: the 128x256 tile (DEFER schedule) when it gives two workgroups per SM of an H200 (or
+// 160 and K <= 4096), else the 128x128 tile when it fills the GPU, else the 64x64 one. nullptr when
 // RECURRA_VK_COOPMAT=off (the op then runs the fallback shader). Throws Error
 // (RECURRA_ERR_INVALID) for an unknown name.
-const CoopMatOpTile* coopmat_op_tile(int64_t m, int64_t n, int64_t batch);
+const CoopMatOpTile* coopmat_op_tile(int64_t m, int64_t n, int64_t k, int64_t batch);
 std::vector<std::string> coopmat_op_tiles();
 
 // The workgroup size of `tile` on `d` (its subgroups times the subgroup size); throws Error

@@ -16,7 +16,9 @@
 // shared memory, and the slabs of step s + 1 (read PD steps earlier) are stored into the
 // shared buffer step s + 1 uses. With STAGES = 2 shared buffers that is one barrier per step;
 // with STAGES = 1 (half the shared memory, room for a longer BK) a second barrier separates
-// the last reads of the buffer from the stores. Shared rows are padded by 8 elements (16
+// the last reads of the buffer from the stores. DEFER = 1 (STAGES = 2) moves each step's stores
+// to the start of the next step, behind its barrier (see STEP): NVIDIA's compiler otherwise
+// hoists them above the math, where they wait for the loads issued just before. Shared rows are padded by 8 elements (16
 // bytes), which spreads the 16-byte row segments of a 16x16 load over all banks.
 //
 // Shapes (the host checks): M % BM == 0, N % BN == 0, K % (BK * PD) == 0 (the standalone
@@ -24,7 +26,8 @@
 //
 // Build-time defines: BM BN BK WM WN (WM, WN, BK multiples of 16; BM/WM * BN/WN = NW
 // subgroups), STAGES (2, or 1), PD (prefetch distance in steps, 1 to 4), BT (1: B staged
-// transposed, BN rows of BK + 8, its fragments loaded column-major). Specialization
+// transposed, BN rows of BK + 8, its fragments loaded column-major), DEFER (0, or 1: stores at
+// the start of the next step), PROBE (diagnosis only, wrong results: tools/coopmat_probe.cpp). Specialization
 // constant 0 (csrc/coopmat.cpp): the workgroup size WG = NW * the subgroup size (8 to 32;
 // BM * BK / 8 and BK * BN / 8 must be multiples of it). The schedule and indexing are
 // transliterated in tests/vulkan/test_vulkan_coopmat.py (checked against A @ B there).
@@ -42,6 +45,12 @@
 #endif
 #ifndef PD
 #define PD 1  // prefetch distance in K steps (1 to 4): register sets of staged slabs in flight
+#endif
+#ifndef DEFER
+#define DEFER 0  // 1: a staged slab is stored at the start of the next step (see STEP)
+#endif
+#if DEFER && STAGES != 2
+#error "matmul_coopmat.comp: DEFER needs STAGES = 2"
 #endif
 #define NW ((BM / WM) * (BN / WN))  // subgroups per workgroup
 #define SA ((BK + 8) / 8)  // padded shared row of A, in uvec4
@@ -135,27 +144,61 @@ const uint NB = BK * BN / 8 / WG;
 // STEP(u): K step s0 + u, its slabs in shared buffer (s0 + u) % STAGES; the slabs of step
 // s0 + u + PD are loaded into register set u (in flight during PD steps of math), those of
 // step s0 + u + 1 (register set (u + 1) % PD) stored for the next step.
-#define STEP(u)                                                                                       \
+#ifndef PROBE
+// Diagnosis only (tools/coopmat_probe.cpp; the results are wrong): 1 leaves out the global loads
+// and shared stores of the K loop (its ceiling with every slab in shared memory), 2 also the
+// fragment loads (fragments loaded once: the tensor-core ceiling through the driver).
+#define PROBE 0
+#endif
+#define LOAD_FRAGS(kk, abase, bbase)                                                                  \
+  [[unroll]] for (int i = 0; i < TM; ++i)                                                             \
+    coopMatLoad(fa[i], As, abase + (wm + i * 16) * SA + kk / 8, SA, gl_CooperativeMatrixLayoutRowMajor); \
+  [[unroll]] for (int j = 0; j < TN; ++j)                                                             \
+    LOAD_FB(j, kk);
+
+#define MATH(cur)                                                                                     \
   {                                                                                                   \
-    const uint step = s0 + (u);                                                                       \
-    if (step + PD < steps) LOAD_SLABS((u), (step + PD) * BK);                                         \
-    const uint cur = step % STAGES;                                                                   \
-    const uint abase = cur * (BM * SA), bbase = cur * B_STAGE;                                        \
+    const uint abase = (cur) * (BM * SA), bbase = (cur) * B_STAGE;                                    \
     [[unroll]] for (int kk = 0; kk < BK; kk += 16) {                                                  \
-      coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> fa[TM];                             \
-      coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> fb[TN];                             \
-      [[unroll]] for (int i = 0; i < TM; ++i)                                                         \
-        coopMatLoad(fa[i], As, abase + (wm + i * 16) * SA + kk / 8, SA, gl_CooperativeMatrixLayoutRowMajor); \
-      [[unroll]] for (int j = 0; j < TN; ++j)                                                         \
-        LOAD_FB(j, kk);                                                                               \
+      if (PROBE != 2) { LOAD_FRAGS(kk, abase, bbase) }                                                \
       [[unroll]] for (int i = 0; i < TM; ++i)                                                         \
         [[unroll]] for (int j = 0; j < TN; ++j)                                                       \
           acc[i][j] = coopMatMulAdd(fa[i], fb[j], acc[i][j]);                                         \
     }                                                                                                 \
-    if (STAGES == 1) barrier(); /* every subgroup is done with the one buffer */                      \
-    if (step + 1 < steps) STORE_SLABS(((u) + 1) % PD, (step + 1) % STAGES);                           \
-    barrier();                                                                                        \
   }
+
+#if DEFER
+// STEP(u), DEFER = 1: K step s = s0 + u reads shared buffer s % 2. It first stores the slabs of
+// step s + 1 (register set (u + 1) % PD, loaded PD steps earlier) into buffer (s + 1) % 2, free
+// since the barrier that ended step s - 1, then loads the slabs of step s + 1 + PD into that
+// register set. The store waits on loads issued PD steps earlier, across a barrier, so the
+// compiler cannot move it next to them: with the store at the end of the step (DEFER = 0)
+// NVIDIA's compiler (driver 580, H200 SASS) hoists it above the math, right behind the loads
+// of the same step (PD = 1), and every step waits out a global load.
+#define STEP(u)                                                                                       \
+  {                                                                                                   \
+    const uint step = s0 + (u);                                                                       \
+    if (PROBE == 0 && step + 1 < steps) STORE_SLABS(((u) + 1) % PD, (step + 1) % 2);                  \
+    if (PROBE == 0 && step + 1 + PD < steps) LOAD_SLABS(((u) + 1) % PD, (step + 1 + PD) * BK);        \
+    MATH(step % 2)                                                                                    \
+    if (PROBE < 2) barrier();                                                                         \
+  }
+#else
+// STEP(u): K step s0 + u, its slabs in shared buffer (s0 + u) % STAGES; the slabs of step
+// s0 + u + PD are loaded into register set u (in flight during PD steps of math), those of
+// step s0 + u + 1 (register set (u + 1) % PD) stored for the next step.
+#define STEP(u)                                                                                       \
+  {                                                                                                   \
+    const uint step = s0 + (u);                                                                       \
+    if (PROBE == 0 && step + PD < steps) LOAD_SLABS((u), (step + PD) * BK);                           \
+    MATH(step % STAGES)                                                                               \
+    if (PROBE < 2) {                                                                                  \
+      if (STAGES == 1) barrier(); /* every subgroup is done with the one buffer */                    \
+      if (PROBE == 0 && step + 1 < steps) STORE_SLABS(((u) + 1) % PD, (step + 1) % STAGES);           \
+      barrier();                                                                                      \
+    }                                                                                                 \
+  }
+#endif
 
 layout(buffer_reference, std430, buffer_reference_align = 16) readonly buffer U4Buf { uvec4 v[]; };
 layout(buffer_reference, std430, buffer_reference_align = 16) writeonly buffer FBuf { float v[]; };
@@ -192,13 +235,19 @@ void main() {
     [[unroll]] for (int j = 0; j < TN; ++j)
       acc[i][j] = coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
 
-  // Staging registers: PD sets (set r holds the slabs of the steps s with s % PD == r).
+  coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> fa[TM];
+  coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> fb[TN];
+
   uvec4 ra[PD][NA_MAX], rb[PD][NB_MAX];
   const uint steps = pc.K / BK;  // a multiple of PD (the host pads K to BK * PD)
 
-  // Step 0 straight into shared buffer 0; steps 1 .. PD-1 into their register sets.
+  // Step 0 straight into shared buffer 0; steps 1 .. PD-1 (DEFER: 1 .. PD) into their register
+  // sets (set r holds the slabs of the steps s with s % PD == r).
   LOAD_SLABS(0, 0);
   STORE_SLABS(0, 0);
+#if DEFER
+  if (PD < steps) LOAD_SLABS(0, PD * BK);  // step PD, in set 0 (PD = 1: the next step)
+#endif
 #if PD > 1
   LOAD_SLABS(1, BK);
 #endif
@@ -209,6 +258,10 @@ void main() {
   LOAD_SLABS(3, 3 * BK);
 #endif
   barrier();
+  if (PROBE == 2) {
+    const uint abase = 0, bbase = 0;
+    LOAD_FRAGS(0, abase, bbase)
+  }
 
   // The loop body is PD steps written out (STEP(u): step s0 + u), so that the register set of
   // every step is a constant index (spirv-opt does not unroll a loop around a barrier).

@@ -18,7 +18,11 @@
 // step s + 1 are read from global memory into registers while step s is multiplied out of
 // shared memory, then stored into the other shared buffer (STAGES = 2: two buffers, one
 // barrier a step; STAGES = 1: one buffer, half the memory for a longer K step, and a second
-// barrier between the last fragment loads of a step and the stores of the next).
+// barrier between the last fragment loads of a step and the stores of the next). DEFER = 1
+// (STAGES = 2) stores the slabs of step s + 1 at the start of step s, behind the barrier that
+// ended step s - 1, and only then loads those of step s + 2: with the stores at the end of the
+// step NVIDIA's compiler hoists them above the math, where they wait for the loads just issued
+// (matmul_coopmat.comp's DEFER).
 //
 // Staging: each operand's slab is stored with the operand's contiguous axis along the shared
 // row (rows padded by 8 elements against bank conflicts), and its fragments are loaded row- or
@@ -37,7 +41,7 @@
 // (then idle) A buffers, and its invocations round and store the elements inside C.
 //
 // Build-time defines: BM BN BK WM WN (WM, WN, BK multiples of 16, BM and BN multiples of 8),
-// STAGES (2, the default, or 1).
+// STAGES (2, the default, or 1), DEFER (0, the default, or 1).
 // Specialization constants (csrc/coopmat.cpp, csrc/ops/matmul.cpp): 0 the workgroup size
 // WG = NW * the subgroup size (8 to 32), 1 A_T, 2 B_T, 3 VEC_A, 4 VEC_B, 5 DT (2 bfloat16,
 // 3 float16: the rounding of C; 0: C holds float32, the partial sums of a split-K product). The schedule and indexing are transliterated in
@@ -68,6 +72,12 @@
 #endif
 #if STAGES != 1 && STAGES != 2
 #error "matmul_coopmat_op.comp: STAGES must be 1 or 2"
+#endif
+#ifndef DEFER
+#define DEFER 0  // 1: a staged slab is stored at the start of the next step (see the K loop)
+#endif
+#if DEFER && STAGES != 2
+#error "matmul_coopmat_op.comp: DEFER needs STAGES = 2"
 #endif
 #if STAGES * BM * (BK + 8) / 8 < NW * 64 && STAGES * BK * (BM + 8) / 8 < NW * 64
 #error "matmul_coopmat_op.comp: the epilogue needs 1 KiB of the A buffers per subgroup"
@@ -165,61 +175,84 @@ void main() {
 
   uvec4 ra[NA_MAX], rb[NB_MAX];
   const int steps = (pc.K + BK - 1) / BK;
+  // LOAD_STEP(s): the slabs of K step s into the registers; STORE_STEP(buf): the registers into
+  // shared buffer buf; MATH_STEP(buf): the fragments of buffer buf multiplied into acc.
+#define LOAD_STEP(s)                                                                              \
+  {                                                                                               \
+    const int k0 = (s) * BK;                                                                      \
+    [[unroll]] for (uint i = 0; i < NA_MAX; ++i) {                                                \
+      const uint q = i * WG + t;                                                                  \
+      const int row = int(q / (a_cols / 8)), cg = int(q % (a_cols / 8));                          \
+      if (i < NA) ra[i] = load_item(oa, A_T != 0 ? k0 : m0, A_T != 0 ? m0 : k0, row, cg, VEC_A);  \
+    }                                                                                             \
+    [[unroll]] for (uint i = 0; i < NB_MAX; ++i) {                                                \
+      const uint q = i * WG + t;                                                                  \
+      const int row = int(q / (b_cols / 8)), cg = int(q % (b_cols / 8));                          \
+      if (i < NB) rb[i] = load_item(ob, B_T != 0 ? n0 : k0, B_T != 0 ? k0 : n0, row, cg, VEC_B);  \
+    }                                                                                             \
+  }
+#define STORE_STEP(buf)                                                                           \
+  {                                                                                               \
+    const uint abase = (buf) * A_STAGE, bbase = (buf) * B_STAGE;                                  \
+    [[unroll]] for (uint i = 0; i < NA_MAX; ++i) {                                                \
+      const uint q = i * WG + t;                                                                  \
+      if (i < NA) As[abase + (q / (a_cols / 8)) * sa + q % (a_cols / 8)] = ra[i];                 \
+    }                                                                                             \
+    [[unroll]] for (uint i = 0; i < NB_MAX; ++i) {                                                \
+      const uint q = i * WG + t;                                                                  \
+      if (i < NB) Bs[bbase + (q / (b_cols / 8)) * sb + q % (b_cols / 8)] = rb[i];                \
+    }                                                                                             \
+  }
+#define MATH_STEP(buf)                                                                                         \
+  {                                                                                                            \
+    const uint abase = (buf) * A_STAGE, bbase = (buf) * B_STAGE;                                               \
+    [[unroll]] for (uint kk = 0; kk < BK; kk += 16) {                                                          \
+      coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> fa[TM];                                      \
+      coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> fb[TN];                                      \
+      [[unroll]] for (uint i = 0; i < TM; ++i) {                                                               \
+        if (A_T != 0)                                                                                          \
+          coopMatLoad(fa[i], As, abase + kk * sa + (wm + i * 16) / 8, sa, gl_CooperativeMatrixLayoutColumnMajor); \
+        else                                                                                                   \
+          coopMatLoad(fa[i], As, abase + (wm + i * 16) * sa + kk / 8, sa, gl_CooperativeMatrixLayoutRowMajor);    \
+      }                                                                                                        \
+      [[unroll]] for (uint j = 0; j < TN; ++j) {                                                               \
+        if (B_T != 0)                                                                                          \
+          coopMatLoad(fb[j], Bs, bbase + (wn + j * 16) * sb + kk / 8, sb, gl_CooperativeMatrixLayoutColumnMajor); \
+        else                                                                                                   \
+          coopMatLoad(fb[j], Bs, bbase + kk * sb + (wn + j * 16) / 8, sb, gl_CooperativeMatrixLayoutRowMajor);    \
+      }                                                                                                        \
+      [[unroll]] for (int i = 0; i < TM; ++i)                                                                  \
+        [[unroll]] for (int j = 0; j < TN; ++j)                                                                \
+          acc[i][j] = coopMatMulAdd(fa[i], fb[j], acc[i][j]);                                                  \
+    }                                                                                                          \
+  }
+#if DEFER
+  // Step s reads buffer s & 1. It first stores the slabs of step s + 1 (loaded during step
+  // s - 1) into buffer (s + 1) & 1, free since the barrier that ended step s - 1, then loads
+  // those of step s + 2: the store waits on loads issued a whole step earlier, and the barrier
+  // keeps the compiler from moving it next to them (matmul_coopmat.comp's DEFER).
+  LOAD_STEP(0)
+  STORE_STEP(0)
+  if (1 < steps) LOAD_STEP(1)
+  barrier();
+  for (int s = 0; s < steps; ++s) {
+    if (s + 1 < steps) STORE_STEP((s + 1) & 1)
+    if (s + 2 < steps) LOAD_STEP(s + 2)
+    MATH_STEP(s & 1)
+    barrier();
+  }
+#else
   for (int s = 0; s < steps + 1; ++s) {
     // s < steps: load the slabs of step s; s > 0: multiply step s - 1 (buffer (s - 1) & 1,
     // STAGES 1: buffer 0) while they arrive; then store them into buffer s & 1 (0), read by
     // the next iteration.
-    if (s < steps) {
-      const int k0 = s * BK;
-      [[unroll]] for (uint i = 0; i < NA_MAX; ++i) {
-        const uint q = i * WG + t;
-        const int row = int(q / (a_cols / 8)), cg = int(q % (a_cols / 8));
-        if (i < NA) ra[i] = load_item(oa, A_T != 0 ? k0 : m0, A_T != 0 ? m0 : k0, row, cg, VEC_A);
-      }
-      [[unroll]] for (uint i = 0; i < NB_MAX; ++i) {
-        const uint q = i * WG + t;
-        const int row = int(q / (b_cols / 8)), cg = int(q % (b_cols / 8));
-        if (i < NB) rb[i] = load_item(ob, B_T != 0 ? n0 : k0, B_T != 0 ? k0 : n0, row, cg, VEC_B);
-      }
-    }
-    if (s > 0) {
-      const uint cur = STAGES == 2 ? (s - 1) & 1 : 0;
-      const uint abase = cur * A_STAGE, bbase = cur * B_STAGE;
-      [[unroll]] for (uint kk = 0; kk < BK; kk += 16) {
-        coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> fa[TM];
-        coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> fb[TN];
-        [[unroll]] for (uint i = 0; i < TM; ++i) {
-          if (A_T != 0)
-            coopMatLoad(fa[i], As, abase + kk * sa + (wm + i * 16) / 8, sa, gl_CooperativeMatrixLayoutColumnMajor);
-          else
-            coopMatLoad(fa[i], As, abase + (wm + i * 16) * sa + kk / 8, sa, gl_CooperativeMatrixLayoutRowMajor);
-        }
-        [[unroll]] for (uint j = 0; j < TN; ++j) {
-          if (B_T != 0)
-            coopMatLoad(fb[j], Bs, bbase + (wn + j * 16) * sb + kk / 8, sb, gl_CooperativeMatrixLayoutColumnMajor);
-          else
-            coopMatLoad(fb[j], Bs, bbase + kk * sb + (wn + j * 16) / 8, sb, gl_CooperativeMatrixLayoutRowMajor);
-        }
-        [[unroll]] for (int i = 0; i < TM; ++i)
-          [[unroll]] for (int j = 0; j < TN; ++j)
-            acc[i][j] = coopMatMulAdd(fa[i], fb[j], acc[i][j]);
-      }
-    }
+    if (s < steps) LOAD_STEP(s)
+    if (s > 0) MATH_STEP(STAGES == 2 ? (s - 1) & 1 : 0)
     if (STAGES == 1 && s > 0) barrier();  // every subgroup is done with the one buffer
-    if (s < steps) {
-      const uint nxt = STAGES == 2 ? s & 1 : 0;
-      const uint abase = nxt * A_STAGE, bbase = nxt * B_STAGE;
-      [[unroll]] for (uint i = 0; i < NA_MAX; ++i) {
-        const uint q = i * WG + t;
-        if (i < NA) As[abase + (q / (a_cols / 8)) * sa + q % (a_cols / 8)] = ra[i];
-      }
-      [[unroll]] for (uint i = 0; i < NB_MAX; ++i) {
-        const uint q = i * WG + t;
-        if (i < NB) Bs[bbase + (q / (b_cols / 8)) * sb + q % (b_cols / 8)] = rb[i];
-      }
-    }
+    if (s < steps) STORE_STEP(STAGES == 2 ? s & 1 : 0)
     barrier();
   }
+#endif
 
   // Epilogue (the loop ended on a barrier: no subgroup reads the A buffers any more). EPI(i, j)
   // is written out per fragment, not as a loop: the element loop inside would stop spirv-opt

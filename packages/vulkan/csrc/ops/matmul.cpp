@@ -194,7 +194,8 @@ void dispatch_half(NodeCall& c, const MatmulPC& pc, int64_t batch, const int64_t
                    int32_t dt, bool c_f32, const Range& out) {
   Device& dev = c.rec.device();
   const bool bf16 = dt == 2;
-  const CoopMatOpTile* tile = coopmat_op_why_not(dev, bf16).empty() ? coopmat_op_tile(pc.M, pc.N, batch) : nullptr;
+  const CoopMatOpTile* tile =
+      coopmat_op_why_not(dev, bf16).empty() ? coopmat_op_tile(pc.M, pc.N, pc.K, batch) : nullptr;
   if (tile) {
     // Each operand staged along its contiguous axis: A m-contiguous (a_rs 1, x^T views) or
     // k-contiguous/general; B k-contiguous (b_rs 1, W^T views) or n-contiguous/general.

@@ -60,7 +60,7 @@ def coopmat_matmul(
     b: np.ndarray,
     dtype: str = "bf16",
     reps: int = 1,
-    variant: str = "cm128",
+    variant: str = "cm128w4dp2",
     device: int = 0,
 ) -> tuple[np.ndarray, float]: ...
 def shutdown() -> None: ...
