@@ -16,7 +16,7 @@ locked once (``MPI_Win_lock_all``, no check), and between phases each rank runs
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -33,11 +33,11 @@ class _Window:
 
         self.win = MPI.Win.Allocate_shared(4 * max(n, 1), 4, comm=node)
         self.win.Lock_all(MPI.MODE_NOCHECK)
-        self.segments = []
+        self.segments: list[np.ndarray] = []
         for q in range(node.Get_size()):
             mem, _ = self.win.Shared_query(q)
-            self.segments.append(np.frombuffer(mem, np.float32)[:n])
-        self.mine = self.segments[node.Get_rank()]
+            self.segments.append(np.frombuffer(cast(Any, mem), np.float32)[:n])
+        self.mine: np.ndarray = self.segments[node.Get_rank()]
         self.base = self.mine.ctypes.data
         self.size = n
 
