@@ -163,7 +163,9 @@ void wkv7_forward(KernelCtx& c, const Dims& d) {
     if (d.nhss() <= kSerialStates || c.pool.size() == 1) {
       for (int64_t q = 0; q < d.N; ++q) wkv7_forward_one(in, d, s0, sN, y, q, 0, d.H);
     } else {
-      c.pool.run(d.N * d.H, [&](int64_t t, int) { wkv7_forward_one(in, d, s0, sN, y, t / d.H, t % d.H, t % d.H + 1); });
+      c.pool.run(d.N * d.H, [&](int64_t t, int) {
+        wkv7_forward_one(in, d, s0, sN, y, t / d.H, t % d.H, t % d.H + 1);
+      });
     }
     return;
   }
