@@ -7,7 +7,9 @@ with W (n, k) float32 over a ring of distinct matrices of --ring-mib MiB in all 
 last-level cache, as in a token step, where 0.5 GB of weights stream once per token):
 
 - ours: one explicit graph of all the ring's products (recurra.Graph, ``matmul(x, W.T)``),
-  computed once per repetition on --threads threads;
+  computed once per repetition on --threads threads; beside it the same graph with
+  RECURRA_GEMV_ADJACENT=1 (the kernel's four rows adjacent instead of a quarter of a task
+  apart: one short stream per row group instead of four long ones), the two alternating;
 - sgemv: OpenBLAS's cblas_sgemv (the scipy-openblas32 wheel, ctypes) on the same matrices
   with OpenBLAS's own --threads threads;
 - copy: the memory bandwidth of a plain copy of --ring-mib MiB (numpy's copyto, read +
@@ -53,7 +55,8 @@ def median_s(fn, reps: int) -> float:
     return statistics.median(runs)
 
 
-def ours(ws: list[np.ndarray], x: np.ndarray, reps: int) -> tuple[float, np.ndarray]:
+def ours(ws: list[np.ndarray], x: np.ndarray, reps: int) -> tuple[float, float, np.ndarray]:
+    """(seconds of the ring's products, the same with adjacent rows, the first result)."""
     import recurra as rc
 
     g = rc.Graph()
@@ -66,8 +69,16 @@ def ours(ws: list[np.ndarray], x: np.ndarray, reps: int) -> tuple[float, np.ndar
         g.set_output(y)
         outs.append(y)
     g.set_data(xi, x)
-    s = median_s(g.compute, reps)
-    return s, g.get_data(outs[0])
+    runs: dict[str, list[float]] = {"0": [], "1": []}
+    g.compute()
+    for _ in range(reps):
+        for flag, times in runs.items():
+            os.environ["RECURRA_GEMV_ADJACENT"] = flag
+            t0 = time.perf_counter()
+            g.compute()
+            times.append(time.perf_counter() - t0)
+    del os.environ["RECURRA_GEMV_ADJACENT"]
+    return statistics.median(runs["0"]), statistics.median(runs["1"]), g.get_data(outs[0])
 
 
 class Sgemv:
@@ -129,16 +140,16 @@ def main() -> None:
     for t in sorted({1, args.threads}):
         gbs = copy_gbs(args.ring_mib, args.reps, t)
         print(f"copy, {t} thread(s), read+write: {gbs:.1f} GB/s")
-    print(f"{'shape':<20} {'ours GB/s':>10} {'sgemv GB/s':>11} {'ratio':>6}")
+    print(f"{'shape':<20} {'ours GB/s':>10} {'adjacent':>9} {'sgemv GB/s':>11} {'ratio':>6}")
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         ws = ring(n, k, args.ring_mib)
         x = np.random.default_rng(1).standard_normal((1, k)).astype(np.float32)
         nbytes = sum(w.nbytes for w in ws)
-        s_ours, y = ours(ws, x, args.reps)
+        s_ours, s_adj, y = ours(ws, x, args.reps)
         ref = ws[0].astype(np.float64) @ x[0].astype(np.float64)
         err = float(np.abs(y[0] - ref).max() / np.abs(ref).max())
-        line = f"{name:<20} {nbytes / s_ours / 1e9:10.1f}"
+        line = f"{name:<20} {nbytes / s_ours / 1e9:10.1f} {nbytes / s_adj / 1e9:9.1f}"
         if blas:
             s_b, yb = blas.run(ws, x[0].copy(), args.reps)
             line += f" {nbytes / s_b / 1e9:11.1f} {s_b / s_ours:6.2f}"

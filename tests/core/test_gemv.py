@@ -95,6 +95,23 @@ def test_same_bits_for_every_thread_count(threads):
         np.testing.assert_array_equal(o, outs[0])
 
 
+def test_same_bits_with_adjacent_rows(threads, monkeypatch):
+    # The kernel groups rows a quarter of a task apart; RECURRA_GEMV_ADJACENT=1 groups
+    # adjacent rows (the layout before, kept for A/B timings). A row's sum does not depend
+    # on its group, nor on whether it is read alone (the rows left over): same bits.
+    threads(2)
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((1, 777)).astype(np.float32)
+    for n in (7, 1001, 3001):  # one task with rows left over; several tasks of the pool
+        w = rng.standard_normal((n, 777)).astype(np.float32)
+        far = ops.matmul(rc.tensor(x), rc.tensor(w).T).numpy()
+        monkeypatch.setenv("RECURRA_GEMV_ADJACENT", "1")
+        adjacent = ops.matmul(rc.tensor(x), rc.tensor(w).T).numpy()
+        monkeypatch.delenv("RECURRA_GEMV_ADJACENT")
+        _check(far, _want(x, w.T), 777)
+        np.testing.assert_array_equal(far, adjacent)
+
+
 def test_graph_step_product(threads):
     # As in a token step: an explicit graph, x bound per call, the weight a bound leaf.
     threads(2)

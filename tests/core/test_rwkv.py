@@ -188,6 +188,22 @@ def test_threads_agree(name, T, H, S, n_seqs, restore_threads):
         np.testing.assert_allclose(two, one, rtol=1e-6, atol=0)
 
 
+# One token per sequence (a generation step): rwkv_wkv7 updates the state rows where they
+# lie; head sizes with vector tails (17, 20, 80) and none (64); the 2 x 12 x 64 x 64 state
+# is past the size computed on the calling thread alone, so it goes over the pool.
+@pytest.mark.parametrize(
+    "H,S,n_seqs", [(2, 17, 3), (3, 20, 1), (12, 64, 1), (12, 64, 2), (1, 80, 2)]
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_wkv7_one_token(H, S, n_seqs, threads, restore_threads):
+    rc.set_num_threads(threads)
+    xs = f32(make_inputs("rwkv_wkv7", n_seqs, H, S, n_seqs))
+    y, state = ops.rwkv_wkv7(*(rc.tensor(a) for a in xs))
+    y_ref, state_ref = rwkv_wkv7_ref(*xs)
+    np.testing.assert_allclose(y.numpy(), y_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(state.numpy(), state_ref, rtol=1e-5, atol=1e-5)
+
+
 # ---- errors --------------------------------------------------------------------------------
 
 

@@ -1,9 +1,10 @@
 // x (1, K) @ W.T for W stored (N, K): see gemv.h.
 //
 // The kernel takes four rows of W at a time and runs down them together with two 8-wide
-// accumulators per row (eight FMA chains, each row read once, front to back, so the hardware
-// prefetcher sees four sequential streams), then folds the four rows' sums with three hadds.
-// Rows left over (N % 4) run alone.
+// accumulators per row (eight FMA chains, each row read once, front to back), then folds the
+// four rows' sums with three hadds. The four rows lie a quarter of the task's range apart,
+// so that each core reads four long sequential streams (see dot_rows_avx2). Rows left over
+// ((r1 - r0) % 4) run alone, folded the same way.
 //
 // The split over the pool (split_rows) hands out contiguous ranges of rows (multiples of
 // four), largest first: each range is a share of what is left (remaining / (2 * threads)),
@@ -66,11 +67,12 @@ void dot_rows_portable(const float* w, int64_t ldw, const float* x, int64_t k, f
 
 #ifdef RC_GEMV_X86
 
-__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+// The sum of row i's two accumulators (a + b), folded as the 4-row group does it: lane pairs,
+// then pairs of pairs, then the two halves: ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)).
+// A row read alone folds the same way, so a row's sum does not depend on its group.
+__attribute__((target("avx2,fma"))) inline __m128 fold4(__m256 s0, __m256 s1, __m256 s2, __m256 s3) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
 // A mask loading the first `rem` (< 8) lanes.
@@ -79,17 +81,26 @@ __attribute__((target("avx2,fma"))) inline __m256i tail_mask(int64_t rem) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(rem)), lane);
 }
 
+// Rows [r0, r1). The four rows of a group lie a quarter of the range apart (rows r0 + g,
+// r0 + g + q, r0 + g + 2q, r0 + g + 3q for q = (r1 - r0) / 4): four long sequential streams
+// that the hardware prefetcher follows from one group into the next, where four adjacent
+// rows (3 KiB each for K = 768) made four short streams that it picked up anew at every
+// group. A single stream per core draws ~11 GB/s here, four ~16 GB/s (bench/gemv.py).
+// RECURRA_GEMV_ADJACENT=1 (read at every call, for A/B timings) groups adjacent rows.
 __attribute__((target("avx2,fma"))) void dot_rows_avx2(const float* w, int64_t ldw, const float* x,
                                                        int64_t k, float* y, int64_t incy, int64_t r0,
-                                                       int64_t r1) {
+                                                       int64_t r1, bool adjacent) {
   const int64_t k16 = k & ~int64_t{15}, k8 = k & ~int64_t{7}, rem = k - k8;
   const __m256i mask = tail_mask(rem);
-  int64_t r = r0;
-  for (; r + 4 <= r1; r += 4) {
+  const int64_t q = (r1 - r0) / 4;
+  const int64_t gap = adjacent ? 1 : q;  // rows between the rows of a group
+  const int64_t step = adjacent ? 4 : 1;  // rows from one group to the next
+  for (int64_t g = 0; g < q; ++g) {
+    const int64_t r = r0 + g * step;
     const float* w0 = w + r * ldw;
-    const float* w1 = w0 + ldw;
-    const float* w2 = w1 + ldw;
-    const float* w3 = w2 + ldw;
+    const float* w1 = w0 + gap * ldw;
+    const float* w2 = w1 + gap * ldw;
+    const float* w3 = w2 + gap * ldw;
     __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
     int64_t p = 0;
     for (; p < k16; p += 16) {
@@ -118,20 +129,12 @@ __attribute__((target("avx2,fma"))) void dot_rows_avx2(const float* w, int64_t l
       b2 = _mm256_fmadd_ps(_mm256_maskload_ps(w2 + p, mask), xa, b2);
       b3 = _mm256_fmadd_ps(_mm256_maskload_ps(w3 + p, mask), xa, b3);
     }
-    // [row0 pairs, row1 pairs | ...] -> one lane per row in each half, the halves added.
-    const __m256 h01 = _mm256_hadd_ps(_mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1));
-    const __m256 h23 = _mm256_hadd_ps(_mm256_add_ps(a2, b2), _mm256_add_ps(a3, b3));
-    const __m256 h = _mm256_hadd_ps(h01, h23);
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    if (incy == 1) {
-      _mm_storeu_ps(y + r, s);
-    } else {
-      alignas(16) float t[4];
-      _mm_store_ps(t, s);
-      for (int i = 0; i < 4; ++i) y[(r + i) * incy] = t[i];
-    }
+    alignas(16) float t[4];
+    _mm_store_ps(t, fold4(_mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1), _mm256_add_ps(a2, b2),
+                          _mm256_add_ps(a3, b3)));
+    for (int i = 0; i < 4; ++i) y[(r + i * gap) * incy] = t[i];
   }
-  for (; r < r1; ++r) {
+  for (int64_t r = r0 + 4 * q; r < r1; ++r) {  // the rows left over, alone
     const float* w0 = w + r * ldw;
     __m256 a0 = _mm256_setzero_ps(), b0 = a0;
     int64_t p = 0;
@@ -144,7 +147,8 @@ __attribute__((target("avx2,fma"))) void dot_rows_avx2(const float* w, int64_t l
       p += 8;
     }
     if (rem) b0 = _mm256_fmadd_ps(_mm256_maskload_ps(w0 + p, mask), _mm256_maskload_ps(x + p, mask), b0);
-    y[r * incy] = hsum8(_mm256_add_ps(a0, b0));
+    const __m256 s = _mm256_add_ps(a0, b0);
+    y[r * incy] = _mm_cvtss_f32(fold4(s, s, s, s));
   }
 }
 
@@ -156,10 +160,11 @@ bool has_avx2_fma() {
 #endif
 
 void dot_rows(const float* w, int64_t ldw, const float* x, int64_t k, float* y, int64_t incy, int64_t r0,
-              int64_t r1) {
+              int64_t r1, bool adjacent) {
 #ifdef RC_GEMV_X86
-  if (has_avx2_fma()) return dot_rows_avx2(w, ldw, x, k, y, incy, r0, r1);
+  if (has_avx2_fma()) return dot_rows_avx2(w, ldw, x, k, y, incy, r0, r1, adjacent);
 #endif
+  (void)adjacent;
   dot_rows_portable(w, ldw, x, k, y, incy, r0, r1);
 }
 
@@ -169,11 +174,14 @@ bool prefetch_enabled() {
   return !(e && std::strcmp(e, "0") == 0);
 }
 
-// RECURRA_GEMV_EVEN=1 (read at every call, for A/B timings): equal ranges, as before.
-bool even_split() {
-  const char* e = std::getenv("RECURRA_GEMV_EVEN");
+// Whether environment variable `name` is "1" (the A/B switches, read at every call).
+bool env_on(const char* name) {
+  const char* e = std::getenv(name);
   return e && std::strcmp(e, "1") == 0;
 }
+
+// RECURRA_GEMV_EVEN=1: equal ranges, as before.
+bool even_split() { return env_on("RECURRA_GEMV_EVEN"); }
 
 // Row ranges [cuts[t], cuts[t + 1]) of the tasks, largest first (see the top of the file).
 std::vector<int64_t> split_rows(int64_t n, int64_t k, int threads) {
@@ -271,10 +279,11 @@ void gemv_rows(const float* w, int64_t ldw, const float* x, int64_t incx, float*
   // the same way whatever the split.
   const std::vector<int64_t> cuts = split ? split_rows(n, k, tp.size()) : std::vector<int64_t>{0, n};
   const int64_t tasks = static_cast<int64_t>(cuts.size()) - 1;
+  const bool adjacent = env_on("RECURRA_GEMV_ADJACENT");
   if (tasks == 1) {
-    dot_rows(w, ldw, x, k, y, incy, 0, n);
+    dot_rows(w, ldw, x, k, y, incy, 0, n, adjacent);
   } else {
-    tp.run(tasks, [&](int64_t t, int) { dot_rows(w, ldw, x, k, y, incy, cuts[t], cuts[t + 1]); });
+    tp.run(tasks, [&](int64_t t, int) { dot_rows(w, ldw, x, k, y, incy, cuts[t], cuts[t + 1], adjacent); });
   }
   if (!prefetch_enabled() || tp.size() == 1) return;
   // Worth fetching before this product runs again: the rows after the first range (the

@@ -113,12 +113,62 @@ RC_SIMD void wkv7_forward_task(const Wkv7In& in, const Dims& d, int64_t q, int64
   stream_fence();
 }
 
+// One token per run (a generation step): the state rows i are contiguous in the stored
+// layout [i value, j key], so each row is updated where it lies, with no transposed copy in
+// scratch: sa_i = a . S_i, S_i <- w * S_i + v_i k + sa_i b, y_i = r . S_i (two passes over a
+// row that stays in L1). Heads [h0, h1) of run q. sN may be s0 (a row is read whole before
+// it is written).
+RC_SIMD void wkv7_forward_one(const Wkv7In& in, const Dims& d, const float* s0, float* sN, float* y,
+                              int64_t q, int64_t h0, int64_t h1) {
+  const int64_t S = d.S;
+  for (int64_t h = h0; h < h1; ++h) {
+    const int64_t base = d.token(q, 0, h);
+    const float *r = in.r + base, *w = in.w + base, *k = in.k + base, *a = in.a + base, *b = in.b + base;
+    const float* src = s0 + d.state(q, h);
+    float* dst = sN + d.state(q, h);
+    for (int64_t i = 0; i < S; ++i) {
+      const float* si = src + i * S;
+      float* di = dst + i * S;
+      const float sa = dot(a, si, S), vi = in.v[base + i];
+      const vf sav = RWKV_SPLAT(sa), vv = RWKV_SPLAT(vi);
+      vf acc = vf{};
+      int64_t j = 0;
+      for (; j + kL <= S; j += kL) {
+        const vf x = vload(w + j) * vload(si + j) + vv * vload(k + j) + sav * vload(b + j);
+        vstore(di + j, x);
+        acc += vload(r + j) * x;
+      }
+      float yi = hsum(acc);
+      for (; j < S; ++j) {
+        const float x = w[j] * si[j] + vi * k[j] + sa * b[j];
+        di[j] = x;
+        yi += r[j] * x;
+      }
+      y[base + i] = yi;
+    }
+  }
+}
+
 void wkv7_forward(KernelCtx& c, const Dims& d) {
   const Wkv7In in{c.src[0].f32(), c.src[1].f32(), c.src[2].f32(),
                   c.src[3].f32(), c.src[4].f32(), c.src[5].f32()};
   const float* s0 = c.src[6].f32();
   float* y = c.dst.f32();
   float* sN = y + d.ths();
+  if (d.n == 1) {
+    // The 0.1B preset's step (12 heads of 64 x 64) takes tens of microseconds on one
+    // thread: there the pool's worker is better left to prefetch the next product's
+    // weights (gemv.cpp). Larger states are cut into whole heads over the pool.
+    constexpr int64_t kSerialStates = int64_t{64} << 10;
+    if (d.nhss() <= kSerialStates || c.pool.size() == 1) {
+      for (int64_t q = 0; q < d.N; ++q) wkv7_forward_one(in, d, s0, sN, y, q, 0, d.H);
+    } else {
+      c.pool.run(d.N * d.H, [&](int64_t t, int) {
+        wkv7_forward_one(in, d, s0, sN, y, t / d.H, t % d.H, t % d.H + 1);
+      });
+    }
+    return;
+  }
   Scratch scratch(c.pool.size());
   for_each_head_block(c.pool, d, [&](int64_t q, int64_t h, int64_t i0, int64_t W, int64_t in_,
                                       int tid) {
