@@ -287,6 +287,38 @@ def sum_checks(ctx: Any) -> None:
         print("SUMS OK", flush=True)
 
 
+def small_shm_checks(ctx: Any) -> None:
+    """With little room in the host's shared memory (the test mounts a 64 MB /dev/shm, as a
+    container's), windows of 32 MB per rank are not allocated (touching their pages would kill
+    the process with SIGBUS) and the sums go by messages, the same bits; a small one still
+    fits and is summed in place."""
+    from mpi4py import MPI
+
+    from recurra_dist._exchange import pairwise_sum
+    from recurra_dist._shared import SharedSums
+
+    comm = ctx.comm
+    me = comm.Get_rank()
+    shared = SharedSums(comm)
+    for size in (8 << 20, 1000):
+        buf = shared.allocate(size)
+        mine = np.random.default_rng(size + me).standard_normal(size).astype(np.float32)
+        everyone = comm.allgather(mine)
+        ref = everyone[0].copy()
+        for v in everyone[1:]:
+            ref = ref + v
+        for b in (buf, mine.copy()):  # in its place, and outside any window (copied in)
+            b[...] = mine
+            pairwise_sum(
+                comm, b, MPI.Request.Waitall, lambda k: np.empty(k, np.float32), None, 1, 0, shared
+            )
+            assert b.tobytes() == ref.tobytes(), size
+    # the 8M buffer and the copy of it: messages; the 1000 in place and copied in
+    assert (shared.in_place, shared.copied) == (1, 1), (shared.in_place, shared.copied)
+    if me == 0:
+        print("SMALL SHM OK", flush=True)
+
+
 def main(argv: list[str]) -> None:
     import recurra_dist
 
@@ -317,6 +349,8 @@ def main(argv: list[str]) -> None:
         exchange_checks(ctx, ctx.device(argv[1]) if len(argv) > 1 else "cpu")
     elif mode == "sums":
         sum_checks(ctx)
+    elif mode == "small-shm":
+        small_shm_checks(ctx)
     elif mode == "fail":
         how, out_dir = argv[1], argv[2]
 

@@ -23,11 +23,12 @@ def find_mpiexec() -> str | None:
 
 
 def launch(
-    mpiexec: str, n: int, args: list[str], timeout: float = 240.0
+    mpiexec: str, n: int, args: list[str], timeout: float = 240.0, wrap: list[str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Runs ``mpiexec -n n python dp_worker.py ARGS``; a job that outlives ``timeout``
-    fails the test (its processes are killed)."""
-    cmd = [mpiexec, "-n", str(n), sys.executable, str(HERE / "dp_worker.py"), *args]
+    """Runs ``mpiexec -n n python dp_worker.py ARGS`` (after the command ``wrap``, which
+    runs its arguments); a job that outlives ``timeout`` fails the test (its processes are
+    killed)."""
+    cmd = [*(wrap or []), mpiexec, "-n", str(n), sys.executable, str(HERE / "dp_worker.py"), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", RECURRA_NUM_THREADS="1")
     try:
         return subprocess.run(

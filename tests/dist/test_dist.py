@@ -4,6 +4,7 @@ batch; a failing rank ends the job; a checkpoint resumes on another number of ra
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -166,6 +167,21 @@ def test_pairwise_sums_in_pieces_and_through_shared_memory(mpiexec, n):
     r = launch(mpiexec, n, ["sums"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "SUMS OK" in r.stdout, r.stdout
+
+
+def test_little_shared_memory_takes_the_messages(mpiexec):
+    """A host whose /dev/shm has little room (a container's): the shared windows must not be
+    allocated past it (MPICH's window of 32 MB per rank in a 64 MB tmpfs dies of SIGBUS), the
+    sums go by messages with the same bits. Runs the ranks in a mount namespace of their own
+    with a 64 MB tmpfs on /dev/shm (needs root, as CI has)."""
+    mount = "mount -t tmpfs -o size=64m tmpfs /dev/shm"
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", mount], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a private /dev/shm here: {probe.stderr.strip()}")
+    cmd = f'{mount} && exec "$0" "$@"'
+    r = launch(mpiexec, 2, ["small-shm"], wrap=["unshare", "-m", "sh", "-c", cmd])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SMALL SHM OK" in r.stdout, r.stdout
 
 
 def test_reference_differs_from_a_smaller_batch(reference):

@@ -15,6 +15,7 @@ locked once (``MPI_Win_lock_all``, no check), and between phases each rank runs
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -23,6 +24,20 @@ import numpy as np
 from recurra_dist._exchange import _add_slice
 
 __all__ = ["SharedSums"]
+
+#: where MPICH places the shared windows' memory (files in a tmpfs). A window larger than the
+#: room left there is not refused by MPI: touching its pages kills the process (SIGBUS), as in
+#: a container with Docker's default 64 MB /dev/shm. So the room is checked first.
+SHM_DIR = "/dev/shm"
+
+
+def _shm_free() -> int:
+    """Bytes free in :data:`SHM_DIR` (0 where it cannot be read)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
 
 
 class _Window:
@@ -87,16 +102,31 @@ class SharedSums:
         self.node = node if self.usable else None
         self._windows: list[_Window] = []
         self._scratch: _Window | None = None
+        #: bytes of the host's shared memory that this object's windows hold (all ranks')
+        self.committed = 0
         #: sums done in place in a window, and those copied into the scratch window first
         self.in_place = self.copied = 0
 
     def allocate(self, n: int) -> np.ndarray:
         """A float32 array of ``n`` elements in a new shared window (every rank calls it)."""
-        if not self.usable:
+        if not self.usable or not self._room(n):
             return np.empty(n, np.float32)
         w = _Window(self.node, n)
         self._windows.append(w)
         return w.mine
+
+    def _room(self, n: int) -> bool:
+        """Whether every rank sees room in the host's shared memory for a window of ``n``
+        floats per rank beside those held already, with a quarter to spare (a collective);
+        if so the window is counted in :attr:`committed`."""
+        from mpi4py import MPI
+
+        need = 4 * max(n, 1) * self.node.Get_size()
+        ok = np.array([int(_shm_free() >= (self.committed + need) * 5 // 4)], np.int32)
+        self.comm.Allreduce(MPI.IN_PLACE, ok, op=MPI.MIN)
+        if ok[0]:
+            self.committed += need
+        return bool(ok[0])
 
     def close(self) -> None:
         """Frees the windows (a collective; arrays from :meth:`allocate` must be dropped):
@@ -104,7 +134,7 @@ class SharedSums:
         for w in self._windows + ([self._scratch] if self._scratch else []):
             w.free()
         self._windows, self._scratch = [], None
-        self.usable, self.node = False, None
+        self.usable, self.node, self.committed = False, None, 0
 
     def sum(
         self,
@@ -138,7 +168,11 @@ class SharedSums:
         if self._scratch is None or self._scratch.size < n:  # a collective, on every rank
             if self._scratch is not None:
                 self._scratch.free()
+                self.committed -= 4 * self._scratch.size * self.node.Get_size()
             self._scratch = None
+            if not self._room(n):  # no room: messages (on every rank)
+                self.copied -= 1
+                return False
             self._scratch = _Window(self.node, n)
         self._sum(comm, self._scratch, 0, buf, wait, pool, jobs)
         return True
