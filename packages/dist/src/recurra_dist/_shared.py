@@ -100,6 +100,7 @@ class SharedSums:
         comm.Allreduce(MPI.IN_PLACE, ok, op=MPI.MIN)
         self.usable = bool(ok[0])
         self.node = node if self.usable else None
+        self.node_size = node.Get_size()  # ranks sharing this host
         self._windows: list[_Window] = []
         self._scratch: _Window | None = None
         #: bytes of the host's shared memory that this object's windows hold (all ranks')
@@ -121,7 +122,7 @@ class SharedSums:
         if so the window is counted in :attr:`committed`."""
         from mpi4py import MPI
 
-        need = 4 * max(n, 1) * self.node.Get_size()
+        need = 4 * max(n, 1) * self.node_size
         ok = np.array([int(_shm_free() >= (self.committed + need) * 5 // 4)], np.int32)
         self.comm.Allreduce(MPI.IN_PLACE, ok, op=MPI.MIN)
         if ok[0]:
@@ -168,7 +169,7 @@ class SharedSums:
         if self._scratch is None or self._scratch.size < n:  # a collective, on every rank
             if self._scratch is not None:
                 self._scratch.free()
-                self.committed -= 4 * self._scratch.size * self.node.Get_size()
+                self.committed -= 4 * self._scratch.size * self.node_size
             self._scratch = None
             if not self._room(n):  # no room: messages (on every rank)
                 self.copied -= 1
