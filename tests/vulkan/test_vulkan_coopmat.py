@@ -119,8 +119,9 @@ def _variant_defines() -> dict[str, list[str]]:
 
 
 def _params(flags: list[str]) -> dict[str, int]:
-    """BM BN BK WM WN STAGES PD BT DEFER of a variant (the shader's defaults for the last four)."""
-    d = {"STAGES": 2, "PD": 1, "BT": 0, "DEFER": 0}
+    """BM BN BK WM WN STAGES PD BT DEFER ROT FS NC of a variant (the shader's defaults from
+    STAGES)."""
+    d = {"STAGES": 2, "PD": 1, "BT": 0, "DEFER": 0, "ROT": 0, "FS": 0, "NC": 0}
     d.update({k: int(v) for k, v in (f[2:].split("=") for f in flags)})
     return d
 
@@ -165,10 +166,15 @@ def _workgroup(
     access: set[tuple[int, int, str]] = set()  # (barrier interval, buffer, "r" / "w")
     interval = 0
 
+    def a_row(q: np.ndarray) -> np.ndarray:  # A_ROW
+        if d["ROT"]:
+            return (q // bk) * 8 + (q % bk) // 8 + (q % 8) // (bk // 8) * (bk // 8)
+        return q // (bk // 8)
+
     def load(r: int, k0: int) -> None:
         qa = [s * wg + t for s in range(na)]
         qb = [s * wg + t for s in range(nb)]
-        ra[r] = [av[(m0 + q // (bk // 8)) * k8 + k0 // 8 + q % (bk // 8)] for q in qa]
+        ra[r] = [av[(m0 + a_row(q)) * k8 + k0 // 8 + q % (bk // 8)] for q in qa]
         if bt:  # blocks of 8 x 8: kg = q % (BK/8), ng = q / (BK/8); 8 rows each
             qb = [s * wg + t for s in range(nb // 8)]
             rb[r] = [
@@ -183,7 +189,7 @@ def _workgroup(
     def store(r: int, buf: int) -> None:
         for s in range(na):
             q = s * wg + t
-            a_s[buf * (bm * sa) + (q // (bk // 8)) * sa + q % (bk // 8)] = ra[r][s]
+            a_s[buf * (bm * sa) + a_row(q) * sa + q % (bk // 8)] = ra[r][s]
         if bt:
             for s in range(nb // 8):
                 q = s * wg + t
@@ -215,10 +221,10 @@ def _workgroup(
         for u in range(pd):
             step = s0 + u
             if defer:  # store the next step's slabs, then load those of step + 1 + PD
-                if step + 1 < steps:
+                if step + 1 < steps or d["NC"]:  # NC: into the buffer no step reads any more
                     store((u + 1) % pd, (step + 1) % stages)
-                if step + 1 + pd < steps:
-                    load((u + 1) % pd, (step + 1 + pd) * bk)
+                if step + 1 + pd < steps or d["NC"]:  # NC: past the end, the last step again
+                    load((u + 1) % pd, min(step + 1 + pd, steps - 1) * bk)
             elif step + pd < steps:
                 load(u, (step + pd) * bk)
             cur = step % stages
@@ -402,6 +408,10 @@ def test_unsupported_dtype_raises_with_the_reason(vulkan: str, dtype: str) -> No
         (130, 140, 16, "cm128x256d"),
         (200, 300, 40, "cm128w4dp2"),
         (100, 100, 100, "cm128w4dp2"),
+        (200, 300, 40, "cm128w4dp2rn"),
+        (130, 140, 16, "cm128w4dp2rnf"),
+        (130, 140, 70, "cm128w4drn"),
+        (300, 260, 48, "cm128x256drn"),
     ],
 )
 def test_coopmat_matmul_matches_float64(

@@ -355,6 +355,34 @@ class Operand:
         return out
 
 
+def slab_item(q: np.ndarray, cols: int, rot: int) -> tuple[np.ndarray, np.ndarray]:
+    """The shader's item(q, cols): (row, uvec4 column) of item q of a slab of `cols` columns;
+    with ROT and fewer than 8 uvec4 a row, the 8 items of a store phase take the columns of
+    rows C apart in a group of 8 rows (C = cols / 8)."""
+    c = cols // 8
+    if rot and c < 8:
+        return (q // (8 * c)) * 8 + (q % (8 * c)) // 8 + (q % 8) // c * c, q % c
+    return q // c, q % c
+
+
+def test_the_rotated_item_order_is_a_conflict_free_permutation() -> None:
+    for cols in (16, 32, 64, 128):
+        q = np.arange(64 * cols // 8)
+        row, cg = slab_item(q, cols, 1)
+        # every (row, column) once; 8 consecutive items (a 16-byte store phase) in 8 different
+        # 16-byte bank groups of the padded rows (cols / 8 + 1 uvec4)
+        assert len(set(zip(row.tolist(), cg.tolist()))) == len(q)
+        assert row.max() == 63 and cg.max() == cols // 8 - 1
+        units = (row * (cols // 8 + 1) + cg) % 8
+        assert all(len(set(units[i : i + 8].tolist())) == 8 for i in range(0, len(q), 8))
+        # the plain order: two items of a phase share a bank group where a row is short
+        plain = slab_item(q, cols, 0)
+        units0 = (plain[0] * (cols // 8 + 1) + plain[1]) % 8
+        assert all(len(set(units0[i : i + 8].tolist())) == 8 for i in range(0, len(q), 8)) == (
+            cols >= 64
+        )
+
+
 def frag(x: np.ndarray, start: int, stride: int) -> np.ndarray:
     """coopMatLoad row-major from an array of uvec4 rows (8 elements): a 16 x 16 matrix."""
     rows = start + np.arange(16) * stride
@@ -390,28 +418,20 @@ def _op_tile(
     steps = -(-K // bk)
     interval = 0  # barriers passed
 
+    rot = t.get("ROT", 0)
+    a_row, a_cg = slab_item(qa, a_cols, rot)
+    b_row, b_cg = slab_item(qb, b_cols, rot)
+
     def load(s: int) -> tuple[np.ndarray, np.ndarray, int]:
         k0 = s * bk
-        ra = oa.item(
-            k0 if a_t else m0,
-            m0 if a_t else k0,
-            qa // (a_cols // 8),
-            qa % (a_cols // 8),
-            bool(vec_a),
-        )
-        rb = ob.item(
-            n0 if b_t else k0,
-            k0 if b_t else n0,
-            qb // (b_cols // 8),
-            qb % (b_cols // 8),
-            bool(vec_b),
-        )
+        ra = oa.item(k0 if a_t else m0, m0 if a_t else k0, a_row, a_cg, bool(vec_a))
+        rb = ob.item(n0 if b_t else k0, k0 if b_t else n0, b_row, b_cg, bool(vec_b))
         return ra, rb, s
 
     def store(regs: tuple[np.ndarray, np.ndarray, int], buf: int) -> None:
         ra, rb, s = regs
-        a_s[buf * a_stage + (qa // (a_cols // 8)) * sa + qa % (a_cols // 8)] = ra
-        b_s[buf * b_stage + (qb // (b_cols // 8)) * sb + qb % (b_cols // 8)] = rb
+        a_s[buf * a_stage + a_row * sa + a_cg] = ra
+        b_s[buf * b_stage + b_row * sb + b_cg] = rb
         holds[buf] = s
         access.add((interval, buf, "w"))
 
@@ -439,14 +459,16 @@ def _op_tile(
     if t.get("DEFER", 0):
         # step s reads buffer s & 1; first the slabs of step s + 1 (loaded during
         # step s - 1) go to buffer (s + 1) & 1, then those of step s + 2 are loaded
+        # (NC: unconditionally; past K the loads are zeros, stored where no step reads)
+        nc = t.get("NC", 0)
         store(load(0), 0)
-        regs = load(1) if steps > 1 else None
+        regs = load(1) if steps > 1 or nc else None
         interval += 1
         for s in range(steps):
-            if s + 1 < steps:
+            if s + 1 < steps or nc:
                 assert regs is not None and regs[2] == s + 1
                 store(regs, (s + 1) & 1)
-            if s + 2 < steps:
+            if s + 2 < steps or nc:
                 regs = load(s + 2)
             math(s & 1, s)
             interval += 1

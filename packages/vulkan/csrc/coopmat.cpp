@@ -77,6 +77,19 @@ const Variant kVariants[] = {
     {"cm128w4k64s1bt", 128, 128, 64, 64, 64, 1, 1, true},
     {"cm128x256d", 128, 256, 16, 64, 64},  // DEFER: the schedule does not change the tile
     {"cm128w4dp2", 128, 128, 16, 64, 64, 2, 2},
+    {"cm128w4dp2r", 128, 128, 16, 64, 64, 2, 2},
+    {"cm128w4dp2rn", 128, 128, 16, 64, 64, 2, 2},
+    {"cm128w4dp2rf", 128, 128, 16, 64, 64, 2, 2},
+    {"cm128w4dp2rnf", 128, 128, 16, 64, 64, 2, 2},
+    {"cm128w4d", 128, 128, 32, 64, 64},
+    {"cm128w4dr", 128, 128, 32, 64, 64},
+    {"cm128w4drn", 128, 128, 32, 64, 64},
+    {"cm128w4drf", 128, 128, 32, 64, 64},
+    {"cm128w4drnf", 128, 128, 32, 64, 64},
+    {"cm128x256dr", 128, 256, 16, 64, 64},
+    {"cm128x256drn", 128, 256, 16, 64, 64},
+    {"cm128x256drnf", 128, 256, 16, 64, 64},
+    {"cm128x256dp2r", 128, 256, 16, 64, 64, 2, 2},
 };
 
 const Variant* find_variant(const std::string& name) {
@@ -211,6 +224,14 @@ const CoopMatOpTile kOpTiles[] = {
     {"op128k64s1", 128, 128, 64, 64, 64, 1},  // cm128w4k64s1's: K steps of 64, one buffer
     {"op64", 64, 64, 32, 32, 32},        // 4 subgroups of 32x32 (cm64's tiling)
     {"op128x256d", 128, 256, 16, 64, 64},  // 8 subgroups of 64x64, DEFER (cm128x256d's)
+    {"op128x256dr", 128, 256, 16, 64, 64},
+    {"op128x256drn", 128, 256, 16, 64, 64},
+    {"op128x256drf", 128, 256, 16, 64, 64},
+    {"op128x256drnf", 128, 256, 16, 64, 64},
+    {"op128d", 128, 128, 32, 64, 64},
+    {"op128dr", 128, 128, 32, 64, 64},
+    {"op128drn", 128, 128, 32, 64, 64},
+    {"op128drnf", 128, 128, 32, 64, 64},
 };
 
 static const CoopMatOpTile* find_op_tile(const std::string& name) {

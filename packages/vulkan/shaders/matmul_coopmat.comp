@@ -27,7 +27,9 @@
 // Build-time defines: BM BN BK WM WN (WM, WN, BK multiples of 16; BM/WM * BN/WN = NW
 // subgroups), STAGES (2, or 1), PD (prefetch distance in steps, 1 to 4), BT (1: B staged
 // transposed, BN rows of BK + 8, its fragments loaded column-major), DEFER (0, or 1: stores at
-// the start of the next step), PROBE (diagnosis only, wrong results: tools/coopmat_probe.cpp). Specialization
+// the start of the next step), ROT (0, or 1: A's slab items in a bank-conflict-free order for the
+// shared stores, A_ROW), FS (0, or 1: B fragments loaded one at a time, MATH_KK), NC (0, or 1:
+// no conditions in the DEFER loop, STEP), PROBE (diagnosis only, wrong results: tools/coopmat_probe.cpp). Specialization
 // constant 0 (csrc/coopmat.cpp): the workgroup size WG = NW * the subgroup size (8 to 32;
 // BM * BK / 8 and BK * BN / 8 must be multiples of it). The schedule and indexing are
 // transliterated in tests/vulkan/test_vulkan_coopmat.py (checked against A @ B there).
@@ -54,6 +56,21 @@
 #endif
 #define NW ((BM / WM) * (BN / WN))  // subgroups per workgroup
 #define SA ((BK + 8) / 8)  // padded shared row of A, in uvec4
+#ifndef ROT
+#define ROT 0  // 1: the A slab's items in a bank-conflict-free order (see A_ROW)
+#endif
+#if ROT && BK > 64
+#error "matmul_coopmat.comp: ROT needs BK <= 64"
+#endif
+#ifndef FS
+#define FS 0  // 1: B fragments loaded one at a time (see MATH_KK)
+#endif
+#ifndef NC
+#define NC 0  // 1 (DEFER only): no conditions in the K loop (see STEP)
+#endif
+#if NC && !DEFER
+#error "matmul_coopmat.comp: NC needs DEFER"
+#endif
 #ifndef BT
 #define BT 0  // 1: B staged transposed (N rows of BK + 8), fragments loaded column-major
 #endif
@@ -84,13 +101,25 @@ const uint NB = BK * BN / 8 / WG;
 #define NB_MAX (BK * BN / 8 / (NW * 8))
 
 // Slab loads: invocation t takes items q = s * WG + t: row q / (cols/8), uvec4 column q % (cols/8).
-// LOAD_SLABS(r, k0): the A and B slabs of the step starting at k0 into register set r;
-// STORE_SLABS(r, buf): register set r into shared buffer buf.
+// A with ROT = 1: row A_ROW(q), column q % (BK/8) (see A_ROW). LOAD_SLABS(r, k0): the A and B
+// slabs of the step starting at k0 into register set r; STORE_SLABS(r, buf): register set r
+// into shared buffer buf.
+#if ROT
+// ROT = 1: the 8 invocations of a 16-byte store phase (a quarter subgroup) take the C = BK/8
+// columns of 8/C rows that lie C apart (rows j, j + C, .. of a group of 8 rows, j = the phase
+// in the group): a padded row of C + 1 uvec4 moves row j + C by C (C + 1) uvec4, which puts
+// their columns in different 16-byte bank groups (C 2: rows 0 2 4 6, then 1 3 5 7; C 4: rows
+// 0 4, 1 5, ..). Row-major order (ROT = 0) puts rows 0..8/C-1 in a phase, two of whose stores
+// share a bank group for C = 2 and 4. The same rows as before in every subgroup's loads.
+#define A_ROW(q) (((q) / BK) * 8 + ((q) % BK) / 8 + ((q) % 8) / (BK / 8) * (BK / 8))
+#else
+#define A_ROW(q) ((q) / (BK / 8))
+#endif
 #define LOAD_SLABS(r, k0)                                                                 \
   {                                                                                       \
   [[unroll]] for (uint s = 0; s < NA_MAX; ++s) {                                          \
     const uint q = s * WG + t;                                                            \
-    if (s < NA) ra[r][s] = a.v[(m0 + q / (BK / 8)) * k8 + (k0) / 8 + q % (BK / 8)];       \
+    if (s < NA) ra[r][s] = a.v[(m0 + A_ROW(q)) * k8 + (k0) / 8 + q % (BK / 8)];           \
   }                                                                                       \
   LOAD_B(r, k0)                                                                           \
   }
@@ -136,7 +165,7 @@ const uint NB = BK * BN / 8 / WG;
   {                                                                                       \
   [[unroll]] for (uint s = 0; s < NA_MAX; ++s) {                                          \
     const uint q = s * WG + t;                                                            \
-    if (s < NA) As[(buf) * (BM * SA) + (q / (BK / 8)) * SA + q % (BK / 8)] = ra[r][s];    \
+    if (s < NA) As[(buf) * (BM * SA) + A_ROW(q) * SA + q % (BK / 8)] = ra[r][s];          \
   }                                                                                       \
   STORE_B(r, buf)                                                                         \
   }
@@ -156,14 +185,32 @@ const uint NB = BK * BN / 8 / WG;
   [[unroll]] for (int j = 0; j < TN; ++j)                                                             \
     LOAD_FB(j, kk);
 
+// FS = 1: the B fragments are loaded one at a time, each right before its TM products (the
+// A fragments first), instead of all TM + TN fragments before the products: in program order
+// one B fragment is live at a time (FS = 0: TN), fewer registers if the compiler keeps that.
+#if FS
+#define MATH_KK(kk, abase, bbase)                                                                     \
+  if (PROBE != 2) {                                                                                   \
+    [[unroll]] for (int i = 0; i < TM; ++i)                                                           \
+      coopMatLoad(fa[i], As, abase + (wm + i * 16) * SA + kk / 8, SA, gl_CooperativeMatrixLayoutRowMajor); \
+  }                                                                                                   \
+  [[unroll]] for (int j = 0; j < TN; ++j) {                                                           \
+    if (PROBE != 2) LOAD_FB(j, kk);                                                                   \
+    [[unroll]] for (int i = 0; i < TM; ++i)                                                           \
+      acc[i][j] = coopMatMulAdd(fa[i], fb[j], acc[i][j]);                                             \
+  }
+#else
+#define MATH_KK(kk, abase, bbase)                                                                     \
+  if (PROBE != 2) { LOAD_FRAGS(kk, abase, bbase) }                                                    \
+  [[unroll]] for (int i = 0; i < TM; ++i)                                                             \
+    [[unroll]] for (int j = 0; j < TN; ++j)                                                           \
+      acc[i][j] = coopMatMulAdd(fa[i], fb[j], acc[i][j]);
+#endif
 #define MATH(cur)                                                                                     \
   {                                                                                                   \
     const uint abase = (cur) * (BM * SA), bbase = (cur) * B_STAGE;                                    \
     [[unroll]] for (int kk = 0; kk < BK; kk += 16) {                                                  \
-      if (PROBE != 2) { LOAD_FRAGS(kk, abase, bbase) }                                                \
-      [[unroll]] for (int i = 0; i < TM; ++i)                                                         \
-        [[unroll]] for (int j = 0; j < TN; ++j)                                                       \
-          acc[i][j] = coopMatMulAdd(fa[i], fb[j], acc[i][j]);                                         \
+      MATH_KK(kk, abase, bbase)                                                                       \
     }                                                                                                 \
   }
 
@@ -175,11 +222,16 @@ const uint NB = BK * BN / 8 / WG;
 // compiler cannot move it next to them: with the store at the end of the step (DEFER = 0)
 // NVIDIA's compiler (driver 580, H200 SASS) hoists it above the math, right behind the loads
 // of the same step (PD = 1), and every step waits out a global load.
+// NC = 1: the same without conditions in the loop: the last steps store into the buffer no step
+// reads any more (free since the last barrier) and load step steps - 1 again (a valid address),
+// so that the loop body is one basic block the compiler can schedule as a whole.
 #define STEP(u)                                                                                       \
   {                                                                                                   \
     const uint step = s0 + (u);                                                                       \
-    if (PROBE == 0 && step + 1 < steps) STORE_SLABS(((u) + 1) % PD, (step + 1) % 2);                  \
-    if (PROBE == 0 && step + 1 + PD < steps) LOAD_SLABS(((u) + 1) % PD, (step + 1 + PD) * BK);        \
+    if (PROBE == 0 && (NC != 0 || step + 1 < steps)) STORE_SLABS(((u) + 1) % PD, (step + 1) % 2);     \
+    if (PROBE == 0 && NC != 0) LOAD_SLABS(((u) + 1) % PD, min(step + 1 + PD, steps - 1) * BK);        \
+    if (PROBE == 0 && NC == 0 && step + 1 + PD < steps)                                               \
+      LOAD_SLABS(((u) + 1) % PD, (step + 1 + PD) * BK);                                               \
     MATH(step % 2)                                                                                    \
     if (PROBE < 2) barrier();                                                                         \
   }
