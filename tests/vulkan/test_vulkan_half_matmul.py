@@ -460,18 +460,26 @@ def _op_tile(
         # step s reads buffer s & 1; first the slabs of step s + 1 (loaded during
         # step s - 1) go to buffer (s + 1) & 1, then those of step s + 2 are loaded
         # (NC: unconditionally; past K the loads are zeros, stored where no step reads)
-        nc = t.get("NC", 0)
+        # PD register sets (set r: the steps s with s % PD == r), the loop PD steps at a time
+        # (PD 2: the last step past K when steps is odd, on zeros)
+        nc, pd = t.get("NC", 0), t.get("PD", 1)
+        assert pd == 1 or nc
+        regs: list = [None] * pd
         store(load(0), 0)
-        regs = load(1) if steps > 1 or nc else None
+        for j in range(1, pd + 1):
+            if j < steps or nc:
+                regs[j % pd] = load(j)
         interval += 1
-        for s in range(steps):
-            if s + 1 < steps or nc:
-                assert regs is not None and regs[2] == s + 1
-                store(regs, (s + 1) & 1)
-            if s + 2 < steps or nc:
-                regs = load(s + 2)
-            math(s & 1, s)
-            interval += 1
+        for s0 in range(0, steps, pd):
+            for u in range(pd):
+                s, r = s0 + u, (u + 1) % pd
+                if s + 1 < steps or nc:
+                    assert regs[r] is not None and regs[r][2] == s + 1
+                    store(regs[r], (s + 1) & 1)
+                if s + 1 + pd < steps or nc:
+                    regs[r] = load(s + 1 + pd)
+                math(s & 1, s)
+                interval += 1
     else:
         for s in range(steps + 1):
             regs = load(s) if s < steps else None

@@ -44,7 +44,7 @@
 // STAGES (2, the default, or 1), DEFER (0, the default, or 1), ROT (0, the default, or 1: the
 // slab items in a bank-conflict-free order, see item), FS (0, the default, or 1: B fragments
 // loaded one at a time, each before its products), NC (0, the default, or 1: DEFER's loop
-// without conditions).
+// without conditions), PD (1, the default, or 2 with DEFER and NC: loads two steps ahead).
 // Specialization constants (csrc/coopmat.cpp, csrc/ops/matmul.cpp): 0 the workgroup size
 // WG = NW * the subgroup size (8 to 32), 1 A_T, 2 B_T, 3 VEC_A, 4 VEC_B, 5 DT (2 bfloat16,
 // 3 float16: the rounding of C; 0: C holds float32, the partial sums of a split-K product). The schedule and indexing are transliterated in
@@ -90,6 +90,12 @@
 #endif
 #ifndef NC
 #define NC 0  // 1 (DEFER only): no conditions in the K loop (see the loop)
+#endif
+#ifndef PD
+#define PD 1  // 2 (DEFER and NC): slabs loaded two steps of math ahead (see the loop)
+#endif
+#if PD != 1 && (PD != 2 || !DEFER || !NC)
+#error "matmul_coopmat_op.comp: PD is 1, or 2 with DEFER and NC"
 #endif
 #if NC && !DEFER
 #error "matmul_coopmat_op.comp: NC needs DEFER"
@@ -202,36 +208,36 @@ void main() {
     [[unroll]] for (int j = 0; j < TN; ++j)
       acc[i][j] = coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
 
-  uvec4 ra[NA_MAX], rb[NB_MAX];
+  uvec4 ra[PD][NA_MAX], rb[PD][NB_MAX];  // PD register sets (DEFER; else one)
   const int steps = (pc.K + BK - 1) / BK;
-  // LOAD_STEP(s): the slabs of K step s into the registers; STORE_STEP(buf): the registers into
+  // LOAD_STEP(r, s): the slabs of K step s into register set r; STORE_STEP(r, buf): set r into
   // shared buffer buf; MATH_STEP(buf): the fragments of buffer buf multiplied into acc.
-#define LOAD_STEP(s)                                                                              \
+#define LOAD_STEP(r, s)                                                                           \
   {                                                                                               \
     const int k0 = (s) * BK;                                                                      \
     [[unroll]] for (uint i = 0; i < NA_MAX; ++i) {                                                \
       const uint q = i * WG + t;                                                                  \
       const ivec2 rc = item(q, a_cols);                                                           \
-      if (i < NA) ra[i] = load_item(oa, A_T != 0 ? k0 : m0, A_T != 0 ? m0 : k0, rc.x, rc.y, VEC_A); \
+      if (i < NA) ra[r][i] = load_item(oa, A_T != 0 ? k0 : m0, A_T != 0 ? m0 : k0, rc.x, rc.y, VEC_A); \
     }                                                                                             \
     [[unroll]] for (uint i = 0; i < NB_MAX; ++i) {                                                \
       const uint q = i * WG + t;                                                                  \
       const ivec2 rc = item(q, b_cols);                                                           \
-      if (i < NB) rb[i] = load_item(ob, B_T != 0 ? n0 : k0, B_T != 0 ? k0 : n0, rc.x, rc.y, VEC_B); \
+      if (i < NB) rb[r][i] = load_item(ob, B_T != 0 ? n0 : k0, B_T != 0 ? k0 : n0, rc.x, rc.y, VEC_B); \
     }                                                                                             \
   }
-#define STORE_STEP(buf)                                                                           \
+#define STORE_STEP(r, buf)                                                                        \
   {                                                                                               \
     const uint abase = (buf) * A_STAGE, bbase = (buf) * B_STAGE;                                  \
     [[unroll]] for (uint i = 0; i < NA_MAX; ++i) {                                                \
       const uint q = i * WG + t;                                                                  \
       const ivec2 rc = item(q, a_cols);                                                           \
-      if (i < NA) As[abase + rc.x * sa + rc.y] = ra[i];                                           \
+      if (i < NA) As[abase + rc.x * sa + rc.y] = ra[r][i];                                        \
     }                                                                                             \
     [[unroll]] for (uint i = 0; i < NB_MAX; ++i) {                                                \
       const uint q = i * WG + t;                                                                  \
       const ivec2 rc = item(q, b_cols);                                                           \
-      if (i < NB) Bs[bbase + rc.x * sb + rc.y] = rb[i];                                           \
+      if (i < NB) Bs[bbase + rc.x * sb + rc.y] = rb[r][i];                                        \
     }                                                                                             \
   }
 #define LOAD_FB(j)                                                                                             \
@@ -269,25 +275,38 @@ void main() {
   // NC = 1: no conditions in the loop: past K the loads stage zeros (load_item masks them) and
   // the last step stores them into the buffer no step reads any more (free since the barrier
   // that ended the step before), so the loop body is one basic block.
-  LOAD_STEP(0)
-  STORE_STEP(0)
-  if (NC != 0 || 1 < steps) LOAD_STEP(1)
+  // PD = 2 (NC only): register set r holds the steps s with s % 2 == r, loaded two steps of
+  // math ahead; the loop body is two steps written out (constant set indices), the second
+  // one past K when steps is odd (its slabs are zeros: it adds nothing).
+  LOAD_STEP(0, 0)
+  STORE_STEP(0, 0)
+  if (NC != 0 || 1 < steps) LOAD_STEP(1 % PD, 1)
+#if PD == 2
+  LOAD_STEP(0, 2)
+#endif
   barrier();
-  for (int s = 0; s < steps; ++s) {
-    if (NC != 0 || s + 1 < steps) STORE_STEP((s + 1) & 1)
-    if (NC != 0 || s + 2 < steps) LOAD_STEP(s + 2)
-    MATH_STEP(s & 1)
-    barrier();
+#define DSTEP(s, u)                                                                               \
+  {                                                                                               \
+    if (NC != 0 || (s) + 1 < steps) STORE_STEP(((u) + 1) % PD, ((s) + 1) & 1)                     \
+    if (NC != 0 || (s) + 1 + PD < steps) LOAD_STEP(((u) + 1) % PD, (s) + 1 + PD)                  \
+    MATH_STEP((s) & 1)                                                                            \
+    barrier();                                                                                    \
+  }
+  for (int s = 0; s < steps; s += PD) {
+    DSTEP(s, 0)
+#if PD == 2
+    DSTEP(s + 1, 1)
+#endif
   }
 #else
   for (int s = 0; s < steps + 1; ++s) {
     // s < steps: load the slabs of step s; s > 0: multiply step s - 1 (buffer (s - 1) & 1,
     // STAGES 1: buffer 0) while they arrive; then store them into buffer s & 1 (0), read by
     // the next iteration.
-    if (s < steps) LOAD_STEP(s)
+    if (s < steps) LOAD_STEP(0, s)
     if (s > 0) MATH_STEP(STAGES == 2 ? (s - 1) & 1 : 0)
     if (STAGES == 1 && s > 0) barrier();  // every subgroup is done with the one buffer
-    if (s < steps) STORE_STEP(STAGES == 2 ? s & 1 : 0)
+    if (s < steps) STORE_STEP(0, STAGES == 2 ? s & 1 : 0)
     barrier();
   }
 #endif
