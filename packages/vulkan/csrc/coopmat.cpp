@@ -54,42 +54,16 @@ bool has_shape(const CoopMatCaps& c, uint32_t ab) {
 struct Variant {
   const char* name;
   int64_t bm, bn, bk, wm, wn;
-  int64_t stages = 2;  // shared buffers
-  int64_t pd = 1;      // prefetch distance in K steps (K must be a multiple of bk * pd)
-  bool bt = false;     // B staged transposed (bn rows of bk + 8)
+  int64_t pd = 1;  // prefetch distance in K steps (K must be a multiple of bk * pd)
 };
-// Must match coopmat_variants in meson.build.
+// Must match coopmat_variants in meson.build (two shared buffers each).
 const Variant kVariants[] = {
     {"cm128", 128, 128, 32, 64, 32},
-    {"cm128x256", 128, 256, 16, 64, 64},
-    {"cm128x256k32", 128, 256, 32, 64, 64},
-    {"cm256x128", 256, 128, 16, 64, 64},
     {"cm64", 64, 64, 32, 32, 32},
-    {"cm128w4", 128, 128, 32, 64, 64},
-    {"cm128w4p2", 128, 128, 16, 64, 64, 2, 2},
-    {"cm128w4k64s1", 128, 128, 64, 64, 64, 1, 1},
-    {"cm256x128p2", 256, 128, 16, 64, 64, 2, 2},
-    {"cm256x128p3", 256, 128, 16, 64, 64, 2, 3},
-    {"cm128x256p2", 128, 256, 16, 64, 64, 2, 2},
-    {"cm256x128k32s1", 256, 128, 32, 64, 64, 1, 1},
-    {"cm256x128k32s1p2", 256, 128, 32, 64, 64, 1, 2},
-    {"cm64x128w2p2", 64, 128, 16, 64, 64, 2, 2},
-    {"cm128w4k64s1bt", 128, 128, 64, 64, 64, 1, 1, true},
-    {"cm128x256d", 128, 256, 16, 64, 64},  // DEFER: the schedule does not change the tile
-    {"cm128w4dp2", 128, 128, 16, 64, 64, 2, 2},
-    {"cm128w4dp2r", 128, 128, 16, 64, 64, 2, 2},
-    {"cm128w4dp2rn", 128, 128, 16, 64, 64, 2, 2},
-    {"cm128w4dp2rf", 128, 128, 16, 64, 64, 2, 2},
-    {"cm128w4dp2rnf", 128, 128, 16, 64, 64, 2, 2},
-    {"cm128w4d", 128, 128, 32, 64, 64},
-    {"cm128w4dr", 128, 128, 32, 64, 64},
-    {"cm128w4drn", 128, 128, 32, 64, 64},
-    {"cm128w4drf", 128, 128, 32, 64, 64},
-    {"cm128w4drnf", 128, 128, 32, 64, 64},
-    {"cm128x256dr", 128, 256, 16, 64, 64},
+    {"cm128x256d", 128, 256, 16, 64, 64},
+    {"cm128w4dp2", 128, 128, 16, 64, 64, 2},
+    {"cm128w4dp2rn", 128, 128, 16, 64, 64, 2},  // ROT and NC do not change the tiles
     {"cm128x256drn", 128, 256, 16, 64, 64},
-    {"cm128x256drnf", 128, 256, 16, 64, 64},
-    {"cm128x256dp2r", 128, 256, 16, 64, 64, 2, 2},
 };
 
 const Variant* find_variant(const std::string& name) {
@@ -335,10 +309,8 @@ double coopmat_matmul(int index, const uint16_t* a, const uint16_t* b, float* c,
                                         " to " + std::to_string(caps.subgroup_size));
     const int64_t nw = (v->bm / v->wm) * (v->bn / v->wn);
     const int64_t wg = nw * caps.subgroup_size;
-    const int64_t b_stage = v->bt ? v->bn * ((v->bk + 8) / 8) : v->bk * ((v->bn + 8) / 8);
-    const int64_t shared = v->stages * (v->bm * ((v->bk + 8) / 8) + b_stage) * 16;
-    if ((v->bm * v->bk / 8) % wg || (v->bk * v->bn / 8) % (v->bt ? 8 * wg : wg) ||
-        wg > caps.max_workgroup_invocations)
+    const int64_t shared = 2 * (v->bm * ((v->bk + 8) / 8) + v->bk * ((v->bn + 8) / 8)) * 16;
+    if ((v->bm * v->bk / 8) % wg || (v->bk * v->bn / 8) % wg || wg > caps.max_workgroup_invocations)
       fail(RECURRA_ERR_UNSUPPORTED, "coopmat variant " + variant + " does not fit a subgroup size of " +
                                         std::to_string(caps.subgroup_size) + " (try cm128)");
     if (shared > caps.max_shared_bytes)

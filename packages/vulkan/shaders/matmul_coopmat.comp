@@ -14,25 +14,23 @@
 // the BM x BK slab of A and the BK x BN slab of B of step s + PD are read from global memory
 // into registers (uvec4: 8 elements; PD register sets) while step s is multiplied out of
 // shared memory, and the slabs of step s + 1 (read PD steps earlier) are stored into the
-// shared buffer step s + 1 uses. With STAGES = 2 shared buffers that is one barrier per step;
-// with STAGES = 1 (half the shared memory, room for a longer BK) a second barrier separates
-// the last reads of the buffer from the stores. DEFER = 1 (STAGES = 2) moves each step's stores
+// other of the two shared buffers, one barrier per step. DEFER = 1 moves each step's stores
 // to the start of the next step, behind its barrier (see STEP): NVIDIA's compiler otherwise
-// hoists them above the math, where they wait for the loads issued just before. Shared rows are padded by 8 elements (16
-// bytes), which spreads the 16-byte row segments of a 16x16 load over all banks.
+// hoists them above the math, where they wait for the loads issued just before. Shared rows
+// are padded by 8 elements (16 bytes), which spreads the 16-byte row segments of a 16x16 load
+// over all banks.
 //
 // Shapes (the host checks): M % BM == 0, N % BN == 0, K % (BK * PD) == 0 (the standalone
 // entry pads with zeros), A, B, C 16-byte aligned.
 //
 // Build-time defines: BM BN BK WM WN (WM, WN, BK multiples of 16; BM/WM * BN/WN = NW
-// subgroups), STAGES (2, or 1), PD (prefetch distance in steps, 1 to 4), BT (1: B staged
-// transposed, BN rows of BK + 8, its fragments loaded column-major), DEFER (0, or 1: stores at
-// the start of the next step), ROT (0, or 1: A's slab items in a bank-conflict-free order for the
-// shared stores, A_ROW), FS (0, or 1: B fragments loaded one at a time, MATH_KK), NC (0, or 1:
-// no conditions in the DEFER loop, STEP), PROBE (diagnosis only, wrong results: tools/coopmat_probe.cpp). Specialization
-// constant 0 (csrc/coopmat.cpp): the workgroup size WG = NW * the subgroup size (8 to 32;
-// BM * BK / 8 and BK * BN / 8 must be multiples of it). The schedule and indexing are
-// transliterated in tests/vulkan/test_vulkan_coopmat.py (checked against A @ B there).
+// subgroups), PD (prefetch distance in steps, 1 to 4), DEFER (0, or 1: stores at the start of
+// the next step), ROT (0, or 1: A's slab items in a bank-conflict-free order for the shared
+// stores, A_ROW), NC (0, or 1: no conditions in the DEFER loop, STEP), PROBE (diagnosis only,
+// wrong results: tools/coopmat_probe.cpp). Specialization constant 0 (csrc/coopmat.cpp): the
+// workgroup size WG = NW * the subgroup size (8 to 32; BM * BK / 8 and BK * BN / 8 must be
+// multiples of it). The schedule and indexing are transliterated in
+// tests/vulkan/test_vulkan_coopmat.py (checked against A @ B there).
 #version 450
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
@@ -42,17 +40,11 @@
 #extension GL_EXT_buffer_reference_uvec2 : require
 #extension GL_EXT_control_flow_attributes : require
 
-#ifndef STAGES
-#define STAGES 2  // shared buffers: 2 (one barrier per step) or 1 (two barriers, half the memory)
-#endif
 #ifndef PD
 #define PD 1  // prefetch distance in K steps (1 to 4): register sets of staged slabs in flight
 #endif
 #ifndef DEFER
 #define DEFER 0  // 1: a staged slab is stored at the start of the next step (see STEP)
-#endif
-#if DEFER && STAGES != 2
-#error "matmul_coopmat.comp: DEFER needs STAGES = 2"
 #endif
 #define NW ((BM / WM) * (BN / WN))  // subgroups per workgroup
 #define SA ((BK + 8) / 8)  // padded shared row of A, in uvec4
@@ -62,31 +54,20 @@
 #if ROT && BK > 64
 #error "matmul_coopmat.comp: ROT needs BK <= 64"
 #endif
-#ifndef FS
-#define FS 0  // 1: B fragments loaded one at a time (see MATH_KK)
-#endif
 #ifndef NC
 #define NC 0  // 1 (DEFER only): no conditions in the K loop (see STEP)
 #endif
 #if NC && !DEFER
 #error "matmul_coopmat.comp: NC needs DEFER"
 #endif
-#ifndef BT
-#define BT 0  // 1: B staged transposed (N rows of BK + 8), fragments loaded column-major
-#endif
-#if BT
-#define SB ((BK + 8) / 8)  // padded shared row of B^T, in uvec4
-#define B_STAGE (BN * SB)
-#else
 #define SB ((BN + 8) / 8)  // padded shared row of B, in uvec4
 #define B_STAGE (BK * SB)
-#endif
 #define TM (WM / 16)
 #define TN (WN / 16)
 #define GROUP_M 8  // workgroups walk C in bands of 8 tile rows (L2 reuse of B)
 
-#if (BM * BK) % (8 * NW * 32) != 0 || (BK * BN) % (8 * NW * 32) != 0 || WM % 16 != 0 || WN % 16 != 0 || BK % 16 != 0 || (STAGES != 1 && STAGES != 2) || PD < 1 || PD > 4 || (BT && (BK * BN) % (64 * NW * 32) != 0)
-#error "matmul_coopmat.comp: BM*BK and BK*BN must be multiples of 8*NW*32; WM, WN, BK multiples of 16; STAGES 1 or 2; PD 1 to 4"
+#if (BM * BK) % (8 * NW * 32) != 0 || (BK * BN) % (8 * NW * 32) != 0 || WM % 16 != 0 || WN % 16 != 0 || BK % 16 != 0 || PD < 1 || PD > 4
+#error "matmul_coopmat.comp: BM*BK and BK*BN must be multiples of 8*NW*32; WM, WN, BK multiples of 16; PD 1 to 4"
 #endif
 
 layout(local_size_x_id = 0) in;  // NW * the subgroup size (csrc/coopmat.cpp)
@@ -123,31 +104,6 @@ const uint NB = BK * BN / 8 / WG;
   }                                                                                       \
   LOAD_B(r, k0)                                                                           \
   }
-#if BT
-// B^T: item q is an 8 x 8 block (K rows kg*8.., N columns ng*8..), read as 8 uvec4 rows and
-// stored transposed: kg = q % (BK/8) varies fastest, so the 8 invocations of a store phase hit
-// 8 different 16-byte bank groups (SB = BK/8 + 1).
-#define NB_BLK (NB / 8)
-#define LOAD_B(r, k0)                                                                     \
-  [[unroll]] for (uint s = 0; s < NB_MAX / 8; ++s) {                                      \
-    const uint q = s * WG + t, kg = q % (BK / 8), ng = q / (BK / 8);                      \
-    [[unroll]] for (uint i = 0; i < 8; ++i)                                               \
-      if (s < NB_BLK) rb[r][s * 8 + i] = b.v[((k0) + kg * 8 + i) * n8 + n0 / 8 + ng];     \
-  }
-#define STORE_B(r, buf)                                                                   \
-  [[unroll]] for (uint s = 0; s < NB_MAX / 8; ++s) {                                      \
-    const uint q = s * WG + t, kg = q % (BK / 8), ng = q / (BK / 8);                      \
-    [[unroll]] for (uint c = 0; c < 8; ++c) {                                             \
-      const uint w = c / 2, sh = (c % 2) * 16;                                            \
-      uvec4 o;                                                                            \
-      [[unroll]] for (uint i = 0; i < 4; ++i)                                             \
-        o[i] = ((rb[r][s * 8 + 2 * i][w] >> sh) & 0xFFFFu) | ((rb[r][s * 8 + 2 * i + 1][w] >> sh) << 16); \
-      if (s < NB_BLK) Bs[(buf) * B_STAGE + (ng * 8 + c) * SB + kg] = o;                   \
-    }                                                                                     \
-  }
-#define LOAD_FB(j, kk) \
-  coopMatLoad(fb[j], Bs, bbase + (wn + (j) * 16) * SB + (kk) / 8, SB, gl_CooperativeMatrixLayoutColumnMajor)
-#else
 #define LOAD_B(r, k0)                                                                     \
   [[unroll]] for (uint s = 0; s < NB_MAX; ++s) {                                          \
     const uint q = s * WG + t;                                                            \
@@ -160,7 +116,6 @@ const uint NB = BK * BN / 8 / WG;
   }
 #define LOAD_FB(j, kk) \
   coopMatLoad(fb[j], Bs, bbase + (kk) * SB + (wn + (j) * 16) / 8, SB, gl_CooperativeMatrixLayoutRowMajor)
-#endif
 #define STORE_SLABS(r, buf)                                                               \
   {                                                                                       \
   [[unroll]] for (uint s = 0; s < NA_MAX; ++s) {                                          \
@@ -170,7 +125,7 @@ const uint NB = BK * BN / 8 / WG;
   STORE_B(r, buf)                                                                         \
   }
 
-// STEP(u): K step s0 + u, its slabs in shared buffer (s0 + u) % STAGES; the slabs of step
+// STEP(u): K step s0 + u, its slabs in shared buffer (s0 + u) % 2; the slabs of step
 // s0 + u + PD are loaded into register set u (in flight during PD steps of math), those of
 // step s0 + u + 1 (register set (u + 1) % PD) stored for the next step.
 #ifndef PROBE
@@ -185,32 +140,14 @@ const uint NB = BK * BN / 8 / WG;
   [[unroll]] for (int j = 0; j < TN; ++j)                                                             \
     LOAD_FB(j, kk);
 
-// FS = 1: the B fragments are loaded one at a time, each right before its TM products (the
-// A fragments first), instead of all TM + TN fragments before the products: in program order
-// one B fragment is live at a time (FS = 0: TN), fewer registers if the compiler keeps that.
-#if FS
-#define MATH_KK(kk, abase, bbase)                                                                     \
-  if (PROBE != 2) {                                                                                   \
-    [[unroll]] for (int i = 0; i < TM; ++i)                                                           \
-      coopMatLoad(fa[i], As, abase + (wm + i * 16) * SA + kk / 8, SA, gl_CooperativeMatrixLayoutRowMajor); \
-  }                                                                                                   \
-  [[unroll]] for (int j = 0; j < TN; ++j) {                                                           \
-    if (PROBE != 2) LOAD_FB(j, kk);                                                                   \
-    [[unroll]] for (int i = 0; i < TM; ++i)                                                           \
-      acc[i][j] = coopMatMulAdd(fa[i], fb[j], acc[i][j]);                                             \
-  }
-#else
-#define MATH_KK(kk, abase, bbase)                                                                     \
-  if (PROBE != 2) { LOAD_FRAGS(kk, abase, bbase) }                                                    \
-  [[unroll]] for (int i = 0; i < TM; ++i)                                                             \
-    [[unroll]] for (int j = 0; j < TN; ++j)                                                           \
-      acc[i][j] = coopMatMulAdd(fa[i], fb[j], acc[i][j]);
-#endif
 #define MATH(cur)                                                                                     \
   {                                                                                                   \
     const uint abase = (cur) * (BM * SA), bbase = (cur) * B_STAGE;                                    \
     [[unroll]] for (int kk = 0; kk < BK; kk += 16) {                                                  \
-      MATH_KK(kk, abase, bbase)                                                                       \
+      if (PROBE != 2) { LOAD_FRAGS(kk, abase, bbase) }                                                \
+      [[unroll]] for (int i = 0; i < TM; ++i)                                                         \
+        [[unroll]] for (int j = 0; j < TN; ++j)                                                       \
+          acc[i][j] = coopMatMulAdd(fa[i], fb[j], acc[i][j]);                                         \
     }                                                                                                 \
   }
 
@@ -236,17 +173,16 @@ const uint NB = BK * BN / 8 / WG;
     if (PROBE < 2) barrier();                                                                         \
   }
 #else
-// STEP(u): K step s0 + u, its slabs in shared buffer (s0 + u) % STAGES; the slabs of step
+// STEP(u): K step s0 + u, its slabs in shared buffer (s0 + u) % 2; the slabs of step
 // s0 + u + PD are loaded into register set u (in flight during PD steps of math), those of
 // step s0 + u + 1 (register set (u + 1) % PD) stored for the next step.
 #define STEP(u)                                                                                       \
   {                                                                                                   \
     const uint step = s0 + (u);                                                                       \
     if (PROBE == 0 && step + PD < steps) LOAD_SLABS((u), (step + PD) * BK);                           \
-    MATH(step % STAGES)                                                                               \
+    MATH(step % 2)                                                                                    \
     if (PROBE < 2) {                                                                                  \
-      if (STAGES == 1) barrier(); /* every subgroup is done with the one buffer */                    \
-      if (PROBE == 0 && step + 1 < steps) STORE_SLABS(((u) + 1) % PD, (step + 1) % STAGES);           \
+      if (PROBE == 0 && step + 1 < steps) STORE_SLABS(((u) + 1) % PD, (step + 1) % 2);                \
       barrier();                                                                                      \
     }                                                                                                 \
   }
@@ -260,8 +196,8 @@ layout(push_constant) uniform PC {
   uint M, N, K;
 } pc;
 
-shared uvec4 As[STAGES * BM * SA];
-shared uvec4 Bs[STAGES * B_STAGE];
+shared uvec4 As[2 * BM * SA];
+shared uvec4 Bs[2 * B_STAGE];
 
 void main() {
   // Grouped order of the output tiles: consecutive workgroups share B columns.
