@@ -402,7 +402,7 @@ def _op_tile(
     by matmul_coopmat_op.comp's K loop: the staging, the fragment loads, the double buffering
     (which step each buffer holds when read; no buffer read and written between barriers)."""
     bm, bn, bk, wm_, wn_ = t["BM"], t["BN"], t["BK"], t["WM"], t["WN"]
-    stages = t.get("STAGES", 2)
+    stages = 2
     a_t, b_t, vec_a, vec_b = layout
     nw = (bm // wm_) * (bn // wn_)
     a_stage = max(bm * (bk + 8), bk * (bm + 8)) // 8
@@ -460,35 +460,26 @@ def _op_tile(
         # step s reads buffer s & 1; first the slabs of step s + 1 (loaded during
         # step s - 1) go to buffer (s + 1) & 1, then those of step s + 2 are loaded
         # (NC: unconditionally; past K the loads are zeros, stored where no step reads)
-        # PD register sets (set r: the steps s with s % PD == r), the loop PD steps at a time
-        # (PD 2: the last step past K when steps is odd, on zeros)
-        nc, pd = t.get("NC", 0), t.get("PD", 1)
-        assert pd == 1 or nc
-        regs: list = [None] * pd
+        # (NC: unconditionally; past K the loads are zeros, stored where no step reads)
+        nc = t.get("NC", 0)
         store(load(0), 0)
-        for j in range(1, pd + 1):
-            if j < steps or nc:
-                regs[j % pd] = load(j)
+        regs = load(1) if steps > 1 or nc else None
         interval += 1
-        for s0 in range(0, steps, pd):
-            for u in range(pd):
-                s, r = s0 + u, (u + 1) % pd
-                if s + 1 < steps or nc:
-                    assert regs[r] is not None and regs[r][2] == s + 1
-                    store(regs[r], (s + 1) & 1)
-                if s + 1 + pd < steps or nc:
-                    regs[r] = load(s + 1 + pd)
-                math(s & 1, s)
-                interval += 1
+        for s in range(steps):
+            if s + 1 < steps or nc:
+                assert regs is not None and regs[2] == s + 1
+                store(regs, (s + 1) & 1)
+            if s + 2 < steps or nc:
+                regs = load(s + 2)
+            math(s & 1, s)
+            interval += 1
     else:
         for s in range(steps + 1):
             regs = load(s) if s < steps else None
             if s > 0:
-                math((s - 1) & 1 if stages == 2 else 0, s - 1)
-                if stages == 1:  # a barrier between the fragment loads and the stores
-                    interval += 1
+                math((s - 1) & 1, s - 1)
             if regs is not None:
-                store(regs, s & 1 if stages == 2 else 0)
+                store(regs, s & 1)
             interval += 1
     reads = {(i, x) for i, x, rw in access if rw == "r"}
     writes = {(i, x) for i, x, rw in access if rw == "w"}
@@ -513,13 +504,12 @@ def simulate_op(
     buffering (which step each buffer holds when read; no buffer read and written between two
     barriers) and the masked epilogue through each subgroup's scratch."""
     bm, bn, bk, wm_, wn_ = t["BM"], t["BN"], t["BK"], t["WM"], t["WN"]
-    stages = t.get("STAGES", 2)
     M, N, K = pc["M"], pc["N"], pc["K"]
     nw = (bm // wm_) * (bn // wn_)
     wg = nw * sg
     a_stage = max(bm * (bk + 8), bk * (bm + 8)) // 8
     assert (bm * bk // 8) % wg == 0 and (bk * bn // 8) % wg == 0
-    assert stages * a_stage >= nw * 64
+    assert 2 * a_stage >= nw * 64  # the epilogue's scratch in the two A buffers
     tiles_n, tiles_m = -(-N // bn), -(-M // bm)
     c = np.full(batch * M * N, np.nan)
     written = np.zeros(batch * M * N, int)
@@ -667,8 +657,8 @@ def test_the_op_shaders_compile_without_function_storage(tmp_path: Path) -> None
     tools = find_coopmat_compiler()
     if not tools[0]:
         pytest.skip(f"no cooperative-matrix compiler here: {tools[4]}")
-    for name, dt in [(n, dt) for n in ("op64", "op128x256d") for dt in ("f16", "bf16")]:
-        tile = op_tiles()[name]  # op128x256d: the DEFER schedule
+    for name, dt in [(n, dt) for n in ("op64", "op128x256drnf") for dt in ("f16", "bf16")]:
+        tile = op_tiles()[name]  # op128x256drnf: the DEFER schedule with ROT, NC, FS
         spv = tmp_path / f"{name}_{dt}.spv"
         flags = [f"-D{k}={v}" for k, v in tile.items()]
         flags += [f"-I{VK_DIR / 'shaders'}", f"-I{VK_DIR.parent / 'core/src/recurra/include'}"]

@@ -16,10 +16,8 @@
 // Tiling: a workgroup of NW subgroups owns a BM x BN tile of C; subgroup w owns a WM x WN
 // sub-tile as (WM/16) x (WN/16) 16x16 f32 accumulators. K advances BK at a time: the slabs of
 // step s + 1 are read from global memory into registers while step s is multiplied out of
-// shared memory, then stored into the other shared buffer (STAGES = 2: two buffers, one
-// barrier a step; STAGES = 1: one buffer, half the memory for a longer K step, and a second
-// barrier between the last fragment loads of a step and the stores of the next). DEFER = 1
-// (STAGES = 2) stores the slabs of step s + 1 at the start of step s, behind the barrier that
+// shared memory, then stored into the other of two shared buffers (one barrier a step).
+// DEFER = 1 stores the slabs of step s + 1 at the start of step s, behind the barrier that
 // ended step s - 1, and only then loads those of step s + 2: with the stores at the end of the
 // step NVIDIA's compiler hoists them above the math, where they wait for the loads just issued
 // (matmul_coopmat.comp's DEFER).
@@ -41,10 +39,10 @@
 // (then idle) A buffers, and its invocations round and store the elements inside C.
 //
 // Build-time defines: BM BN BK WM WN (WM, WN, BK multiples of 16, BM and BN multiples of 8),
-// STAGES (2, the default, or 1), DEFER (0, the default, or 1), ROT (0, the default, or 1: the
+// DEFER (0, the default, or 1), ROT (0, the default, or 1: the
 // slab items in a bank-conflict-free order, see item), FS (0, the default, or 1: B fragments
 // loaded one at a time, each before its products), NC (0, the default, or 1: DEFER's loop
-// without conditions), PD (1, the default, or 2 with DEFER and NC: loads two steps ahead).
+// without conditions).
 // Specialization constants (csrc/coopmat.cpp, csrc/ops/matmul.cpp): 0 the workgroup size
 // WG = NW * the subgroup size (8 to 32), 1 A_T, 2 B_T, 3 VEC_A, 4 VEC_B, 5 DT (2 bfloat16,
 // 3 float16: the rounding of C; 0: C holds float32, the partial sums of a split-K product). The schedule and indexing are transliterated in
@@ -58,9 +56,6 @@
 #include "common.glsl"
 #include "half.glsl"
 
-#ifndef STAGES
-#define STAGES 2
-#endif
 #define NW ((BM / WM) * (BN / WN))  // subgroups per workgroup
 #define TM (WM / 16)
 #define TN (WN / 16)
@@ -72,9 +67,6 @@
 
 #if (BM * BK) % (8 * NW * 32) != 0 || (BK * BN) % (8 * NW * 32) != 0 || WM % 16 != 0 || WN % 16 != 0 || BK % 16 != 0 || BM % WM != 0 || BN % WN != 0
 #error "matmul_coopmat_op.comp: BM*BK and BK*BN must be multiples of 8*NW*32; WM, WN, BK multiples of 16"
-#endif
-#if STAGES != 1 && STAGES != 2
-#error "matmul_coopmat_op.comp: STAGES must be 1 or 2"
 #endif
 #ifndef DEFER
 #define DEFER 0  // 1: a staged slab is stored at the start of the next step (see the K loop)
@@ -91,19 +83,10 @@
 #ifndef NC
 #define NC 0  // 1 (DEFER only): no conditions in the K loop (see the loop)
 #endif
-#ifndef PD
-#define PD 1  // 2 (DEFER and NC): slabs loaded two steps of math ahead (see the loop)
-#endif
-#if PD != 1 && (PD != 2 || !DEFER || !NC)
-#error "matmul_coopmat_op.comp: PD is 1, or 2 with DEFER and NC"
-#endif
 #if NC && !DEFER
 #error "matmul_coopmat_op.comp: NC needs DEFER"
 #endif
-#if DEFER && STAGES != 2
-#error "matmul_coopmat_op.comp: DEFER needs STAGES = 2"
-#endif
-#if STAGES * BM * (BK + 8) / 8 < NW * 64 && STAGES * BK * (BM + 8) / 8 < NW * 64
+#if 2 * BM * (BK + 8) / 8 < NW * 64 && 2 * BK * (BM + 8) / 8 < NW * 64
 #error "matmul_coopmat_op.comp: the epilogue needs 1 KiB of the A buffers per subgroup"
 #endif
 
@@ -132,8 +115,8 @@ layout(push_constant) uniform PC {
   int a_b0, a_b1, b_b0, b_b1;  // batch strides of A and B (outer, inner)
 } pc;
 
-shared uvec4 As[STAGES * A_STAGE];
-shared uvec4 Bs[STAGES * B_STAGE];
+shared uvec4 As[2 * A_STAGE];
+shared uvec4 Bs[2 * B_STAGE];
 
 // A staged operand: X(row, col) = x[base + row * rs + col * cs], rows < R, cols < C (the
 // tile's origin added by the caller).
@@ -208,36 +191,36 @@ void main() {
     [[unroll]] for (int j = 0; j < TN; ++j)
       acc[i][j] = coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
 
-  uvec4 ra[PD][NA_MAX], rb[PD][NB_MAX];  // PD register sets (DEFER; else one)
+  uvec4 ra[NA_MAX], rb[NB_MAX];
   const int steps = (pc.K + BK - 1) / BK;
-  // LOAD_STEP(r, s): the slabs of K step s into register set r; STORE_STEP(r, buf): set r into
+  // LOAD_STEP(s): the slabs of K step s into the registers; STORE_STEP(buf): the registers into
   // shared buffer buf; MATH_STEP(buf): the fragments of buffer buf multiplied into acc.
-#define LOAD_STEP(r, s)                                                                           \
+#define LOAD_STEP(s)                                                                              \
   {                                                                                               \
     const int k0 = (s) * BK;                                                                      \
     [[unroll]] for (uint i = 0; i < NA_MAX; ++i) {                                                \
       const uint q = i * WG + t;                                                                  \
       const ivec2 rc = item(q, a_cols);                                                           \
-      if (i < NA) ra[r][i] = load_item(oa, A_T != 0 ? k0 : m0, A_T != 0 ? m0 : k0, rc.x, rc.y, VEC_A); \
+      if (i < NA) ra[i] = load_item(oa, A_T != 0 ? k0 : m0, A_T != 0 ? m0 : k0, rc.x, rc.y, VEC_A); \
     }                                                                                             \
     [[unroll]] for (uint i = 0; i < NB_MAX; ++i) {                                                \
       const uint q = i * WG + t;                                                                  \
       const ivec2 rc = item(q, b_cols);                                                           \
-      if (i < NB) rb[r][i] = load_item(ob, B_T != 0 ? n0 : k0, B_T != 0 ? k0 : n0, rc.x, rc.y, VEC_B); \
+      if (i < NB) rb[i] = load_item(ob, B_T != 0 ? n0 : k0, B_T != 0 ? k0 : n0, rc.x, rc.y, VEC_B); \
     }                                                                                             \
   }
-#define STORE_STEP(r, buf)                                                                        \
+#define STORE_STEP(buf)                                                                           \
   {                                                                                               \
     const uint abase = (buf) * A_STAGE, bbase = (buf) * B_STAGE;                                  \
     [[unroll]] for (uint i = 0; i < NA_MAX; ++i) {                                                \
       const uint q = i * WG + t;                                                                  \
       const ivec2 rc = item(q, a_cols);                                                           \
-      if (i < NA) As[abase + rc.x * sa + rc.y] = ra[r][i];                                        \
+      if (i < NA) As[abase + rc.x * sa + rc.y] = ra[i];                                           \
     }                                                                                             \
     [[unroll]] for (uint i = 0; i < NB_MAX; ++i) {                                                \
       const uint q = i * WG + t;                                                                  \
       const ivec2 rc = item(q, b_cols);                                                           \
-      if (i < NB) Bs[bbase + rc.x * sb + rc.y] = rb[r][i];                                        \
+      if (i < NB) Bs[bbase + rc.x * sb + rc.y] = rb[i];                                           \
     }                                                                                             \
   }
 #define LOAD_FB(j)                                                                                             \
@@ -275,38 +258,23 @@ void main() {
   // NC = 1: no conditions in the loop: past K the loads stage zeros (load_item masks them) and
   // the last step stores them into the buffer no step reads any more (free since the barrier
   // that ended the step before), so the loop body is one basic block.
-  // PD = 2 (NC only): register set r holds the steps s with s % 2 == r, loaded two steps of
-  // math ahead; the loop body is two steps written out (constant set indices), the second
-  // one past K when steps is odd (its slabs are zeros: it adds nothing).
-  LOAD_STEP(0, 0)
-  STORE_STEP(0, 0)
-  if (NC != 0 || 1 < steps) LOAD_STEP(1 % PD, 1)
-#if PD == 2
-  LOAD_STEP(0, 2)
-#endif
+  LOAD_STEP(0)
+  STORE_STEP(0)
+  if (NC != 0 || 1 < steps) LOAD_STEP(1)
   barrier();
-#define DSTEP(s, u)                                                                               \
-  {                                                                                               \
-    if (NC != 0 || (s) + 1 < steps) STORE_STEP(((u) + 1) % PD, ((s) + 1) & 1)                     \
-    if (NC != 0 || (s) + 1 + PD < steps) LOAD_STEP(((u) + 1) % PD, (s) + 1 + PD)                  \
-    MATH_STEP((s) & 1)                                                                            \
-    barrier();                                                                                    \
-  }
-  for (int s = 0; s < steps; s += PD) {
-    DSTEP(s, 0)
-#if PD == 2
-    DSTEP(s + 1, 1)
-#endif
+  for (int s = 0; s < steps; ++s) {
+    if (NC != 0 || s + 1 < steps) STORE_STEP((s + 1) & 1)
+    if (NC != 0 || s + 2 < steps) LOAD_STEP(s + 2)
+    MATH_STEP(s & 1)
+    barrier();
   }
 #else
   for (int s = 0; s < steps + 1; ++s) {
-    // s < steps: load the slabs of step s; s > 0: multiply step s - 1 (buffer (s - 1) & 1,
-    // STAGES 1: buffer 0) while they arrive; then store them into buffer s & 1 (0), read by
-    // the next iteration.
-    if (s < steps) LOAD_STEP(0, s)
-    if (s > 0) MATH_STEP(STAGES == 2 ? (s - 1) & 1 : 0)
-    if (STAGES == 1 && s > 0) barrier();  // every subgroup is done with the one buffer
-    if (s < steps) STORE_STEP(0, STAGES == 2 ? s & 1 : 0)
+    // s < steps: load the slabs of step s; s > 0: multiply step s - 1 (buffer (s - 1) & 1)
+    // while they arrive; then store them into buffer s & 1, read by the next iteration.
+    if (s < steps) LOAD_STEP(s)
+    if (s > 0) MATH_STEP((s - 1) & 1)
+    if (s < steps) STORE_STEP(s & 1)
     barrier();
   }
 #endif
