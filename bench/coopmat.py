@@ -22,8 +22,8 @@ training step at batch 8 x 512 (in_proj 768 -> 3352, out_proj 1536 -> 768, the L
 dX = dy @ W^T as transposed views), beside torch.matmul in the same dtype and layout. Ours per
 product: the wall time of a graph of R independent products minus that of a graph of one,
 over R - 1 (the submission and the wait cancel out; medians of --runs computes; R from
---op-reps). --op-tilings runs each RECURRA_VK_COOPMAT setting (auto, op128, op256x128,
-op128k64s1, op64, op128x256d, off = the fallback shader). Each result is checked against
+--op-reps). --op-tilings runs each RECURRA_VK_COOPMAT setting (auto, op128, op64,
+op128x256drnf, off = the fallback shader). Each result is checked against
 torch's float64 product of the same inputs: |C - ref| <= u |ref| + 2 K 2^-24 (|A| @ |B|)
 (u: 2^-8 bf16, 2^-11 f16).
 """
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--op-tilings",
         default="auto",
-        help="RECURRA_VK_COOPMAT values: auto, off, op128, op256x128, op128k64s1, op64, op128x256d",
+        help="RECURRA_VK_COOPMAT values: auto, off, op128, op64, op128x256drnf",
     )
     ap.add_argument("--op-reps", type=int, default=10, help="products per timed graph (>= 2)")
     args = ap.parse_args(argv)

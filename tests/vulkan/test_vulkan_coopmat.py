@@ -119,8 +119,8 @@ def _variant_defines() -> dict[str, list[str]]:
 
 
 def _params(flags: list[str]) -> dict[str, int]:
-    """BM BN BK WM WN STAGES PD BT DEFER of a variant (the shader's defaults for the last four)."""
-    d = {"STAGES": 2, "PD": 1, "BT": 0, "DEFER": 0}
+    """BM BN BK WM WN PD DEFER ROT NC of a variant (the shader's defaults from PD)."""
+    d = {"PD": 1, "DEFER": 0, "ROT": 0, "NC": 0}
     d.update({k: int(v) for k, v in (f[2:].split("=") for f in flags)})
     return d
 
@@ -145,13 +145,13 @@ def _workgroup(
 ) -> np.ndarray:
     """The accumulators (subgroup, i, j, 16, 16) of the workgroup whose C tile is at (m0, n0)."""
     bm, bn, bk, wm_, wn_ = d["BM"], d["BN"], d["BK"], d["WM"], d["WN"]
-    stages, pd, bt, defer = d["STAGES"], d["PD"], d["BT"], d["DEFER"]
+    stages, pd, defer = 2, d["PD"], d["DEFER"]
     nw = (bm // wm_) * (bn // wn_)
     wg = nw * sg
     na, nb = bm * bk // 8 // wg, bk * bn // 8 // wg
     sa = (bk + 8) // 8
-    sb = (bk + 8) // 8 if bt else (bn + 8) // 8  # B^T: N rows of BK (+ 8)
-    b_stage = bn * sb if bt else bk * sb
+    sb = (bn + 8) // 8
+    b_stage = bk * sb
     k, n = b.shape
     av, bv = a.reshape(-1, 8), b.reshape(-1, 8)  # uvec4 views
     k8, n8 = k // 8, n // 8
@@ -165,36 +165,25 @@ def _workgroup(
     access: set[tuple[int, int, str]] = set()  # (barrier interval, buffer, "r" / "w")
     interval = 0
 
+    def a_row(q: np.ndarray) -> np.ndarray:  # A_ROW
+        if d["ROT"]:
+            return (q // bk) * 8 + (q % bk) // 8 + (q % 8) // (bk // 8) * (bk // 8)
+        return q // (bk // 8)
+
     def load(r: int, k0: int) -> None:
         qa = [s * wg + t for s in range(na)]
         qb = [s * wg + t for s in range(nb)]
-        ra[r] = [av[(m0 + q // (bk // 8)) * k8 + k0 // 8 + q % (bk // 8)] for q in qa]
-        if bt:  # blocks of 8 x 8: kg = q % (BK/8), ng = q / (BK/8); 8 rows each
-            qb = [s * wg + t for s in range(nb // 8)]
-            rb[r] = [
-                bv[(k0 + (q % (bk // 8)) * 8 + i) * n8 + n0 // 8 + q // (bk // 8)]
-                for q in qb
-                for i in range(8)
-            ]
-        else:
-            rb[r] = [bv[(k0 + q // (bn // 8)) * n8 + n0 // 8 + q % (bn // 8)] for q in qb]
+        ra[r] = [av[(m0 + a_row(q)) * k8 + k0 // 8 + q % (bk // 8)] for q in qa]
+        rb[r] = [bv[(k0 + q // (bn // 8)) * n8 + n0 // 8 + q % (bn // 8)] for q in qb]
         reg_step[r] = k0 // bk
 
     def store(r: int, buf: int) -> None:
         for s in range(na):
             q = s * wg + t
-            a_s[buf * (bm * sa) + (q // (bk // 8)) * sa + q % (bk // 8)] = ra[r][s]
-        if bt:
-            for s in range(nb // 8):
-                q = s * wg + t
-                kg, ng = q % (bk // 8), q // (bk // 8)
-                block = np.stack(rb[r][s * 8 : s * 8 + 8], axis=1)  # (invocation, k, n)
-                for c in range(8):
-                    b_s[buf * b_stage + (ng * 8 + c) * sb + kg] = block[:, :, c]
-        else:
-            for s in range(nb):
-                q = s * wg + t
-                b_s[buf * b_stage + (q // (bn // 8)) * sb + q % (bn // 8)] = rb[r][s]
+            a_s[buf * (bm * sa) + a_row(q) * sa + q % (bk // 8)] = ra[r][s]
+        for s in range(nb):
+            q = s * wg + t
+            b_s[buf * b_stage + (q // (bn // 8)) * sb + q % (bn // 8)] = rb[r][s]
         holds[buf] = reg_step[r]
         access.add((interval, buf, "w"))
 
@@ -215,10 +204,10 @@ def _workgroup(
         for u in range(pd):
             step = s0 + u
             if defer:  # store the next step's slabs, then load those of step + 1 + PD
-                if step + 1 < steps:
+                if step + 1 < steps or d["NC"]:  # NC: into the buffer no step reads any more
                     store((u + 1) % pd, (step + 1) % stages)
-                if step + 1 + pd < steps:
-                    load((u + 1) % pd, (step + 1 + pd) * bk)
+                if step + 1 + pd < steps or d["NC"]:  # NC: past the end, the last step again
+                    load((u + 1) % pd, min(step + 1 + pd, steps - 1) * bk)
             elif step + pd < steps:
                 load(u, (step + pd) * bk)
             cur = step % stages
@@ -231,20 +220,12 @@ def _workgroup(
                         frag(a_s, cur * bm * sa + (wm + i * 16) * sa + kk // 8, sa)
                         for i in range(wm_ // 16)
                     ]
-                    if bt:  # column-major: fragment column n at row n of B^T
-                        fb = [
-                            frag(b_s, cur * b_stage + (wn + j * 16) * sb + kk // 8, sb).T
-                            for j in range(wn_ // 16)
-                        ]
-                    else:
-                        fb = [
-                            frag(b_s, cur * b_stage + kk * sb + (wn + j * 16) // 8, sb)
-                            for j in range(wn_ // 16)
-                        ]
+                    fb = [
+                        frag(b_s, cur * b_stage + kk * sb + (wn + j * 16) // 8, sb)
+                        for j in range(wn_ // 16)
+                    ]
                     acc[w] += np.einsum("iab,jbc->ijac", np.array(fa), np.array(fb))
             if not defer:
-                if stages == 1:
-                    interval += 1  # barrier
                 if step + 1 < steps:
                     store((u + 1) % pd, (step + 1) % stages)
             interval += 1  # barrier
@@ -386,22 +367,13 @@ def test_unsupported_dtype_raises_with_the_reason(vulkan: str, dtype: str) -> No
         (128, 128, 64, "cm128"),
         (70, 200, 50, "cm128"),
         (64, 64, 32, "cm64"),
-        (300, 260, 48, "cm128x256"),
-        (260, 130, 40, "cm256x128"),
-        (130, 140, 70, "cm128w4"),
-        (200, 300, 40, "cm128w4p2"),
-        (130, 140, 70, "cm128w4k64s1"),
-        (300, 260, 48, "cm256x128p2"),
-        (260, 130, 100, "cm256x128p3"),
-        (140, 260, 40, "cm128x256p2"),
-        (260, 130, 40, "cm256x128k32s1"),
-        (260, 130, 100, "cm256x128k32s1p2"),
-        (100, 100, 100, "cm64x128w2p2"),
-        (130, 140, 70, "cm128w4k64s1bt"),
         (300, 260, 48, "cm128x256d"),
         (130, 140, 16, "cm128x256d"),
         (200, 300, 40, "cm128w4dp2"),
         (100, 100, 100, "cm128w4dp2"),
+        (200, 300, 40, "cm128w4dp2rn"),
+        (130, 140, 16, "cm128w4dp2rn"),
+        (300, 260, 48, "cm128x256drn"),
     ],
 )
 def test_coopmat_matmul_matches_float64(
@@ -436,10 +408,10 @@ def test_entry_refuses_bad_input() -> None:
 
 
 def test_host_refuses_k_off_the_prefetch_multiple() -> None:
-    # cm256x128p2 steps K by 16 and runs two steps per loop iteration: K must be a multiple
+    # cm128w4dp2rn steps K by 16 and runs two steps per loop iteration: K must be a multiple
     # of 32 (the standalone entry pads; the extension refuses, before touching a device).
-    assert recurra_vulkan._vk.COOPMAT_TILES["cm256x128p2"] == (256, 128, 32)
-    a = np.zeros((256, 48), np.uint16)
+    assert recurra_vulkan._vk.COOPMAT_TILES["cm128w4dp2rn"] == (128, 128, 32)
+    a = np.zeros((128, 48), np.uint16)
     b = np.zeros((48, 128), np.uint16)
-    with pytest.raises(ValueError, match=r"multiples of the cm256x128p2 tile \(256, 128, 32\)"):
-        recurra_vulkan._vk.coopmat_matmul(a, b, "f16", 1, "cm256x128p2", 0)
+    with pytest.raises(ValueError, match=r"multiples of the cm128w4dp2rn tile \(128, 128, 32\)"):
+        recurra_vulkan._vk.coopmat_matmul(a, b, "f16", 1, "cm128w4dp2rn", 0)

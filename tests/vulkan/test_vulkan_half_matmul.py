@@ -355,6 +355,34 @@ class Operand:
         return out
 
 
+def slab_item(q: np.ndarray, cols: int, rot: int) -> tuple[np.ndarray, np.ndarray]:
+    """The shader's item(q, cols): (row, uvec4 column) of item q of a slab of `cols` columns;
+    with ROT and fewer than 8 uvec4 a row, the 8 items of a store phase take the columns of
+    rows C apart in a group of 8 rows (C = cols / 8)."""
+    c = cols // 8
+    if rot and c < 8:
+        return (q // (8 * c)) * 8 + (q % (8 * c)) // 8 + (q % 8) // c * c, q % c
+    return q // c, q % c
+
+
+def test_the_rotated_item_order_is_a_conflict_free_permutation() -> None:
+    for cols in (16, 32, 64, 128):
+        q = np.arange(64 * cols // 8)
+        row, cg = slab_item(q, cols, 1)
+        # every (row, column) once; 8 consecutive items (a 16-byte store phase) in 8 different
+        # 16-byte bank groups of the padded rows (cols / 8 + 1 uvec4)
+        assert len(set(zip(row.tolist(), cg.tolist()))) == len(q)
+        assert row.max() == 63 and cg.max() == cols // 8 - 1
+        units = (row * (cols // 8 + 1) + cg) % 8
+        assert all(len(set(units[i : i + 8].tolist())) == 8 for i in range(0, len(q), 8))
+        # the plain order: two items of a phase share a bank group where a row is short
+        plain = slab_item(q, cols, 0)
+        units0 = (plain[0] * (cols // 8 + 1) + plain[1]) % 8
+        assert all(len(set(units0[i : i + 8].tolist())) == 8 for i in range(0, len(q), 8)) == (
+            cols >= 64
+        )
+
+
 def frag(x: np.ndarray, start: int, stride: int) -> np.ndarray:
     """coopMatLoad row-major from an array of uvec4 rows (8 elements): a 16 x 16 matrix."""
     rows = start + np.arange(16) * stride
@@ -374,7 +402,7 @@ def _op_tile(
     by matmul_coopmat_op.comp's K loop: the staging, the fragment loads, the double buffering
     (which step each buffer holds when read; no buffer read and written between barriers)."""
     bm, bn, bk, wm_, wn_ = t["BM"], t["BN"], t["BK"], t["WM"], t["WN"]
-    stages = t.get("STAGES", 2)
+    stages = 2
     a_t, b_t, vec_a, vec_b = layout
     nw = (bm // wm_) * (bn // wn_)
     a_stage = max(bm * (bk + 8), bk * (bm + 8)) // 8
@@ -390,28 +418,20 @@ def _op_tile(
     steps = -(-K // bk)
     interval = 0  # barriers passed
 
+    rot = t.get("ROT", 0)
+    a_row, a_cg = slab_item(qa, a_cols, rot)
+    b_row, b_cg = slab_item(qb, b_cols, rot)
+
     def load(s: int) -> tuple[np.ndarray, np.ndarray, int]:
         k0 = s * bk
-        ra = oa.item(
-            k0 if a_t else m0,
-            m0 if a_t else k0,
-            qa // (a_cols // 8),
-            qa % (a_cols // 8),
-            bool(vec_a),
-        )
-        rb = ob.item(
-            n0 if b_t else k0,
-            k0 if b_t else n0,
-            qb // (b_cols // 8),
-            qb % (b_cols // 8),
-            bool(vec_b),
-        )
+        ra = oa.item(k0 if a_t else m0, m0 if a_t else k0, a_row, a_cg, bool(vec_a))
+        rb = ob.item(n0 if b_t else k0, k0 if b_t else n0, b_row, b_cg, bool(vec_b))
         return ra, rb, s
 
     def store(regs: tuple[np.ndarray, np.ndarray, int], buf: int) -> None:
         ra, rb, s = regs
-        a_s[buf * a_stage + (qa // (a_cols // 8)) * sa + qa % (a_cols // 8)] = ra
-        b_s[buf * b_stage + (qb // (b_cols // 8)) * sb + qb % (b_cols // 8)] = rb
+        a_s[buf * a_stage + a_row * sa + a_cg] = ra
+        b_s[buf * b_stage + b_row * sb + b_cg] = rb
         holds[buf] = s
         access.add((interval, buf, "w"))
 
@@ -439,14 +459,17 @@ def _op_tile(
     if t.get("DEFER", 0):
         # step s reads buffer s & 1; first the slabs of step s + 1 (loaded during
         # step s - 1) go to buffer (s + 1) & 1, then those of step s + 2 are loaded
+        # (NC: unconditionally; past K the loads are zeros, stored where no step reads)
+        # (NC: unconditionally; past K the loads are zeros, stored where no step reads)
+        nc = t.get("NC", 0)
         store(load(0), 0)
-        regs = load(1) if steps > 1 else None
+        regs = load(1) if steps > 1 or nc else None
         interval += 1
         for s in range(steps):
-            if s + 1 < steps:
+            if s + 1 < steps or nc:
                 assert regs is not None and regs[2] == s + 1
                 store(regs, (s + 1) & 1)
-            if s + 2 < steps:
+            if s + 2 < steps or nc:
                 regs = load(s + 2)
             math(s & 1, s)
             interval += 1
@@ -454,11 +477,9 @@ def _op_tile(
         for s in range(steps + 1):
             regs = load(s) if s < steps else None
             if s > 0:
-                math((s - 1) & 1 if stages == 2 else 0, s - 1)
-                if stages == 1:  # a barrier between the fragment loads and the stores
-                    interval += 1
+                math((s - 1) & 1, s - 1)
             if regs is not None:
-                store(regs, s & 1 if stages == 2 else 0)
+                store(regs, s & 1)
             interval += 1
     reads = {(i, x) for i, x, rw in access if rw == "r"}
     writes = {(i, x) for i, x, rw in access if rw == "w"}
@@ -483,13 +504,12 @@ def simulate_op(
     buffering (which step each buffer holds when read; no buffer read and written between two
     barriers) and the masked epilogue through each subgroup's scratch."""
     bm, bn, bk, wm_, wn_ = t["BM"], t["BN"], t["BK"], t["WM"], t["WN"]
-    stages = t.get("STAGES", 2)
     M, N, K = pc["M"], pc["N"], pc["K"]
     nw = (bm // wm_) * (bn // wn_)
     wg = nw * sg
     a_stage = max(bm * (bk + 8), bk * (bm + 8)) // 8
     assert (bm * bk // 8) % wg == 0 and (bk * bn // 8) % wg == 0
-    assert stages * a_stage >= nw * 64
+    assert 2 * a_stage >= nw * 64  # the epilogue's scratch in the two A buffers
     tiles_n, tiles_m = -(-N // bn), -(-M // bm)
     c = np.full(batch * M * N, np.nan)
     written = np.zeros(batch * M * N, int)
@@ -637,8 +657,8 @@ def test_the_op_shaders_compile_without_function_storage(tmp_path: Path) -> None
     tools = find_coopmat_compiler()
     if not tools[0]:
         pytest.skip(f"no cooperative-matrix compiler here: {tools[4]}")
-    for name, dt in [(n, dt) for n in ("op64", "op128x256d") for dt in ("f16", "bf16")]:
-        tile = op_tiles()[name]  # op128x256d: the DEFER schedule
+    for name, dt in [(n, dt) for n in ("op64", "op128x256drnf") for dt in ("f16", "bf16")]:
+        tile = op_tiles()[name]  # op128x256drnf: the DEFER schedule with ROT, NC, FS
         spv = tmp_path / f"{name}_{dt}.spv"
         flags = [f"-D{k}={v}" for k, v in tile.items()]
         flags += [f"-I{VK_DIR / 'shaders'}", f"-I{VK_DIR.parent / 'core/src/recurra/include'}"]

@@ -366,7 +366,7 @@ PYBIND11_MODULE(_vk, m) {
         return py::make_tuple(c, sec);
       },
       py::arg("a"), py::arg("b"), py::arg("dtype") = "bf16", py::arg("reps") = 1,
-      py::arg("variant") = "cm128w4dp2", py::arg("device") = 0,
+      py::arg("variant") = "cm128w4dp2rn", py::arg("device") = 0,
       "C (float32) = A @ B on the tensor cores: a (M, K) and b (K, N) uint16 arrays holding bf16 or f16 bits, "
       "M, N, K multiples of the variant's tile. Runs once untimed, then reps times; returns (c, GPU seconds of "
       "one run). NotImplementedError where the device or build lacks it.");

@@ -140,8 +140,7 @@ std::vector<std::string> coopmat_variants();
 // A tiling of the op's shader: BM x BN of C per workgroup, subgroups of WM x WN, K steps of BK.
 struct CoopMatOpTile {
   const char* name;  // module "matmul_op_<name>_<bf16|f16>"
-  int64_t bm, bn, bk, wm, wn;
-  int64_t stages = 2;  // shared buffers per operand
+  int64_t bm, bn, bk, wm, wn;  // two shared buffers per operand
 };
 
 // "" when the op's coopmat shaders can run on `d` in that dtype (the features enabled, a fixed
@@ -149,9 +148,9 @@ struct CoopMatOpTile {
 std::string coopmat_op_why_not(const Device& d, bool bf16);
 
 // The tiling for a product with an M x N output per batch matrix and inner size K:
-// RECURRA_VK_COOPMAT names one ("op128", "op256x128", "op128k64s1", "op64", "op128x256d"), else
-// by size: the 128x256 tile (DEFER schedule) when it gives two workgroups per SM of an H200 (or
-// 160 and K <= 4096), else the 128x128 tile when it fills the GPU, else the 64x64 one. nullptr when
+// RECURRA_VK_COOPMAT names one ("op128", "op64", "op128x256drnf"), else by size: the 128x256
+// tile (DEFER schedule) when it gives two workgroups per SM of an H200 (or 160 and K <= 4096),
+// else the 128x128 tile when it fills the GPU, else the 64x64 one. nullptr when
 // RECURRA_VK_COOPMAT=off (the op then runs the fallback shader). Throws Error
 // (RECURRA_ERR_INVALID) for an unknown name.
 const CoopMatOpTile* coopmat_op_tile(int64_t m, int64_t n, int64_t k, int64_t batch);

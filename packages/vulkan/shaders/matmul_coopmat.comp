@@ -14,23 +14,23 @@
 // the BM x BK slab of A and the BK x BN slab of B of step s + PD are read from global memory
 // into registers (uvec4: 8 elements; PD register sets) while step s is multiplied out of
 // shared memory, and the slabs of step s + 1 (read PD steps earlier) are stored into the
-// shared buffer step s + 1 uses. With STAGES = 2 shared buffers that is one barrier per step;
-// with STAGES = 1 (half the shared memory, room for a longer BK) a second barrier separates
-// the last reads of the buffer from the stores. DEFER = 1 (STAGES = 2) moves each step's stores
+// other of the two shared buffers, one barrier per step. DEFER = 1 moves each step's stores
 // to the start of the next step, behind its barrier (see STEP): NVIDIA's compiler otherwise
-// hoists them above the math, where they wait for the loads issued just before. Shared rows are padded by 8 elements (16
-// bytes), which spreads the 16-byte row segments of a 16x16 load over all banks.
+// hoists them above the math, where they wait for the loads issued just before. Shared rows
+// are padded by 8 elements (16 bytes), which spreads the 16-byte row segments of a 16x16 load
+// over all banks.
 //
 // Shapes (the host checks): M % BM == 0, N % BN == 0, K % (BK * PD) == 0 (the standalone
 // entry pads with zeros), A, B, C 16-byte aligned.
 //
 // Build-time defines: BM BN BK WM WN (WM, WN, BK multiples of 16; BM/WM * BN/WN = NW
-// subgroups), STAGES (2, or 1), PD (prefetch distance in steps, 1 to 4), BT (1: B staged
-// transposed, BN rows of BK + 8, its fragments loaded column-major), DEFER (0, or 1: stores at
-// the start of the next step), PROBE (diagnosis only, wrong results: tools/coopmat_probe.cpp). Specialization
-// constant 0 (csrc/coopmat.cpp): the workgroup size WG = NW * the subgroup size (8 to 32;
-// BM * BK / 8 and BK * BN / 8 must be multiples of it). The schedule and indexing are
-// transliterated in tests/vulkan/test_vulkan_coopmat.py (checked against A @ B there).
+// subgroups), PD (prefetch distance in steps, 1 to 4), DEFER (0, or 1: stores at the start of
+// the next step), ROT (0, or 1: A's slab items in a bank-conflict-free order for the shared
+// stores, A_ROW), NC (0, or 1: no conditions in the DEFER loop, STEP), PROBE (diagnosis only,
+// wrong results: tools/coopmat_probe.cpp). Specialization constant 0 (csrc/coopmat.cpp): the
+// workgroup size WG = NW * the subgroup size (8 to 32; BM * BK / 8 and BK * BN / 8 must be
+// multiples of it). The schedule and indexing are transliterated in
+// tests/vulkan/test_vulkan_coopmat.py (checked against A @ B there).
 #version 450
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
@@ -40,36 +40,34 @@
 #extension GL_EXT_buffer_reference_uvec2 : require
 #extension GL_EXT_control_flow_attributes : require
 
-#ifndef STAGES
-#define STAGES 2  // shared buffers: 2 (one barrier per step) or 1 (two barriers, half the memory)
-#endif
 #ifndef PD
 #define PD 1  // prefetch distance in K steps (1 to 4): register sets of staged slabs in flight
 #endif
 #ifndef DEFER
 #define DEFER 0  // 1: a staged slab is stored at the start of the next step (see STEP)
 #endif
-#if DEFER && STAGES != 2
-#error "matmul_coopmat.comp: DEFER needs STAGES = 2"
-#endif
 #define NW ((BM / WM) * (BN / WN))  // subgroups per workgroup
 #define SA ((BK + 8) / 8)  // padded shared row of A, in uvec4
-#ifndef BT
-#define BT 0  // 1: B staged transposed (N rows of BK + 8), fragments loaded column-major
+#ifndef ROT
+#define ROT 0  // 1: the A slab's items in a bank-conflict-free order (see A_ROW)
 #endif
-#if BT
-#define SB ((BK + 8) / 8)  // padded shared row of B^T, in uvec4
-#define B_STAGE (BN * SB)
-#else
+#if ROT && BK > 64
+#error "matmul_coopmat.comp: ROT needs BK <= 64"
+#endif
+#ifndef NC
+#define NC 0  // 1 (DEFER only): no conditions in the K loop (see STEP)
+#endif
+#if NC && !DEFER
+#error "matmul_coopmat.comp: NC needs DEFER"
+#endif
 #define SB ((BN + 8) / 8)  // padded shared row of B, in uvec4
 #define B_STAGE (BK * SB)
-#endif
 #define TM (WM / 16)
 #define TN (WN / 16)
 #define GROUP_M 8  // workgroups walk C in bands of 8 tile rows (L2 reuse of B)
 
-#if (BM * BK) % (8 * NW * 32) != 0 || (BK * BN) % (8 * NW * 32) != 0 || WM % 16 != 0 || WN % 16 != 0 || BK % 16 != 0 || (STAGES != 1 && STAGES != 2) || PD < 1 || PD > 4 || (BT && (BK * BN) % (64 * NW * 32) != 0)
-#error "matmul_coopmat.comp: BM*BK and BK*BN must be multiples of 8*NW*32; WM, WN, BK multiples of 16; STAGES 1 or 2; PD 1 to 4"
+#if (BM * BK) % (8 * NW * 32) != 0 || (BK * BN) % (8 * NW * 32) != 0 || WM % 16 != 0 || WN % 16 != 0 || BK % 16 != 0 || PD < 1 || PD > 4
+#error "matmul_coopmat.comp: BM*BK and BK*BN must be multiples of 8*NW*32; WM, WN, BK multiples of 16; PD 1 to 4"
 #endif
 
 layout(local_size_x_id = 0) in;  // NW * the subgroup size (csrc/coopmat.cpp)
@@ -84,41 +82,28 @@ const uint NB = BK * BN / 8 / WG;
 #define NB_MAX (BK * BN / 8 / (NW * 8))
 
 // Slab loads: invocation t takes items q = s * WG + t: row q / (cols/8), uvec4 column q % (cols/8).
-// LOAD_SLABS(r, k0): the A and B slabs of the step starting at k0 into register set r;
-// STORE_SLABS(r, buf): register set r into shared buffer buf.
+// A with ROT = 1: row A_ROW(q), column q % (BK/8) (see A_ROW). LOAD_SLABS(r, k0): the A and B
+// slabs of the step starting at k0 into register set r; STORE_SLABS(r, buf): register set r
+// into shared buffer buf.
+#if ROT
+// ROT = 1: the 8 invocations of a 16-byte store phase (a quarter subgroup) take the C = BK/8
+// columns of 8/C rows that lie C apart (rows j, j + C, .. of a group of 8 rows, j = the phase
+// in the group): a padded row of C + 1 uvec4 moves row j + C by C (C + 1) uvec4, which puts
+// their columns in different 16-byte bank groups (C 2: rows 0 2 4 6, then 1 3 5 7; C 4: rows
+// 0 4, 1 5, ..). Row-major order (ROT = 0) puts rows 0..8/C-1 in a phase, two of whose stores
+// share a bank group for C = 2 and 4. The same rows as before in every subgroup's loads.
+#define A_ROW(q) (((q) / BK) * 8 + ((q) % BK) / 8 + ((q) % 8) / (BK / 8) * (BK / 8))
+#else
+#define A_ROW(q) ((q) / (BK / 8))
+#endif
 #define LOAD_SLABS(r, k0)                                                                 \
   {                                                                                       \
   [[unroll]] for (uint s = 0; s < NA_MAX; ++s) {                                          \
     const uint q = s * WG + t;                                                            \
-    if (s < NA) ra[r][s] = a.v[(m0 + q / (BK / 8)) * k8 + (k0) / 8 + q % (BK / 8)];       \
+    if (s < NA) ra[r][s] = a.v[(m0 + A_ROW(q)) * k8 + (k0) / 8 + q % (BK / 8)];           \
   }                                                                                       \
   LOAD_B(r, k0)                                                                           \
   }
-#if BT
-// B^T: item q is an 8 x 8 block (K rows kg*8.., N columns ng*8..), read as 8 uvec4 rows and
-// stored transposed: kg = q % (BK/8) varies fastest, so the 8 invocations of a store phase hit
-// 8 different 16-byte bank groups (SB = BK/8 + 1).
-#define NB_BLK (NB / 8)
-#define LOAD_B(r, k0)                                                                     \
-  [[unroll]] for (uint s = 0; s < NB_MAX / 8; ++s) {                                      \
-    const uint q = s * WG + t, kg = q % (BK / 8), ng = q / (BK / 8);                      \
-    [[unroll]] for (uint i = 0; i < 8; ++i)                                               \
-      if (s < NB_BLK) rb[r][s * 8 + i] = b.v[((k0) + kg * 8 + i) * n8 + n0 / 8 + ng];     \
-  }
-#define STORE_B(r, buf)                                                                   \
-  [[unroll]] for (uint s = 0; s < NB_MAX / 8; ++s) {                                      \
-    const uint q = s * WG + t, kg = q % (BK / 8), ng = q / (BK / 8);                      \
-    [[unroll]] for (uint c = 0; c < 8; ++c) {                                             \
-      const uint w = c / 2, sh = (c % 2) * 16;                                            \
-      uvec4 o;                                                                            \
-      [[unroll]] for (uint i = 0; i < 4; ++i)                                             \
-        o[i] = ((rb[r][s * 8 + 2 * i][w] >> sh) & 0xFFFFu) | ((rb[r][s * 8 + 2 * i + 1][w] >> sh) << 16); \
-      if (s < NB_BLK) Bs[(buf) * B_STAGE + (ng * 8 + c) * SB + kg] = o;                   \
-    }                                                                                     \
-  }
-#define LOAD_FB(j, kk) \
-  coopMatLoad(fb[j], Bs, bbase + (wn + (j) * 16) * SB + (kk) / 8, SB, gl_CooperativeMatrixLayoutColumnMajor)
-#else
 #define LOAD_B(r, k0)                                                                     \
   [[unroll]] for (uint s = 0; s < NB_MAX; ++s) {                                          \
     const uint q = s * WG + t;                                                            \
@@ -131,17 +116,16 @@ const uint NB = BK * BN / 8 / WG;
   }
 #define LOAD_FB(j, kk) \
   coopMatLoad(fb[j], Bs, bbase + (kk) * SB + (wn + (j) * 16) / 8, SB, gl_CooperativeMatrixLayoutRowMajor)
-#endif
 #define STORE_SLABS(r, buf)                                                               \
   {                                                                                       \
   [[unroll]] for (uint s = 0; s < NA_MAX; ++s) {                                          \
     const uint q = s * WG + t;                                                            \
-    if (s < NA) As[(buf) * (BM * SA) + (q / (BK / 8)) * SA + q % (BK / 8)] = ra[r][s];    \
+    if (s < NA) As[(buf) * (BM * SA) + A_ROW(q) * SA + q % (BK / 8)] = ra[r][s];          \
   }                                                                                       \
   STORE_B(r, buf)                                                                         \
   }
 
-// STEP(u): K step s0 + u, its slabs in shared buffer (s0 + u) % STAGES; the slabs of step
+// STEP(u): K step s0 + u, its slabs in shared buffer (s0 + u) % 2; the slabs of step
 // s0 + u + PD are loaded into register set u (in flight during PD steps of math), those of
 // step s0 + u + 1 (register set (u + 1) % PD) stored for the next step.
 #ifndef PROBE
@@ -175,26 +159,30 @@ const uint NB = BK * BN / 8 / WG;
 // compiler cannot move it next to them: with the store at the end of the step (DEFER = 0)
 // NVIDIA's compiler (driver 580, H200 SASS) hoists it above the math, right behind the loads
 // of the same step (PD = 1), and every step waits out a global load.
+// NC = 1: the same without conditions in the loop: the last steps store into the buffer no step
+// reads any more (free since the last barrier) and load step steps - 1 again (a valid address),
+// so that the loop body is one basic block the compiler can schedule as a whole.
 #define STEP(u)                                                                                       \
   {                                                                                                   \
     const uint step = s0 + (u);                                                                       \
-    if (PROBE == 0 && step + 1 < steps) STORE_SLABS(((u) + 1) % PD, (step + 1) % 2);                  \
-    if (PROBE == 0 && step + 1 + PD < steps) LOAD_SLABS(((u) + 1) % PD, (step + 1 + PD) * BK);        \
+    if (PROBE == 0 && (NC != 0 || step + 1 < steps)) STORE_SLABS(((u) + 1) % PD, (step + 1) % 2);     \
+    if (PROBE == 0 && NC != 0) LOAD_SLABS(((u) + 1) % PD, min(step + 1 + PD, steps - 1) * BK);        \
+    if (PROBE == 0 && NC == 0 && step + 1 + PD < steps)                                               \
+      LOAD_SLABS(((u) + 1) % PD, (step + 1 + PD) * BK);                                               \
     MATH(step % 2)                                                                                    \
     if (PROBE < 2) barrier();                                                                         \
   }
 #else
-// STEP(u): K step s0 + u, its slabs in shared buffer (s0 + u) % STAGES; the slabs of step
+// STEP(u): K step s0 + u, its slabs in shared buffer (s0 + u) % 2; the slabs of step
 // s0 + u + PD are loaded into register set u (in flight during PD steps of math), those of
 // step s0 + u + 1 (register set (u + 1) % PD) stored for the next step.
 #define STEP(u)                                                                                       \
   {                                                                                                   \
     const uint step = s0 + (u);                                                                       \
     if (PROBE == 0 && step + PD < steps) LOAD_SLABS((u), (step + PD) * BK);                           \
-    MATH(step % STAGES)                                                                               \
+    MATH(step % 2)                                                                                    \
     if (PROBE < 2) {                                                                                  \
-      if (STAGES == 1) barrier(); /* every subgroup is done with the one buffer */                    \
-      if (PROBE == 0 && step + 1 < steps) STORE_SLABS(((u) + 1) % PD, (step + 1) % STAGES);           \
+      if (PROBE == 0 && step + 1 < steps) STORE_SLABS(((u) + 1) % PD, (step + 1) % 2);                \
       barrier();                                                                                      \
     }                                                                                                 \
   }
@@ -208,8 +196,8 @@ layout(push_constant) uniform PC {
   uint M, N, K;
 } pc;
 
-shared uvec4 As[STAGES * BM * SA];
-shared uvec4 Bs[STAGES * B_STAGE];
+shared uvec4 As[2 * BM * SA];
+shared uvec4 Bs[2 * B_STAGE];
 
 void main() {
   // Grouped order of the output tiles: consecutive workgroups share B columns.

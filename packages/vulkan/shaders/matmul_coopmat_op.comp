@@ -16,10 +16,8 @@
 // Tiling: a workgroup of NW subgroups owns a BM x BN tile of C; subgroup w owns a WM x WN
 // sub-tile as (WM/16) x (WN/16) 16x16 f32 accumulators. K advances BK at a time: the slabs of
 // step s + 1 are read from global memory into registers while step s is multiplied out of
-// shared memory, then stored into the other shared buffer (STAGES = 2: two buffers, one
-// barrier a step; STAGES = 1: one buffer, half the memory for a longer K step, and a second
-// barrier between the last fragment loads of a step and the stores of the next). DEFER = 1
-// (STAGES = 2) stores the slabs of step s + 1 at the start of step s, behind the barrier that
+// shared memory, then stored into the other of two shared buffers (one barrier a step).
+// DEFER = 1 stores the slabs of step s + 1 at the start of step s, behind the barrier that
 // ended step s - 1, and only then loads those of step s + 2: with the stores at the end of the
 // step NVIDIA's compiler hoists them above the math, where they wait for the loads just issued
 // (matmul_coopmat.comp's DEFER).
@@ -41,7 +39,10 @@
 // (then idle) A buffers, and its invocations round and store the elements inside C.
 //
 // Build-time defines: BM BN BK WM WN (WM, WN, BK multiples of 16, BM and BN multiples of 8),
-// STAGES (2, the default, or 1), DEFER (0, the default, or 1).
+// DEFER (0, the default, or 1), ROT (0, the default, or 1: the
+// slab items in a bank-conflict-free order, see item), FS (0, the default, or 1: B fragments
+// loaded one at a time, each before its products), NC (0, the default, or 1: DEFER's loop
+// without conditions).
 // Specialization constants (csrc/coopmat.cpp, csrc/ops/matmul.cpp): 0 the workgroup size
 // WG = NW * the subgroup size (8 to 32), 1 A_T, 2 B_T, 3 VEC_A, 4 VEC_B, 5 DT (2 bfloat16,
 // 3 float16: the rounding of C; 0: C holds float32, the partial sums of a split-K product). The schedule and indexing are transliterated in
@@ -55,9 +56,6 @@
 #include "common.glsl"
 #include "half.glsl"
 
-#ifndef STAGES
-#define STAGES 2
-#endif
 #define NW ((BM / WM) * (BN / WN))  // subgroups per workgroup
 #define TM (WM / 16)
 #define TN (WN / 16)
@@ -70,16 +68,25 @@
 #if (BM * BK) % (8 * NW * 32) != 0 || (BK * BN) % (8 * NW * 32) != 0 || WM % 16 != 0 || WN % 16 != 0 || BK % 16 != 0 || BM % WM != 0 || BN % WN != 0
 #error "matmul_coopmat_op.comp: BM*BK and BK*BN must be multiples of 8*NW*32; WM, WN, BK multiples of 16"
 #endif
-#if STAGES != 1 && STAGES != 2
-#error "matmul_coopmat_op.comp: STAGES must be 1 or 2"
-#endif
 #ifndef DEFER
 #define DEFER 0  // 1: a staged slab is stored at the start of the next step (see the K loop)
 #endif
-#if DEFER && STAGES != 2
-#error "matmul_coopmat_op.comp: DEFER needs STAGES = 2"
+#ifndef ROT
+#define ROT 0  // 1: slab items in a bank-conflict-free order for the shared stores (see item)
 #endif
-#if STAGES * BM * (BK + 8) / 8 < NW * 64 && STAGES * BK * (BM + 8) / 8 < NW * 64
+#if ROT && BK % 64 != 0 && 64 % BK != 0
+#error "matmul_coopmat_op.comp: ROT needs BK dividing 64 or a multiple of it"
+#endif
+#ifndef FS
+#define FS 0  // 1: B fragments loaded one at a time (see MATH_STEP)
+#endif
+#ifndef NC
+#define NC 0  // 1 (DEFER only): no conditions in the K loop (see the loop)
+#endif
+#if NC && !DEFER
+#error "matmul_coopmat_op.comp: NC needs DEFER"
+#endif
+#if 2 * BM * (BK + 8) / 8 < NW * 64 && 2 * BK * (BM + 8) / 8 < NW * 64
 #error "matmul_coopmat_op.comp: the epilogue needs 1 KiB of the A buffers per subgroup"
 #endif
 
@@ -108,8 +115,8 @@ layout(push_constant) uniform PC {
   int a_b0, a_b1, b_b0, b_b1;  // batch strides of A and B (outer, inner)
 } pc;
 
-shared uvec4 As[STAGES * A_STAGE];
-shared uvec4 Bs[STAGES * B_STAGE];
+shared uvec4 As[2 * A_STAGE];
+shared uvec4 Bs[2 * B_STAGE];
 
 // A staged operand: X(row, col) = x[base + row * rs + col * cs], rows < R, cols < C (the
 // tile's origin added by the caller).
@@ -132,6 +139,17 @@ uvec4 load_item(const Operand o, const int r0, const int c0, const int row, cons
     }
   }
   return v;
+}
+
+// Item q of a slab whose rows hold `cols` elements: (row, uvec4 column). Row-major order (row
+// q / (cols/8)) unless ROT and a row has fewer than 8 uvec4 (C = cols/8 of 2 or 4): then the 8
+// invocations of a 16-byte store phase take the C columns of 8/C rows C apart (rows j, j + C,
+// .. of a group of 8), which a padded row of C + 1 uvec4 puts in 8 different bank groups
+// (matmul_coopmat.comp's A_ROW); row-major order puts two of their stores in one.
+ivec2 item(const uint q, const uint cols) {
+  const uint c = cols / 8;
+  if (ROT != 0 && c < 8) return ivec2((q / (8 * c)) * 8 + (q % (8 * c)) / 8 + (q % 8) / c * c, q % c);
+  return ivec2(q / c, q % c);
 }
 
 void main() {
@@ -182,13 +200,13 @@ void main() {
     const int k0 = (s) * BK;                                                                      \
     [[unroll]] for (uint i = 0; i < NA_MAX; ++i) {                                                \
       const uint q = i * WG + t;                                                                  \
-      const int row = int(q / (a_cols / 8)), cg = int(q % (a_cols / 8));                          \
-      if (i < NA) ra[i] = load_item(oa, A_T != 0 ? k0 : m0, A_T != 0 ? m0 : k0, row, cg, VEC_A);  \
+      const ivec2 rc = item(q, a_cols);                                                           \
+      if (i < NA) ra[i] = load_item(oa, A_T != 0 ? k0 : m0, A_T != 0 ? m0 : k0, rc.x, rc.y, VEC_A); \
     }                                                                                             \
     [[unroll]] for (uint i = 0; i < NB_MAX; ++i) {                                                \
       const uint q = i * WG + t;                                                                  \
-      const int row = int(q / (b_cols / 8)), cg = int(q % (b_cols / 8));                          \
-      if (i < NB) rb[i] = load_item(ob, B_T != 0 ? n0 : k0, B_T != 0 ? k0 : n0, row, cg, VEC_B);  \
+      const ivec2 rc = item(q, b_cols);                                                           \
+      if (i < NB) rb[i] = load_item(ob, B_T != 0 ? n0 : k0, B_T != 0 ? k0 : n0, rc.x, rc.y, VEC_B); \
     }                                                                                             \
   }
 #define STORE_STEP(buf)                                                                           \
@@ -196,13 +214,20 @@ void main() {
     const uint abase = (buf) * A_STAGE, bbase = (buf) * B_STAGE;                                  \
     [[unroll]] for (uint i = 0; i < NA_MAX; ++i) {                                                \
       const uint q = i * WG + t;                                                                  \
-      if (i < NA) As[abase + (q / (a_cols / 8)) * sa + q % (a_cols / 8)] = ra[i];                 \
+      const ivec2 rc = item(q, a_cols);                                                           \
+      if (i < NA) As[abase + rc.x * sa + rc.y] = ra[i];                                           \
     }                                                                                             \
     [[unroll]] for (uint i = 0; i < NB_MAX; ++i) {                                                \
       const uint q = i * WG + t;                                                                  \
-      if (i < NB) Bs[bbase + (q / (b_cols / 8)) * sb + q % (b_cols / 8)] = rb[i];                \
+      const ivec2 rc = item(q, b_cols);                                                           \
+      if (i < NB) Bs[bbase + rc.x * sb + rc.y] = rb[i];                                           \
     }                                                                                             \
   }
+#define LOAD_FB(j)                                                                                             \
+  if (B_T != 0)                                                                                                \
+    coopMatLoad(fb[j], Bs, bbase + (wn + (j) * 16) * sb + kk / 8, sb, gl_CooperativeMatrixLayoutColumnMajor);  \
+  else                                                                                                         \
+    coopMatLoad(fb[j], Bs, bbase + kk * sb + (wn + (j) * 16) / 8, sb, gl_CooperativeMatrixLayoutRowMajor);
 #define MATH_STEP(buf)                                                                                         \
   {                                                                                                            \
     const uint abase = (buf) * A_STAGE, bbase = (buf) * B_STAGE;                                               \
@@ -216,14 +241,13 @@ void main() {
           coopMatLoad(fa[i], As, abase + (wm + i * 16) * sa + kk / 8, sa, gl_CooperativeMatrixLayoutRowMajor);    \
       }                                                                                                        \
       [[unroll]] for (uint j = 0; j < TN; ++j) {                                                               \
-        if (B_T != 0)                                                                                          \
-          coopMatLoad(fb[j], Bs, bbase + (wn + j * 16) * sb + kk / 8, sb, gl_CooperativeMatrixLayoutColumnMajor); \
-        else                                                                                                   \
-          coopMatLoad(fb[j], Bs, bbase + kk * sb + (wn + j * 16) / 8, sb, gl_CooperativeMatrixLayoutRowMajor);    \
+        if (FS == 0) LOAD_FB(j);                                                                               \
       }                                                                                                        \
-      [[unroll]] for (int i = 0; i < TM; ++i)                                                                  \
-        [[unroll]] for (int j = 0; j < TN; ++j)                                                                \
+      [[unroll]] for (int j = 0; j < TN; ++j) {                                                                \
+        if (FS != 0) LOAD_FB(j); /* FS: each B fragment right before its products */                          \
+        [[unroll]] for (int i = 0; i < TM; ++i)                                                                \
           acc[i][j] = coopMatMulAdd(fa[i], fb[j], acc[i][j]);                                                  \
+      }                                                                                                        \
     }                                                                                                          \
   }
 #if DEFER
@@ -231,25 +255,26 @@ void main() {
   // s - 1) into buffer (s + 1) & 1, free since the barrier that ended step s - 1, then loads
   // those of step s + 2: the store waits on loads issued a whole step earlier, and the barrier
   // keeps the compiler from moving it next to them (matmul_coopmat.comp's DEFER).
+  // NC = 1: no conditions in the loop: past K the loads stage zeros (load_item masks them) and
+  // the last step stores them into the buffer no step reads any more (free since the barrier
+  // that ended the step before), so the loop body is one basic block.
   LOAD_STEP(0)
   STORE_STEP(0)
-  if (1 < steps) LOAD_STEP(1)
+  if (NC != 0 || 1 < steps) LOAD_STEP(1)
   barrier();
   for (int s = 0; s < steps; ++s) {
-    if (s + 1 < steps) STORE_STEP((s + 1) & 1)
-    if (s + 2 < steps) LOAD_STEP(s + 2)
+    if (NC != 0 || s + 1 < steps) STORE_STEP((s + 1) & 1)
+    if (NC != 0 || s + 2 < steps) LOAD_STEP(s + 2)
     MATH_STEP(s & 1)
     barrier();
   }
 #else
   for (int s = 0; s < steps + 1; ++s) {
-    // s < steps: load the slabs of step s; s > 0: multiply step s - 1 (buffer (s - 1) & 1,
-    // STAGES 1: buffer 0) while they arrive; then store them into buffer s & 1 (0), read by
-    // the next iteration.
+    // s < steps: load the slabs of step s; s > 0: multiply step s - 1 (buffer (s - 1) & 1)
+    // while they arrive; then store them into buffer s & 1, read by the next iteration.
     if (s < steps) LOAD_STEP(s)
-    if (s > 0) MATH_STEP(STAGES == 2 ? (s - 1) & 1 : 0)
-    if (STAGES == 1 && s > 0) barrier();  // every subgroup is done with the one buffer
-    if (s < steps) STORE_STEP(STAGES == 2 ? s & 1 : 0)
+    if (s > 0) MATH_STEP((s - 1) & 1)
+    if (s < steps) STORE_STEP(s & 1)
     barrier();
   }
 #endif

@@ -120,7 +120,12 @@ def _bits16(x: Any, name: str) -> np.ndarray:
 
 
 def _coopmat_matmul(
-    a: Any, b: Any, dtype: str = "bf16", reps: int = 1, variant: str = "cm128w4dp2", device: int = 0
+    a: Any,
+    b: Any,
+    dtype: str = "bf16",
+    reps: int = 1,
+    variant: str = "cm128w4dp2rn",
+    device: int = 0,
 ) -> tuple[np.ndarray, float]:
     """C = A @ B on the GPU's tensor cores (VK_KHR_cooperative_matrix), fp32 accumulation.
 
