@@ -407,21 +407,44 @@ SsdGeom ssd_geom(const ScanDims& d) {
   return g;
 }
 
-// Rows of ssm_scan_chunked.comp's matrix sM that a MODE uses (its constant SMR).
-int32_t ssd_rows(int mode) { return mode >= 4 && mode <= 6 ? 64 : mode == 7 ? 2 : 1; }
+// Rows of ssm_scan_chunked.comp's matrix sM that a MODE uses (its constant SMR): MODE 5
+// keeps its dy_t . y_t sums in 20 rows below the 64 x 64 matrix.
+int32_t ssd_rows(int mode) { return mode == 5 ? 84 : mode == 4 || mode == 6 ? 64 : mode == 7 ? 2 : 1; }
 
 // ssm_scan_chunked.comp's shared memory with K steps of kt and `rows` rows of sM: cs, dtp,
 // two staged kt x 68 tiles, a rows x 65 matrix.
 constexpr uint32_t ssd_shared(uint32_t kt, uint32_t rows) { return 4 * (2 * 64 + 2 * kt * 68 + rows * 65); }
-constexpr uint32_t kSsdShared = ssd_shared(16, 64);
+constexpr uint32_t kSsdShared = ssd_shared(16, 84);
 
-// The K step of a MODE's matmuls: 32 (half the barrier rounds of 16) where the device has
-// the shared memory (MODE 4, 5, 6: ~35 KB; the others ~18 KB), else 16.
-// RECURRA_VK_SSD_KT=16 forces 16 (for tests and measurements).
+// The K step of each MODE's matmuls (index: MODE) where the device has the shared memory
+// for 32 (MODE 4, 6: ~35 KB, 5: ~40 KB; the others ~18 KB), else 16. 32 halves the barrier
+// rounds, 16 needs fewer registers (the next K step's operands are loaded ahead).
+constexpr int32_t kSsdKt[8] = {32, 32, 32, 32, 32, 32, 32, 32};
+
+// RECURRA_VK_SSD_KT (for tests and measurements): 16 forces 16 everywhere, 32 takes 32
+// wherever the shared memory allows, "MODE:K,..." (e.g. "4:16,6:16") sets the listed MODEs
+// and leaves the others at kSsdKt.
 int32_t ssd_kt(Device& dev, int mode) {
-  const char* env = std::getenv("RECURRA_VK_SSD_KT");
-  if (env && std::atoi(env) == 16) return 16;
-  return limits_of(dev).shmem >= ssd_shared(32, ssd_rows(mode)) ? 32 : 16;
+  int32_t kt = kSsdKt[mode];
+  if (const char* env = std::getenv("RECURRA_VK_SSD_KT"); env && *env) {
+    const std::string v = env;
+    if (v == "16" || v == "32") {
+      kt = std::atoi(env);
+    } else {
+      for (size_t at = 0; at < v.size();) {
+        const size_t end = std::min(v.find(',', at), v.size());
+        const std::string item = v.substr(at, end - at);
+        const size_t colon = item.find(':');
+        const int m = colon == 1 ? item[0] - '0' : -1;
+        const std::string k = colon == std::string::npos ? "" : item.substr(colon + 1);
+        if (m < 0 || m > 7 || (k != "16" && k != "32"))
+          fail_invalid("RECURRA_VK_SSD_KT=" + v + ": expected 16, 32 or MODE:K,... (MODE 0-7, K 16 or 32)");
+        if (m == mode) kt = std::atoi(k.c_str());
+        at = end + 1;
+      }
+    }
+  }
+  return kt == 32 && limits_of(dev).shmem >= ssd_shared(32, ssd_rows(mode)) ? 32 : 16;
 }
 
 // RECURRA_VK_SSM: "seq" forces the sequential kernels, "chunk" the chunked ones wherever
