@@ -49,7 +49,7 @@
 // falls for P or N far below 64 (P = 1 uses 1/64 of a tile); Mamba-1 (A (H, N)) always runs
 // sequentially. Scratch grows as S*H*ceil(T/64)*P*N (the states entering each chunk), with
 // no per-token storage; past 2^31 floats (32-bit offsets), or on a device with less than
-// ~26 KB of shared memory, the sequential kernels run instead. A <= 0 (Mamba's -exp(A_log))
+// ~31 KB of shared memory, the sequential kernels run instead. A <= 0 (Mamba's -exp(A_log))
 // makes every exponent in the chunked form <= 0 (no overflow, at most underflow to 0); with
 // a positive A the recurrence itself grows exponentially, and both paths can overflow.
 // Dispatches (256 threads each) for the Mamba-2 benchmark (S 4, T 1024, H 32, P 64, N 128,
@@ -431,16 +431,16 @@ int32_t ssd_kt(Device& dev, int mode) {
     if (v == "16" || v == "32") {
       kt = std::atoi(env);
     } else {
-      for (size_t at = 0; at < v.size();) {
-        const size_t end = std::min(v.find(',', at), v.size());
-        const std::string item = v.substr(at, end - at);
-        const size_t colon = item.find(':');
-        const int m = colon == 1 ? item[0] - '0' : -1;
-        const std::string k = colon == std::string::npos ? "" : item.substr(colon + 1);
+      for (size_t at = 0;;) {  // items "MODE:K" between commas (none empty)
+        const size_t comma = v.find(',', at);
+        const std::string item = v.substr(at, comma == std::string::npos ? std::string::npos : comma - at);
+        const int m = item.size() > 2 && item[1] == ':' ? item[0] - '0' : -1;
+        const std::string k = m < 0 ? "" : item.substr(2);
         if (m < 0 || m > 7 || (k != "16" && k != "32"))
           fail_invalid("RECURRA_VK_SSD_KT=" + v + ": expected 16, 32 or MODE:K,... (MODE 0-7, K 16 or 32)");
         if (m == mode) kt = std::atoi(k.c_str());
-        at = end + 1;
+        if (comma == std::string::npos) break;
+        at = comma + 1;
       }
     }
   }
@@ -450,7 +450,7 @@ int32_t ssd_kt(Device& dev, int mode) {
 // RECURRA_VK_SSM: "seq" forces the sequential kernels, "chunk" the chunked ones wherever
 // they apply; "" or "auto": chunked from T >= 2 chunks. They apply to one decay per head,
 // T >= 1, scratch below 2^31 floats (32-bit offsets) and devices with the shared memory
-// of ssm_scan_chunked.comp (~26 KB; Vulkan guarantees only 16 KB); elsewhere the sequential kernels run.
+// of ssm_scan_chunked.comp (~31 KB; Vulkan guarantees only 16 KB); elsewhere the sequential kernels run.
 bool chunk_capable(const ScanDims& d, Device& dev) {
   return d.NA == 1 && d.T >= 1 && ssd_geom(d).back_floats < (int64_t(1) << 31) && limits_of(dev).shmem >= kSsdShared;
 }
