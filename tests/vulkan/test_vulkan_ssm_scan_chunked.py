@@ -156,28 +156,35 @@ KT_CASES = [(3, 2, 150, 4, 16, 17, 2, [2, 0]), (2, 1, 200, 2, 70, 65, 1, [1])]
 # a per-MODE list (the MODEs a forward and both backwards run: 0 prep, 1 CB, 2 states,
 # 4 y, 5 dC/dB, 6 du, 7 decay)
 KT_MIXED = "0:32,1:16,2:32,4:16,5:32,6:16,7:32"
+# the default (csrc/ops/ssm.cpp's kSsdKt): 32 only for dC/dB and du
+KT_DEFAULT = "0:16,1:16,2:16,4:16,5:32,6:32,7:16"
 
 
 def kt_wanted(env: str, mode: int) -> int:
-    """The K step RECURRA_VK_SSD_KT=env asks of MODE (before the shared-memory check)."""
+    """The K step RECURRA_VK_SSD_KT=env asks of MODE (before the shared-memory check);
+    "" (unset): the default."""
     if env in ("16", "32"):
         return int(env)
+    env = env or KT_DEFAULT
     return dict((int(m), int(k)) for m, k in (it.split(":") for it in env.split(",")))[mode]
 
 
-@pytest.mark.parametrize("kt", ["16", "32", KT_MIXED])
+@pytest.mark.parametrize("kt", ["", "16", "32", KT_MIXED])
 @pytest.mark.parametrize("case", KT_CASES, ids=str)
 def test_k_steps(kt, case, monkeypatch):
-    """Matmuls staged 16 or 32 steps of K at a time (per MODE by default, where the shared
-    memory allows 32; RECURRA_VK_SSD_KT=16 or 32 forces one K everywhere, "MODE:K,..."
-    sets the listed MODEs): forward with checkpoints and both backwards (reading them,
-    recomputing them) equal the CPU's, with tail chunks, K tails (17, 22, 65, 70) and
-    several P, N tiles. The profile labels show the K step each dispatch ran: 32 where
-    asked and the device has the shared memory of two staged 32 x 68 tiles, the rows x 65
-    matrix the kernel uses and two 64-float rows (lavapipe, 32 KiB: the kernels with one
-    or two rows)."""
+    """Matmuls staged 16 or 32 steps of K at a time (per MODE, 32 by default only for dC/dB
+    and du and only where the shared memory allows it; RECURRA_VK_SSD_KT=16 or 32 forces
+    one K everywhere, "MODE:K,..." sets the listed MODEs): forward with checkpoints and
+    both backwards (reading them, recomputing them) equal the CPU's, with tail chunks, K
+    tails (17, 22, 65, 70) and several P, N tiles. The profile labels show the K step each
+    dispatch ran: 32 where asked and the device has the shared memory of two staged 32 x
+    68 tiles, the rows x 65 matrix the kernel uses and two 64-float rows (lavapipe, 32
+    KiB: the kernels with one or two rows)."""
     R, S, T, H, P, N, G, ids = case
-    monkeypatch.setenv("RECURRA_VK_SSD_KT", kt)
+    if kt:
+        monkeypatch.setenv("RECURRA_VK_SSD_KT", kt)
+    else:
+        monkeypatch.delenv("RECURRA_VK_SSD_KT", raising=False)
     monkeypatch.setenv("RECURRA_VK_SSM", "chunk")
     shared = recurra_vulkan._vk.backend_info()["devices"][0]["max_shared_bytes"]
     srcs = inputs(R, S, T, H, P, N, G, ids, seed=len(kt) + T)

@@ -37,8 +37,11 @@
 //             -u . du and du . x, and the tile's part of <lam, h_out>
 //   7 decay   per (i, h, chunk): d a by a reverse sum, ddt, the chunk's part of dA
 // Every matmul is a 64 x 64 output tile for 256 threads (4 x 4 each, rows 4 ty + a, columns
-// 4 tx + b) over K in steps of KT (constant 6: 16, or 32 where the device has the shared
-// memory: half the barrier rounds) staged in shared memory. All sums run in a fixed order
+// 4 tx + b) over K in steps of KT (constant 6: 16 or 32, chosen per MODE in csrc/ops/ssm.cpp,
+// kSsdKt: 32 halves the barrier rounds, 16 needs fewer registers) staged in shared memory.
+// MODE 2 keeps its running state in the accumulator (scaled by e^{cs_L} before each chunk's
+// products are added onto it): at K 16 its forward and recomputing passes need 64 and 79
+// registers on the H100, 3 workgroups per multiprocessor. All sums run in a fixed order
 // (the same for either K step): no atomics, results do not depend on timing.
 #version 450
 #include "common.glsl"
@@ -52,9 +55,8 @@ layout(constant_id = 3) const int XDT = 0;   // float16; the "_h" variant reads 
 layout(constant_id = 4) const int BDT = 0;   // they are)
 layout(constant_id = 5) const int CDT = 0;
 layout(constant_id = 6) const int KT = 16;  // K step: 16 or 32
-// Rows of sM: 64 for MODE 4, 6, 84 for MODE 5 (dy_t . y_t sums below the matrix), 2 for
-// MODE 7, else 1 (each pipeline declares only the shared memory it uses: more workgroups
-// fit on a multiprocessor)
+// Rows of sM: 64 for MODE 4, 5, 6, 2 for MODE 7, else 1 (each pipeline declares only the
+// shared memory it uses: more workgroups fit on a multiprocessor)
 layout(constant_id = 7) const int SMR = 64;
 
 const int L = 64;        // chunk length and tile edge
@@ -281,22 +283,6 @@ void compute_y() {
   mma_m(false, U_SP, round_k(len));
 }
 
-// MODE 5: rows SM_QT.. of sM take one head's partial sums of dy_t . y_t from the 16
-// column threads, rows SM_QY.. (one per head of the block, up to 4) their totals: thread t
-// (< 64) adds the 16 partials of row t in a fixed order, so each total is only ever touched
-// by its own thread.
-const int SM_QT = 64, SM_QY = 80;
-void qy_add(int jh, float q[4]) {
-  barrier();  // the previous head's partials are read
-  [[unroll]] for (int a = 0; a < 4; ++a) sM[SM_QT + tx][4 * ty + a] = q[a];
-  barrier();
-  if (lid < L) {
-    float s = 0.0;
-    for (int k = 0; k < 16; ++k) s += sM[SM_QT + k][lid];
-    sM[SM_QY + jh][lid] += s;
-  }
-}
-
 void main() {
   lid = int(gl_LocalInvocationIndex);
   tx = lid % 16;
@@ -452,35 +438,28 @@ void main() {
       }
       return;
     }
-    // the lam part first, scaled in place (v), then the dy part added onto it: one 4 x 4
-    // accumulator live (registers bound how many workgroups a multiprocessor holds)
+    clear_acc();
+    mma_m(true, DY_SP, round_k(len));  // sum_t M_ts (C_t . B_s) dy_t
+    float du[4][4];
+    du = acc;
     clear_acc();
     mma(B_TN, LAM_PN, round_k(N), true);  // lam B_s^T
     const float csl = sCs[len - 1];
-    float ev = 0.0;
+    float qv[4], xv[4], ev = 0.0;
     [[unroll]] for (int a = 0; a < 4; ++a) {
       const int s = 4 * ty + a;
       const float w = s < len ? exp(csl - sCs[s]) : 0.0;
-      [[unroll]] for (int b = 0; b < 4; ++b) {
-        const int p = p0 + 4 * tx + b;
-        acc[a][b] *= w;
-        if (s < len && p < P) ev += sDtp[s] * ld_x(pc.x, XDT, s, p) * acc[a][b];
-      }
-    }
-    mma_m(true, DY_SP, round_k(len));  // + sum_t M_ts (C_t . B_s) dy_t
-    float qv[4], xv[4];
-    [[unroll]] for (int a = 0; a < 4; ++a) {
-      const int s = 4 * ty + a;
       qv[a] = 0.0;
       xv[a] = 0.0;
       [[unroll]] for (int b = 0; b < 4; ++b) {
         const int p = p0 + 4 * tx + b;
         if (s < len && p < P) {
-          const float d = acc[a][b];
+          const float v = acc[a][b] * w, d = du[a][b] + v;
           const float x = ld_x(pc.x, XDT, s, p), u = sDtp[s] * x;
           FBuf(pc.out_).v[(i * T + t0 + s) * H * P + h * P + p] = d * sDtp[s];
           qv[a] -= u * d;
           xv[a] += d * x;
+          ev += u * v;
         }
       }
     }
@@ -513,21 +492,19 @@ void main() {
 
   if (MODE == 5) {  // ---- dC, dB of a block of hblk heads, and dy_t . y_t per head --------
     // sM = sum_h M_ts (dy_t . u_s) over the block's heads first; then per N tile, the heads
-    // in turn: dC = sum_h e^{cs_t} dy_t h_in (operand scaled as staged) + sM B, then dB =
-    // sum_h e^{cs_L - cs_s} u_s lam + sM^T C: the products with B and C run once per block.
-    // dC's and dB's head sums are taken one after the other and each head's part of dy_t . y_t
-    // is summed into shared memory (qy_add) as soon as it is made: few accumulators are live
-    // at once (registers bound how many workgroups a multiprocessor holds).
+    // in turn: dC = sum_h e^{cs_t} dy_t h_in (operand scaled as staged) + sM B, dB = sum_h
+    // e^{cs_L - cs_s} u_s lam + sM^T C: the products with B and C run once per block.
     const int HB = hblk_;  // a push constant: one pipeline for every block size
     const int hfirst = h;
     const uint ob = o_cb + uint((i * pc.G + g) * nc + c) * uint(L * L);
     const uint opart = uint(((hb * S + i) * T + t0) * pc.G + g) * uint(N);
-    if (lid < L)
-      [[unroll]] for (int jh = 0; jh < 4; ++jh) sM[SM_QY + jh][lid] = 0.0;
+    float qy[4][4];  // [head of the block][row]
     {
       float msum[4][4];
       [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) msum[a][b] = 0.0;
-      // not unrolled: the body is large (code size, compile time)
+      [[unroll]] for (int jh = 0; jh < 4; ++jh)[[unroll]] for (int a = 0; a < 4; ++a) qy[jh][a] = 0.0;
+      // not unrolled: the body is large (code size, compile time); qy[jh] is then indexed
+      // at run time, 16 updates per head
       [[dont_unroll]] for (int jh = 0; jh < HB; ++jh) {
         {
           h = hfirst + jh;
@@ -535,17 +512,12 @@ void main() {
           load_chunk();
           clear_acc();
           mma(DY_TP, U_TP, round_k(P), false);  // dy_t . u_s
-          float q[4];
-          [[unroll]] for (int a = 0; a < 4; ++a) {
-            q[a] = 0.0;
-            [[unroll]] for (int b = 0; b < 4; ++b) {
-              const int t = 4 * ty + a, s = 4 * tx + b;
-              const float m = (s <= t && t < len) ? acc[a][b] * exp(sCs[t] - sCs[s]) : 0.0;
-              msum[a][b] += m;
-              q[a] += m * sc.v[ob + uint(t * L + s)];
-            }
+          [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
+            const int t = 4 * ty + a, s = 4 * tx + b;
+            const float m = (s <= t && t < len) ? acc[a][b] * exp(sCs[t] - sCs[s]) : 0.0;
+            msum[a][b] += m;
+            qy[jh][a] += m * sc.v[ob + uint(t * L + s)];
           }
-          qy_add(jh, q);
         }
       }
       barrier();
@@ -553,8 +525,11 @@ void main() {
     }
     for (int nt = 0; nt < nnt; ++nt) {
       n0 = nt * L;
-      float accs[4][4];  // dC's head sum, then dB's
-      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) accs[a][b] = 0.0;
+      float accC[4][4], accB[4][4];
+      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
+        accC[a][b] = 0.0;
+        accB[a][b] = 0.0;
+      }
       [[dont_unroll]] for (int jh = 0; jh < HB; ++jh) {
         {
           h = hfirst + jh;
@@ -563,46 +538,41 @@ void main() {
           load_chunk();
           clear_acc();
           mma(DYE_TP, HIN_KN, round_k(P), false);  // e^{cs_t} dy_t h_in
-          float q[4];
-          [[unroll]] for (int a = 0; a < 4; ++a) {
-            q[a] = 0.0;
-            [[unroll]] for (int b = 0; b < 4; ++b) {
-              q[a] += acc[a][b] * ld_bc(pc.C, CDT, 4 * ty + a, n0 + 4 * tx + b);
-              accs[a][b] += acc[a][b];
-            }
+          [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
+            qy[jh][a] += acc[a][b] * ld_bc(pc.C, CDT, 4 * ty + a, n0 + 4 * tx + b);
+            accC[a][b] += acc[a][b];
           }
-          qy_add(jh, q);
+          clear_acc();
+          mma(UE_TP, LAM_KN, round_k(P), false);  // e^{cs_L - cs_s} u_s lam
+          [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) accB[a][b] += acc[a][b];
         }
       }
-      acc = accs;
+      acc = accC;
       mma_m(false, B_SN, round_k(len));
       [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
         const int t = 4 * ty + a, n = n0 + 4 * tx + b;
         if (t < len && n < N) sc.v[o_dcp + opart + uint(t * pc.G * N + n)] = acc[a][b];
       }
-      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) accs[a][b] = 0.0;
-      [[dont_unroll]] for (int jh = 0; jh < HB; ++jh) {
-        {
-          h = hfirst + jh;
-          slot = uint((i * H + h) * nc + c);
-          barrier();
-          load_chunk();
-          clear_acc();
-          mma(UE_TP, LAM_KN, round_k(P), false);  // e^{cs_L - cs_s} u_s lam
-          [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) accs[a][b] += acc[a][b];
-        }
-      }
-      acc = accs;
+      acc = accB;
       mma_m(true, C_SN, round_k(len));
       [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
         const int s = 4 * ty + a, n = n0 + 4 * tx + b;
         if (s < len && n < N) sc.v[o_dbp + opart + uint(s * pc.G * N + n)] = acc[a][b];
       }
     }
-    // each row's sums were kept by its own thread (qy_add)
-    if (lid < len)
-      [[dont_unroll]] for (int jh = 0; jh < HB; ++jh)
-        sc.v[o_qy + uint(i * H + hfirst + jh) * uint(T) + uint(t0 + lid)] = sM[SM_QY + jh][lid];
+    // fixed-order sums of qy over the 16 column threads, per head
+    [[dont_unroll]] for (int jh = 0; jh < HB; ++jh) {
+      {
+        barrier();
+        [[unroll]] for (int a = 0; a < 4; ++a) sM[tx][4 * ty + a] = qy[jh][a];
+        barrier();
+        if (lid < len) {
+          float q = 0.0;
+          for (int k = 0; k < 16; ++k) q += sM[k][lid];
+          sc.v[o_qy + uint(i * H + hfirst + jh) * uint(T) + uint(t0 + lid)] = q;
+        }
+      }
+    }
     return;
   }
 

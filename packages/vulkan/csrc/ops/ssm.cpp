@@ -49,7 +49,7 @@
 // falls for P or N far below 64 (P = 1 uses 1/64 of a tile); Mamba-1 (A (H, N)) always runs
 // sequentially. Scratch grows as S*H*ceil(T/64)*P*N (the states entering each chunk), with
 // no per-token storage; past 2^31 floats (32-bit offsets), or on a device with less than
-// ~31 KB of shared memory, the sequential kernels run instead. A <= 0 (Mamba's -exp(A_log))
+// ~26 KB of shared memory, the sequential kernels run instead. A <= 0 (Mamba's -exp(A_log))
 // makes every exponent in the chunked form <= 0 (no overflow, at most underflow to 0); with
 // a positive A the recurrence itself grows exponentially, and both paths can overflow.
 // Dispatches (256 threads each) for the Mamba-2 benchmark (S 4, T 1024, H 32, P 64, N 128,
@@ -407,19 +407,28 @@ SsdGeom ssd_geom(const ScanDims& d) {
   return g;
 }
 
-// Rows of ssm_scan_chunked.comp's matrix sM that a MODE uses (its constant SMR): MODE 5
-// keeps its dy_t . y_t sums in 20 rows below the 64 x 64 matrix.
-int32_t ssd_rows(int mode) { return mode == 5 ? 84 : mode == 4 || mode == 6 ? 64 : mode == 7 ? 2 : 1; }
+// Rows of ssm_scan_chunked.comp's matrix sM that a MODE uses (its constant SMR).
+int32_t ssd_rows(int mode) { return mode >= 4 && mode <= 6 ? 64 : mode == 7 ? 2 : 1; }
 
 // ssm_scan_chunked.comp's shared memory with K steps of kt and `rows` rows of sM: cs, dtp,
 // two staged kt x 68 tiles, a rows x 65 matrix.
 constexpr uint32_t ssd_shared(uint32_t kt, uint32_t rows) { return 4 * (2 * 64 + 2 * kt * 68 + rows * 65); }
-constexpr uint32_t kSsdShared = ssd_shared(16, 84);
+constexpr uint32_t kSsdShared = ssd_shared(16, 64);
 
-// The K step of each MODE's matmuls (index: MODE) where the device has the shared memory
-// for 32 (MODE 4, 6: ~35 KB, 5: ~40 KB; the others ~18 KB), else 16. 32 halves the barrier
-// rounds, 16 needs fewer registers (the next K step's operands are loaded ahead).
-constexpr int32_t kSsdKt[8] = {32, 32, 32, 32, 32, 32, 32, 32};
+// The K step of each MODE's matmuls (index: MODE; 3 is unused), 32 only where the device
+// has the shared memory (MODE 4, 5, 6: ~35 KB; the others ~18 KB), else 16. 32 halves the
+// barrier rounds; 16 needs fewer registers (the next K step's operands are loaded ahead),
+// and registers bound how many 256-thread workgroups a multiprocessor holds. NVIDIA's
+// compiler (driver 580), registers at K 16 / 32: CB 63 / 95, states 64 / 119 (forward),
+// 79 / 119 (recomputed), 104 / 128 (reverse), y 95 / 129; dC/dB 175, du 139 at 32. At 16
+// the forward and recomputing state passes fit 3 workgroups per multiprocessor instead of
+// 2, so their 384 workgroups at 8 x 512 tokens (24 heads) run in one wave. One scan's
+// forward + backward (recomputing the states) at that shape, H100, per dispatch, K 32 ->
+// 16: states 0.215 -> 0.135 ms (forward), 0.189 -> 0.119 (recomputed), 0.217 -> 0.221
+// (reverse), y 0.271 -> 0.265, CB, prep and decay ~0.01 less each. dC/dB and du stay at
+// 32: a variant of each with fewer live accumulators (135 and 126 registers at 16) was no
+// faster at 16 (0.578 vs 0.573 ms, 0.229 vs 0.227).
+constexpr int32_t kSsdKt[8] = {16, 16, 16, 16, 16, 32, 32, 16};
 
 // RECURRA_VK_SSD_KT (for tests and measurements): 16 forces 16 everywhere, 32 takes 32
 // wherever the shared memory allows, "MODE:K,..." (e.g. "4:16,6:16") sets the listed MODEs
@@ -450,7 +459,7 @@ int32_t ssd_kt(Device& dev, int mode) {
 // RECURRA_VK_SSM: "seq" forces the sequential kernels, "chunk" the chunked ones wherever
 // they apply; "" or "auto": chunked from T >= 2 chunks. They apply to one decay per head,
 // T >= 1, scratch below 2^31 floats (32-bit offsets) and devices with the shared memory
-// of ssm_scan_chunked.comp (~31 KB; Vulkan guarantees only 16 KB); elsewhere the sequential kernels run.
+// of ssm_scan_chunked.comp (~26 KB; Vulkan guarantees only 16 KB); elsewhere the sequential kernels run.
 bool chunk_capable(const ScanDims& d, Device& dev) {
   return d.NA == 1 && d.T >= 1 && ssd_geom(d).back_floats < (int64_t(1) << 31) && limits_of(dev).shmem >= kSsdShared;
 }
