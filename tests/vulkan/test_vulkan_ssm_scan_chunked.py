@@ -135,44 +135,65 @@ def test_head_blocks(hblk, monkeypatch):
     assert_close("ssm_scan_back", got_b, want_b, sizes_back(srcs))
 
 
-def k_steps_ran(op: str, srcs: list[np.ndarray], ip: list[int], size: int) -> list[tuple[int, int]]:
-    """(K step, rows of the shared matrix) of each chunked dispatch of one run of the node:
-    its last two specialization constants, from the profile labels 'op/shader[constants]'."""
+def k_steps_ran(
+    op: str, srcs: list[np.ndarray], ip: list[int], size: int
+) -> list[tuple[int, int, int]]:
+    """(MODE, K step, rows of the shared matrix) of each chunked dispatch of one run of the
+    node: its first and last two specialization constants, from the profile labels
+    'op/shader[constants]'."""
     recs = recurra_vulkan._vk.profile_dispatches(op, srcs, ip, [], (size,), "float32", 1, 0)
     consts = [
         lab.rsplit("[", 1)[1].rstrip("]").split(",") for lab, _ in recs if "ssm_scan_chunked" in lab
     ]
     assert consts
-    return [(int(c[-2]), int(c[-1])) for c in consts]
+    return [(int(c[0]), int(c[-2]), int(c[-1])) for c in consts]
 
 
 KT_CASES = [(3, 2, 150, 4, 16, 17, 2, [2, 0]), (2, 1, 200, 2, 70, 65, 1, [1])]
 
 
-@pytest.mark.parametrize("kt", [16, 32])
+# RECURRA_VK_SSD_KT values: 16 and 32 everywhere (32 where the shared memory allows), and
+# a per-MODE list (the MODEs a forward and both backwards run: 0 prep, 1 CB, 2 states,
+# 4 y, 5 dC/dB, 6 du, 7 decay)
+KT_MIXED = "0:32,1:16,2:32,4:16,5:32,6:16,7:32"
+# the default (csrc/ops/ssm.cpp's kSsdKt): 32 only for dC/dB and du
+KT_DEFAULT = "0:16,1:16,2:16,4:16,5:32,6:32,7:16"
+
+
+def kt_wanted(env: str, mode: int) -> int:
+    """The K step RECURRA_VK_SSD_KT=env asks of MODE (before the shared-memory check);
+    "" (unset): the default."""
+    if env in ("16", "32"):
+        return int(env)
+    env = env or KT_DEFAULT
+    return dict((int(m), int(k)) for m, k in (it.split(":") for it in env.split(",")))[mode]
+
+
+@pytest.mark.parametrize("kt", ["", "16", "32", KT_MIXED])
 @pytest.mark.parametrize("case", KT_CASES, ids=str)
 def test_k_steps(kt, case, monkeypatch):
-    """Matmuls staged 16 or 32 steps of K at a time (32 by default where the shared memory
-    allows; RECURRA_VK_SSD_KT=16 forces 16): forward with checkpoints and both backwards
-    (reading them, recomputing them) equal the CPU's, with tail chunks, K tails (17, 22,
-    65, 70) and several P, N tiles. The profile labels show the K step each dispatch ran:
-    32 where the device has the shared memory of two staged 32 x 68 tiles, the rows x 65
-    matrix the kernel uses and two 64-float rows (lavapipe, 32 KiB: the kernels with one
-    or two rows)."""
+    """Matmuls staged 16 or 32 steps of K at a time (per MODE, 32 by default only for dC/dB
+    and du and only where the shared memory allows it; RECURRA_VK_SSD_KT=16 or 32 forces
+    one K everywhere, "MODE:K,..." sets the listed MODEs): forward with checkpoints and
+    both backwards (reading them, recomputing them) equal the CPU's, with tail chunks, K
+    tails (17, 22, 65, 70) and several P, N tiles. The profile labels show the K step each
+    dispatch ran: 32 where asked and the device has the shared memory of two staged 32 x
+    68 tiles, the rows x 65 matrix the kernel uses and two 64-float rows (lavapipe, 32
+    KiB: the kernels with one or two rows)."""
     R, S, T, H, P, N, G, ids = case
-    if kt == 16:
-        monkeypatch.setenv("RECURRA_VK_SSD_KT", "16")
+    if kt:
+        monkeypatch.setenv("RECURRA_VK_SSD_KT", kt)
     else:
         monkeypatch.delenv("RECURRA_VK_SSD_KT", raising=False)
     monkeypatch.setenv("RECURRA_VK_SSM", "chunk")
     shared = recurra_vulkan._vk.backend_info()["devices"][0]["max_shared_bytes"]
-    srcs = inputs(R, S, T, H, P, N, G, ids, seed=kt + T)
+    srcs = inputs(R, S, T, H, P, N, G, ids, seed=len(kt) + T)
     want = cpu("ssm_scan", srcs, ip=(1,))
     got = recurra_vulkan.run_node("ssm_scan", srcs, [1], [], (want.size,), "float32", 0)
     sizes = {**sizes_fwd(S, T, H, P, N), "checkpoints": ck_size(S, T, H, P, N)}
     assert_close(f"ssm_scan KT {kt}", got, want, sizes)
     n_ck = sizes["checkpoints"]
-    grad = rand(np.random.default_rng(kt), want.size - n_ck)
+    grad = rand(np.random.default_rng(len(kt)), want.size - n_ck)
     want_b = cpu("ssm_scan_back", [grad, *srcs])
     for extra in ([got], []):  # reading the checkpoints, recomputing them
         srcs_b = [grad, *srcs, *extra]
@@ -181,11 +202,19 @@ def test_k_steps(kt, case, monkeypatch):
         )
         assert_close(f"ssm_scan_back KT {kt} ({len(extra)})", got_b, want_b, sizes_back(srcs))
         ran = k_steps_ran("ssm_scan_back", srcs_b, [], want_b.size)
-        for k, rows in ran:
+        for mode, k, rows in ran:
             fits = shared >= 4 * (2 * 32 * 68 + rows * 65 + 2 * 64)
-            assert k == (32 if kt == 32 and fits else 16), (k, rows, shared)
-        if kt == 32:
-            assert any(k == 32 for k, _ in ran)
+            assert k == (32 if kt_wanted(kt, mode) == 32 and fits else 16), (mode, k, rows, shared)
+        if kt == "32":
+            assert any(k == 32 for _, k, _ in ran)
+
+
+@pytest.mark.parametrize("bad", ["8", "4:64", "9:16", "4-16", "4:16,"])
+def test_bad_k_step_is_refused(bad, monkeypatch):
+    monkeypatch.setenv("RECURRA_VK_SSD_KT", bad)
+    srcs = inputs(1, 1, 150, 2, 16, 17, 1, None, seed=3)
+    with pytest.raises(ValueError, match="RECURRA_VK_SSD_KT"):
+        vk("ssm_scan", srcs, 150 * 2 * 16 + 2 * 16 * 17, "chunk", monkeypatch)
 
 
 def test_chunked_and_sequential_agree_and_differ(monkeypatch):

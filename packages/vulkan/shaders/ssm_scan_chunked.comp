@@ -37,8 +37,11 @@
 //             -u . du and du . x, and the tile's part of <lam, h_out>
 //   7 decay   per (i, h, chunk): d a by a reverse sum, ddt, the chunk's part of dA
 // Every matmul is a 64 x 64 output tile for 256 threads (4 x 4 each, rows 4 ty + a, columns
-// 4 tx + b) over K in steps of KT (constant 6: 16, or 32 where the device has the shared
-// memory: half the barrier rounds) staged in shared memory. All sums run in a fixed order
+// 4 tx + b) over K in steps of KT (constant 6: 16 or 32, chosen per MODE in csrc/ops/ssm.cpp,
+// kSsdKt: 32 halves the barrier rounds, 16 needs fewer registers) staged in shared memory.
+// MODE 2 keeps its running state in the accumulator (scaled by e^{cs_L} before each chunk's
+// products are added onto it): at K 16 its forward and recomputing passes need 64 and 79
+// registers on the H100, 3 workgroups per multiprocessor. All sums run in a fixed order
 // (the same for either K step): no atomics, results do not depend on timing.
 #version 450
 #include "common.glsl"
@@ -373,9 +376,11 @@ void main() {
   }
 
   if (MODE == 2) {  // ---- the states entering (leaving) each chunk, in sequence -----------
+    // The running state (forward) or its gradient (VAR 2) is the accumulator itself: each
+    // chunk scales it by e^{cs_L} and adds its products onto it (no second 4 x 4 array:
+    // registers bound how many workgroups a multiprocessor holds).
     const bool rev = VAR == 2;
     const uint PN = uint(P * N);
-    float st[4][4];  // the running state (forward) or its gradient (VAR 2)
     bool bad = false;
     if (!rev) {
       const int row = IBuf(pc.ids).v[i];
@@ -383,11 +388,11 @@ void main() {
       if (bad && lid == 0 && pt == 0 && nt == 0) set_error(pc.err, VAR == 1 ? ERR_SSM_SCAN_BACK : ERR_SSM_SCAN);
       const uint o = uint(row * H + h) * PN;
       [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b)
-        st[a][b] = (bad || !st_in(a, b)) ? 0.0 : FBuf(pc.s).v[o + st_at(a, b)];
+        acc[a][b] = (bad || !st_in(a, b)) ? 0.0 : FBuf(pc.s).v[o + st_at(a, b)];
     } else {
       const uint o = uint(S * T * H * P) + ih * PN;
       [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b)
-        st[a][b] = st_in(a, b) ? FBuf(pc.gr).v[o + st_at(a, b)] : 0.0;
+        acc[a][b] = st_in(a, b) ? FBuf(pc.gr).v[o + st_at(a, b)] : 0.0;
     }
     FBuf dst = FBuf(rev ? pc.scr : pc.hin);
     for (int k = 0; k < nc; ++k) {
@@ -397,25 +402,24 @@ void main() {
       slot = uint((i * H + h) * nc + c);
       const uint o = (rev ? o_lam : 0u) + slot * PN;
       [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b)
-        if (st_in(a, b)) dst.v[o + st_at(a, b)] = st[a][b];
+        if (st_in(a, b)) dst.v[o + st_at(a, b)] = acc[a][b];
       // the last chunk's own part only makes the final state (VAR 0)
       if (!rev && VAR != 0 && k == nc - 1) break;
       barrier();  // everyone is done with the previous chunk's cs, dtp
       load_chunk();
-      clear_acc();
-      if (rev)
-        mma(DY_W, C_SN, round_k(len), false);  // sum_t e^{cs_t} dy_t^T C_t
-      else
-        mma(X_W, B_SN, round_k(len), false);  // sum_s e^{cs_L - cs_s} u_s B_s^T
       const float decay = exp(sCs[len - 1]);
-      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) st[a][b] = decay * st[a][b] + acc[a][b];
+      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) acc[a][b] *= decay;
+      if (rev)
+        mma(DY_W, C_SN, round_k(len), false);  // + sum_t e^{cs_t} dy_t^T C_t
+      else
+        mma(X_W, B_SN, round_k(len), false);  // + sum_s e^{cs_L - cs_s} u_s B_s^T
     }
     if (rev) {
       [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b)
-        if (st_in(a, b)) sc.v[o_dsi + ih * PN + st_at(a, b)] = st[a][b];
+        if (st_in(a, b)) sc.v[o_dsi + ih * PN + st_at(a, b)] = acc[a][b];
     } else if (VAR == 0) {
       [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b)
-        if (st_in(a, b)) FBuf(pc.out_).v[uint(S * T * H * P) + ih * PN + st_at(a, b)] = bad ? 0.0 : st[a][b];
+        if (st_in(a, b)) FBuf(pc.out_).v[uint(S * T * H * P) + ih * PN + st_at(a, b)] = bad ? 0.0 : acc[a][b];
     }
     return;
   }

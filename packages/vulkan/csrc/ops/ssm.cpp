@@ -415,13 +415,45 @@ int32_t ssd_rows(int mode) { return mode >= 4 && mode <= 6 ? 64 : mode == 7 ? 2 
 constexpr uint32_t ssd_shared(uint32_t kt, uint32_t rows) { return 4 * (2 * 64 + 2 * kt * 68 + rows * 65); }
 constexpr uint32_t kSsdShared = ssd_shared(16, 64);
 
-// The K step of a MODE's matmuls: 32 (half the barrier rounds of 16) where the device has
-// the shared memory (MODE 4, 5, 6: ~35 KB; the others ~18 KB), else 16.
-// RECURRA_VK_SSD_KT=16 forces 16 (for tests and measurements).
+// The K step of each MODE's matmuls (index: MODE; 3 is unused), 32 only where the device
+// has the shared memory (MODE 4, 5, 6: ~35 KB; the others ~18 KB), else 16. 32 halves the
+// barrier rounds; 16 needs fewer registers (the next K step's operands are loaded ahead),
+// and registers bound how many 256-thread workgroups a multiprocessor holds. NVIDIA's
+// compiler (driver 580), registers at K 16 / 32: CB 63 / 95, states 64 / 119 (forward),
+// 79 / 119 (recomputed), 104 / 128 (reverse), y 95 / 129; dC/dB 175, du 139 at 32. At 16
+// the forward and recomputing state passes fit 3 workgroups per multiprocessor instead of
+// 2, so their 384 workgroups at 8 x 512 tokens (24 heads) run in one wave. One scan's
+// forward + backward (recomputing the states) at that shape, H100, per dispatch, K 32 ->
+// 16: states 0.215 -> 0.135 ms (forward), 0.189 -> 0.119 (recomputed), 0.217 -> 0.221
+// (reverse), y 0.271 -> 0.265, CB, prep and decay ~0.01 less each. dC/dB and du stay at
+// 32: a variant of each with fewer live accumulators (135 and 126 registers at 16) was no
+// faster at 16 (0.578 vs 0.573 ms, 0.229 vs 0.227).
+constexpr int32_t kSsdKt[8] = {16, 16, 16, 16, 16, 32, 32, 16};
+
+// RECURRA_VK_SSD_KT (for tests and measurements): 16 forces 16 everywhere, 32 takes 32
+// wherever the shared memory allows, "MODE:K,..." (e.g. "4:16,6:16") sets the listed MODEs
+// and leaves the others at kSsdKt.
 int32_t ssd_kt(Device& dev, int mode) {
-  const char* env = std::getenv("RECURRA_VK_SSD_KT");
-  if (env && std::atoi(env) == 16) return 16;
-  return limits_of(dev).shmem >= ssd_shared(32, ssd_rows(mode)) ? 32 : 16;
+  int32_t kt = kSsdKt[mode];
+  if (const char* env = std::getenv("RECURRA_VK_SSD_KT"); env && *env) {
+    const std::string v = env;
+    if (v == "16" || v == "32") {
+      kt = std::atoi(env);
+    } else {
+      for (size_t at = 0;;) {  // items "MODE:K" between commas (none empty)
+        const size_t comma = v.find(',', at);
+        const std::string item = v.substr(at, comma == std::string::npos ? std::string::npos : comma - at);
+        const int m = item.size() > 2 && item[1] == ':' ? item[0] - '0' : -1;
+        const std::string k = m < 0 ? "" : item.substr(2);
+        if (m < 0 || m > 7 || (k != "16" && k != "32"))
+          fail_invalid("RECURRA_VK_SSD_KT=" + v + ": expected 16, 32 or MODE:K,... (MODE 0-7, K 16 or 32)");
+        if (m == mode) kt = std::atoi(k.c_str());
+        if (comma == std::string::npos) break;
+        at = comma + 1;
+      }
+    }
+  }
+  return kt == 32 && limits_of(dev).shmem >= ssd_shared(32, ssd_rows(mode)) ? 32 : 16;
 }
 
 // RECURRA_VK_SSM: "seq" forces the sequential kernels, "chunk" the chunked ones wherever
