@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 import recurra as rc
-from recurra import Tensor
+from recurra import Tensor, _core
 from recurra_dist._buckets import (
     Bucket,
     compute,
@@ -188,7 +188,7 @@ class DataParallel:
         self.stream_mb = 32.0
         self.streamed = 0  # buckets summed in pieces of stream_mb
         # The last parameters first: the backward completes their gradients first.
-        self.buckets = make_buckets(self.params[::-1], int(bucket_mb * (1 << 20)) // 4)
+        self.buckets = make_buckets(self.params[::-1], int(bucket_mb * (1 << 20)) // 4, False)
         self._place_buckets()
         self.last_exchange_s = 0.0
         self.last_span_s = 0.0
@@ -353,8 +353,27 @@ class DataParallel:
         return None
 
     def _place_buckets(self) -> None:
-        """Moves the host buffers of the buckets into one shared window (where the ranks
-        share a host; not those in host-visible device memory, which are copied in)."""
+        """Gives the buckets their host buffers: where the ranks share a host, in MPI shared
+        windows. Buckets of a device with asynchronous reads: where every rank's device
+        imports host memory, their places in a window of page-aligned segments, imported by
+        the device (its copies land where the other ranks add from); else host-visible
+        device memory, whose parts the other ranks add are copied into a window. The
+        others: one window for all."""
+        dev = [b for b in self.buckets if b.stageable()]
+        if dev and self.shared.usable and Bucket.import_host:
+            ok = np.array([int(all(_core.can_import_host(b.device) for b in dev))], np.int32)
+            self._wait([self.ctx.comm.Iallreduce(_in_place(), ok, op=_op("MIN"))])
+            if ok[0]:
+                sizes = [-(-b.buffer.nbytes // _IMPORT_ALIGN) * _IMPORT_ALIGN // 4 for b in dev]
+                whole = self.shared.allocate(sum(sizes), pages=True)
+                at = 0
+                for b, n in zip(dev, sizes):
+                    if self.shared.in_window(whole):  # (else no room: plain memory below)
+                        b.import_into(whole[at : at + n])
+                    at += n
+        for b in dev:
+            if not b.imported:
+                b.host_visible()
         plain = [b for b in self.buckets if b.staged is None]
         if not self.shared.usable or not plain:
             return
@@ -368,6 +387,8 @@ class DataParallel:
         """Frees the MPI shared windows of the buckets (a collective: every rank calls it,
         between steps); the wrapper goes on with buffers of its own and messages."""
         for b in self.buckets:
+            if b.imported:  # the device lets go of the window's memory first
+                b.staged, b.imported = None, False
             if b.staged is None:
                 b.buffer = b.buffer.copy()
         self.shared_memory = False
@@ -638,6 +659,15 @@ class _Early:
         self.inside_s = time.perf_counter() - t0
         return True
 
+    def target(self, k: int) -> Any:
+        """Where the device copies bucket k's gradients in the backward: straight into the
+        bucket's buffer where it is host-visible memory of the device (imported or not) and
+        this backward's gradients are the bucket's whole value (none to add to)."""
+        b = self.dp.buckets[k]
+        if b.staged is None or any(self.params[i].grad is not None for i in self.groups[k]):
+            return None
+        return b.staged
+
     def ready(self, k: int, read: Any) -> None:
         t0 = time.perf_counter()
         if not self.t_first:  # (the graph's forward ran since begin(): not counted)
@@ -728,6 +758,9 @@ def _op(name: str) -> Any:
 
 #: DataParallel's ways to sum a bucket (see its docstring)
 _COLLECTIVES = ("auto", "pairwise", "blocking", "nonblocking")
+#: buckets imported by their device start at multiples of this many bytes of the window (a
+#: multiple of the page and of devices' import alignment)
+_IMPORT_ALIGN = 1 << 16
 #: collective="auto": buckets of at least this many bytes are summed pairwise
 _BLOCKING_MIN_BYTES = 1 << 20
 
