@@ -494,12 +494,12 @@ def _compute_reporting(g: Any, listening: list[tuple[Any, list[int]]]) -> None:
     owner: list[tuple[Any, int, list[int]]] = []
     targets: list[Any] = []
     for lst, gids in listening:
-        target = getattr(lst, "target", None)
+        target: Callable[[int], Any] | None = getattr(lst, "target", None)
         for k, group in enumerate(lst.groups):
             node_groups.append([gids[i] for i in group if gids[i] >= 0])
             owner.append((lst, k, gids))
-            whole = target is not None and all(gids[i] >= 0 for i in group)
-            targets.append(target(k) if whole else None)
+            whole = all(gids[i] >= 0 for i in group)
+            targets.append(target(k) if target is not None and whole else None)
 
     def ready(j: int) -> None:
         lst, k, gids = owner[j]

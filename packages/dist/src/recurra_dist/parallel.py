@@ -101,7 +101,8 @@ class DataParallel:
     memory of the device: the backward copies a bucket's gradients into it in the submission
     that completes them and the device runs on while the host sums them; the averaged
     buckets go back to the gradients in one computation (scaled by 1/N there) before the
-    optimizer step.
+    optimizer step. Where the ranks share a host and their devices import host memory, that
+    memory is the bucket's place in an MPI shared window (summed there in place).
 
     Raises ValueError when the ranks' models differ (parameter count or shapes), or a
     parameter of the model is not in the optimizer.
@@ -385,12 +386,19 @@ class DataParallel:
 
     def close(self) -> None:
         """Frees the MPI shared windows of the buckets (a collective: every rank calls it,
-        between steps); the wrapper goes on with buffers of its own and messages."""
+        between steps); the wrapper goes on with buffers of its own and messages. Buckets
+        the device imported are let go of first (and recurra's cached graphs, which hold
+        their buffers, dropped)."""
+        imported = False
         for b in self.buckets:
             if b.imported:  # the device lets go of the window's memory first
-                b.staged, b.imported = None, False
+                b.staged, b.imported, imported = None, False, True
             if b.staged is None:
                 b.buffer = b.buffer.copy()
+        if imported:  # cached graphs hold the buffers they read (upload_staged's)
+            from recurra._tensor import LAZY
+
+            LAZY.clear()
         self.shared_memory = False
         self.shared.close()
 
