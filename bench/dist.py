@@ -105,6 +105,12 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         "window (off: downloaded into it through a staging copy)",
     )
     ap.add_argument(
+        "--add-threads",
+        type=int,
+        default=0,
+        help="DataParallel's add_threads (0: its default)",
+    )
+    ap.add_argument(
         "--import-host",
         choices=["on", "off"],
         default="on",
@@ -189,6 +195,7 @@ def worker(args: argparse.Namespace) -> None:
         overlap=overlap,
         collective=args.collective,
         exchange_thread=args.exchange_thread == "on",
+        add_threads=args.add_threads or None,
     )
     vocab = int(model.config.vocab_size)
     data = np.random.default_rng(0).integers(0, vocab, size=1 << 20).astype(np.int32)

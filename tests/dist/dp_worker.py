@@ -150,6 +150,12 @@ def exchange_checks(ctx: Any, device: str) -> None:
             assert "collective" in str(e), e
         else:
             raise AssertionError(f"collective={bad!r} was taken")
+    try:
+        recurra_dist.DataParallel(model, opt, add_threads=0)
+    except ValueError as e:
+        assert "add_threads" in str(e), e
+    else:
+        raise AssertionError("add_threads=0 was taken")
     for collective in ("auto", "pairwise", "pairwise/messages", "pairwise/copied"):
         profile_checks(ctx, model, opt, collective)
     if ctx.rank == 0:

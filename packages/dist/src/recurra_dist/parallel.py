@@ -96,6 +96,8 @@ class DataParallel:
             it feeding the device). The same collectives in the same order: the same bits.
             Needs ``MPI_THREAD_MULTIPLE`` (else it stays off: ``exchange_thread`` is then
             False).
+        add_threads: the threads a pairwise sum adds in (None: the host's cores shared by
+            its ranks, one left to each, at most 4). The same bits with any number.
 
     On a device with asynchronous reads (recurra_vulkan), each bucket's buffer is host-visible
     memory of the device: the backward copies a bucket's gradients into it in the submission
@@ -143,7 +145,10 @@ class DataParallel:
         overlap: bool = True,
         collective: str = "auto",
         exchange_thread: bool = True,
+        add_threads: int | None = None,
     ) -> None:
+        if add_threads is not None and (not isinstance(add_threads, int) or add_threads < 1):
+            raise ValueError(f"DataParallel: add_threads must be an int >= 1, got {add_threads!r}")
         if not bucket_mb > 0:
             raise ValueError(f"DataParallel: bucket_mb must be > 0, got {bucket_mb!r}")
         if timeout is not None and not timeout > 0:
@@ -174,7 +179,7 @@ class DataParallel:
         self._scratch = np.empty(0, np.float32)  # pairwise sums' parts received
         # pairwise sums add in threads: the host's cores shared by its ranks, one left each
         cores = (os.cpu_count() or 1) // max(1, self.ctx.local_size)
-        self.add_threads = max(1, min(4, cores - 1))
+        self.add_threads = add_threads or max(1, min(4, cores - 1))
         self._add_pool: Any = None
         if self.add_threads > 1:
             from concurrent.futures import ThreadPoolExecutor
