@@ -5,6 +5,7 @@ there, in one computation or piece by piece)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -134,6 +135,14 @@ def pack(b: Bucket) -> Any:
 
 def download_packed(b: Bucket) -> None:
     """Concatenates the bucket's gradients on their device and downloads them at once."""
+    packed_reader(b)(0, b.buffer.size)
+
+
+def packed_reader(b: Bucket) -> Callable[[int, int], None]:
+    """Concatenates the bucket's gradients on their device; returns ``read(lo, hi)``, which
+    downloads elements [lo, hi) of them into the bucket's buffer (where it is host-visible
+    memory of the device: one device copy straight into it), so that a piece can be summed
+    while the next one is downloaded."""
     with rc.no_grad():
         flat = []
         for p in b.params:
@@ -141,7 +150,16 @@ def download_packed(b: Bucket) -> None:
             flat.append(p.grad.reshape(-1))
         packed = rc.ops.concat(flat) if len(flat) > 1 else flat[0]
     compute([packed])
-    read_into(packed, b.buffer)
+    src = _device_buffer(packed)
+    if src is None:  # not in a buffer of its own: at once
+        read_into(packed, b.buffer)
+        return lambda lo, hi: None
+
+    def read(lo: int, hi: int) -> None:
+        if hi > lo:
+            src.download(b.buffer[lo:hi], 4 * lo)
+
+    return read
 
 
 def upload_packed(b: Bucket, dev: Any) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -32,10 +32,10 @@ from recurra import Tensor, _core
 from recurra_dist._buckets import (
     Bucket,
     compute,
-    download_packed,
     make_buckets,
     pack,
     packed_device,
+    packed_reader,
     read_grad_into,
     read_into,
     set_grads,
@@ -294,8 +294,9 @@ class DataParallel:
             if not any(act):
                 continue
             dev = packed_device(b, act)
+            fill = None
             if dev is not None:
-                download_packed(b)
+                fill = packed_reader(b)  # downloads in pieces, each summed at once
             else:
                 for i, p in enumerate(b.params):
                     if not act[i]:
@@ -304,7 +305,7 @@ class DataParallel:
                         b.view(i)[...] = 0.0
                     else:
                         read_grad_into(p, b.view(i))
-            req = self._allreduce(b.buffer)
+            req = self._allreduce(b.buffer, fill)
             pending.append((b, act, req, dev))
             nbytes += b.buffer.nbytes
             if len(pending) > 1:  # unpack the previous bucket while this one is in flight
@@ -315,19 +316,28 @@ class DataParallel:
         dt = time.perf_counter() - t0
         self._timed(dt, dt, nbytes)
 
-    def _allreduce(self, buf: np.ndarray) -> Any:
+    def _allreduce(self, buf: np.ndarray, fill: Callable[[int, int], None] | None = None) -> Any:
         """Sums ``buf`` over the ranks, in place: returns what to wait for (:meth:`_wait`):
         the exchange thread's ticket (``exchange_thread``), else the request (nonblocking),
-        or None once it is done (blocking)."""
-        if not self.exchange_thread:
-            return self._start_sum(self._xcomm, buf)
+        or None once it is done (blocking). ``fill(lo, hi)``, if given, first writes
+        elements [lo, hi) of ``buf`` (a download): in pieces, each piece just before it is
+        handed over, so that one is summed while the next is downloaded."""
         step = int(self.stream_mb * (1 << 20)) // 4
-        if step <= 0 or buf.size <= 2 * step or not self._pairwise(buf[:step]):
+        whole = step <= 0 or buf.size <= 2 * step or not self._pairwise(buf[:step])
+        if not self.exchange_thread or whole:
+            if fill is not None:
+                fill(0, buf.size)
+            if not self.exchange_thread:
+                return self._start_sum(self._xcomm, buf)
             return self._exchanger.submit(buf)
         # in pieces (each summed pairwise: the same bits): each one can be written back
         # while the next is summed (_finish)
         spans = [(a, min(buf.size, a + step)) for a in range(0, buf.size, step)]
-        pieces = [(ab, self._exchanger.submit(buf[ab[0] : ab[1]])) for ab in spans]
+        pieces = []
+        for lo, hi in spans:
+            if fill is not None:
+                fill(lo, hi)
+            pieces.append(((lo, hi), self._exchanger.submit(buf[lo:hi])))
         last = pieces[-1][1]
         last.pieces = pieces
         self.streamed += 1
@@ -435,10 +445,15 @@ class DataParallel:
         kept = [p.grad for p in last.params]
         self.barrier()
         t0 = time.perf_counter()
-        dev = pack(last)
+        dev = packed_device(last, [True] * len(last.params))
+        fill = None
+        if dev is not None:  # downloaded in pieces, each summed at once
+            fill = packed_reader(last)
+        else:
+            pack(last)
         # (the host path writes the means into the gradients in place: put them back below)
         packed = last.buffer.copy() if dev is None else None
-        req = self._allreduce(last.buffer)
+        req = self._allreduce(last.buffer, fill)
         tail: list[Bucket] = []
         self._finish(last, [True] * len(last.params), req, dev, scale, tail)
         upload_staged(tail, scale)
