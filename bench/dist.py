@@ -111,6 +111,13 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         help="DataParallel's add_threads (0: its default)",
     )
     ap.add_argument(
+        "--download-pieces",
+        choices=["on", "off"],
+        default="on",
+        help="DataParallel's download_pieces: a device bucket summed in pieces is downloaded "
+        "in pieces, each summed while the next one downloads",
+    )
+    ap.add_argument(
         "--import-host",
         choices=["on", "off"],
         default="on",
@@ -197,6 +204,7 @@ def worker(args: argparse.Namespace) -> None:
         exchange_thread=args.exchange_thread == "on",
         add_threads=args.add_threads or None,
     )
+    dp.download_pieces = args.download_pieces == "on"
     vocab = int(model.config.vocab_size)
     data = np.random.default_rng(0).integers(0, vocab, size=1 << 20).astype(np.int32)
     global_batch = args.batch * ctx.world_size

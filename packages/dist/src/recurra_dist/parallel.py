@@ -130,8 +130,11 @@ class DataParallel:
         this many megabytes is handed to it in pieces of this size (0: whole), and on a
         device each piece is written back while the next ones are summed (the tail of the
         exchange after the backward: the last bucket, often the embedding's gradient
-        alone); streamed counts those buckets. All three give the same bits; each must be
-        the same on every rank (else their collectives do not match).
+        alone); streamed counts those buckets. download_pieces (on by default): such a
+        bucket on a device, packed after the backward (not by the backward: overlap), is
+        downloaded piece by piece too, each piece summed while the next one downloads.
+        All of these give the same bits; each must be the same on every rank (else their
+        collectives do not match).
     """
 
     def __init__(
@@ -193,6 +196,8 @@ class DataParallel:
         # a large bucket in device memory: summed and written back piece by piece
         self.stream_mb = 32.0
         self.streamed = 0  # buckets summed in pieces of stream_mb
+        # a device bucket summed in pieces is downloaded in pieces (after a backward)
+        self.download_pieces = True
         # The last parameters first: the backward completes their gradients first.
         self.buckets = make_buckets(self.params[::-1], int(bucket_mb * (1 << 20)) // 4, False)
         self._place_buckets()
@@ -296,7 +301,7 @@ class DataParallel:
             dev = packed_device(b, act)
             fill = None
             if dev is not None:
-                fill = packed_reader(b)  # downloads in pieces, each summed at once
+                fill = self._reader(b)
             else:
                 for i, p in enumerate(b.params):
                     if not act[i]:
@@ -342,6 +347,15 @@ class DataParallel:
         last.pieces = pieces
         self.streamed += 1
         return last
+
+    def _reader(self, b: Bucket) -> Callable[[int, int], None] | None:
+        """Packs a device bucket: what downloads it piece by piece (download_pieces), or
+        None once it is downloaded whole."""
+        read = packed_reader(b)
+        if self.download_pieces:
+            return read
+        read(0, b.buffer.size)
+        return None
 
     def _pairwise(self, buf: np.ndarray) -> bool:
         """Whether ``collective`` sums ``buf`` pairwise."""
@@ -447,8 +461,8 @@ class DataParallel:
         t0 = time.perf_counter()
         dev = packed_device(last, [True] * len(last.params))
         fill = None
-        if dev is not None:  # downloaded in pieces, each summed at once
-            fill = packed_reader(last)
+        if dev is not None:
+            fill = self._reader(last)
         else:
             pack(last)
         # (the host path writes the means into the gradients in place: put them back below)
