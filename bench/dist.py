@@ -105,6 +105,27 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         "window (off: downloaded into it through a staging copy)",
     )
     ap.add_argument(
+        "--add-threads",
+        type=int,
+        default=0,
+        help="DataParallel's add_threads (0: its default)",
+    )
+    ap.add_argument(
+        "--download-pieces",
+        choices=["on", "off"],
+        default="on",
+        help="DataParallel's download_pieces: a device bucket summed in pieces is downloaded "
+        "in pieces, each summed while the next one downloads",
+    )
+    ap.add_argument(
+        "--import-host",
+        choices=["on", "off"],
+        default="on",
+        help="with --staging on, where the ranks share a host: the device imports the buckets' "
+        "places in MPI's shared window (on; its copies land there) or they are host-visible "
+        "device memory copied into the window for the sum (off)",
+    )
+    ap.add_argument(
         "--exchange-only",
         action="store_true",
         help="time the exchange phase by phase and bucket by bucket (no training)",
@@ -172,6 +193,7 @@ def worker(args: argparse.Namespace) -> None:
     from recurra_dist._buckets import Bucket
 
     Bucket.stage = args.staging == "on"
+    Bucket.import_host = args.import_host == "on"
     dp = recurra_dist.DataParallel(
         model,
         opt,
@@ -180,7 +202,9 @@ def worker(args: argparse.Namespace) -> None:
         overlap=overlap,
         collective=args.collective,
         exchange_thread=args.exchange_thread == "on",
+        add_threads=args.add_threads or None,
     )
+    dp.download_pieces = args.download_pieces == "on"
     vocab = int(model.config.vocab_size)
     data = np.random.default_rng(0).integers(0, vocab, size=1 << 20).astype(np.int32)
     global_batch = args.batch * ctx.world_size
@@ -308,7 +332,9 @@ def exchange_worker(args, ctx, model, dp, data, global_batch: int) -> None:
     sh = dp.shared
     print(
         f"  pairwise sums through shared memory: {sh.in_place} in place, {sh.copied} copied "
-        f"in (host-visible device memory), the others by messages"
+        f"in (host-visible device memory), the others by messages; "
+        f"{sum(b.imported for b in dp.buckets)} of {len(dp.buckets)} buckets imported by the "
+        "device"
     )
     print(
         f"  the last bucket ({last['bytes'] / 1e6:.1f} MB) downloaded, summed and written back "

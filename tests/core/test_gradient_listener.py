@@ -296,3 +296,113 @@ def test_host_visible_device_buffer(vulkan) -> None:
         dev.host_array()
     with pytest.raises(ValueError, match="pool is"):
         rc.DeviceBuffer(vulkan, 64, "pinned")
+
+
+def _page_aligned(nbytes: int) -> tuple[Any, np.ndarray]:
+    """``nbytes`` (a multiple of the page) of anonymous memory at a page: (the mapping, its
+    bytes)."""
+    import mmap
+
+    m = mmap.mmap(-1, nbytes)
+    return m, np.frombuffer(m, np.uint8)
+
+
+@pytest.mark.vulkan
+def test_imported_host_memory(vulkan) -> None:
+    """DeviceBuffer.import_host: the device reads and writes the caller's page-aligned memory
+    (a download lands in it, a tensor over it reads what the host wrote); memory not on a
+    page boundary is refused with ValueError; freeing the buffer leaves the memory alone."""
+    import mmap
+
+    from recurra import _core
+    from recurra._devices import parse_device
+
+    if not _core.can_import_host(vulkan):
+        pytest.skip(f"{vulkan} cannot import host memory (no VK_EXT_external_memory_host)")
+    page = mmap.PAGESIZE
+    m, mem = _page_aligned(4 * page)
+    buf = rc.DeviceBuffer.import_host(vulkan, mem)
+    assert buf.host_visible and buf.nbytes == 4 * page
+    floats = mem.view(np.float32)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(floats.size).astype(np.float32)
+    floats[:] = x
+    back = np.empty_like(x)
+    buf.download(back)
+    assert back.tobytes() == x.tobytes()
+    # a device result downloaded into the imported memory (one device copy)
+    t = rc.tensor(x, device=vulkan) * 2.0
+    t._frontend.run([t])
+    t.storage.download(floats)
+    assert floats.tobytes() == (x * np.float32(2.0)).tobytes()
+    # the memory as a tensor's storage on the device
+    n = floats.size
+    dev = parse_device(vulkan)
+    whole = rc.Tensor._new(None, (), (), (), (n,), rc.float32, buf, False, dev)
+    assert (whole + 1.0).numpy().tobytes() == (floats + np.float32(1.0)).tobytes()
+    with pytest.raises(ValueError, match="multiples"):
+        rc.DeviceBuffer.import_host(vulkan, mem[16 : 16 + page])
+    with pytest.raises(ValueError, match="multiples"):
+        rc.DeviceBuffer.import_host(vulkan, mem[: page + 4])
+    del whole, t, buf
+    import gc
+
+    gc.collect()
+    floats[:] = 7.0  # still the caller's memory, still writable
+    assert floats[0] == 7.0
+    del floats, mem
+    m.close()
+    assert not _core.can_import_host("cpu") and not _core.can_import_host("nonesuch")
+
+
+@pytest.mark.vulkan
+def test_a_listener_target_receives_the_group_on_the_device(recorder_for, vulkan) -> None:
+    """A listener's target(k) (host-visible memory of the device): the backward copies group
+    k's gradients there packed, so read(group, that memory) copies nothing and finds them;
+    the graph does not keep the memory after the backward. A group this backward does not
+    wholly compute gets no target."""
+    from recurra import _core
+
+    assert _core.has_async_reads(vulkan)
+    ps = _params(device=vulkan)
+    x, y = _data()
+    groups = [[2], [1, 0], [3]]
+    sizes = [sum(int(ps[i].size) for i in g) for g in groups]
+    bufs = [rc.DeviceBuffer(vulkan, 4 * n, "host") for n in sizes]
+    arrays = [b.host_array().view(np.float32) for b in bufs]
+    rec = recorder_for(ps, groups)
+    asked: list[int] = []
+
+    def target(k: int) -> Any:
+        asked.append(k)
+        return bufs[k]
+
+    rec.target = target  # type: ignore[attr-defined]
+    for a in arrays:
+        a[:] = np.nan
+    loss = _loss(ps, rc.tensor(x, device=vulkan), rc.tensor(y, device=vulkan))
+    loss.backward()
+    assert sorted(asked) == [0, 1]  # parameter 3 has no gradient: group 2 gets none
+    ref = _reference(ps, x, y)
+    for k in (0, 1):
+        want = np.concatenate([ps[i].grad.numpy().reshape(-1) for i in groups[k]])
+        assert arrays[k].tobytes() == want.tobytes(), k  # the device wrote it there
+        assert rec.packed[k].tobytes() == want.tobytes(), k
+        got = np.concatenate([ref[i].reshape(-1) for i in groups[k]])
+        np.testing.assert_allclose(arrays[k], got, rtol=1e-4, atol=1e-6)
+    assert np.isnan(arrays[2]).all()
+    # reading into the target itself: nothing to copy, the same bits
+    rec.packed.clear()
+
+    def ready_into_target(k: int, read: Any) -> None:
+        if k in (0, 1):
+            read(groups[k], arrays[k])
+            rec.packed[k] = arrays[k].copy()
+
+    rec.ready = ready_into_target  # type: ignore[method-assign]
+    for p in ps:
+        p.grad = None
+    _loss(ps, rc.tensor(x, device=vulkan), rc.tensor(y, device=vulkan)).backward()
+    for k in (0, 1):
+        want = np.concatenate([ps[i].grad.numpy().reshape(-1) for i in groups[k]])
+        assert rec.packed[k].tobytes() == want.tobytes(), k

@@ -150,7 +150,13 @@ def exchange_checks(ctx: Any, device: str) -> None:
             assert "collective" in str(e), e
         else:
             raise AssertionError(f"collective={bad!r} was taken")
-    for collective in ("auto", "pairwise", "pairwise/messages"):
+    try:
+        recurra_dist.DataParallel(model, opt, add_threads=0)
+    except ValueError as e:
+        assert "add_threads" in str(e), e
+    else:
+        raise AssertionError("add_threads=0 was taken")
+    for collective in ("auto", "pairwise", "pairwise/messages", "pairwise/copied"):
         profile_checks(ctx, model, opt, collective)
     if ctx.rank == 0:
         print("EXCHANGE OK", flush=True)
@@ -163,8 +169,17 @@ def profile_checks(ctx: Any, model: Any, opt: Any, collective: str) -> None:
     import recurra_dist
     import recurra_models as rm
 
-    how, _, messages = collective.partition("/")
-    dp = recurra_dist.DataParallel(model, opt, bucket_mb=0.01, overlap=False, collective=how)
+    from recurra_dist._buckets import Bucket
+
+    how, _, way = collective.partition("/")
+    messages = way == "messages"
+    # "copied": a device's buckets in host-visible memory, not imported (copied into the
+    # window for the sums)
+    Bucket.import_host = way != "copied"
+    try:
+        dp = recurra_dist.DataParallel(model, opt, bucket_mb=0.01, overlap=False, collective=how)
+    finally:
+        Bucket.import_host = True
     assert dp.shared_memory  # the ranks share this host
     if messages:  # pipelined messages, buckets in pieces (the last ones shorter)
         for name, value in PIECES.items():
@@ -212,7 +227,13 @@ def profile_checks(ctx: Any, model: Any, opt: Any, collective: str) -> None:
     if messages or how == "auto":
         assert sh.in_place == sh.copied == 0, (sh.in_place, sh.copied)
     elif ctx.world_size > 1:
-        staged = any(b.staged is not None for b in dp.buckets)
+        # buckets of a device that imports host memory live in the window: summed in place
+        from recurra import _core
+
+        dev = [b for b in dp.buckets if b.staged is not None]
+        imports = bool(dev) and _core.can_import_host(dev[0].device) and way != "copied"
+        assert all(b.imported == imports for b in dev), [b.imported for b in dev]
+        staged = bool(dev) and not imports  # host-visible device memory, copied in
         assert (sh.in_place > 0, sh.copied > 0) == (not staged, staged), (sh.in_place, sh.copied)
     # without the windows (freed): messages, the same bits
     dp.close()

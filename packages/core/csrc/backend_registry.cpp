@@ -144,6 +144,19 @@ DeviceBuffer::DeviceBuffer(int backend, size_t nbytes, HostVisible)
   memory_stats_adjust(pool_, static_cast<int64_t>(nbytes_));
 }
 
+DeviceBuffer::DeviceBuffer(int backend, void* host, size_t nbytes, Imported)
+    : backend_(backend), nbytes_(nbytes), pool_(Pool::persistent) {
+  BackendEntry& e = backend_entry(backend);
+  if (e.closed) throw StateError(e.name + " was released; allocate on another device");
+  if (!can_import_host(backend)) throw ValueError(e.name + " cannot import host memory (import_host)");
+  if (!host || nbytes == 0) throw ValueError("import_host: no memory to import");
+  int st = e.table->import_host(e.table->ctx, e.device, host, nbytes, &buf_);
+  check_status(backend, st, "importing " + std::to_string(nbytes) + " bytes of host memory");
+  host_ = static_cast<uint8_t*>(host);
+  imported_ = true;
+  // not counted in the memory stats: the caller's memory, not the backend's
+}
+
 uint8_t* DeviceBuffer::host() const {
   if (host_) handle();  // raises once the backend was closed
   return host_;
@@ -153,6 +166,10 @@ bool has_async_reads(int id) {
   if (id <= kCpuBackend || id >= n_backends()) return false;
   const BackendEntry& e = backend_entry(id);
   return !e.closed && e.table->alloc_host && e.table->mark && e.table->wait_mark;
+}
+
+bool can_import_host(int id) {
+  return has_async_reads(id) && backend_entry(id).table->import_host;
 }
 
 uint64_t backend_mark(int id) {
@@ -168,7 +185,7 @@ void backend_wait_mark(int id, uint64_t value) {
 }
 
 DeviceBuffer::~DeviceBuffer() {
-  memory_stats_adjust(pool_, -static_cast<int64_t>(nbytes_));
+  if (!imported_) memory_stats_adjust(pool_, -static_cast<int64_t>(nbytes_));
   BackendEntry& e = backend_entry(backend_);
   if (!e.closed) e.table->free(e.table->ctx, e.device, buf_);  // never throw from here
 }

@@ -45,6 +45,9 @@ struct DeviceLimits {
 DeviceLimits device_limits(int id);
 // Whether backend `id` (a plugin's) has asynchronous reads (alloc_host, mark, wait_mark).
 bool has_async_reads(int id);
+// Whether backend `id` may import host memory (import_host; the device may still refuse
+// a given range).
+bool can_import_host(int id);
 // A value standing for the work submitted to backend `id` so far; waiting for it.
 uint64_t backend_mark(int id);
 void backend_wait_mark(int id, uint64_t value);
@@ -67,6 +70,10 @@ class DeviceBuffer {
   // host reads and writes it at host().
   struct HostVisible {};
   DeviceBuffer(int backend, size_t nbytes, HostVisible);
+  // A buffer over host memory that the caller allocated and keeps valid while the buffer
+  // lives (recurra_backend_table::import_host; can_import_host): like HostVisible memory.
+  struct Imported {};
+  DeviceBuffer(int backend, void* host, size_t nbytes, Imported);
   ~DeviceBuffer();
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
@@ -87,6 +94,7 @@ class DeviceBuffer {
   Pool pool_;
   recurra_buffer buf_{};
   uint8_t* host_ = nullptr;
+  bool imported_ = false;
 };
 
 }  // namespace recurra

@@ -233,7 +233,8 @@ PYBIND11_MODULE(_core, m) {
       })
       .def(
           "compute_reporting",
-          [](PyGraph& s, const std::vector<std::vector<int>>& groups, py::function ready) {
+          [](PyGraph& s, const std::vector<std::vector<int>>& groups, py::function ready,
+             const std::vector<std::shared_ptr<DeviceBuffer>>& targets) {
             // ready(k) runs with the GIL; an exception it raises stops the computation and
             // is raised here, as it was.
             struct Stop {};
@@ -249,14 +250,17 @@ PYBIND11_MODULE(_core, m) {
             };
             try {
               py::gil_scoped_release nogil;
-              s.g.compute(groups, call);
+              s.g.compute(groups, call, targets);
             } catch (Stop&) {
               throw std::move(*err);
             }
           },
-          py::arg("groups"), py::arg("ready"),
+          py::arg("groups"), py::arg("ready"), py::arg("targets") = std::vector<std::shared_ptr<DeviceBuffer>>{},
           "compute(), calling ready(k) as soon as every node of groups[k] holds its final "
-          "value while the rest still runs (a device split is cut there).")
+          "value while the rest still runs (a device split is cut there). targets[k] (a "
+          "host-visible DeviceBuffer or None; asynchronous reads only): group k's values are "
+          "copied there on the device, packed in the group's order, so that read_packed(groups[k], "
+          "its memory) copies nothing.")
       .def("read", &PyGraph::read)
       .def(
           "read_into",
@@ -363,6 +367,23 @@ PYBIND11_MODULE(_core, m) {
            }), py::arg("backend"), py::arg("nbytes"), py::arg("pool") = "persistent",
            "Memory on a device backend; pool='host': host-visible memory (where the backend has "
            "asynchronous reads) that the host reads and writes through host_array().")
+      .def_static(
+          "import_host",
+          [](const std::string& backend, py::buffer obj) {
+            int b = find_backend(backend);
+            if (b <= 0) throw ValueError("unknown or unavailable device backend '" + backend + "'");
+            py::buffer_info info = obj.request(true);
+            if (info.ndim != 1 || info.strides[0] != info.itemsize)
+              throw ValueError("import_host: the memory must be one contiguous run of bytes");
+            return std::make_shared<DeviceBuffer>(b, info.ptr, static_cast<size_t>(info.size * info.itemsize),
+                                                  DeviceBuffer::Imported{});
+          },
+          py::arg("backend"), py::arg("memory"), py::keep_alive<0, 2>(),
+          "A host-visible buffer over ``memory`` (a writable, contiguous buffer whose address and "
+          "size are multiples of the device's import alignment, a page): the device reads and "
+          "writes that memory itself (where it can import host memory: _core.can_import_host; "
+          "ValueError where it refuses this memory). The buffer keeps ``memory`` referenced; it "
+          "must stay mapped while the buffer lives.")
       .def_property_readonly("host_visible", [](const DeviceBuffer& b) { return b.host() != nullptr; })
       .def(
           "host_array",
@@ -415,6 +436,15 @@ PYBIND11_MODULE(_core, m) {
       py::arg("backend"),
       "Whether a device backend reads reported gradients asynchronously (Graph.compute_reporting) "
       "and offers host-visible buffers (DeviceBuffer(pool='host')).");
+  m.def(
+      "can_import_host",
+      [](const std::string& name) {
+        const int b = find_backend(name);
+        return b > 0 && can_import_host(b);
+      },
+      py::arg("backend"),
+      "Whether a device backend may import host memory (DeviceBuffer.import_host); the device may "
+      "still refuse a given range.");
   m.def("transfer_stats", [] {
     TransferStats t = transfer_stats();
     py::dict d;

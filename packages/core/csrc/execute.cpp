@@ -345,15 +345,22 @@ std::string profile_key(const Node& n, const std::string& op, const std::vector<
 
 }  // namespace
 
-void Graph::compute(const std::vector<std::vector<int>>& groups, const std::function<void(int)>& ready) {
+void Graph::compute(const std::vector<std::vector<int>>& groups, const std::function<void(int)>& ready,
+                    const std::vector<std::shared_ptr<DeviceBuffer>>& targets) {
   plan();
   check_ready();
   make_own_buffers();
   staged_at_.clear();
+  targets_ = &targets;
   struct Unstage {  // staged values are read only while their compute reports
-    std::unordered_map<int, std::pair<int, size_t>>& at;
-    ~Unstage() { at.clear(); }
-  } unstage{staged_at_};
+    Graph& g;
+    ~Unstage() {
+      g.staged_at_.clear();
+      g.targets_ = nullptr;
+      for (Staged& st : g.staged_)
+        if (st.target) st = Staged{};  // the caller's memory is not kept
+    }
+  } unstage{*this};
   // fire[p]: the groups whose nodes are all final once the first p nodes (in the order the
   // splits run them) are computed. A view is final with its base, a leaf at once; a node
   // that runs in no split (merged away) counts as final at the end.
@@ -505,7 +512,7 @@ void Graph::read(int id, void* out) {
   const Node& n = node(id);
   plan();
   if (const uint8_t* staged = staged_bytes(id)) {
-    std::memcpy(out, staged, n.nbytes());
+    if (staged != out) std::memcpy(out, staged, n.nbytes());  // (a target: there already)
     return;
   }
   const int base = n.is_view() ? n.view_base : id;
@@ -573,26 +580,38 @@ recurra_node_desc dense_copy(const Node& n, const recurra_tensor_desc& src, cons
 
 void Graph::stage_group(int k, const std::vector<int>& group, int backend, std::vector<recurra_node_desc>& descs) {
   // The group's nodes computed on `backend` (leaves and nodes elsewhere are read directly).
-  std::vector<int> ids;
-  size_t bytes = 0;
+  // (with a target: at each node's place in the group's packed layout)
+  std::vector<std::pair<int, size_t>> ids;  // (node, its place in the group's packed layout)
+  size_t bytes = 0, packed = 0;
   for (int id : group) {
     const Node& n = node(id);
     const int base = n.is_view() ? n.view_base : id;
+    packed += n.nbytes();
     if (n.numel() == 0 || nodes_[base].is_leaf() || location(base) != backend || staged_at_.count(id)) continue;
-    ids.push_back(id);
+    ids.push_back({id, packed - n.nbytes()});
     bytes += n.nbytes();
   }
   if (staged_.size() <= static_cast<size_t>(k)) staged_.resize(static_cast<size_t>(k) + 1);
   Staged& st = staged_[k];
   if (ids.empty()) return;
-  if (!st.buf || st.buf->backend() != backend || st.buf->nbytes() != bytes || !st.buf->valid())
+  std::shared_ptr<DeviceBuffer> target;
+  if (targets_ && static_cast<size_t>(k) < targets_->size()) target = (*targets_)[k];
+  const bool into = target && target->backend() == backend && target->valid() && target->host() &&
+                    target->nbytes() >= packed;
+  if (into) {
+    st.buf = target;
+  } else if (!st.buf || st.target || st.buf->backend() != backend || st.buf->nbytes() != bytes ||
+             !st.buf->valid()) {
     st.buf = std::make_shared<DeviceBuffer>(backend, bytes, DeviceBuffer::HostVisible{});
+  }
+  st.target = into;
   size_t at = 0;
-  for (int id : ids) {
+  for (const auto& [id, place] : ids) {
     const Node& n = nodes_[id];
     check_own_held(memory_owner(plan_, n.is_view() ? n.view_base : id), "read");
-    descs.push_back(dense_copy(n, desc_on(id, backend), *st.buf, at));
-    staged_at_[id] = {k, at};
+    const size_t to = into ? place : at;
+    descs.push_back(dense_copy(n, desc_on(id, backend), *st.buf, to));
+    staged_at_[id] = {k, to};
     at += n.nbytes();
   }
 }

@@ -341,7 +341,13 @@ class Graph {
   // ready(k) runs, read() and read_packed() of a node of a reported group wait for the part
   // that copied it only (the device runs on with the rest). Elsewhere each part is computed
   // and waited for before its groups are reported.
-  void compute(const std::vector<std::vector<int>>& groups, const std::function<void(int)>& ready);
+  // targets[k] (optional, asynchronous reads only): host-visible memory of the backend
+  // (alloc_host's or imported) that group k's nodes are copied into instead of the graph's
+  // own buffer, packed in the group's order as read_packed(groups[k]) lays them out; then
+  // read_packed(groups[k], that memory) copies nothing. Used only where it is on the
+  // group's backend and large enough; not kept after the compute.
+  void compute(const std::vector<std::vector<int>>& groups, const std::function<void(int)>& ready,
+               const std::vector<std::shared_ptr<DeviceBuffer>>& targets = {});
 
   // Whether node n (inferred, need not be in the graph yet) runs as it is where it would be
   // placed: on the first open backend of set_backends() that takes it, or, with none
@@ -411,9 +417,11 @@ class Graph {
     std::shared_ptr<DeviceBuffer> buf;
     uint64_t mark = 0;  // the backend's mark after the part that fills it
     bool waited = false;
+    bool target = false;  // buf is the caller's (compute()'s targets): let go of after it
   };
   std::vector<Staged> staged_;                                  // per group, kept
   std::unordered_map<int, std::pair<int, size_t>> staged_at_;  // node -> (group, byte offset)
+  const std::vector<std::shared_ptr<DeviceBuffer>>* targets_ = nullptr;  // compute()'s, while it runs
 };
 
 // ---- helpers for ops ------------------------------------------------------------

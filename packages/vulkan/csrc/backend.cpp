@@ -149,6 +149,13 @@ int t_alloc_host(void*, int device, size_t nbytes, recurra_buffer* out, void** h
   });
 }
 
+int t_import_host(void*, int device, void* host, size_t nbytes, recurra_buffer* out) {
+  return guarded([&](Backend& b) {
+    if (!out) fail_invalid("import_host: null output");
+    *out = b.device(device).import_host(host, nbytes);
+  });
+}
+
 int t_mark(void*, int device, uint64_t* value) {
   return guarded([&](Backend& b) {
     if (!value) fail_invalid("mark: null output");
@@ -192,6 +199,7 @@ recurra_backend_table g_table = {
     t_alloc_host,
     t_mark,
     t_wait_mark,
+    t_import_host,
 };
 
 }  // namespace

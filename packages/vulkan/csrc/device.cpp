@@ -216,7 +216,19 @@ Instance::Instance() {
     std::vector<VkExtensionProperties> dext(n_dext);
     vkEnumerateDeviceExtensionProperties(h, nullptr, &n_dext, dext.data());
     for (const auto& e : dext)
-      if (std::strcmp(e.extensionName, VK_EXT_MEMORY_BUDGET_EXTENSION_NAME) == 0) d.memory_budget = true;
+      if (std::strcmp(e.extensionName, VK_EXT_MEMORY_BUDGET_EXTENSION_NAME) == 0)
+        d.memory_budget = true;
+      else if (std::strcmp(e.extensionName, VK_EXT_EXTERNAL_MEMORY_HOST_EXTENSION_NAME) == 0)
+        d.host_import = true;
+    if (d.host_import) {
+      VkPhysicalDeviceExternalMemoryHostPropertiesEXT hp{
+          VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_EXTERNAL_MEMORY_HOST_PROPERTIES_EXT};
+      VkPhysicalDeviceProperties2 hp2{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2};
+      hp2.pNext = &hp;
+      vkGetPhysicalDeviceProperties2(h, &hp2);
+      d.import_alignment = hp.minImportedHostPointerAlignment;
+      d.host_import = d.import_alignment > 0;
+    }
     d.coopmat = query_coopmat(instance_, h);
     usable.push_back(d);
   }
@@ -331,6 +343,7 @@ Device::Device(const PhysicalDevice& pd) : info_(pd) {
     bf.shaderBFloat16CooperativeMatrix = VK_TRUE;
     cm.pNext = &bf;
   }
+  if (info_.host_import) exts.push_back(VK_EXT_EXTERNAL_MEMORY_HOST_EXTENSION_NAME);
   VkDeviceCreateInfo ci{VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO};
   ci.pNext = &f2;
   ci.queueCreateInfoCount = 1;
@@ -354,6 +367,10 @@ Device::Device(const PhysicalDevice& pd) : info_(pd) {
     block = std::min<VkDeviceSize>(block, info_.max_allocation);
     memory_ = std::make_unique<DeviceMemory>(dev_, info_.handle, host_visible, block, info_.max_allocation,
                                              info_.heap, info_.memory_budget);
+    if (info_.host_import)
+      memory_->enable_import(reinterpret_cast<PFN_vkGetMemoryHostPointerPropertiesEXT>(
+                                 vkGetDeviceProcAddr(dev_, "vkGetMemoryHostPointerPropertiesEXT")),
+                             info_.import_alignment);
     memory_->drain = [this] {
       for (auto& s : subs_) wait(*s);
     };
@@ -626,7 +643,15 @@ recurra_buffer Device::alloc(size_t nbytes, bool persistent) {
   return memory_->alloc(nbytes, persistent);
 }
 
+recurra_buffer Device::import_host(void* host, size_t nbytes) {
+  check_lost();
+  return memory_->import_host(host, nbytes);
+}
+
 void Device::free(const recurra_buffer& b) {
+  // The caller's memory is given back at once (it may be unmapped next): after the GPU
+  // is done with it.
+  if (memory_->imported(b)) wait_all();
   if (memory_->free(b)) blocks_to_release_ = true;
 }
 

@@ -39,6 +39,10 @@ struct PhysicalDevice {
   uint64_t memory_bytes = 0;       // the largest device-local heap
   uint32_t heap = 0;               // its index
   bool memory_budget = false;      // VK_EXT_memory_budget: the driver reports what is free
+  // VK_EXT_external_memory_host: buffers over host memory the caller allocated
+  // (import_host); addresses and sizes multiples of import_alignment
+  bool host_import = false;
+  VkDeviceSize import_alignment = 0;
   uint32_t queue_family = 0;
   uint32_t timestamp_bits = 0;
   float timestamp_period_ns = 1.0f;
@@ -151,6 +155,8 @@ class Device {
   void synchronize();
   // Host-visible memory for nodes (DeviceMemory::alloc_host); *host: its address.
   recurra_buffer alloc_host(size_t nbytes, void** host);
+  // A buffer over host memory the caller allocated (DeviceMemory::import_host).
+  recurra_buffer import_host(void* host, size_t nbytes);
   // The serial of the last submission: waiting for it (wait_mark) waits for everything
   // submitted so far and nothing submitted later.
   uint64_t mark() const { return next_serial_ - 1; }

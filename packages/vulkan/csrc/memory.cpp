@@ -86,9 +86,9 @@ void DeviceMemory::destroy_block(Block& b) {
                  b.dedicated ? "dedicated" : "shared", bytes_str(b.size).c_str());
   if (b.buffer) vkDestroyBuffer(dev_, b.buffer, nullptr);
   if (b.memory) {
-    if (b.mapped) vkUnmapMemory(dev_, b.memory);
+    if (b.mapped && !b.imported) vkUnmapMemory(dev_, b.memory);
     vkFreeMemory(dev_, b.memory, nullptr);
-    reserved_ -= b.size;
+    if (!b.imported) reserved_ -= b.size;
   }
   b = Block{};
 }
@@ -318,6 +318,90 @@ recurra_buffer DeviceMemory::alloc_host(size_t nbytes, uint8_t** mapped) {
   return out;
 }
 
+recurra_buffer DeviceMemory::import_host(void* p, size_t n) {
+  const auto at = reinterpret_cast<uintptr_t>(p);
+  const VkDeviceSize align = import_alignment_;
+  if (!host_pointer_props_ || !align)
+    fail(RECURRA_ERR_UNSUPPORTED, "import_host: this device has no VK_EXT_external_memory_host");
+  if (!p || n == 0 || at % align || n % align)
+    fail(RECURRA_ERR_UNSUPPORTED, "import_host: the address and size must be nonzero multiples of " +
+                                      std::to_string(align) + " bytes (the device's import alignment)");
+  constexpr auto kType = VK_EXTERNAL_MEMORY_HANDLE_TYPE_HOST_ALLOCATION_BIT_EXT;
+  VkMemoryHostPointerPropertiesEXT hp{VK_STRUCTURE_TYPE_MEMORY_HOST_POINTER_PROPERTIES_EXT};
+  if (VkResult r = host_pointer_props_(dev_, kType, p, &hp); r != VK_SUCCESS)
+    fail(RECURRA_ERR_UNSUPPORTED, std::string("import_host: the driver refuses this memory (") + vk_result_name(r) + ")");
+  Block b;
+  b.size = n;
+  b.pool = kPersistent;
+  b.dedicated = b.host = b.imported = true;
+  VkExternalMemoryBufferCreateInfo eb{VK_STRUCTURE_TYPE_EXTERNAL_MEMORY_BUFFER_CREATE_INFO};
+  eb.handleTypes = kType;
+  VkBufferCreateInfo bi{VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO};
+  bi.pNext = &eb;
+  bi.size = n;
+  bi.usage = VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | VK_BUFFER_USAGE_TRANSFER_SRC_BIT | VK_BUFFER_USAGE_TRANSFER_DST_BIT |
+             VK_BUFFER_USAGE_SHADER_DEVICE_ADDRESS_BIT;
+  bi.sharingMode = VK_SHARING_MODE_EXCLUSIVE;
+  vk_check(vkCreateBuffer(dev_, &bi, nullptr, &b.buffer), "vkCreateBuffer");
+  VkMemoryRequirements req;
+  vkGetBufferMemoryRequirements(dev_, b.buffer, &req);
+  int best = -1, best_score = -1;  // host-coherent, host-cached preferred
+  for (uint32_t i = 0; i < mem_props_.memoryTypeCount; ++i) {
+    const VkMemoryPropertyFlags f = mem_props_.memoryTypes[i].propertyFlags;
+    if (!(req.memoryTypeBits & hp.memoryTypeBits & (1u << i)) || !(f & VK_MEMORY_PROPERTY_HOST_COHERENT_BIT)) continue;
+    const int score = (f & VK_MEMORY_PROPERTY_HOST_CACHED_BIT) ? 1 : 0;
+    if (score > best_score) best = static_cast<int>(i), best_score = score;
+  }
+  if (best < 0 || req.size > n) {
+    vkDestroyBuffer(dev_, b.buffer, nullptr);
+    fail(RECURRA_ERR_UNSUPPORTED, "import_host: no host-coherent memory type of this device takes this memory");
+  }
+  VkMemoryAllocateFlagsInfo flags{VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_FLAGS_INFO};
+  flags.flags = VK_MEMORY_ALLOCATE_DEVICE_ADDRESS_BIT;
+  VkImportMemoryHostPointerInfoEXT imp{VK_STRUCTURE_TYPE_IMPORT_MEMORY_HOST_POINTER_INFO_EXT};
+  imp.pNext = &flags;
+  imp.handleType = kType;
+  imp.pHostPointer = p;
+  VkMemoryAllocateInfo ai{VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO};
+  ai.pNext = &imp;
+  ai.allocationSize = n;
+  ai.memoryTypeIndex = static_cast<uint32_t>(best);
+  if (VkResult r = vkAllocateMemory(dev_, &ai, nullptr, &b.memory); r != VK_SUCCESS) {
+    vkDestroyBuffer(dev_, b.buffer, nullptr);
+    fail(RECURRA_ERR_UNSUPPORTED, std::string("import_host: vkAllocateMemory refused the memory (") +
+                                      vk_result_name(r) + ")");
+  }
+  b.mapped = static_cast<uint8_t*>(p);
+  if (VkResult r = vkBindBufferMemory(dev_, b.buffer, b.memory, 0); r != VK_SUCCESS) {
+    destroy_block(b);
+    fail_vk(r, "vkBindBufferMemory");
+  }
+  VkBufferDeviceAddressInfo ad{VK_STRUCTURE_TYPE_BUFFER_DEVICE_ADDRESS_INFO};
+  ad.buffer = b.buffer;
+  b.address = vkGetBufferDeviceAddress(dev_, &ad);
+  b.used = n;  // never handed to another buffer, never released as empty
+  uint32_t id = static_cast<uint32_t>(blocks_.size());
+  for (uint32_t i = 0; i < blocks_.size(); ++i)
+    if (blocks_[i].memory == VK_NULL_HANDLE) {
+      id = i;
+      break;
+    }
+  if (id == blocks_.size())
+    blocks_.push_back(std::move(b));
+  else
+    blocks_[id] = std::move(b);
+  const uint32_t slot = slot_for({id, 0, n, n});
+  recurra_buffer out;
+  out.handle = slot + 1;
+  out.generation = slots_[slot].generation;
+  out.nbytes = n;
+  return out;
+}
+
+bool DeviceMemory::imported(const recurra_buffer& b) const {
+  return blocks_[lookup(b, "free").block].imported;
+}
+
 bool DeviceMemory::host_range(const void* p, size_t n, VkBuffer* buffer, VkDeviceSize* offset) const {
   const auto at = reinterpret_cast<uintptr_t>(p);
   for (const Block& b : blocks_) {
@@ -359,6 +443,10 @@ bool DeviceMemory::free(const recurra_buffer& b) {
   const Allocation a = lookup(b, "free");
   slots_[b.handle - 1].generation = 0;
   free_slots_.push_back(static_cast<uint32_t>(b.handle - 1));
+  if (blocks_[a.block].imported) {  // the caller's memory: let go of it now
+    destroy_block(blocks_[a.block]);
+    return false;
+  }
   return give_back(a);
 }
 

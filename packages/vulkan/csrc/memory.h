@@ -59,6 +59,19 @@ class DeviceMemory {
   // it): a dedicated block the shaders reach like any other buffer and the host reads and
   // writes through `*mapped` (recurra_backend_table::alloc_host). Freed with free().
   recurra_buffer alloc_host(size_t nbytes, uint8_t** mapped);
+  // A buffer over n bytes of host memory at p that the caller allocated and keeps mapped
+  // until free() (VK_EXT_external_memory_host, after enable_import): used like alloc_host's
+  // (host_range finds it), not counted as the device's memory. Throws Error(UNSUPPORTED)
+  // where the device cannot import it (no extension, p or n not multiples of the import
+  // alignment, memory the driver refuses or cannot make host-coherent).
+  recurra_buffer import_host(void* p, size_t n);
+  void enable_import(PFN_vkGetMemoryHostPointerPropertiesEXT fn, VkDeviceSize alignment) {
+    host_pointer_props_ = fn;
+    import_alignment_ = alignment;
+  }
+  // Whether a live handle is an import_host buffer (free() then destroys its block at once:
+  // wait for the GPU first).
+  bool imported(const recurra_buffer& b) const;
   // Whether [p, p + n) lies in the mapping of a block of alloc_host(): then *buffer is that
   // block's buffer and *offset the place of p in it (a device copy reaches it directly).
   bool host_range(const void* p, size_t n, VkBuffer* buffer, VkDeviceSize* offset) const;
@@ -112,6 +125,7 @@ class DeviceMemory {
     int pool = kTransient;
     bool dedicated = false;  // made for one large buffer
     bool host = false;       // alloc_host's: host memory, never handed to another buffer
+    bool imported = false;   // import_host's: the caller's memory (not mapped, not counted)
     std::map<VkDeviceSize, VkDeviceSize> free;  // offset -> size, coalesced
   };
   struct Slot {
@@ -133,6 +147,8 @@ class DeviceMemory {
   uint32_t heap_;
   bool has_budget_;
   VkPhysicalDeviceMemoryProperties mem_props_{};
+  PFN_vkGetMemoryHostPointerPropertiesEXT host_pointer_props_ = nullptr;
+  VkDeviceSize import_alignment_ = 0;
   bool host_visible_preferred_;
   VkDeviceSize block_size_, max_allocation_;
   VkDeviceSize keep_bytes_ = 0;  // bytes of empty blocks kept for reuse

@@ -444,6 +444,11 @@ class GradientListener(Protocol):
     On a device with asynchronous reads (``recurra._core.has_async_reads``) the backward is
     submitted whole, each part copying the groups it completes to host-visible memory, and
     the groups are reported while the device runs: ``read`` waits for its group's copy only.
+    There, an optional ``target(k)`` (called after ``begin``) may name host-visible memory
+    (a ``DeviceBuffer`` of the device, or None) that group k is copied into on the device,
+    packed as ``read(groups[k], out)`` lays it out (used only where this backward computes
+    every gradient of the group): ``read(groups[k], out)`` with ``out`` that memory then
+    copies nothing.
     """
 
     params: list[Tensor]
@@ -487,10 +492,14 @@ def _compute_reporting(g: Any, listening: list[tuple[Any, list[int]]]) -> None:
     """``g.compute()``, telling each listener when each of its groups is final."""
     node_groups: list[list[int]] = []
     owner: list[tuple[Any, int, list[int]]] = []
+    targets: list[Any] = []
     for lst, gids in listening:
+        target: Callable[[int], Any] | None = getattr(lst, "target", None)
         for k, group in enumerate(lst.groups):
             node_groups.append([gids[i] for i in group if gids[i] >= 0])
             owner.append((lst, k, gids))
+            whole = all(gids[i] >= 0 for i in group)
+            targets.append(target(k) if target is not None and whole else None)
 
     def ready(j: int) -> None:
         lst, k, gids = owner[j]
@@ -507,7 +516,10 @@ def _compute_reporting(g: Any, listening: list[tuple[Any, list[int]]]) -> None:
 
         lst.ready(k, read)
 
-    g.compute_reporting(node_groups, ready)
+    if any(t is not None for t in targets):
+        g.compute_reporting(node_groups, ready, targets)
+    else:
+        g.compute_reporting(node_groups, ready)
 
 
 class _Plan:

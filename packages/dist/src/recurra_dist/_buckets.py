@@ -5,6 +5,7 @@ there, in one computation or piece by piece)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -24,48 +25,79 @@ class Bucket:
 
     Where the parameters live on a device with asynchronous reads, the buffer is host-visible
     memory of that device (``staged``): MPI sums into it in place, and the averaged
-    gradients are cut out of it on the device, without a copy to upload first."""
+    gradients are cut out of it on the device, without a copy to upload first. Where the
+    ranks share a host and the device imports host memory, that memory is the bucket's place
+    in MPI's shared window (``imported``, :meth:`import_into`): the device's copies land where
+    the other ranks read them."""
 
-    __slots__ = ("params", "offsets", "buffer", "staged")
+    __slots__ = ("params", "offsets", "buffer", "staged", "imported")
 
     #: whether buffers may be host-visible device memory (bench/dist.py --staging off: no;
     #: they then live in MPI's shared window, downloaded into it through a staging copy)
     stage = True
+    #: whether the device may import the bucket's place in the shared window
+    #: (bench/dist.py --import-host off: no; host-visible memory copied into the window)
+    import_host = True
 
-    def __init__(self, params: list[Tensor]) -> None:
+    def __init__(self, params: list[Tensor], host: bool = True) -> None:
         self.params = params
         self.offsets = np.cumsum([0] + [int(p.size) for p in params]).tolist()
         self.buffer = np.empty(self.offsets[-1], np.float32)
         self.staged: rc.DeviceBuffer | None = None
-        dev = params[0].device
-        if (
+        self.imported = False
+        if host and self.stageable():
+            self.host_visible()
+
+    def host_visible(self) -> None:
+        """Makes the buffer host-visible memory of the parameters' device."""
+        self.staged = _core.DeviceBuffer(self.device, max(self.buffer.nbytes, 4), "host")
+        self.buffer = self.staged.host_array()[: self.buffer.nbytes].view(np.float32)
+
+    @property
+    def device(self) -> str:
+        return str(self.params[0].device)
+
+    def stageable(self) -> bool:
+        """Whether the buffer may be host-visible memory of the parameters' device."""
+        dev = self.params[0].device
+        return (
             dev.backend != "cpu"
-            and all(p.device == dev and p.dtype == rc.float32 for p in params)
+            and all(p.device == dev and p.dtype == rc.float32 for p in self.params)
             and _core.has_async_reads(str(dev))
             and Bucket.stage
-        ):
-            self.staged = _core.DeviceBuffer(str(dev), max(self.buffer.nbytes, 4), "host")
-            self.buffer = self.staged.host_array()[: self.buffer.nbytes].view(np.float32)
+        )
+
+    def import_into(self, region: np.ndarray) -> bool:
+        """Makes ``region`` (float32, page-aligned, at least the bucket's size) the bucket's
+        buffer, imported by its device; False (nothing changed) where the device refuses."""
+        try:
+            buf = _core.DeviceBuffer.import_host(self.device, region.view(np.uint8))
+        except ValueError:
+            return False
+        self.staged, self.imported = buf, True
+        self.buffer = region[: self.buffer.size]
+        return True
 
     def view(self, i: int) -> np.ndarray:
         p = self.params[i]
         return self.buffer[self.offsets[i] : self.offsets[i + 1]].reshape(p.shape)
 
 
-def make_buckets(params: list[Tensor], max_elems: int) -> list[Bucket]:
+def make_buckets(params: list[Tensor], max_elems: int, host: bool = True) -> list[Bucket]:
     """Cuts ``params`` (in order) into runs of at most ``max_elems`` elements (a larger
-    parameter is a bucket alone)."""
+    parameter is a bucket alone); ``host=False``: the buffers are placed later (no
+    host-visible memory yet)."""
     out: list[Bucket] = []
     run: list[Tensor] = []
     size = 0
     for p in params:
         if run and size + int(p.size) > max_elems:
-            out.append(Bucket(run))
+            out.append(Bucket(run, host))
             run, size = [], 0
         run.append(p)
         size += int(p.size)
     if run:
-        out.append(Bucket(run))
+        out.append(Bucket(run, host))
     return out
 
 
@@ -103,6 +135,14 @@ def pack(b: Bucket) -> Any:
 
 def download_packed(b: Bucket) -> None:
     """Concatenates the bucket's gradients on their device and downloads them at once."""
+    packed_reader(b)(0, b.buffer.size)
+
+
+def packed_reader(b: Bucket) -> Callable[[int, int], None]:
+    """Concatenates the bucket's gradients on their device; returns ``read(lo, hi)``, which
+    downloads elements [lo, hi) of them into the bucket's buffer (where it is host-visible
+    memory of the device: one device copy straight into it), so that a piece can be summed
+    while the next one is downloaded."""
     with rc.no_grad():
         flat = []
         for p in b.params:
@@ -110,7 +150,16 @@ def download_packed(b: Bucket) -> None:
             flat.append(p.grad.reshape(-1))
         packed = rc.ops.concat(flat) if len(flat) > 1 else flat[0]
     compute([packed])
-    read_into(packed, b.buffer)
+    src = _device_buffer(packed)
+    if src is None:  # not in a buffer of its own: at once
+        read_into(packed, b.buffer)
+        return lambda lo, hi: None
+
+    def read(lo: int, hi: int) -> None:
+        if hi > lo:
+            src.download(b.buffer[lo:hi], 4 * lo)
+
+    return read
 
 
 def upload_packed(b: Bucket, dev: Any) -> None:

@@ -43,10 +43,16 @@ def _shm_free() -> int:
 class _Window:
     """One shared window: every rank's segment as a float32 array (this rank's writable)."""
 
-    def __init__(self, node: Any, n: int) -> None:
+    def __init__(self, node: Any, n: int, pages: bool = False) -> None:
         from mpi4py import MPI
 
-        self.win = MPI.Win.Allocate_shared(4 * max(n, 1), 4, comm=node)
+        info = MPI.INFO_NULL
+        if pages:  # every rank's segment on pages of its own (MPICH: page-aligned)
+            info = MPI.Info.Create()
+            info.Set("alloc_shared_noncontig", "true")
+        self.win = MPI.Win.Allocate_shared(4 * max(n, 1), 4, info, comm=node)
+        if pages:
+            info.Free()
         self.win.Lock_all(MPI.MODE_NOCHECK)
         self.segments: list[np.ndarray] = []
         for q in range(node.Get_size()):
@@ -108,13 +114,19 @@ class SharedSums:
         #: sums done in place in a window, and those copied into the scratch window first
         self.in_place = self.copied = 0
 
-    def allocate(self, n: int) -> np.ndarray:
-        """A float32 array of ``n`` elements in a new shared window (every rank calls it)."""
+    def allocate(self, n: int, pages: bool = False) -> np.ndarray:
+        """A float32 array of ``n`` elements in a new shared window (every rank calls it);
+        ``pages``: each rank's segment starts on a page of its own (for memory a device
+        imports). Where there is no window (no room, several hosts): a plain array."""
         if not self.usable or not self._room(n):
             return np.empty(n, np.float32)
-        w = _Window(self.node, n)
+        w = _Window(self.node, n, pages)
         self._windows.append(w)
         return w.mine
+
+    def in_window(self, buf: np.ndarray) -> bool:
+        """Whether ``buf`` lies in this rank's segment of one of the windows."""
+        return any(w.holds(buf) >= 0 for w in self._windows)
 
     def _room(self, n: int) -> bool:
         """Whether every rank sees room in the host's shared memory for a window of ``n``

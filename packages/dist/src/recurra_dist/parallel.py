@@ -22,20 +22,20 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
 import recurra as rc
-from recurra import Tensor
+from recurra import Tensor, _core
 from recurra_dist._buckets import (
     Bucket,
     compute,
-    download_packed,
     make_buckets,
     pack,
     packed_device,
+    packed_reader,
     read_grad_into,
     read_into,
     set_grads,
@@ -44,6 +44,7 @@ from recurra_dist._buckets import (
     upload_staged,
     write_grad,
 )
+from recurra_dist._early import Early
 from recurra_dist._exchange import (
     Exchanger,
     Ticket,
@@ -96,12 +97,15 @@ class DataParallel:
             it feeding the device). The same collectives in the same order: the same bits.
             Needs ``MPI_THREAD_MULTIPLE`` (else it stays off: ``exchange_thread`` is then
             False).
+        add_threads: the threads a pairwise sum adds in (None: the host's cores shared by
+            its ranks, one left to each, at most 4). The same bits with any number.
 
     On a device with asynchronous reads (recurra_vulkan), each bucket's buffer is host-visible
     memory of the device: the backward copies a bucket's gradients into it in the submission
     that completes them and the device runs on while the host sums them; the averaged
     buckets go back to the gradients in one computation (scaled by 1/N there) before the
-    optimizer step.
+    optimizer step. Where the ranks share a host and their devices import host memory, that
+    memory is the bucket's place in an MPI shared window (summed there in place).
 
     Raises ValueError when the ranks' models differ (parameter count or shapes), or a
     parameter of the model is not in the optimizer.
@@ -127,8 +131,11 @@ class DataParallel:
         this many megabytes is handed to it in pieces of this size (0: whole), and on a
         device each piece is written back while the next ones are summed (the tail of the
         exchange after the backward: the last bucket, often the embedding's gradient
-        alone); streamed counts those buckets. All three give the same bits; each must be
-        the same on every rank (else their collectives do not match).
+        alone); streamed counts those buckets. download_pieces (on by default): such a
+        bucket on a device, packed after the backward (not by the backward: overlap), is
+        downloaded piece by piece too, each piece summed while the next one downloads.
+        All of these give the same bits; each must be the same on every rank (else their
+        collectives do not match).
     """
 
     def __init__(
@@ -142,7 +149,10 @@ class DataParallel:
         overlap: bool = True,
         collective: str = "auto",
         exchange_thread: bool = True,
+        add_threads: int | None = None,
     ) -> None:
+        if add_threads is not None and (not isinstance(add_threads, int) or add_threads < 1):
+            raise ValueError(f"DataParallel: add_threads must be an int >= 1, got {add_threads!r}")
         if not bucket_mb > 0:
             raise ValueError(f"DataParallel: bucket_mb must be > 0, got {bucket_mb!r}")
         if timeout is not None and not timeout > 0:
@@ -173,7 +183,7 @@ class DataParallel:
         self._scratch = np.empty(0, np.float32)  # pairwise sums' parts received
         # pairwise sums add in threads: the host's cores shared by its ranks, one left each
         cores = (os.cpu_count() or 1) // max(1, self.ctx.local_size)
-        self.add_threads = max(1, min(4, cores - 1))
+        self.add_threads = add_threads or max(1, min(4, cores - 1))
         self._add_pool: Any = None
         if self.add_threads > 1:
             from concurrent.futures import ThreadPoolExecutor
@@ -187,8 +197,10 @@ class DataParallel:
         # a large bucket in device memory: summed and written back piece by piece
         self.stream_mb = 32.0
         self.streamed = 0  # buckets summed in pieces of stream_mb
+        # a device bucket summed in pieces is downloaded in pieces (after a backward)
+        self.download_pieces = True
         # The last parameters first: the backward completes their gradients first.
-        self.buckets = make_buckets(self.params[::-1], int(bucket_mb * (1 << 20)) // 4)
+        self.buckets = make_buckets(self.params[::-1], int(bucket_mb * (1 << 20)) // 4, False)
         self._place_buckets()
         self.last_exchange_s = 0.0
         self.last_span_s = 0.0
@@ -199,7 +211,7 @@ class DataParallel:
         self.broadcast_parameters()
         fp32 = all(p.dtype == rc.float32 for p in self.params)
         self.overlap = bool(overlap) and fp32  # may be switched between steps
-        self._early = _Early(self)
+        self._early = Early(self)
         if fp32 and self.world_size > 1:
             rc.add_gradient_listener(self._early)
 
@@ -288,8 +300,9 @@ class DataParallel:
             if not any(act):
                 continue
             dev = packed_device(b, act)
+            fill = None
             if dev is not None:
-                download_packed(b)
+                fill = self._reader(b)
             else:
                 for i, p in enumerate(b.params):
                     if not act[i]:
@@ -298,7 +311,7 @@ class DataParallel:
                         b.view(i)[...] = 0.0
                     else:
                         read_grad_into(p, b.view(i))
-            req = self._allreduce(b.buffer)
+            req = self._allreduce(b.buffer, fill)
             pending.append((b, act, req, dev))
             nbytes += b.buffer.nbytes
             if len(pending) > 1:  # unpack the previous bucket while this one is in flight
@@ -309,23 +322,41 @@ class DataParallel:
         dt = time.perf_counter() - t0
         self._timed(dt, dt, nbytes)
 
-    def _allreduce(self, buf: np.ndarray) -> Any:
+    def _allreduce(self, buf: np.ndarray, fill: Callable[[int, int], None] | None = None) -> Any:
         """Sums ``buf`` over the ranks, in place: returns what to wait for (:meth:`_wait`):
         the exchange thread's ticket (``exchange_thread``), else the request (nonblocking),
-        or None once it is done (blocking)."""
-        if not self.exchange_thread:
-            return self._start_sum(self._xcomm, buf)
+        or None once it is done (blocking). ``fill(lo, hi)``, if given, first writes
+        elements [lo, hi) of ``buf`` (a download): in pieces, each piece just before it is
+        handed over, so that one is summed while the next is downloaded."""
         step = int(self.stream_mb * (1 << 20)) // 4
-        if step <= 0 or buf.size <= 2 * step or not self._pairwise(buf[:step]):
+        whole = step <= 0 or buf.size <= 2 * step or not self._pairwise(buf[:step])
+        if not self.exchange_thread or whole:
+            if fill is not None:
+                fill(0, buf.size)
+            if not self.exchange_thread:
+                return self._start_sum(self._xcomm, buf)
             return self._exchanger.submit(buf)
         # in pieces (each summed pairwise: the same bits): each one can be written back
         # while the next is summed (_finish)
         spans = [(a, min(buf.size, a + step)) for a in range(0, buf.size, step)]
-        pieces = [(ab, self._exchanger.submit(buf[ab[0] : ab[1]])) for ab in spans]
+        pieces = []
+        for lo, hi in spans:
+            if fill is not None:
+                fill(lo, hi)
+            pieces.append(((lo, hi), self._exchanger.submit(buf[lo:hi])))
         last = pieces[-1][1]
         last.pieces = pieces
         self.streamed += 1
         return last
+
+    def _reader(self, b: Bucket) -> Callable[[int, int], None] | None:
+        """Packs a device bucket: what downloads it piece by piece (download_pieces), or
+        None once it is downloaded whole."""
+        read = packed_reader(b)
+        if self.download_pieces:
+            return read
+        read(0, b.buffer.size)
+        return None
 
     def _pairwise(self, buf: np.ndarray) -> bool:
         """Whether ``collective`` sums ``buf`` pairwise."""
@@ -353,8 +384,27 @@ class DataParallel:
         return None
 
     def _place_buckets(self) -> None:
-        """Moves the host buffers of the buckets into one shared window (where the ranks
-        share a host; not those in host-visible device memory, which are copied in)."""
+        """Gives the buckets their host buffers: where the ranks share a host, in MPI shared
+        windows. Buckets of a device with asynchronous reads: where every rank's device
+        imports host memory, their places in a window of page-aligned segments, imported by
+        the device (its copies land where the other ranks add from); else host-visible
+        device memory, whose parts the other ranks add are copied into a window. The
+        others: one window for all."""
+        dev = [b for b in self.buckets if b.stageable()]
+        if dev and self.shared.usable and Bucket.import_host:
+            ok = np.array([int(all(_core.can_import_host(b.device) for b in dev))], np.int32)
+            self._wait([self.ctx.comm.Iallreduce(_in_place(), ok, op=_op("MIN"))])
+            if ok[0]:
+                sizes = [-(-b.buffer.nbytes // _IMPORT_ALIGN) * _IMPORT_ALIGN // 4 for b in dev]
+                whole = self.shared.allocate(sum(sizes), pages=True)
+                at = 0
+                for b, n in zip(dev, sizes):
+                    if self.shared.in_window(whole):  # (else no room: plain memory below)
+                        b.import_into(whole[at : at + n])
+                    at += n
+        for b in dev:
+            if not b.imported:
+                b.host_visible()
         plain = [b for b in self.buckets if b.staged is None]
         if not self.shared.usable or not plain:
             return
@@ -366,10 +416,19 @@ class DataParallel:
 
     def close(self) -> None:
         """Frees the MPI shared windows of the buckets (a collective: every rank calls it,
-        between steps); the wrapper goes on with buffers of its own and messages."""
+        between steps); the wrapper goes on with buffers of its own and messages. Buckets
+        the device imported are let go of first (and recurra's cached graphs, which hold
+        their buffers, dropped)."""
+        imported = False
         for b in self.buckets:
+            if b.imported:  # the device lets go of the window's memory first
+                b.staged, b.imported, imported = None, False, True
             if b.staged is None:
                 b.buffer = b.buffer.copy()
+        if imported:  # cached graphs hold the buffers they read (upload_staged's)
+            from recurra._tensor import LAZY
+
+            LAZY.clear()
         self.shared_memory = False
         self.shared.close()
 
@@ -401,10 +460,15 @@ class DataParallel:
         kept = [p.grad for p in last.params]
         self.barrier()
         t0 = time.perf_counter()
-        dev = pack(last)
+        dev = packed_device(last, [True] * len(last.params))
+        fill = None
+        if dev is not None:
+            fill = self._reader(last)
+        else:
+            pack(last)
         # (the host path writes the means into the gradients in place: put them back below)
         packed = last.buffer.copy() if dev is None else None
-        req = self._allreduce(last.buffer)
+        req = self._allreduce(last.buffer, fill)
         tail: list[Bucket] = []
         self._finish(last, [True] * len(last.params), req, dev, scale, tail)
         upload_staged(tail, scale)
@@ -589,126 +653,6 @@ class DataParallel:
                     )
 
 
-class _Early:
-    """The exchange started during the backward (a recurra gradient listener): each bucket
-    is packed and its ``MPI_Iallreduce`` started as soon as its gradients are final, in
-    bucket order (the same on every rank), while the backward goes on; the requests are
-    tested at every bucket (MPI progresses them during MPI calls).
-    :meth:`DataParallel.sync_gradients` then waits for them and writes the means back."""
-
-    def __init__(self, dp: DataParallel) -> None:
-        self.dp = dp
-        self.params = dp.params
-        index = {id(p): i for i, p in enumerate(dp.params)}
-        self.groups = [[index[id(p)] for p in b.params] for b in dp.buckets]
-        self.started = False
-        self._reset()
-
-    def _reset(self) -> None:
-        self.reqs: list[Any] = []  # per bucket started, in order
-        self.packed = [False] * len(self.groups)
-        self.mine: list[bool] = []
-        self.present: np.ndarray | None = None
-        self.flags_req: Any = None
-        self.grads: list[Any] = []
-        self.nbytes = 0
-        self.inside_s = 0.0
-        self.t_first = 0.0
-
-    # -- the listener --------------------------------------------------------------------
-    def begin(self, present: list[bool]) -> bool:
-        dp = self.dp
-        if not dp.overlap or not dp.will_update:
-            return False
-        t0 = time.perf_counter()
-        if self.started:  # a backward whose exchange nobody finished: let it end first
-            self.drain()
-        for p in self.params:
-            g = p.grad
-            if g is not None and (
-                not isinstance(g, Tensor) or g.dtype != rc.float32 or g.shape != p.shape
-            ):
-                return False  # a gradient set by hand: exchanged after the backward
-        self.mine = present
-        self.present = np.array(
-            [bool(f) or p.grad is not None for f, p in zip(present, self.params)], np.int32
-        )
-        self.flags_req = dp.ctx.comm.Iallreduce(_in_place(), self.present, op=_op("MAX"))
-        self.started = True
-        self.inside_s = time.perf_counter() - t0
-        return True
-
-    def ready(self, k: int, read: Any) -> None:
-        t0 = time.perf_counter()
-        if not self.t_first:  # (the graph's forward ran since begin(): not counted)
-            self.t_first = t0 - self.inside_s
-        b, group = self.dp.buckets[k], self.groups[k]
-        if all(self.mine[i] and self.params[i].grad is None for i in group):
-            read(group, b.buffer)  # on a device: one download for the bucket
-            group = []
-        for j, i in enumerate(group):
-            view, prev = b.view(j), self.params[i].grad
-            if self.mine[i]:
-                read(i, view)
-                if prev is not None:  # the sum backward() makes: prev + this gradient
-                    extra = np.empty_like(view)
-                    read_into(prev, extra)
-                    np.add(extra, view, out=view)
-            elif prev is not None:
-                read_into(prev, view)
-            else:
-                view[...] = 0.0
-        self.packed[k] = True
-        while len(self.reqs) < len(self.packed) and self.packed[len(self.reqs)]:
-            buf = self.dp.buckets[len(self.reqs)].buffer
-            self.reqs.append(self.dp._allreduce(buf))
-            self.nbytes += buf.nbytes
-        _test(self.reqs)  # progress for the buckets in flight
-        self.inside_s += time.perf_counter() - t0
-
-    def end(self) -> None:
-        self.grads = [p.grad for p in self.params]
-        if self.reqs:
-            t0 = time.perf_counter()
-            _test(self.reqs)  # progress while the caller reads the loss
-            self.inside_s += time.perf_counter() - t0
-
-    # -- after the backward ------------------------------------------------------------------
-    def current(self) -> bool:
-        """Whether the gradients are those of the backward the exchange began in."""
-        return (
-            len(self.reqs) == len(self.groups)
-            and len(self.grads) == len(self.params)
-            and all(p.grad is g for p, g in zip(self.params, self.grads))
-        )
-
-    def finish(self, scale: np.float32) -> None:
-        dp = self.dp
-        dp._wait([self.flags_req])
-        assert self.present is not None
-        flags = iter(self.present.tolist())
-        staged: list[Bucket] = []
-        for b, req in zip(dp.buckets, self.reqs):
-            act = [bool(next(flags)) for _ in b.params]
-            if any(act):
-                dp._finish(b, act, req, packed_device(b, act), scale, staged)
-            else:
-                dp._wait([req])
-        upload_staged(staged, scale)
-        self.started = False
-        self._reset()
-
-    def drain(self) -> None:
-        """Lets the requests in flight end (every rank started the same ones) and forgets
-        them. Buckets the backward did not reach are started, so the collectives match."""
-        dp = self.dp
-        while len(self.reqs) < len(self.groups):
-            self.reqs.append(dp._allreduce(dp.buckets[len(self.reqs)].buffer))
-        dp._wait([self.flags_req, *self.reqs])
-        self.started = False
-        self._reset()
-
-
 # -- helpers -----------------------------------------------------------------------------------
 
 
@@ -728,16 +672,11 @@ def _op(name: str) -> Any:
 
 #: DataParallel's ways to sum a bucket (see its docstring)
 _COLLECTIVES = ("auto", "pairwise", "blocking", "nonblocking")
+#: buckets imported by their device start at multiples of this many bytes of the window (a
+#: multiple of the page and of devices' import alignment)
+_IMPORT_ALIGN = 1 << 16
 #: collective="auto": buckets of at least this many bytes are summed pairwise
 _BLOCKING_MIN_BYTES = 1 << 20
-
-
-def _test(reqs: list[Any]) -> None:
-    """Lets MPI progress the requests in flight (None: a blocking collective, done; a
-    Ticket: the exchange thread's)."""
-    live = [r for r in reqs if r is not None and not isinstance(r, Ticket)]
-    if live:
-        _mpi().Request.Testall(live)
 
 
 def _as_list(params: Iterable[Tensor]) -> list[Tensor]:

@@ -31,8 +31,10 @@ extern "C" {
  *    that take them. A backend without kernels for them answers supports_op = 0 for a node
  *    with such a tensor (the core then runs it on the CPU, or refuses under strict placement)
  * 6: optional alloc_host, mark and wait_mark (asynchronous reads: a compute copies values
- *    into host-visible memory, the host waits for that submission only) */
-#define RECURRA_BACKEND_ABI_VERSION 6
+ *    into host-visible memory, the host waits for that submission only)
+ * 7: optional import_host (a buffer over host memory the caller allocated, e.g. a shared
+ *    memory segment of several processes: a device copy lands there without another copy) */
+#define RECURRA_BACKEND_ABI_VERSION 7
 #define RECURRA_MAX_DIMS 4
 #define RECURRA_MAX_SRC 12
 
@@ -144,6 +146,14 @@ typedef struct recurra_backend_table {
   int (*alloc_host)(void* ctx, int device, size_t nbytes, recurra_buffer* out, void** host);
   int (*mark)(void* ctx, int device, uint64_t* value);
   int (*wait_mark)(void* ctx, int device, uint64_t value);
+
+  /* (optional, ABI 7; needs the three above) import_host: a buffer over `nbytes` of host
+   * memory at `host` that the caller allocated (e.g. a page-aligned shared-memory segment),
+   * which nodes and copies use like alloc_host's buffers (*host is its address). `host` and
+   * `nbytes` must be multiples of the device's import alignment (a page); the memory must stay
+   * valid until the buffer is freed (with free()). RECURRA_ERR_UNSUPPORTED where the device
+   * cannot import that memory (no VK_EXT_external_memory_host, the alignment, the driver). */
+  int (*import_host)(void* ctx, int device, void* host, size_t nbytes, recurra_buffer* out);
 } recurra_backend_table;
 
 #ifdef __cplusplus
