@@ -77,10 +77,13 @@ def _batch(spec: dict[str, Any], vocab: int) -> np.ndarray:
 
 def _timed(fn: Any, reps: int, budget: float) -> tuple[list[float], float]:
     """(timed runs in ms, first run in ms): one untimed run, then up to reps runs that fit
-    the budget (at least 1)."""
+    the budget (at least 1). reps 0: the first run is the only one, and it is timed (for
+    steps that take minutes, e.g. RWKV-7's PyTorch peer on the CPU)."""
     t0 = time.perf_counter()
     fn()
     first = (time.perf_counter() - t0) * 1e3
+    if reps == 0:
+        return [first], first
     n = max(1, min(reps, int(budget * 1e3 / max(first, 1e-6))))
     runs = []
     for _ in range(n):
@@ -303,7 +306,9 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=None, help="default 256 (CPU) / 512 (GPU)")
     ap.add_argument("--n-layer", type=int, default=0, help="override the preset's layers")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument(
+        "--reps", type=int, default=5, help="timed runs after a warm-up; 0: one run, not warmed"
+    )
     ap.add_argument("--budget", type=float, default=60.0, help="seconds of timed runs a side")
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--gen-tokens", type=int, default=32)
