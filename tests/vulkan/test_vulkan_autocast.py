@@ -77,6 +77,45 @@ def test_recomputed_casts_on_the_device(vulkan: str, arch: str) -> None:
         assert np.array_equal(g, got[False][1][n]), n
 
 
+def _step_folding(vulkan: str, monkeypatch, fold: bool) -> tuple[float, dict, int]:
+    """_step("mamba2") with the casts folded into the adds and assigns reading them
+    (RECURRA_FOLD_CASTS) or not; and how many casts the step's plans folded."""
+    from recurra._tensor import LAZY
+
+    monkeypatch.setenv("RECURRA_FOLD_CASTS", "1" if fold else "0")
+    LAZY.clear()  # the setting is not part of a cached plan's key
+    folded = []
+    build = LAZY._build
+
+    def spy(*a: object, **k: object) -> object:
+        plan = build(*a, **k)
+        folded.append(int(plan.graph.plan()["n_folded_casts"]))
+        return plan
+
+    monkeypatch.setattr(LAZY, "_build", spy)
+    try:
+        loss, grads = _step("mamba2", vulkan)
+    finally:
+        monkeypatch.setattr(LAZY, "_build", build)
+        LAZY.clear()
+    return loss, grads, max(folded)
+
+
+def test_folded_gradient_casts_on_the_device(vulkan: str, monkeypatch) -> None:
+    """A bf16 Mamba-2 backward on the device rounds the float32 gradients of the fused ops
+    (the gated norm's dz, the conv's dxBC, the scan's dB, dC; the two dx summed; the
+    pre-norms' dx added to the residual's gradient) in the assigns and adds that read them,
+    without their cast nodes: 7 a layer fewer, bitwise the same loss and gradients."""
+    l_on, g_on, n_on = _step_folding(vulkan, monkeypatch, True)
+    l_off, g_off, n_off = _step_folding(vulkan, monkeypatch, False)
+    assert n_off == 0
+    assert n_on >= 6 * 2, n_on  # two layers
+    assert l_on == l_off
+    assert g_on.keys() == g_off.keys()
+    for n, g in g_on.items():
+        assert np.array_equal(g, g_off[n]), n
+
+
 def test_mamba2_kept_variant_on_the_device(vulkan: str, monkeypatch) -> None:
     """Mamba-2 under autocast with the scan's checkpoints saved and its norm + out_proj kept
     (mamba2.SCAN_CHECKPOINTS / RECOMPUTE_NORM_PROJ: what bench/mixed_precision.py's

@@ -204,6 +204,7 @@ PYBIND11_MODULE(_core, m) {
         d["n_in_place"] = p.n_in_place;
         d["in_place_bytes"] = p.in_place_bytes;
         d["n_redirected"] = p.n_redirected;
+        d["n_folded_casts"] = p.n_folded_casts;
         py::list at_peak;  // (op, bytes) live at the peak, largest first
         for (const auto& [op, bytes] : p.live_at_peak) at_peak.append(py::make_tuple(op, bytes));
         d["live_at_peak"] = at_peak;

@@ -208,11 +208,14 @@ int64_t redirectable_piece(const Graph& g, const Node& P, const Node& q, int64_t
 
 // Whether device backend b copies into a strided window of a tensor in place (an assign
 // whose destination is a window of a wider row), as a merged add runs there.
-bool assigns_into_windows(int b, DType dt) {
+// With src_dt float32 and dt a 2-byte dtype: whether it rounds a float32 source into such a
+// window (see Scatter::from).
+bool assigns_into_windows(int b, DType dt, DType src_dt) {
   const BackendEntry& e = backend_entry(b);
   if (e.closed) return false;
   recurra_tensor_desc w{}, src{}, one{};
-  w.dtype = src.dtype = one.dtype = static_cast<recurra_dtype>(static_cast<int>(dt));
+  w.dtype = one.dtype = static_cast<recurra_dtype>(static_cast<int>(dt));
+  src.dtype = static_cast<recurra_dtype>(static_cast<int>(src_dt));
   w.ndim = src.ndim = 2;
   for (int i = 0; i < RECURRA_MAX_DIMS; ++i) w.shape[i] = src.shape[i] = one.shape[i] = 1;
   w.shape[0] = w.shape[1] = src.shape[0] = src.shape[1] = 2;
@@ -226,6 +229,26 @@ bool assigns_into_windows(int b, DType dt) {
   d.n_src = 2;
   d.src[0] = w;
   d.src[1] = src;
+  return e.table->supports_op(e.table->ctx, e.device, &d) == 1;
+}
+
+// Whether device backend b adds float32 sources into a 2-byte dtype dt, each rounded to dt
+// first (see MergedAdds::rounded).
+bool adds_rounding(int b, DType dt) {
+  const BackendEntry& e = backend_entry(b);
+  if (e.closed) return false;
+  recurra_tensor_desc t{};
+  t.dtype = static_cast<recurra_dtype>(static_cast<int>(dt));
+  t.ndim = 1;
+  for (int i = 0; i < RECURRA_MAX_DIMS; ++i) t.shape[i] = 1;
+  t.shape[0] = 4;
+  t.strides[0] = 1;
+  recurra_node_desc d{};
+  d.op = "add";
+  d.dst = t;
+  d.n_src = 2;
+  d.src[0] = d.src[1] = t;
+  d.src[0].dtype = RECURRA_F32;
   return e.table->supports_op(e.table->ctx, e.device, &d) == 1;
 }
 
@@ -250,6 +273,7 @@ const MemoryPlan& Graph::plan() {
   std::unordered_map<int, Scatter> merged;
   std::unordered_map<int, RowsAdd> rows_adds;
   std::unordered_map<int, std::vector<Redirect>> redirects;
+  std::unordered_map<int, std::vector<int>> rounded;  // see MergedAdds::rounded
   const int add_op = tab.find("add");
   {
     std::map<std::pair<int, int>, bool> window_ok;  // (backend, dtype): takes window assigns
@@ -257,7 +281,7 @@ const MemoryPlan& Graph::plan() {
       if (b == kCpuBackend) return dt == DType::f32;
       const auto key = std::make_pair(b, static_cast<int>(dt));
       auto it = window_ok.find(key);
-      if (it == window_ok.end()) it = window_ok.emplace(key, assigns_into_windows(b, dt)).first;
+      if (it == window_ok.end()) it = window_ok.emplace(key, assigns_into_windows(b, dt, dt)).first;
       return it->second;
     };
     for (int j = 0; j < n; ++j) {
@@ -302,6 +326,59 @@ const MemoryPlan& Graph::plan() {
         sc.rhs[i] = a.src[1];
       }
     }
+    // On a device, parts that are casts of float32 nodes to the add's 2-byte dtype: their
+    // assigns read those nodes and round (Scatter::from), the casts are not run.
+    const char* fold_env = std::getenv("RECURRA_FOLD_CASTS");
+    const bool fold = !(fold_env && std::string(fold_env) == "0");
+    const int cast_op = tab.find("cast");
+    std::map<std::pair<int, int>, bool> rounds_ok;  // (backend, dtype): takes rounding assigns
+    int loss_at = n;  // casts up to the loss run anyway (the forward): only later ones fold
+    for (int j = 0; j < n && loss_at == n; ++j)
+      if (nodes_[j].flags & kLoss) loss_at = j;
+    auto cast_source = [&](int q, DType dt, int b) {
+      int c = q;
+      if (readers[q] != 1 || (nodes_[q].flags & (kOutput | kLoss))) return -1;
+      if (nodes_[q].is_view()) {  // a reshape of the cast: the same elements in order
+        c = nodes_[q].view_base;
+        if (!is_dense(nodes_[q]) || nodes_[q].view_offset != 0 || nodes_[q].src[0] != c ||
+            nodes_[q].numel() != nodes_[c].numel() || readers[c] != 1)
+          return -1;
+      }
+      const Node& cn = nodes_[c];
+      if (c <= loss_at || cn.is_leaf() || cn.is_view() || cn.op != cast_op || cn.dtype != dt || place_.where[c] != b ||
+          (cn.flags & (kOutput | kLoss)))
+        return -1;
+      const int s = cn.src[0];
+      if (nodes_[s].dtype != DType::f32 || !is_dense(nodes_[s]) || place_.where[base_of(s)] != b) return -1;
+      return s;
+    };
+    for (auto& [j, sc] : merged) {
+      sc.from.assign(sc.parts.size(), -1);
+      const int b = place_.where[j];
+      const DType dt = nodes_[j].dtype;
+      if (!fold || b == kCpuBackend || !is_half(dt)) continue;
+      const auto key = std::make_pair(b, static_cast<int>(dt));
+      auto it = rounds_ok.find(key);
+      if (it == rounds_ok.end()) it = rounds_ok.emplace(key, assigns_into_windows(b, dt, DType::f32)).first;
+      if (!it->second) continue;
+      for (size_t i = 0; i < sc.parts.size(); ++i) sc.from[i] = cast_source(sc.parts[i], dt, b);
+    }
+    // The same for the other adds of a 2-byte dtype on a device (a gradient summed from two
+    // uses, each rounded from a float32 result): the add reads the float32 nodes.
+    std::map<std::pair<int, int>, bool> adds_ok;  // (backend, dtype): adds rounding float32 sources
+    for (int j = 0; j < n && fold; ++j) {
+      const Node& nd = nodes_[j];
+      const int b = place_.where[j];
+      if (nd.is_leaf() || nd.op != add_op || merged.count(j) || b == kCpuBackend || !is_half(nd.dtype) ||
+          nd.src.size() != 2 || nd.src[0] == nd.src[1])
+        continue;
+      std::vector<int> from = {cast_source(nd.src[0], nd.dtype, b), cast_source(nd.src[1], nd.dtype, b)};
+      if (from[0] < 0 && from[1] < 0) continue;
+      const auto key = std::make_pair(b, static_cast<int>(nd.dtype));
+      auto it = adds_ok.find(key);
+      if (it == adds_ok.end()) it = adds_ok.emplace(key, adds_rounding(b, nd.dtype)).first;
+      if (it->second) rounded[j] = std::move(from);
+    }
     // Tied embeddings: add(A, get_rows_back(g, idx)) on the CPU (see RowsAdd).
     const int rows_op = tab.find("get_rows_back");
     for (int j = 0; j < n; ++j) {
@@ -328,12 +405,18 @@ const MemoryPlan& Graph::plan() {
   for (const auto& [j, sc] : merged) {
     auto& r = merged_reads[j];
     for (size_t i = 0; i < sc.parts.size(); ++i)
-      if (sc.lhs.empty() || sc.lhs[i] < 0)
+      if (!sc.from.empty() && sc.from[i] >= 0)
+        r.push_back(sc.from[i]);
+      else if (sc.lhs.empty() || sc.lhs[i] < 0)
         r.push_back(sc.parts[i]);
       else
         r.insert(r.end(), {sc.lhs[i], sc.rhs[i]});
   }
   for (const auto& [j, ra] : rows_adds) merged_reads[j] = {ra.base, ra.grad, ra.idx};
+  for (const auto& [j, from] : rounded) {
+    auto& r = merged_reads[j];
+    for (size_t k = 0; k < from.size(); ++k) r.push_back(from[k] >= 0 ? from[k] : nodes_[j].src[k]);
+  }
   auto srcs_of = [&](int j) -> const std::vector<int>& {
     const auto it = merged_reads.find(j);
     return it == merged_reads.end() ? nodes_[j].src : it->second;
@@ -452,6 +535,10 @@ const MemoryPlan& Graph::plan() {
 
   MemoryPlan p;
   for (const auto& [producer, rs] : redirects) p.n_redirected += rs.size();
+  for (const auto& [j, sc] : merged)
+    for (int f : sc.from) p.n_folded_casts += f >= 0;
+  for (const auto& [j, from] : rounded)
+    for (int f : from) p.n_folded_casts += f >= 0;
   p.offsets.assign(n, SIZE_MAX);
   p.segments.assign(n, 0);
   // Outputs with memory of their own (kOwnMemory): no place in the arena (compute() makes
@@ -509,7 +596,10 @@ const MemoryPlan& Graph::plan() {
     std::vector<int> over;  // the sources it may write over
     if (const auto ra = rows_adds.find(j); ra != rows_adds.end())
       over = {ra->second.base};  // a merged rows add: its dense base only (see RowsAdd)
-    else if (elementwise[nd.op])
+    else if (const auto rd = rounded.find(j); rd != rounded.end()) {  // the sources it reads as they are
+      for (size_t k = 0; k < nd.src.size(); ++k)
+        if (rd->second[k] < 0) over.push_back(nd.src[k]);
+    } else if (elementwise[nd.op])
       over = nd.src;
     else if (row_source[nd.op] >= 0 && place_.where[j] == kCpuBackend && nd.dtype == DType::f32)
       over = {nd.src[row_source[nd.op]]};
@@ -669,10 +759,11 @@ const MemoryPlan& Graph::plan() {
       nodes_[j].data = static_cast<uint8_t*>(arena_.get()) + p.offsets[j];
   {
     std::lock_guard<std::mutex> lk(g_scatter_mu);
-    if (merged.empty() && rows_adds.empty() && redirects.empty())
+    if (merged.empty() && rows_adds.empty() && redirects.empty() && rounded.empty())
       g_scatters.erase(this);
     else
-      g_scatters[this] = MergedAdds{std::move(merged), std::move(rows_adds), std::move(redirects), std::move(written_slices)};
+      g_scatters[this] = MergedAdds{std::move(merged), std::move(rows_adds), std::move(redirects), std::move(written_slices),
+                                    std::move(rounded)};
   }
   plan_ = std::move(p);
   planned_ = true;

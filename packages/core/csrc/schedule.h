@@ -47,6 +47,11 @@ struct Scatter {
   // Per part: 1 when its producer writes it into the output itself (see Redirect); the
   // scatter leaves those columns as they are.
   std::vector<char> written;
+  // On a device, per part: the float32 node whose cast to the output's 2-byte dtype the part
+  // is (the cast itself or a dense view of it, read by nothing else), or -1. The part's
+  // assign reads that node instead and rounds each element (a backend's rounding assign),
+  // so the cast does not run (RECURRA_FOLD_CASTS=0: it does).
+  std::vector<int> from;
 };
 
 // On the CPU, a scatter part that is a piece of a packed result whose kernel can write that
@@ -80,6 +85,10 @@ struct MergedAdds {
   std::unordered_map<int, RowsAdd> rows;
   std::unordered_map<int, std::vector<Redirect>> redirects;  // by producer node
   std::unordered_set<int> written_slices;                     // slice_grads so written
+  // On a device, adds of a 2-byte dtype with a source that is a cast of a float32 node to
+  // that dtype (read by nothing else; see Scatter::from): per source, that float32 node,
+  // which the backend's add reads and rounds to the dtype first (the cast is not run), or -1.
+  std::unordered_map<int, std::vector<int>> rounded;
 };
 extern std::mutex g_scatter_mu;
 extern std::unordered_map<const Graph*, MergedAdds> g_scatters;

@@ -3,7 +3,8 @@
 //   a, b: any strides (0 on broadcast axes), d: dense, all of the collapsed shape `shape`
 //   MODE 0: general (4-D index math), 1: all dense, same shape, 2: like 1 with vec4 access
 //   HALF (the binary_h variant): the tensors are of dtype DT (bfloat16 or float16), computed
-//   in float32 and rounded once on store
+//   in float32 and rounded once on store; with DA (DB) = 0, source a (b) is float32 and each
+//   of its values is rounded to DT where it is loaded (the cast the core folded into the add)
 #version 450
 #include "common.glsl"
 #ifdef HALF
@@ -17,6 +18,22 @@ layout(constant_id = 1) const int MODE = 0;
 layout(constant_id = 2) const int ND = 4;  // axes of the collapsed shape (1..4)
 #ifdef HALF
 layout(constant_id = 3) const int DT = DT_BF16;
+layout(constant_id = 4) const int DA = -1;  // -1: DT; 0: float32, rounded to DT on load
+layout(constant_id = 5) const int DB = -1;
+
+// Source values: loaded in their dtype `from` (DT, or float32 rounded to DT).
+float ldr(uvec2 a, uint i, int from) {
+  if (from != DT_F32) return ld(a, i, DT);
+  return uintBitsToFloat(h_to_f32_bits(f32_to_h_bits(ld(a, i, DT_F32), DT), DT));
+}
+vec4 ldr4(uvec2 a, uint j, int from) {
+  if (from != DT_F32) return ld4f(a, j, DT);
+  const vec4 v = ld4f(a, j, DT_F32);
+  return vec4(uintBitsToFloat(h_to_f32_bits(f32_to_h_bits(v.x, DT), DT)),
+              uintBitsToFloat(h_to_f32_bits(f32_to_h_bits(v.y, DT), DT)),
+              uintBitsToFloat(h_to_f32_bits(f32_to_h_bits(v.z, DT), DT)),
+              uintBitsToFloat(h_to_f32_bits(f32_to_h_bits(v.w, DT), DT)));
+}
 #endif
 
 layout(push_constant) uniform PC {
@@ -47,15 +64,15 @@ void main() {
 #ifdef HALF
   if (MODE == 2) {
     const uint n4 = pc.n / 4u;
-    for (uint j = i; j < n4; j += stride) st4f(pc.d, j, DT, op4(ld4f(pc.a, j, DT), ld4f(pc.b, j, DT)));
+    for (uint j = i; j < n4; j += stride) st4f(pc.d, j, DT, op4(ldr4(pc.a, j, DA), ldr4(pc.b, j, DB)));
     const uint t = n4 * 4u + i;
-    if (t < pc.n) st(pc.d, t, DT, op(ld(pc.a, t, DT), ld(pc.b, t, DT)));
+    if (t < pc.n) st(pc.d, t, DT, op(ldr(pc.a, t, DA), ldr(pc.b, t, DB)));
     return;
   }
   for (; i < pc.n; i += stride) {
     const uint ia = MODE == 1 ? i : uint(offset_nd(i, pc.shape, pc.sa, ND));
     const uint ib = MODE == 1 ? i : uint(offset_nd(i, pc.shape, pc.sb, ND));
-    st(pc.d, i, DT, op(ld(pc.a, ia, DT), ld(pc.b, ib, DT)));
+    st(pc.d, i, DT, op(ldr(pc.a, ia, DA), ldr(pc.b, ib, DB)));
   }
 #else
   if (MODE == 2) {

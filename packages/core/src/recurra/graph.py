@@ -230,7 +230,9 @@ class Graph:
         over as ``.grad``), ``n_in_place``/``in_place_bytes`` (nodes that write over a source
         dying there: elementwise ones, and on the CPU cross_entropy_back over its logits;
         and the bytes that saved), ``n_redirected`` (pieces of packed CPU results written
-        straight into their window of a merged gradient scatter); ``live_nodes_at_peak`` lists
+        straight into their window of a merged gradient scatter), ``n_folded_casts`` (casts
+        of float32 gradients to a 2-byte dtype not run on a device: the assign or add reading
+        them rounds their float32 sources itself); ``live_nodes_at_peak`` lists
         the nodes alive at the peak, ``(id, op, dtype, shape, bytes, made by the forward)``,
         and ``peak_node`` is the node at which the peak is reached."""
         return dict(self._g.plan())

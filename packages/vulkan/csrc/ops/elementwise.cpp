@@ -3,7 +3,8 @@
 // recurra/op_spec.h by its code, cast (float32 <-> bfloat16 <-> float16, strided source).
 // Shaders: binary.comp, unary.comp, act_grad.comp, cast.comp.
 //
-// bfloat16/float16: every tensor of such a node has the one dtype (the core refuses mixes);
+// bfloat16/float16: every tensor of such a node has the one dtype (the core refuses mixes),
+// except an add's float32 source rounded to the output's dtype on load (the core's folded casts);
 // the "_h" variants of the shaders (built with -DHALF, shaders/half_ew.glsl) load it, compute
 // in float32 and round once on store, as the CPU does (check_node has refused such nodes on
 // a device without 16-bit storage).
@@ -85,10 +86,22 @@ struct BinaryPC {
   int32_t shape[4], sa[4], sb[4];
 };
 
+// Whether source i of a 2-byte add is float32, rounded to the output's dtype where the
+// kernel loads it (the core's folded casts, MergedAdds::rounded).
+bool rounds_source(const recurra_tensor_desc& src, const recurra_tensor_desc& dst, int op) {
+  return op == 0 && is_half(dst.dtype) && src.dtype == RECURRA_F32;
+}
+
 template <int OP>
 std::string binary_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 2);
-  if (why.empty()) why = require_one_float(n, 2);
+  if (why.empty() && (rounds_source(n.src[0], n.dst, OP) || rounds_source(n.src[1], n.dst, OP))) {
+    for (int i = 0; i < 2; ++i)
+      if (n.src[i].dtype != n.dst.dtype && !rounds_source(n.src[i], n.dst, OP))
+        why = std::string(n.op) + ": source " + std::to_string(i) + " must have the output's dtype or be float32";
+  } else if (why.empty()) {
+    why = require_one_float(n, 2);
+  }
   if (!why.empty()) return why;
   int64_t st[4];
   if (!broadcast_strides(n.src[0], n.dst, st) || !broadcast_strides(n.src[1], n.dst, st) ||
@@ -116,11 +129,13 @@ void binary_record(NodeCall& c) {
   std::memcpy(pc.sa, col.strides[1], sizeof pc.sa);
   std::memcpy(pc.sb, col.strides[2], sizeof pc.sb);
   const uint64_t addrs[3] = {pc.a, pc.b, pc.d};
-  const int al = vec4_align(d.dtype), align[3] = {al, al, al};
+  const int align[3] = {vec4_align(c.src[0].d->dtype), vec4_align(c.src[1].d->dtype), vec4_align(d.dtype)};
   const int mode = flat_mode(col, 3, addrs, n, align);
   const uint32_t groups = grid_groups(mode == 2 ? (n + 3) / 4 : n, 256);
   std::vector<int32_t> spec = {OP, mode, std::max(col.nd, 1)};
   const std::string module = dt_variant("binary", d.dtype, spec);
+  const bool ra = rounds_source(*c.src[0].d, d, OP), rb = rounds_source(*c.src[1].d, d, OP);
+  if (ra || rb) spec.insert(spec.end(), {ra ? dt_code(RECURRA_F32) : -1, rb ? dt_code(RECURRA_F32) : -1});
   c.rec.dispatch(module, spec, pc, groups, 1, 1, {c.src[0].range, c.src[1].range}, {c.dst.range});
 }
 

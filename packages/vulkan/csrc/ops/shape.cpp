@@ -27,9 +27,10 @@ struct CopyPC {
 };
 
 // d[view] = s[view] over `shape` (nd axes) with the given element strides; `half`: 2-byte
-// elements.
+// elements; `round_to` (a 2-byte dtype, with `half`): s is float32, each element rounded once
+// to that dtype (copy.comp's FROM).
 void copy_view(Recorder& rec, bool half, int nd, const int64_t* shape, uint64_t s_addr, const int64_t* s_st, const Range& s_range,
-               uint64_t d_addr, const int64_t* d_st, const Range& d_range) {
+               uint64_t d_addr, const int64_t* d_st, const Range& d_range, recurra_dtype round_to = RECURRA_F32) {
   int64_t n = 1;
   for (int i = 0; i < nd; ++i) n *= shape[i];
   if (n == 0) return;
@@ -44,6 +45,11 @@ void copy_view(Recorder& rec, bool half, int nd, const int64_t* shape, uint64_t 
   std::memcpy(pc.ss, col.strides[0], sizeof pc.ss);
   std::memcpy(pc.sd, col.strides[1], sizeof pc.sd);
   const bool flat = col.nd == 0 || (col.nd == 1 && col.strides[0][3] == 1 && col.strides[1][3] == 1);
+  if (half && is_half(round_to)) {
+    rec.dispatch("copy_h", {flat ? 1 : 0, std::max(col.nd, 1), dt_code(RECURRA_F32), dt_code(round_to)}, pc, grid_groups(n, 256), 1,
+                 1, {s_range}, {d_range});
+    return;
+  }
   rec.dispatch(variant("copy", half), {flat ? 1 : 0, std::max(col.nd, 1)}, pc, grid_groups(n, 256), 1, 1, {s_range}, {d_range});
 }
 
@@ -115,7 +121,11 @@ bool apart(const recurra_tensor_desc& d) {
 std::string assign_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 2);
   if (!why.empty()) return why;
-  if (n.src[0].dtype != n.src[1].dtype || !same_shape(n.src[0], n.src[1])) return "assign keeps shape and dtype";
+  // a float32 source into a 2-byte tensor is rounded once (the core's merged slice gradients
+  // reading the float32 source of a cast to the gradient's dtype)
+  const bool rounds = is_half(n.src[0].dtype) && n.src[1].dtype == RECURRA_F32;
+  if ((n.src[0].dtype != n.src[1].dtype && !rounds) || !same_shape(n.src[0], n.src[1]))
+    return "assign keeps shape and dtype (or rounds float32 into bfloat16/float16)";
   // a dense tensor, or a window of one (the core's merged slice gradients, one piece each)
   if (!apart(n.src[0])) return "assign writes a tensor whose elements lie apart";
   return "";
@@ -123,8 +133,9 @@ std::string assign_check(const recurra_node_desc& n) {
 
 void assign_record(NodeCall& c) {
   const recurra_tensor_desc& d = *c.src[0].d;
+  const bool rounds = is_half(d.dtype) && c.src[1].d->dtype == RECURRA_F32;
   copy_view(c.rec, is_half(d.dtype), d.ndim, d.shape, addr(c.src[1]), c.src[1].d->strides, c.src[1].range, addr(c.src[0]),
-            d.strides, c.src[0].range);
+            d.strides, c.src[0].range, rounds ? d.dtype : RECURRA_F32);
 }
 
 // ---- fill -----------------------------------------------------------------------------
