@@ -234,9 +234,9 @@ void Graph::run_device_split(const Placement::Split& sp, size_t begin, size_t en
   if (begin >= end && extra.empty()) return;
   const OpTable& tab = OpTable::get();
   const MergedAdds* merged = merged_adds(this);
-  // Source s of a node, or with from >= 0 the float32 node whose cast s is (a cast not run:
-  // see Scatter::from, MergedAdds::rounded), dense in s's shape, for the node to round.
-  auto rounded_desc = [&](int s, int from) {
+  // Source s of a node, or with from >= 0 the node whose cast s is (a cast not run: see
+  // Scatter::from, MergedAdds::folded), dense in s's shape, for the node to convert.
+  auto folded_desc = [&](int s, int from) {
     if (from < 0) return desc_on(s, sp.backend);
     const recurra_tensor_desc f = desc_on(from, sp.backend);
     recurra_tensor_desc d = shape_desc(nodes_[s]);
@@ -267,7 +267,7 @@ void Graph::run_device_split(const Placement::Split& sp, size_t begin, size_t en
         d.src[0] = whole;
         d.src[0].shape[last] = sc->end[k] - sc->begin[k];
         d.src[0].offset += static_cast<size_t>(sc->begin[k]) * dtype_size(nd.dtype);
-        d.src[1] = sc->from.empty() ? desc_on(sc->parts[k], sp.backend) : rounded_desc(sc->parts[k], sc->from[k]);
+        d.src[1] = sc->from.empty() ? desc_on(sc->parts[k], sp.backend) : folded_desc(sc->parts[k], sc->from[k]);
         d.dst = d.src[0];  // assign's (1,) result: the window's first element
         d.dst.ndim = 1;
         d.dst.shape[0] = 1;
@@ -280,10 +280,10 @@ void Graph::run_device_split(const Placement::Split& sp, size_t begin, size_t en
     d.op = tab.at(nd.op).name.c_str();
     d.dst = desc_on(nd.id, sp.backend);
     d.n_src = static_cast<int32_t>(nd.src.size());
-    const auto rd = merged ? merged->rounded.find(j) : std::unordered_map<int, std::vector<int>>::const_iterator{};
-    const bool rounds = merged && rd != merged->rounded.end();
+    const auto rd = merged ? merged->folded.find(j) : std::unordered_map<int, std::vector<int>>::const_iterator{};
+    const bool rounds = merged && rd != merged->folded.end();
     for (size_t i = 0; i < nd.src.size(); ++i) {
-      d.src[i] = rounds ? rounded_desc(nd.src[i], rd->second[i]) : desc_on(nd.src[i], sp.backend);
+      d.src[i] = rounds ? folded_desc(nd.src[i], rd->second[i]) : desc_on(nd.src[i], sp.backend);
     }
     d.n_ip = static_cast<int32_t>(nd.ip.size());
     d.ip = nd.ip.data();

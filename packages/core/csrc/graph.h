@@ -204,8 +204,8 @@ struct MemoryPlan {
   // Pieces of packed CPU results their kernels write straight into a merged scatter's
   // output (see Redirect in schedule.h), instead of the scatter copying them.
   size_t n_redirected = 0;
-  // Casts to a 2-byte dtype that a device's merged scatter or add reads the float32 source
-  // of instead, rounding it itself (Scatter::from, MergedAdds::rounded): not run.
+  // Casts of gradients whose sources a device's merged scatter, add or slice_grad reads
+  // instead, converting each value itself (Scatter::from, MergedAdds::folded): not run.
   size_t n_folded_casts = 0;
   // Per node: the segment of its backend's arena and the byte offset in it (SIZE_MAX: none).
   // A device backend's arena is split into segments no larger than its largest buffer; the

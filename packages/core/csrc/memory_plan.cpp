@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <climits>
 #include <map>
+#include <tuple>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -149,7 +150,7 @@ bool scatter_parts(const Graph& g, const std::unordered_map<int, Scatter>& merge
   for (int i = 0; i < d - 1; ++i)
     if (nd.ip[d + 3 * i] != 0 || nd.ip[d + 3 * i + 1] != nd.shape.d[i] || nd.ip[d + 3 * i + 2] != 1) return false;
   if (nd.ip[d + 3 * (d - 1) + 2] != 1) return false;
-  *out = Scatter{{nd.src[0]}, {nd.ip[d + 3 * (d - 1)]}, {nd.ip[d + 3 * (d - 1) + 1]}, {}, {}, {}};
+  *out = Scatter{{nd.src[0]}, {nd.ip[d + 3 * (d - 1)]}, {nd.ip[d + 3 * (d - 1) + 1]}, {}, {}, {}, {}};
   return true;
 }
 
@@ -232,9 +233,10 @@ bool assigns_into_windows(int b, DType dt, DType src_dt) {
   return e.table->supports_op(e.table->ctx, e.device, &d) == 1;
 }
 
-// Whether device backend b adds float32 sources into a 2-byte dtype dt, each rounded to dt
-// first (see MergedAdds::rounded).
-bool adds_rounding(int b, DType dt) {
+// Whether device backend b runs `op` (add or slice_grad; assigns: assigns_into_windows) of dtype dt on a source of dtype
+// src_dt, converting each value to dt where it loads it, as a cast to dt would (see
+// MergedAdds::folded).
+bool converts_sources(int b, const std::string& op, DType dt, DType src_dt) {
   const BackendEntry& e = backend_entry(b);
   if (e.closed) return false;
   recurra_tensor_desc t{};
@@ -244,11 +246,17 @@ bool adds_rounding(int b, DType dt) {
   t.shape[0] = 4;
   t.strides[0] = 1;
   recurra_node_desc d{};
-  d.op = "add";
+  d.op = op.c_str();
   d.dst = t;
-  d.n_src = 2;
+  d.n_src = op == "add" ? 2 : 1;
   d.src[0] = d.src[1] = t;
-  d.src[0].dtype = RECURRA_F32;
+  d.src[0].dtype = static_cast<recurra_dtype>(static_cast<int>(src_dt));
+  const int64_t ip[4] = {4, 1, 3, 1};  // slice_grad: the full shape, (start, stop, step)
+  if (op == "slice_grad") {
+    d.src[0].shape[0] = 2;
+    d.n_ip = 4;
+    d.ip = ip;
+  }
   return e.table->supports_op(e.table->ctx, e.device, &d) == 1;
 }
 
@@ -273,7 +281,7 @@ const MemoryPlan& Graph::plan() {
   std::unordered_map<int, Scatter> merged;
   std::unordered_map<int, RowsAdd> rows_adds;
   std::unordered_map<int, std::vector<Redirect>> redirects;
-  std::unordered_map<int, std::vector<int>> rounded;  // see MergedAdds::rounded
+  std::unordered_map<int, std::vector<int>> folded;  // see MergedAdds::folded
   const int add_op = tab.find("add");
   {
     std::map<std::pair<int, int>, bool> window_ok;  // (backend, dtype): takes window assigns
@@ -331,10 +339,11 @@ const MemoryPlan& Graph::plan() {
     const char* fold_env = std::getenv("RECURRA_FOLD_CASTS");
     const bool fold = !(fold_env && std::string(fold_env) == "0");
     const int cast_op = tab.find("cast");
-    std::map<std::pair<int, int>, bool> rounds_ok;  // (backend, dtype): takes rounding assigns
     int loss_at = n;  // casts up to the loss run anyway (the forward): only later ones fold
     for (int j = 0; j < n && loss_at == n; ++j)
       if (nodes_[j].flags & kLoss) loss_at = j;
+    // The node whose cast to dt (on backend b, after the loss, read by nothing else) q is,
+    // or a dense reshape of: what its reader may read and convert instead; else -1.
     auto cast_source = [&](int q, DType dt, int b) {
       int c = q;
       if (readers[q] != 1 || (nodes_[q].flags & (kOutput | kLoss))) return -1;
@@ -349,35 +358,50 @@ const MemoryPlan& Graph::plan() {
           (cn.flags & (kOutput | kLoss)))
         return -1;
       const int s = cn.src[0];
-      if (nodes_[s].dtype != DType::f32 || !is_dense(nodes_[s]) || place_.where[base_of(s)] != b) return -1;
+      if (!is_float(nodes_[s].dtype) || !is_dense(nodes_[s]) || place_.where[base_of(s)] != b) return -1;
       return s;
+    };
+    std::map<std::tuple<int, std::string, int, int>, bool> converts;  // converts_sources, cached
+    auto converts_from = [&](int b, const std::string& op, DType dt, int s) {
+      if (s < 0) return true;
+      const auto key = std::make_tuple(b, op, static_cast<int>(dt), static_cast<int>(nodes_[s].dtype));
+      auto it = converts.find(key);
+      if (it == converts.end()) {
+        const DType sd = nodes_[s].dtype;
+        const bool yes = op == "assign" ? sd == DType::f32 && is_half(dt) && assigns_into_windows(b, dt, sd)
+                                        : converts_sources(b, op, dt, sd);
+        it = converts.emplace(key, yes).first;
+      }
+      return it->second;
     };
     for (auto& [j, sc] : merged) {
       sc.from.assign(sc.parts.size(), -1);
       const int b = place_.where[j];
       const DType dt = nodes_[j].dtype;
-      if (!fold || b == kCpuBackend || !is_half(dt)) continue;
-      const auto key = std::make_pair(b, static_cast<int>(dt));
-      auto it = rounds_ok.find(key);
-      if (it == rounds_ok.end()) it = rounds_ok.emplace(key, assigns_into_windows(b, dt, DType::f32)).first;
-      if (!it->second) continue;
-      for (size_t i = 0; i < sc.parts.size(); ++i) sc.from[i] = cast_source(sc.parts[i], dt, b);
+      if (!fold || b == kCpuBackend) continue;
+      for (size_t i = 0; i < sc.parts.size(); ++i) {
+        const int s = cast_source(sc.parts[i], dt, b);
+        if (converts_from(b, "assign", dt, s)) sc.from[i] = s;
+      }
     }
-    // The same for the other adds of a 2-byte dtype on a device (a gradient summed from two
-    // uses, each rounded from a float32 result): the add reads the float32 nodes.
-    std::map<std::pair<int, int>, bool> adds_ok;  // (backend, dtype): adds rounding float32 sources
+    // The same for the adds of a 2-byte dtype (a gradient summed from two uses, each rounded
+    // from a float32 result) and for slice_grads (a 2-byte gradient widened to a float32
+    // packed result's) on a device: they read the cast's source and convert it.
+    const int slice_grad_op = tab.find("slice_grad");
     for (int j = 0; j < n && fold; ++j) {
       const Node& nd = nodes_[j];
       const int b = place_.where[j];
-      if (nd.is_leaf() || nd.op != add_op || merged.count(j) || b == kCpuBackend || !is_half(nd.dtype) ||
-          nd.src.size() != 2 || nd.src[0] == nd.src[1])
-        continue;
-      std::vector<int> from = {cast_source(nd.src[0], nd.dtype, b), cast_source(nd.src[1], nd.dtype, b)};
-      if (from[0] < 0 && from[1] < 0) continue;
-      const auto key = std::make_pair(b, static_cast<int>(nd.dtype));
-      auto it = adds_ok.find(key);
-      if (it == adds_ok.end()) it = adds_ok.emplace(key, adds_rounding(b, nd.dtype)).first;
-      if (it->second) rounded[j] = std::move(from);
+      if (nd.is_leaf() || nd.is_view() || merged.count(j) || b == kCpuBackend) continue;
+      const bool add2 = nd.op == add_op && is_half(nd.dtype) && nd.src.size() == 2 && nd.src[0] != nd.src[1];
+      if (!add2 && nd.op != slice_grad_op) continue;
+      std::vector<int> from;
+      bool any = false, ok = true;
+      for (int q : nd.src) {
+        from.push_back(cast_source(q, nd.dtype, b));
+        any = any || from.back() >= 0;
+        ok = ok && converts_from(b, tab.at(nd.op).name, nd.dtype, from.back());
+      }
+      if (any && ok) folded[j] = std::move(from);
     }
     // Tied embeddings: add(A, get_rows_back(g, idx)) on the CPU (see RowsAdd).
     const int rows_op = tab.find("get_rows_back");
@@ -413,7 +437,7 @@ const MemoryPlan& Graph::plan() {
         r.insert(r.end(), {sc.lhs[i], sc.rhs[i]});
   }
   for (const auto& [j, ra] : rows_adds) merged_reads[j] = {ra.base, ra.grad, ra.idx};
-  for (const auto& [j, from] : rounded) {
+  for (const auto& [j, from] : folded) {
     auto& r = merged_reads[j];
     for (size_t k = 0; k < from.size(); ++k) r.push_back(from[k] >= 0 ? from[k] : nodes_[j].src[k]);
   }
@@ -536,9 +560,9 @@ const MemoryPlan& Graph::plan() {
   MemoryPlan p;
   for (const auto& [producer, rs] : redirects) p.n_redirected += rs.size();
   for (const auto& [j, sc] : merged)
-    for (int f : sc.from) p.n_folded_casts += f >= 0;
-  for (const auto& [j, from] : rounded)
-    for (int f : from) p.n_folded_casts += f >= 0;
+    for (int f : sc.from) p.n_folded_casts += keep[j] && f >= 0;
+  for (const auto& [j, from] : folded)
+    for (int f : from) p.n_folded_casts += keep[j] && f >= 0;
   p.offsets.assign(n, SIZE_MAX);
   p.segments.assign(n, 0);
   // Outputs with memory of their own (kOwnMemory): no place in the arena (compute() makes
@@ -596,7 +620,7 @@ const MemoryPlan& Graph::plan() {
     std::vector<int> over;  // the sources it may write over
     if (const auto ra = rows_adds.find(j); ra != rows_adds.end())
       over = {ra->second.base};  // a merged rows add: its dense base only (see RowsAdd)
-    else if (const auto rd = rounded.find(j); rd != rounded.end()) {  // the sources it reads as they are
+    else if (const auto rd = folded.find(j); rd != folded.end()) {  // the sources it reads as they are
       for (size_t k = 0; k < nd.src.size(); ++k)
         if (rd->second[k] < 0) over.push_back(nd.src[k]);
     } else if (elementwise[nd.op])
@@ -759,11 +783,11 @@ const MemoryPlan& Graph::plan() {
       nodes_[j].data = static_cast<uint8_t*>(arena_.get()) + p.offsets[j];
   {
     std::lock_guard<std::mutex> lk(g_scatter_mu);
-    if (merged.empty() && rows_adds.empty() && redirects.empty() && rounded.empty())
+    if (merged.empty() && rows_adds.empty() && redirects.empty() && folded.empty())
       g_scatters.erase(this);
     else
       g_scatters[this] = MergedAdds{std::move(merged), std::move(rows_adds), std::move(redirects), std::move(written_slices),
-                                    std::move(rounded)};
+                                    std::move(folded)};
   }
   plan_ = std::move(p);
   planned_ = true;

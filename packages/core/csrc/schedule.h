@@ -85,10 +85,11 @@ struct MergedAdds {
   std::unordered_map<int, RowsAdd> rows;
   std::unordered_map<int, std::vector<Redirect>> redirects;  // by producer node
   std::unordered_set<int> written_slices;                     // slice_grads so written
-  // On a device, adds of a 2-byte dtype with a source that is a cast of a float32 node to
-  // that dtype (read by nothing else; see Scatter::from): per source, that float32 node,
-  // which the backend's add reads and rounds to the dtype first (the cast is not run), or -1.
-  std::unordered_map<int, std::vector<int>> rounded;
+  // On a device, adds of a 2-byte dtype and slice_grads with a source that is a cast (after
+  // the loss, read by nothing else; see Scatter::from) of another float node to their dtype:
+  // per source, that node, which the backend's kernel reads and converts where it loads
+  // each value, as the cast did (the cast is not run), or -1. RECURRA_FOLD_CASTS=0: none.
+  std::unordered_map<int, std::vector<int>> folded;
 };
 extern std::mutex g_scatter_mu;
 extern std::unordered_map<const Graph*, MergedAdds> g_scatters;

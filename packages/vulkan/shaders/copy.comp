@@ -4,8 +4,9 @@
 //   MODE 0: general, 1: both dense (flat copy)
 //   HALF (the copy_h variant): 2-byte elements (bfloat16/float16) moved as 16-bit words,
 //   bits untouched; one invocation per element, so no two write one 32-bit word. With
-//   FROM = 0 (float32) the source is float32 and each element is rounded once to DT, as a
-//   cast does (the core's merged slice gradients reading a cast's float32 source).
+//   FROM >= 0 the source has dtype FROM and the destination DT (float32, bfloat16, float16),
+//   each element converted as a cast does (the core's folded casts: a merged slice gradient
+//   reading a cast's float32 source, a slice_grad widening a 2-byte gradient).
 #version 450
 #include "common.glsl"
 #ifdef HALF
@@ -19,8 +20,8 @@ layout(local_size_x = 256) in;
 layout(constant_id = 0) const int MODE = 0;
 layout(constant_id = 1) const int ND = 4;  // axes of the collapsed shape (1..4)
 #ifdef HALF
-layout(constant_id = 2) const int FROM = -1;  // -1: the destination's dtype (bits moved); 0: float32
-layout(constant_id = 3) const int DT = DT_BF16;  // the destination's dtype when FROM = 0
+layout(constant_id = 2) const int FROM = -1;  // -1: the destination's dtype (bits moved); else a dtype code
+layout(constant_id = 3) const int DT = DT_BF16;  // the destination's dtype when FROM >= 0
 #endif
 
 layout(push_constant) uniform PC {
@@ -34,11 +35,11 @@ layout(push_constant) uniform PC {
 void main() {
   const uint stride = gl_NumWorkGroups.x * 256u;
 #ifdef HALF
-  if (FROM == DT_F32) {
+  if (FROM >= 0) {
     for (uint i = gl_GlobalInvocationID.x; i < pc.n; i += stride) {
       const uint si = MODE == 1 ? i : uint(offset_nd(i, pc.shape, pc.ss, ND));
       const uint di = MODE == 1 ? i : uint(offset_nd(i, pc.shape, pc.sd, ND));
-      st(pc.d, di, DT, ld(pc.s, si, DT_F32));
+      st(pc.d, di, DT, ld(pc.s, si, FROM));
     }
     return;
   }

@@ -27,10 +27,11 @@ struct CopyPC {
 };
 
 // d[view] = s[view] over `shape` (nd axes) with the given element strides; `half`: 2-byte
-// elements; `round_to` (a 2-byte dtype, with `half`): s is float32, each element rounded once
-// to that dtype (copy.comp's FROM).
+// elements. With `from` and `to` (float dtypes that differ, one of them 2-byte): s has dtype
+// `from`, d dtype `to`, each element converted as a cast does (copy.comp's FROM).
 void copy_view(Recorder& rec, bool half, int nd, const int64_t* shape, uint64_t s_addr, const int64_t* s_st, const Range& s_range,
-               uint64_t d_addr, const int64_t* d_st, const Range& d_range, recurra_dtype round_to = RECURRA_F32) {
+               uint64_t d_addr, const int64_t* d_st, const Range& d_range, recurra_dtype from = RECURRA_F32,
+               recurra_dtype to = RECURRA_F32) {
   int64_t n = 1;
   for (int i = 0; i < nd; ++i) n *= shape[i];
   if (n == 0) return;
@@ -45,9 +46,9 @@ void copy_view(Recorder& rec, bool half, int nd, const int64_t* shape, uint64_t 
   std::memcpy(pc.ss, col.strides[0], sizeof pc.ss);
   std::memcpy(pc.sd, col.strides[1], sizeof pc.sd);
   const bool flat = col.nd == 0 || (col.nd == 1 && col.strides[0][3] == 1 && col.strides[1][3] == 1);
-  if (half && is_half(round_to)) {
-    rec.dispatch("copy_h", {flat ? 1 : 0, std::max(col.nd, 1), dt_code(RECURRA_F32), dt_code(round_to)}, pc, grid_groups(n, 256), 1,
-                 1, {s_range}, {d_range});
+  if (from != to) {
+    rec.dispatch("copy_h", {flat ? 1 : 0, std::max(col.nd, 1), dt_code(from), dt_code(to)}, pc, grid_groups(n, 256), 1, 1, {s_range},
+                 {d_range});
     return;
   }
   rec.dispatch(variant("copy", half), {flat ? 1 : 0, std::max(col.nd, 1)}, pc, grid_groups(n, 256), 1, 1, {s_range}, {d_range});
@@ -133,9 +134,8 @@ std::string assign_check(const recurra_node_desc& n) {
 
 void assign_record(NodeCall& c) {
   const recurra_tensor_desc& d = *c.src[0].d;
-  const bool rounds = is_half(d.dtype) && c.src[1].d->dtype == RECURRA_F32;
   copy_view(c.rec, is_half(d.dtype), d.ndim, d.shape, addr(c.src[1]), c.src[1].d->strides, c.src[1].range, addr(c.src[0]),
-            d.strides, c.src[0].range, rounds ? d.dtype : RECURRA_F32);
+            d.strides, c.src[0].range, c.src[1].d->dtype, d.dtype);
 }
 
 // ---- fill -----------------------------------------------------------------------------
@@ -158,7 +158,7 @@ std::string slice_grad_check(const recurra_node_desc& n) {
   std::string why = require_srcs(n, 1);
   if (why.empty()) why = require_float(n, 1);
   if (!why.empty()) return why;
-  if (n.src[0].dtype != n.dst.dtype) return "slice_grad keeps the dtype";
+  // (another float dtype: converted as a cast does, the core's folded casts)
   const int nd = n.dst.ndim;
   if (n.n_ip != 4 * nd || n.src[0].ndim != nd) return "slice_grad takes the full shape and (start, stop, step) per axis";
   for (int i = 0; i < nd; ++i) {
@@ -173,7 +173,6 @@ void slice_grad_record(NodeCall& c) {
   const recurra_tensor_desc& d = *c.dst.d;
   const int nd = d.ndim;
   const bool half = is_half(d.dtype);
-  fill_words(c.rec, d.dtype, addr(c.dst), numel(d), 0u, c.dst.range);
   int64_t dense[4], wst[4];
   dense_strides(d, dense);
   int64_t off = 0;
@@ -181,8 +180,21 @@ void slice_grad_record(NodeCall& c) {
     off += c.node.ip[nd + 3 * i] * dense[i];
     wst[i] = dense[i] * c.node.ip[nd + 3 * i + 2];
   }
+  const int64_t total = numel(d), len = numel(*c.src[0].d);
+  const size_t eb = elem_bytes(d.dtype);
+  Range window = c.dst.range;
+  if (nd == 1 && c.node.ip[3] == 1) {
+    // One run (a piece of a packed 1-D gradient): zeros around it only; the three parts'
+    // byte ranges are apart, so the recorder orders none of them after another.
+    auto bytes = [&](int64_t lo, int64_t hi) { return Range{window.block, window.lo + lo * eb, window.lo + hi * eb}; };
+    fill_words(c.rec, d.dtype, addr(c.dst), off, 0u, bytes(0, off));
+    fill_words(c.rec, d.dtype, addr(c.dst) + static_cast<uint64_t>(off + len) * eb, total - off - len, 0u, bytes(off + len, total));
+    window = bytes(off, off + len);
+  } else {
+    fill_words(c.rec, d.dtype, addr(c.dst), total, 0u, c.dst.range);
+  }
   copy_view(c.rec, half, nd, c.src[0].d->shape, addr(c.src[0]), c.src[0].d->strides, c.src[0].range,
-            addr(c.dst) + static_cast<uint64_t>(off) * elem_bytes(d.dtype), wst, c.dst.range);
+            addr(c.dst) + static_cast<uint64_t>(off) * eb, wst, window, c.src[0].d->dtype, d.dtype);
 }
 
 // ---- concat ---------------------------------------------------------------------------
