@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <climits>
 #include <map>
-#include <tuple>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -25,6 +24,28 @@ namespace sched {
 
 std::mutex g_scatter_mu;
 std::unordered_map<const Graph*, MergedAdds> g_scatters;
+
+bool assigns_into_windows(int b, DType dt, DType src_dt) {
+  const BackendEntry& e = backend_entry(b);
+  if (e.closed) return false;
+  recurra_tensor_desc w{}, src{}, one{};
+  w.dtype = one.dtype = static_cast<recurra_dtype>(static_cast<int>(dt));
+  src.dtype = static_cast<recurra_dtype>(static_cast<int>(src_dt));
+  w.ndim = src.ndim = 2;
+  for (int i = 0; i < RECURRA_MAX_DIMS; ++i) w.shape[i] = src.shape[i] = one.shape[i] = 1;
+  w.shape[0] = w.shape[1] = src.shape[0] = src.shape[1] = 2;
+  w.strides[0] = 4, w.strides[1] = 1;
+  src.strides[0] = 2, src.strides[1] = 1;
+  one.ndim = 1;
+  one.strides[0] = 1;
+  recurra_node_desc d{};
+  d.op = "assign";
+  d.dst = one;
+  d.n_src = 2;
+  d.src[0] = w;
+  d.src[1] = src;
+  return e.table->supports_op(e.table->ctx, e.device, &d) == 1;
+}
 
 }  // namespace sched
 
@@ -184,14 +205,6 @@ bool covers(const Scatter& sc, int64_t width) {
   return at == width;
 }
 
-// Whether node n's strides are those of a dense tensor of its shape.
-bool is_dense(const Node& n) {
-  TensorView v;
-  v.shape = n.shape;
-  std::copy(n.strides, n.strides + kMaxDims, v.strides);
-  return v.is_contiguous();
-}
-
 // The first element of the piece of P's packed result that dense view q is, when P's kernel
 // can write that piece elsewhere (KernelCtx::pieces; see Redirect), else -1; *row: the
 // length of the piece's rows.
@@ -205,59 +218,6 @@ int64_t redirectable_piece(const Graph& g, const Node& P, const Node& q, int64_t
   const bool dz = P.op == norm_back && P.src.size() >= 4;  // (g, y, w): no gate, no dz
   if (q.view_offset == 0 || (dz && q.view_offset == first.numel())) return q.view_offset;
   return -1;
-}
-
-// Whether device backend b copies into a strided window of a tensor in place (an assign
-// whose destination is a window of a wider row), as a merged add runs there.
-// With src_dt float32 and dt a 2-byte dtype: whether it rounds a float32 source into such a
-// window (see Scatter::from).
-bool assigns_into_windows(int b, DType dt, DType src_dt) {
-  const BackendEntry& e = backend_entry(b);
-  if (e.closed) return false;
-  recurra_tensor_desc w{}, src{}, one{};
-  w.dtype = one.dtype = static_cast<recurra_dtype>(static_cast<int>(dt));
-  src.dtype = static_cast<recurra_dtype>(static_cast<int>(src_dt));
-  w.ndim = src.ndim = 2;
-  for (int i = 0; i < RECURRA_MAX_DIMS; ++i) w.shape[i] = src.shape[i] = one.shape[i] = 1;
-  w.shape[0] = w.shape[1] = src.shape[0] = src.shape[1] = 2;
-  w.strides[0] = 4, w.strides[1] = 1;
-  src.strides[0] = 2, src.strides[1] = 1;
-  one.ndim = 1;
-  one.strides[0] = 1;
-  recurra_node_desc d{};
-  d.op = "assign";
-  d.dst = one;
-  d.n_src = 2;
-  d.src[0] = w;
-  d.src[1] = src;
-  return e.table->supports_op(e.table->ctx, e.device, &d) == 1;
-}
-
-// Whether device backend b runs `op` (add or slice_grad; assigns: assigns_into_windows) of dtype dt on a source of dtype
-// src_dt, converting each value to dt where it loads it, as a cast to dt would (see
-// MergedAdds::folded).
-bool converts_sources(int b, const std::string& op, DType dt, DType src_dt) {
-  const BackendEntry& e = backend_entry(b);
-  if (e.closed) return false;
-  recurra_tensor_desc t{};
-  t.dtype = static_cast<recurra_dtype>(static_cast<int>(dt));
-  t.ndim = 1;
-  for (int i = 0; i < RECURRA_MAX_DIMS; ++i) t.shape[i] = 1;
-  t.shape[0] = 4;
-  t.strides[0] = 1;
-  recurra_node_desc d{};
-  d.op = op.c_str();
-  d.dst = t;
-  d.n_src = op == "add" ? 2 : 1;
-  d.src[0] = d.src[1] = t;
-  d.src[0].dtype = static_cast<recurra_dtype>(static_cast<int>(src_dt));
-  const int64_t ip[4] = {4, 1, 3, 1};  // slice_grad: the full shape, (start, stop, step)
-  if (op == "slice_grad") {
-    d.src[0].shape[0] = 2;
-    d.n_ip = 4;
-    d.ip = ip;
-  }
-  return e.table->supports_op(e.table->ctx, e.device, &d) == 1;
 }
 
 }  // namespace
@@ -334,75 +294,7 @@ const MemoryPlan& Graph::plan() {
         sc.rhs[i] = a.src[1];
       }
     }
-    // On a device, parts that are casts of float32 nodes to the add's 2-byte dtype: their
-    // assigns read those nodes and round (Scatter::from), the casts are not run.
-    const char* fold_env = std::getenv("RECURRA_FOLD_CASTS");
-    const bool fold = !(fold_env && std::string(fold_env) == "0");
-    const int cast_op = tab.find("cast");
-    int loss_at = n;  // casts up to the loss run anyway (the forward): only later ones fold
-    for (int j = 0; j < n && loss_at == n; ++j)
-      if (nodes_[j].flags & kLoss) loss_at = j;
-    // The node whose cast to dt (on backend b, after the loss, read by nothing else) q is,
-    // or a dense reshape of: what its reader may read and convert instead; else -1.
-    auto cast_source = [&](int q, DType dt, int b) {
-      int c = q;
-      if (readers[q] != 1 || (nodes_[q].flags & (kOutput | kLoss))) return -1;
-      if (nodes_[q].is_view()) {  // a reshape of the cast: the same elements in order
-        c = nodes_[q].view_base;
-        if (!is_dense(nodes_[q]) || nodes_[q].view_offset != 0 || nodes_[q].src[0] != c ||
-            nodes_[q].numel() != nodes_[c].numel() || readers[c] != 1)
-          return -1;
-      }
-      const Node& cn = nodes_[c];
-      if (c <= loss_at || cn.is_leaf() || cn.is_view() || cn.op != cast_op || cn.dtype != dt || place_.where[c] != b ||
-          (cn.flags & (kOutput | kLoss)))
-        return -1;
-      const int s = cn.src[0];
-      if (!is_float(nodes_[s].dtype) || !is_dense(nodes_[s]) || place_.where[base_of(s)] != b) return -1;
-      return s;
-    };
-    std::map<std::tuple<int, std::string, int, int>, bool> converts;  // converts_sources, cached
-    auto converts_from = [&](int b, const std::string& op, DType dt, int s) {
-      if (s < 0) return true;
-      const auto key = std::make_tuple(b, op, static_cast<int>(dt), static_cast<int>(nodes_[s].dtype));
-      auto it = converts.find(key);
-      if (it == converts.end()) {
-        const DType sd = nodes_[s].dtype;
-        const bool yes = op == "assign" ? sd == DType::f32 && is_half(dt) && assigns_into_windows(b, dt, sd)
-                                        : converts_sources(b, op, dt, sd);
-        it = converts.emplace(key, yes).first;
-      }
-      return it->second;
-    };
-    for (auto& [j, sc] : merged) {
-      sc.from.assign(sc.parts.size(), -1);
-      const int b = place_.where[j];
-      const DType dt = nodes_[j].dtype;
-      if (!fold || b == kCpuBackend) continue;
-      for (size_t i = 0; i < sc.parts.size(); ++i) {
-        const int s = cast_source(sc.parts[i], dt, b);
-        if (converts_from(b, "assign", dt, s)) sc.from[i] = s;
-      }
-    }
-    // The same for the adds of a 2-byte dtype (a gradient summed from two uses, each rounded
-    // from a float32 result) and for slice_grads (a 2-byte gradient widened to a float32
-    // packed result's) on a device: they read the cast's source and convert it.
-    const int slice_grad_op = tab.find("slice_grad");
-    for (int j = 0; j < n && fold; ++j) {
-      const Node& nd = nodes_[j];
-      const int b = place_.where[j];
-      if (nd.is_leaf() || nd.is_view() || merged.count(j) || b == kCpuBackend) continue;
-      const bool add2 = nd.op == add_op && is_half(nd.dtype) && nd.src.size() == 2 && nd.src[0] != nd.src[1];
-      if (!add2 && nd.op != slice_grad_op) continue;
-      std::vector<int> from;
-      bool any = false, ok = true;
-      for (int q : nd.src) {
-        from.push_back(cast_source(q, nd.dtype, b));
-        any = any || from.back() >= 0;
-        ok = ok && converts_from(b, tab.at(nd.op).name, nd.dtype, from.back());
-      }
-      if (any && ok) folded[j] = std::move(from);
-    }
+    fold_casts(*this, place_.where, readers, merged, folded);  // (see Scatter::from)
     // Tied embeddings: add(A, get_rows_back(g, idx)) on the CPU (see RowsAdd).
     const int rows_op = tab.find("get_rows_back");
     for (int j = 0; j < n; ++j) {

@@ -2,6 +2,7 @@
 // (memory_plan.cpp) and running the splits (execute.cpp).
 #pragma once
 
+#include <algorithm>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
@@ -22,6 +23,14 @@ inline size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 // MemoryPlan::segments entry is -2 - that node) that node.
 inline int memory_owner(const MemoryPlan& p, int id) {
   return id < static_cast<int>(p.segments.size()) && p.segments[id] <= -2 ? -2 - p.segments[id] : id;
+}
+
+// Whether node n's strides are those of a dense tensor of its shape.
+inline bool is_dense(const Node& n) {
+  TensorView v;
+  v.shape = n.shape;
+  std::copy(n.strides, n.strides + kMaxDims, v.strides);
+  return v.is_contiguous();
 }
 
 // ---- merged slice gradients ----------------------------------------------------------
@@ -91,6 +100,16 @@ struct MergedAdds {
   // each value, as the cast did (the cast is not run), or -1. RECURRA_FOLD_CASTS=0: none.
   std::unordered_map<int, std::vector<int>> folded;
 };
+// Whether device backend b copies into a strided window of a tensor of dtype dt in place (an
+// assign whose destination is a window of a wider row), as a merged add runs there, from a
+// source of dtype src_dt (float32 into a 2-byte dt: rounding it, see Scatter::from).
+bool assigns_into_windows(int b, DType dt, DType src_dt);
+
+// Fills Scatter::from of the merged adds and `folded` (MergedAdds::folded) for graph g,
+// placed by `where`, whose node j has readers[j] readers (fold_casts.cpp).
+void fold_casts(const Graph& g, const std::vector<int>& where, const std::vector<int>& readers,
+                std::unordered_map<int, Scatter>& merged, std::unordered_map<int, std::vector<int>>& folded);
+
 extern std::mutex g_scatter_mu;
 extern std::unordered_map<const Graph*, MergedAdds> g_scatters;
 
