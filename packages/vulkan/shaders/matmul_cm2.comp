@@ -33,6 +33,9 @@
 #ifndef PF
 #define PF 0  // 1: the slabs of step s + 1 are loaded before step s is multiplied (K % BK == 0)
 #endif
+#ifndef B_T
+#define B_T 0  // 1: B is stored transposed (N x K, row-major), read through a transposing view
+#endif
 #ifndef NOCLAMP
 #define NOCLAMP 0  // 1 (diagnosis only): no clamping, M, N, K multiples of the tile
 #endif
@@ -65,7 +68,12 @@ layout(push_constant) uniform PC {
 #define MAT_B coopmat<bfloat16_t, gl_ScopeWorkgroup, BK, BN, gl_MatrixUseB>
 #define LOAD(ma, mb, k0)                                                              \
   coopMatLoadTensorNV(ma, pc.a.v, 0, sliceTensorLayoutNV(ta, r0, BM, k0, BK));        \
-  coopMatLoadTensorNV(mb, pc.b.v, 0, sliceTensorLayoutNV(tb, k0, BK, c0, BN))
+  LOAD_B(mb, k0)
+#if B_T
+#define LOAD_B(mb, k0) coopMatLoadTensorNV(mb, pc.b.v, 0, sliceTensorLayoutNV(tb, c0, BN, k0, BK), vt)
+#else
+#define LOAD_B(mb, k0) coopMatLoadTensorNV(mb, pc.b.v, 0, sliceTensorLayoutNV(tb, k0, BK, c0, BN))
+#endif
 
 void main() {
   // The tile of this workgroup: bands of GROUP_M tile rows, walked column by column.
@@ -79,7 +87,12 @@ void main() {
   tensorLayoutNV<2, CLAMP> tb = createTensorLayoutNV(2, CLAMP);
   tensorLayoutNV<2, CLAMP> tc = createTensorLayoutNV(2, CLAMP);
   ta = setTensorLayoutDimensionNV(ta, pc.M, pc.K);
+#if B_T
+  tb = setTensorLayoutDimensionNV(tb, pc.N, pc.K);
+  tensorViewNV<2, false, 1, 0> vt = createTensorViewNV(2, false, 1, 0);
+#else
   tb = setTensorLayoutDimensionNV(tb, pc.K, pc.N);
+#endif
   tc = setTensorLayoutDimensionNV(tc, pc.M, pc.N);
 
   coopmat<float, gl_ScopeWorkgroup, BM, BN, gl_MatrixUseAccumulator> acc =

@@ -2,10 +2,10 @@
 // SPIR-V module given, what the driver reports about its compiled pipeline
 // (VK_KHR_pipeline_executable_properties: statistics such as register counts, and internal
 // representations, written to files) and, for the standalone bf16 entry
-// (shaders/matmul_coopmat.comp's push constants), its time on an S x S x S product of random
-// bf16 matrices (timestamp queries, median of runs) with sampled entries checked against a
-// float64 product. At the end the pipeline cache's data is written out (the driver's compiled
-// code, for a disassembler).
+// (shaders/matmul_coopmat.comp's and shaders/matmul_cm2.comp's push constants), its time on
+// an S x S x S product of random bf16 matrices (timestamp queries, median of runs) with
+// sampled entries checked against a float64 product. At the end the pipeline cache's data is
+// written out (the driver's compiled code, for a disassembler).
 //
 //     g++ -O2 -std=c++17 -Ipackages/vulkan/csrc -Ipackages/core/src/recurra/include
 //         packages/vulkan/tools/coopmat_probe.cpp -o coopmat_probe -lvulkan
@@ -14,6 +14,13 @@
 // WG is specialization constant 0 (the workgroup size), C1.. constants 1, 2, ...; KT = 0:
 // statistics only (the op shader), else the K granule the module needs (BK * PD). A developer
 // tool (issue 18); the benchmarks that count are bench/coopmat.py's.
+//
+// Where the device has VK_NV_cooperative_matrix2 it is enabled (with every feature offered,
+// and maintenance4 for the LocalSizeId that workgroup-scope matrices take) and its features,
+// limits and flexible dimensions are printed. shaders/matmul_cm2.comp needs glslang >= 15
+// (GL_NV_cooperative_matrix2, GL_EXT_bfloat16), e.g.
+//     glslangValidator -V --target-env vulkan1.3 -S comp -DUNROLL=2 matmul_cm2.comp -o cm2.spv
+//     coopmat_probe out 4096 c128x256:cm2.spv:256:128:256:32:128,256,32
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
