@@ -36,6 +36,9 @@
 #ifndef B_T
 #define B_T 0  // 1: B is stored transposed (N x K, row-major), read through a transposing view
 #endif
+#ifndef MATH_ONLY
+#define MATH_ONLY 0  // 1 (diagnosis only, wrong results): the K loop's loads left out
+#endif
 #ifndef NOCLAMP
 #define NOCLAMP 0  // 1 (diagnosis only): no clamping, M, N, K multiples of the tile
 #endif
@@ -98,7 +101,12 @@ void main() {
   coopmat<float, gl_ScopeWorkgroup, BM, BN, gl_MatrixUseAccumulator> acc =
       coopmat<float, gl_ScopeWorkgroup, BM, BN, gl_MatrixUseAccumulator>(0.0);
   const uint steps = (pc.K + BK - 1) / BK;
-#if PF
+#if MATH_ONLY  // diagnosis only, wrong results: one load, every step multiplies the same slabs
+  MAT_A ma;
+  MAT_B mb;
+  LOAD(ma, mb, 0);
+  for (uint s = 0; s < steps; ++s) acc = coopMatMulAdd(ma, mb, acc);
+#elif PF
   MAT_A ma;
   MAT_B mb;
   LOAD(ma, mb, 0);
