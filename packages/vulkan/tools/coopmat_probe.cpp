@@ -2,10 +2,10 @@
 // SPIR-V module given, what the driver reports about its compiled pipeline
 // (VK_KHR_pipeline_executable_properties: statistics such as register counts, and internal
 // representations, written to files) and, for the standalone bf16 entry
-// (shaders/matmul_coopmat.comp's push constants), its time on an S x S x S product of random
-// bf16 matrices (timestamp queries, median of runs) with sampled entries checked against a
-// float64 product. At the end the pipeline cache's data is written out (the driver's compiled
-// code, for a disassembler).
+// (shaders/matmul_coopmat.comp's and shaders/matmul_cm2.comp's push constants), its time on
+// an S x S x S product of random bf16 matrices (timestamp queries, median of runs) with
+// sampled entries checked against a float64 product. At the end the pipeline cache's data is
+// written out (the driver's compiled code, for a disassembler).
 //
 //     g++ -O2 -std=c++17 -Ipackages/vulkan/csrc -Ipackages/core/src/recurra/include
 //         packages/vulkan/tools/coopmat_probe.cpp -o coopmat_probe -lvulkan
@@ -14,6 +14,13 @@
 // WG is specialization constant 0 (the workgroup size), C1.. constants 1, 2, ...; KT = 0:
 // statistics only (the op shader), else the K granule the module needs (BK * PD). A developer
 // tool (issue 18); the benchmarks that count are bench/coopmat.py's.
+//
+// Where the device has VK_NV_cooperative_matrix2 it is enabled (with every feature offered,
+// and maintenance4 for the LocalSizeId that workgroup-scope matrices take) and its features,
+// limits and flexible dimensions are printed. shaders/matmul_cm2.comp needs glslang >= 15
+// (GL_NV_cooperative_matrix2, GL_EXT_bfloat16), e.g.
+//     glslangValidator -V --target-env vulkan1.3 -S comp -DUNROLL=2 matmul_cm2.comp -o cm2.spv
+//     coopmat_probe out 4096 c128x256:cm2.spv:256:128:256:32:128,256,32
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -407,22 +414,64 @@ int main(int argc, char** argv) {
   VkPhysicalDeviceCooperativeMatrixFeaturesKHR cm{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR};
   VkPhysicalDevice16BitStorageFeatures s16{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_16BIT_STORAGE_FEATURES};
   VkPhysicalDeviceVulkan12Features f12{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES};
+  VkPhysicalDeviceVulkan13Features f13{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_3_FEATURES};  // maintenance4:
+  // LocalSizeId, which glslang emits for a specialized workgroup size with workgroup-scope matrices
+  VkPhysicalDeviceCooperativeMatrix2FeaturesNV cm2{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_2_FEATURES_NV};
   VkPhysicalDeviceFeatures2 f2{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2};
   f2.pNext = &f12;
-  f12.pNext = &s16;
+  const bool vk13 = VK_API_VERSION_MINOR(props.apiVersion) >= 3 || VK_API_VERSION_MAJOR(props.apiVersion) > 1;
+  f12.pNext = vk13 ? static_cast<void*>(&f13) : static_cast<void*>(&s16);
+  f13.pNext = &s16;
   if (has(VK_KHR_COOPERATIVE_MATRIX_EXTENSION_NAME)) s16.pNext = &cm;
   cm.pNext = has(VK_KHR_SHADER_BFLOAT16_EXTENSION_NAME) ? static_cast<void*>(&bf) : nullptr;
   void** tail = has(VK_KHR_SHADER_BFLOAT16_EXTENSION_NAME) ? &bf.pNext : &cm.pNext;
   if (!has(VK_KHR_COOPERATIVE_MATRIX_EXTENSION_NAME)) tail = &s16.pNext;
   const bool want_pe = has(VK_KHR_PIPELINE_EXECUTABLE_PROPERTIES_EXTENSION_NAME);
-  if (want_pe) *tail = &pe;
+  if (want_pe) {
+    *tail = &pe;
+    tail = &pe.pNext;
+  }
+  const bool want_cm2 = has(VK_NV_COOPERATIVE_MATRIX_2_EXTENSION_NAME);
+  if (want_cm2) *tail = &cm2;
   vkGetPhysicalDeviceFeatures2(c.pd, &f2);  // enable what is offered, but of the core features
   const VkBool32 int16 = f2.features.shaderInt16;  // only shaderInt16 (as the library: no robustness)
   f2.features = VkPhysicalDeviceFeatures{};
   f2.features.shaderInt16 = int16;
   c.exec_props = want_pe && pe.pipelineExecutableInfo;
   std::printf("pipelineExecutableInfo: %d, bf16 coopmat: %u\n", int(c.exec_props), bf.shaderBFloat16CooperativeMatrix);
+  if (want_cm2) {  // VK_NV_cooperative_matrix2: features, limits, the flexible dimensions
+    std::printf("cooperative_matrix2: workgroupScope %u flexibleDimensions %u reductions %u conversions %u "
+                "perElement %u tensorAddressing %u blockLoads %u\n",
+                cm2.cooperativeMatrixWorkgroupScope, cm2.cooperativeMatrixFlexibleDimensions,
+                cm2.cooperativeMatrixReductions, cm2.cooperativeMatrixConversions,
+                cm2.cooperativeMatrixPerElementOperations, cm2.cooperativeMatrixTensorAddressing,
+                cm2.cooperativeMatrixBlockLoads);
+    VkPhysicalDeviceCooperativeMatrix2PropertiesNV p2{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_2_PROPERTIES_NV};
+    VkPhysicalDeviceProperties2 pp{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2};
+    pp.pNext = &p2;
+    vkGetPhysicalDeviceProperties2(c.pd, &pp);
+    std::printf("  workgroup scope max workgroup %u, flexible max dimension %u, reserved shared memory %u\n",
+                p2.cooperativeMatrixWorkgroupScopeMaxWorkgroupSize, p2.cooperativeMatrixFlexibleDimensionsMaxDimension,
+                p2.cooperativeMatrixWorkgroupScopeReservedSharedMemory);
+    auto get_flex = reinterpret_cast<PFN_vkGetPhysicalDeviceCooperativeMatrixFlexibleDimensionsPropertiesNV>(
+        vkGetInstanceProcAddr(inst, "vkGetPhysicalDeviceCooperativeMatrixFlexibleDimensionsPropertiesNV"));
+    uint32_t nf = 0;
+    if (get_flex && get_flex(c.pd, &nf, nullptr) == VK_SUCCESS) {
+      std::vector<VkCooperativeMatrixFlexibleDimensionsPropertiesNV> fl(nf);
+      for (auto& f : fl)
+        f = VkCooperativeMatrixFlexibleDimensionsPropertiesNV{
+            VK_STRUCTURE_TYPE_COOPERATIVE_MATRIX_FLEXIBLE_DIMENSIONS_PROPERTIES_NV};
+      get_flex(c.pd, &nf, fl.data());
+      for (const auto& f : fl)
+        std::printf("  flexible %ux%ux%u A%d B%d C%d R%d scope %d sat %u invocations %u\n", f.MGranularity,
+                    f.NGranularity, f.KGranularity, int(f.AType), int(f.BType), int(f.CType), int(f.ResultType),
+                    int(f.scope), f.saturatingAccumulation, f.workgroupInvocations);
+    }
+  } else {
+    std::printf("cooperative_matrix2: not offered\n");
+  }
   std::vector<const char*> exts;
+  if (want_cm2) exts.push_back(VK_NV_COOPERATIVE_MATRIX_2_EXTENSION_NAME);
   for (const char* x : {VK_KHR_COOPERATIVE_MATRIX_EXTENSION_NAME, VK_KHR_SHADER_BFLOAT16_EXTENSION_NAME})
     if (has(x)) exts.push_back(x);
   if (c.exec_props) exts.push_back(VK_KHR_PIPELINE_EXECUTABLE_PROPERTIES_EXTENSION_NAME);
