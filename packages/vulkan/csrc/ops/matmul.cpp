@@ -20,8 +20,9 @@
 // bfloat16/float16 (issue 18): both sources and the output of one 2-byte type, float32
 // accumulation, each output element rounded once to the type (round to nearest even), as the
 // CPU does through the BLAS in float32. Where the device has cooperative matrices for the
-// type: shaders/matmul_coopmat_op.comp on tensor cores, its tiling by size or
-// RECURRA_VK_COOPMAT (csrc/coopmat.h; "off" forces the fallback). Elsewhere the fallback, the
+// type: shaders/matmul_coopmat_op.comp on tensor cores, its tiling and split-K slices from
+// coopmat_op_plan or RECURRA_VK_COOPMAT / RECURRA_VK_SPLITK (csrc/coopmat.h; "off" forces the
+// fallback). Elsewhere the fallback, the
 // "_h" modules of matmul_reg.comp (2-byte scalar loads and stores, RECURRA_VK_MATMUL picks
 // among r128k8, r128, r128x64, r64 as for float32; legacy means auto). Both need
 // storageBuffer16BitAccess; without it the node is refused (the core runs it on the CPU).
