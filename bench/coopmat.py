@@ -23,7 +23,10 @@ dX = dy @ W^T as transposed views), beside torch.matmul in the same dtype and la
 product: the wall time of a graph of R independent products minus that of a graph of one,
 over R - 1 (the submission and the wait cancel out; medians of --runs computes; R from
 --op-reps). --op-tilings runs each RECURRA_VK_COOPMAT setting (auto, op128, op64,
-op128x256drnf, off = the fallback shader). Each result is checked against
+op128x256drnf, op128drnf, off = the fallback shader), each optionally with ":S" (split-K into
+S slices, RECURRA_VK_SPLITK); each line shows the plan it ran (tiling/slices). The group
+mamba2step holds the step's products in the layouts the step runs them in (x @ W^T forward,
+the 315-row chunks of its LM head). Each result is checked against
 torch's float64 product of the same inputs: |C - ref| <= u |ref| + 2 K 2^-24 (|A| @ |B|)
 (u: 2^-8 bf16, 2^-11 f16).
 """
@@ -125,6 +128,20 @@ OP_SHAPES = {
         ("lm_head chunk dW", 768, 1024, 50280, True, False),
         ("lm_head chunk dX", 1024, 50280, 768, False, True),
     ],
+    # the products of a bf16 Mamba2-130M training step at batch 8 x 512 as it runs them:
+    # Linear weights stored (out, in), so the forward is x @ W^T and the input gradient dy @ W;
+    # the tied LM head over a 13-chunk loss (315 rows of the 50288-token padded vocabulary)
+    "mamba2step": [
+        ("in_proj x@W^T", 4096, 768, 3352, False, True),
+        ("in_proj dW=x^T@dy", 768, 4096, 3352, True, False),
+        ("in_proj dX=dy@W", 4096, 3352, 768, False, False),
+        ("out_proj x@W^T", 4096, 1536, 768, False, True),
+        ("out_proj dW=x^T@dy", 1536, 4096, 768, True, False),
+        ("out_proj dX=dy@W", 4096, 768, 1536, False, False),
+        ("lm_head 315 x@E^T", 315, 768, 50288, False, True),
+        ("lm_head 315 dW=h^T@dl", 768, 315, 50288, True, False),
+        ("lm_head 315 dX=dl@E", 315, 50288, 768, False, False),
+    ],
 }
 UNIT = {"bf16": 2.0**-8, "f16": 2.0**-11}
 
@@ -195,8 +212,11 @@ def bench_op(args, torch) -> list[dict]:
     """The matmul op through the graph API on every shape and tiling, beside torch."""
     import os
 
+    import recurra_vulkan as rv
+
     results = []
     shapes = [s for group in args.op_shapes.split(",") if group for s in OP_SHAPES[group]]
+    shapes = [s for s in shapes if args.op_match in s[0]]
     tilings = [t for t in args.op_tilings.split(",") if t]
     for dtype in [d for d in args.dtypes.split(",") if d]:
         for name, m, k, n, ta, tb in shapes:
@@ -208,7 +228,10 @@ def bench_op(args, torch) -> list[dict]:
                 peer = flop / t_sec / 1e12
                 print(f"{dtype} op {name} ({m}x{k} @ {k}x{n}) torch: {peer:8.1f} TFLOP/s")
             for tiling in tilings:
-                os.environ["RECURRA_VK_COOPMAT"] = tiling
+                # TILING or TILING:SLICES (RECURRA_VK_SPLITK)
+                os.environ["RECURRA_VK_COOPMAT"], _, splits = tiling.partition(":")
+                os.environ["RECURRA_VK_SPLITK"] = splits
+                plan = "/".join(map(str, rv._vk.coopmat_op_plan(m, n, k)))
                 try:
                     sec, c, where = time_op(a, b, ta, tb, args.op_reps, args.runs)
                 except (RuntimeError, ValueError, MemoryError) as e:
@@ -217,6 +240,7 @@ def bench_op(args, torch) -> list[dict]:
                     continue
                 finally:
                     os.environ.pop("RECURRA_VK_COOPMAT", None)
+                    os.environ.pop("RECURRA_VK_SPLITK", None)
                 ours = flop / sec / 1e12 if sec > 0 else float("nan")
                 ok = None
                 if ref is not None:
@@ -224,7 +248,7 @@ def bench_op(args, torch) -> list[dict]:
                     tol = UNIT[dtype] * ref.abs() + 2 * k * 2.0**-24 * mag
                     ok = bool(((got - ref).abs() <= tol).all().item())
                 ratio = ours / peer if peer else None
-                line = f"{dtype} op {name} {tiling:<9} on {where}: {ours:8.1f} TFLOP/s"
+                line = f"{dtype} op {name} {tiling:<9} ({plan}) on {where}: {ours:8.1f} TFLOP/s"
                 line += f" ({sec * 1e3:.3f} ms)"
                 if ratio is not None:
                     line += f", ours/torch {ratio:.2f}"
@@ -240,6 +264,7 @@ def bench_op(args, torch) -> list[dict]:
                         "op": name,
                         "shape": [m, k, n],
                         "tiling": tiling,
+                        "plan": plan,
                         "backend": where,
                         "tflops": ours,
                         "seconds": sec,
@@ -272,12 +297,16 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="time the standalone variants (default on)",
     )
-    ap.add_argument("--op-shapes", default="square,mamba2", help="groups: square, mamba2, small")
+    ap.add_argument(
+        "--op-shapes", default="square,mamba2", help="groups: square, mamba2, mamba2step, small"
+    )
     ap.add_argument(
         "--op-tilings",
         default="auto",
-        help="RECURRA_VK_COOPMAT values: auto, off, op128, op64, op128x256drnf",
+        help="RECURRA_VK_COOPMAT values (auto, off, op128, op64, op128x256drnf, op128drnf), "
+        "each optionally with :SLICES (RECURRA_VK_SPLITK: split-K into that many slices)",
     )
+    ap.add_argument("--op-match", default="", help="only the products whose name has this")
     ap.add_argument("--op-reps", type=int, default=10, help="products per timed graph (>= 2)")
     args = ap.parse_args(argv)
 

@@ -700,3 +700,81 @@ def test_split_k_for_few_tiles_and_long_k(
     assert scratch >= 2 * m * n * 4, scratch
     got, _ = device_op(vulkan, op, a, b, False, True)  # B k-contiguous (x @ W^T)
     assert_close(op, got, a, b)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 7])
+def test_forced_split_k_slices(
+    vulkan: str, path: str, splits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RECURRA_VK_SPLITK=S runs a single product as S slices of K (16-aligned, the rest in
+    one more dispatch: K 300 is no multiple of 16 S), on the coopmat path and the fallback:
+    values against float64 and the CPU, the slices' partial sums in scratch."""
+    monkeypatch.setenv("RECURRA_VK_SPLITK", str(splits))
+    m, k, n = 40, 300, 72
+    a, b = rounded((m, k), BF16, 21), rounded((k, n), BF16, 22)
+    index = int(vulkan.partition(":")[2] or 0)
+    recurra_vulkan._vk.memory_info(index, reset_peaks=True)
+    got, where = device_op(vulkan, "matmul", a, b, True, False)
+    scratch = recurra_vulkan._vk.memory_info(index)["internal"]["peak_bytes"]
+    assert where.startswith("vulkan")
+    assert_close("matmul", got, a, b)
+    assert_matches_cpu(got, cpu_op("matmul", a, b), "matmul", a, b)
+    assert scratch >= splits * m * n * 4, scratch
+
+
+def test_a_bad_split_count_raises(vulkan: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RECURRA_VK_SPLITK", "33")
+    a = rounded((8, 64), BF16, 0)
+    with pytest.raises((ValueError, RuntimeError), match="RECURRA_VK_SPLITK"):
+        device_op(vulkan, "matmul", a, a.T.copy())
+    with pytest.raises(ValueError, match="RECURRA_VK_SPLITK"):
+        recurra_vulkan._vk.coopmat_op_plan(8, 8, 64)
+
+
+# The Mamba2-130M step's products at batch 8 x 512 (M, N, K): in_proj, out_proj (forward,
+# dW, dX) and the tied LM head over 315-row chunks of the loss.
+STEP_PRODUCTS = [
+    (4096, 3352, 768),
+    (768, 3352, 4096),
+    (4096, 768, 3352),
+    (4096, 768, 1536),
+    (1536, 768, 4096),
+    (4096, 1536, 768),
+    (315, 50288, 768),
+    (768, 50288, 315),
+    (315, 768, 50288),
+]
+OP_TILE_SIZES = {name: (t["BM"], t["BN"]) for name, t in op_tiles().items()}
+PER_SM = {"op128x256drnf": 1, "op128drnf": 2, "op128": 2, "op64": 4}  # csrc/coopmat.cpp
+
+
+def test_the_plan_keeps_split_k_products_in_whole_rounds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The op's plan (a cost model, no device needed): the step's products split only where
+    the slices' workgroups fill whole rounds of the H200's 132 SMs (the LM head's input
+    gradient in 15 slices of op128 was one round and 6 workgroups more: twice the time);
+    slices of at least 128 of K, at most 32, none for a batch of products; the environment's
+    tiling and slice count honoured."""
+    monkeypatch.delenv("RECURRA_VK_COOPMAT", raising=False)
+    monkeypatch.delenv("RECURRA_VK_SPLITK", raising=False)
+    plan = recurra_vulkan._vk.coopmat_op_plan
+    for m, n, k in STEP_PRODUCTS:
+        tile, s = plan(m, n, k)
+        bm, bn = OP_TILE_SIZES[tile]
+        assert 1 <= s <= min(32, k // 128), (m, n, k, tile, s)
+        groups = -(-m // bm) * -(-n // bn) * s
+        slots = PER_SM[tile] * 132
+        if s > 1:  # the last round at least half full
+            assert groups % slots == 0 or groups % slots >= slots // 2, (m, n, k, tile, s)
+    assert plan(315, 768, 50288)[1] > 1  # 18 128x128 tiles, K 50288: split
+    assert plan(4096, 4096, 4096) == ("op128x256drnf", 1)
+    assert plan(768, 3352, 4096, 4)[1] == 1
+    assert plan(8, 8, 8)[1] == 1
+    monkeypatch.setenv("RECURRA_VK_COOPMAT", "op128")
+    assert plan(315, 768, 50288)[0] == "op128"
+    monkeypatch.setenv("RECURRA_VK_SPLITK", "5")
+    assert plan(315, 768, 50288) == ("op128", 5)
+    assert plan(315, 768, 300) == ("op128", 2)  # at most K / 128 slices
+    monkeypatch.setenv("RECURRA_VK_COOPMAT", "off")
+    assert plan(315, 768, 50288) == ("off", 1)

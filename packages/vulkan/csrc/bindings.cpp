@@ -344,6 +344,17 @@ PYBIND11_MODULE(_vk, m) {
       "shaders and note, the extensions and features, the cooperative matrix shapes, and per dtype whether it "
       "runs ('f16', 'bf16') or why not ('f16_reason', 'bf16_reason').");
   m.def(
+      "coopmat_op_plan",
+      [](int64_t m, int64_t n, int64_t k, int64_t batch) {
+        if (m < 1 || n < 1 || k < 1 || batch < 1) throw py::value_error("m, n, k and batch must be positive");
+        const CoopMatOpPlan p = coopmat_op_plan(m, n, k, batch);
+        return py::make_tuple(p.tile ? std::string(p.tile->name) : std::string("off"), p.splits);
+      },
+      py::arg("m"), py::arg("n"), py::arg("k"), py::arg("batch") = 1,
+      "The bfloat16/float16 matmul op's plan on a device with cooperative matrices for an M x N output "
+      "(per batch matrix) and inner size K: (tiling, slices of K), as RECURRA_VK_COOPMAT and "
+      "RECURRA_VK_SPLITK leave it (no device needed).");
+  m.def(
       "coopmat_matmul",
       [](const py::array_t<uint16_t, py::array::c_style>& a, const py::array_t<uint16_t, py::array::c_style>& b,
          const std::string& dtype, int reps, const std::string& variant, int device) {

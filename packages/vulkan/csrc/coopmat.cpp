@@ -191,11 +191,14 @@ std::vector<std::string> coopmat_variants() {
   return out;
 }
 
-// Must match coopmat_op_tiles in meson.build.
+// Must match coopmat_op_tiles in meson.build. per_sm: every 64x64-subgroup tiling uses 255
+// registers (tools/coopmat_probe.cpp), so an SM holds one 256-invocation workgroup or two of
+// 128; tflops: H200, bfloat16, full waves (bench/coopmat.py).
 const CoopMatOpTile kOpTiles[] = {
-    {"op128", 128, 128, 32, 64, 64},  // 4 subgroups of 64x64
-    {"op64", 64, 64, 32, 32, 32},     // 4 subgroups of 32x32
-    {"op128x256drnf", 128, 256, 16, 64, 64},  // 8 subgroups of 64x64, DEFER, ROT, NC, FS
+    {"op128", 128, 128, 32, 64, 64, 2, 195.0},  // 4 subgroups of 64x64
+    {"op64", 64, 64, 32, 32, 32, 4, 100.0},     // 4 subgroups of 32x32
+    {"op128x256drnf", 128, 256, 16, 64, 64, 1, 238.0},  // 8 subgroups of 64x64, DEFER, ROT, NC, FS
+    {"op128drnf", 128, 128, 16, 64, 64, 2, 230.0},      // 4 subgroups of 64x64, DEFER, ROT, NC, FS
 };
 
 static const CoopMatOpTile* find_op_tile(const std::string& name) {
@@ -216,31 +219,85 @@ std::string coopmat_op_why_not(const Device& d, bool bf16) {
   return "";
 }
 
-const CoopMatOpTile* coopmat_op_tile(int64_t m, int64_t n, int64_t k, int64_t batch) {
+int64_t forced_splits() {
+  const char* env = std::getenv("RECURRA_VK_SPLITK");
+  if (!env || !*env || std::strcmp(env, "auto") == 0) return 0;
+  char* end = nullptr;
+  const long v = std::strtol(env, &end, 10);
+  if (*end || v < 1 || v > 32)
+    fail_invalid(std::string("RECURRA_VK_SPLITK=") + env + ": expected auto or a number of slices from 1 to 32");
+  return v;
+}
+
+namespace {
+
+// The plan's cost model of an H200 (132 SMs, as for the float32 kernels' kEnoughTiles): the
+// workgroups spread over the SMs, the busiest SM runs its share per_sm at a time, each round
+// as long as one workgroup's K slice plus kFillSteps (its first loads and its epilogue) at
+// the tiling's rate; a last round with fewer workgroups than per_sm costs at least kLoneShare
+// of a full one (fewer warps hide less latency). A split adds the float32 partial sums'
+// round trip through memory, sum_slices_h's dispatch and the rest's. The case behind it
+// (bench/coopmat.py, the Mamba2-130M step's products): the LM head's input gradient in a
+// 13-chunk step (315 x 50288 @ 50288 x 768, 18 128x128 tiles) in 15 slices was 270
+// workgroups on op128, two per SM and 6 more: the second round doubled its time.
+constexpr int64_t kSMs = 132;
+constexpr double kFillSteps = 128.0;
+constexpr double kLoneShare = 0.6;
+constexpr double kBytesPerNs = 3000.0;
+constexpr double kDispatchNs = 4000.0;
+
+// ns of `groups` workgroups of tile t, each over `ks` elements of K.
+double rounds_ns(const CoopMatOpTile& t, int64_t groups, int64_t ks) {
+  const int64_t load = (groups + kSMs - 1) / kSMs;  // workgroups on the busiest SM
+  const int64_t full = (load - 1) / t.per_sm;       // full rounds before the last
+  const double last = std::max(static_cast<double>(load - full * t.per_sm), kLoneShare * static_cast<double>(t.per_sm));
+  const double sm_flop_ns = t.tflops * 1e3 / static_cast<double>(kSMs);
+  const double group_step_ns = 2.0 * static_cast<double>(t.bm * t.bn) / sm_flop_ns;  // one K element
+  return (static_cast<double>(full * t.per_sm) + last) * (static_cast<double>(ks) + kFillSteps) * group_step_ns;
+}
+
+double plan_ns(const CoopMatOpTile& t, int64_t m, int64_t n, int64_t k, int64_t batch, int64_t s) {
+  const int64_t tiles = ((m + t.bm - 1) / t.bm) * ((n + t.bn - 1) / t.bn) * batch;
+  if (s < 2) return rounds_ns(t, tiles, k);
+  const int64_t ks = (k / s) & ~int64_t(15);  // split_k's slices (16-aligned) and the rest
+  const int64_t rest = k - s * ks;
+  double ns = rounds_ns(t, tiles * s, ks) + kDispatchNs +
+              (8.0 * static_cast<double>(s) + 2.0) * static_cast<double>(m * n) / kBytesPerNs;
+  if (rest > 0) ns += rounds_ns(t, tiles, rest) + kDispatchNs;
+  return ns;
+}
+
+}  // namespace
+
+CoopMatOpPlan coopmat_op_plan(int64_t m, int64_t n, int64_t k, int64_t batch) {
   const char* env = std::getenv("RECURRA_VK_COOPMAT");
   const std::string v = env ? env : "";
-  if (v == "off") return nullptr;
-  if (v.empty() || v == "auto") {
-    // Measured on an H200 (132 SMs), bfloat16, same run (bench/coopmat.py; workgroups counted
-    // with the split-K slices as the batch): op128x256d where there are two 128x256
-    // workgroups per SM (4096^3: 228 TFLOP/s vs 183 for op128x256, the same tiling without
-    // DEFER; the LM head's x@W and dW +18% and +20%), and from 160 of them when K is at most
-    // 4096 (in_proj dW, 168: 126 vs op128 100; out_proj x@W and dX, 192: 109 vs 95 and 190 vs
-    // 117; in_proj dX, 192: 108 vs 106); with a long K (the LM head's dX, K 25140 a slice, 192:
-    // 105 vs op128 142) or fewer, op128 from one 128x128 tile per SM (the out_proj dW, 144: 97
-    // vs op128x256d 85); the 64x64 tile only below that.
-    const int64_t tiles = ((m + 127) / 128) * ((n + 127) / 128) * batch;
-    const int64_t wide = ((m + 127) / 128) * ((n + 255) / 256) * batch;
-    // Round 4 (same H200 run, bf16): op128x256drnf (DEFER with ROT, NC and FS) in place of
-    // op128x256d under the same rule: 4096^3 238.5 vs 220.7; in_proj x@W 184 vs 167, dW 123 vs
-    // 111; the LM head's x@W 176 vs 165, dW 229 vs 216 (its dX stays on op128: 140 vs 104).
-    if (wide >= 264 || (wide >= 160 && k <= 4096)) return find_op_tile("op128x256drnf");
-    return find_op_tile(tiles >= 132 ? "op128" : "op64");
+  if (v == "off") return {nullptr, 1};
+  const CoopMatOpTile* only = nullptr;
+  if (!v.empty() && v != "auto") {
+    only = find_op_tile(v);
+    if (!only) {
+      std::string names;
+      for (const CoopMatOpTile& t : kOpTiles) names += std::string(", ") + t.name;
+      fail_invalid("RECURRA_VK_COOPMAT=" + v + ": unknown tiling (expected auto, off" + names + ")");
+    }
   }
-  if (const CoopMatOpTile* t = find_op_tile(v)) return t;
-  std::string names;
-  for (const CoopMatOpTile& t : kOpTiles) names += std::string(", ") + t.name;
-  fail_invalid("RECURRA_VK_COOPMAT=" + v + ": unknown tiling (expected auto, off" + names + ")");
+  // Slices: single products with K of at least 128 a slice, their partial sums indexable.
+  const int64_t forced = forced_splits();
+  int64_t most = batch == 1 ? std::min<int64_t>(32, k / 128) : 1;
+  while (most > 1 && (most + 1) * m * n > kMaxIndex) --most;
+  most = std::max<int64_t>(most, 1);
+  const int64_t lo = forced ? std::min(forced, most) : 1, hi = forced ? lo : most;
+  CoopMatOpPlan best{nullptr, 1};
+  double best_ns = 0.0;
+  for (const CoopMatOpTile& t : kOpTiles) {
+    if (only ? &t != only : std::strcmp(t.name, "op128") == 0) continue;  // op128drnf replaces it
+    for (int64_t s = lo; s <= hi; ++s) {
+      const double ns = plan_ns(t, m, n, k, batch, s);
+      if (!best.tile || ns < best_ns) best = {&t, s}, best_ns = ns;
+    }
+  }
+  return best;
 }
 
 std::vector<std::string> coopmat_op_tiles() {

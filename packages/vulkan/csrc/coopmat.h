@@ -183,19 +183,30 @@ std::vector<std::string> coopmat_variants();
 struct CoopMatOpTile {
   const char* name;  // module "matmul_op_<name>_<bf16|f16>"
   int64_t bm, bn, bk, wm, wn;  // two shared buffers per operand
+  int64_t per_sm;  // workgroups an SM of an H200 holds at once (registers)
+  double tflops;   // the H200's bfloat16 throughput on full waves (the plan's cost model)
 };
 
 // "" when the op's coopmat shaders can run on `d` in that dtype (the features enabled, a fixed
 // subgroup size of at least 8, 2-byte storage), else why not.
 std::string coopmat_op_why_not(const Device& d, bool bf16);
 
-// The tiling for a product with an M x N output per batch matrix and inner size K:
-// RECURRA_VK_COOPMAT names one ("op128", "op64", "op128x256drnf"), else by size: the 128x256
-// tile (DEFER schedule) when it gives two workgroups per SM of an H200 (or 160 and K <= 4096),
-// else the 128x128 tile when it fills the GPU, else the 64x64 one. nullptr when
-// RECURRA_VK_COOPMAT=off (the op then runs the fallback shader). Throws Error
-// (RECURRA_ERR_INVALID) for an unknown name.
-const CoopMatOpTile* coopmat_op_tile(int64_t m, int64_t n, int64_t k, int64_t batch);
+// A product's plan on the op's shader: the tiling and the slices of K (split-K, 1: none).
+struct CoopMatOpPlan {
+  const CoopMatOpTile* tile;
+  int64_t splits;
+};
+
+// The plan for a product with an M x N output per batch matrix and inner size K (split-K
+// only for batch 1): by a cost model of an H200 (coopmat_op_plan in coopmat.cpp: waves of
+// workgroups on 132 SMs, the slices' partial sums through memory), over the tilings and 1 to
+// 32 slices; RECURRA_VK_COOPMAT names a tiling ("op128x256drnf", "op128drnf", "op128",
+// "op64") and RECURRA_VK_SPLITK a number of slices (each then chosen by the model given the
+// other). tile nullptr when RECURRA_VK_COOPMAT=off (the op then runs the fallback shader).
+// Throws Error (RECURRA_ERR_INVALID) for an unknown name or a bad number.
+CoopMatOpPlan coopmat_op_plan(int64_t m, int64_t n, int64_t k, int64_t batch);
+// RECURRA_VK_SPLITK as a number of slices, 0 when unset or "auto" (throws for a bad value).
+int64_t forced_splits();
 std::vector<std::string> coopmat_op_tiles();
 
 // The workgroup size of `tile` on `d` (its subgroups times the subgroup size); throws Error

@@ -20,8 +20,9 @@
 // bfloat16/float16 (issue 18): both sources and the output of one 2-byte type, float32
 // accumulation, each output element rounded once to the type (round to nearest even), as the
 // CPU does through the BLAS in float32. Where the device has cooperative matrices for the
-// type: shaders/matmul_coopmat_op.comp on tensor cores, its tiling by size or
-// RECURRA_VK_COOPMAT (csrc/coopmat.h; "off" forces the fallback). Elsewhere the fallback, the
+// type: shaders/matmul_coopmat_op.comp on tensor cores, its tiling and split-K slices from
+// coopmat_op_plan or RECURRA_VK_COOPMAT / RECURRA_VK_SPLITK (csrc/coopmat.h; "off" forces the
+// fallback). Elsewhere the fallback, the
 // "_h" modules of matmul_reg.comp (2-byte scalar loads and stores, RECURRA_VK_MATMUL picks
 // among r128k8, r128, r128x64, r64 as for float32; legacy means auto). Both need
 // storageBuffer16BitAccess; without it the node is refused (the core runs it on the CPU).
@@ -189,13 +190,12 @@ std::string product_check(const recurra_node_desc& n) {
 }
 
 // One dispatch of a bfloat16/float16 product over `batch` matrices (batch strides sa, sb in
-// elements), C of 2-byte type dt, or float32 when c_f32 (a split-K slice's partial sums).
-void dispatch_half(NodeCall& c, const MatmulPC& pc, int64_t batch, const int64_t* sa, const int64_t* sb,
-                   int32_t dt, bool c_f32, const Range& out) {
+// elements), C of 2-byte type dt, or float32 when c_f32 (a split-K slice's partial sums), on
+// the coopmat tiling `tile` (nullptr: the fallback shader).
+void dispatch_half(NodeCall& c, const CoopMatOpTile* tile, const MatmulPC& pc, int64_t batch, const int64_t* sa,
+                   const int64_t* sb, int32_t dt, bool c_f32, const Range& out) {
   Device& dev = c.rec.device();
   const bool bf16 = dt == 2;
-  const CoopMatOpTile* tile =
-      coopmat_op_why_not(dev, bf16).empty() ? coopmat_op_tile(pc.M, pc.N, pc.K, batch) : nullptr;
   if (tile) {
     // Each operand staged along its contiguous axis: A m-contiguous (a_rs 1, x^T views) or
     // k-contiguous/general; B k-contiguous (b_rs 1, W^T views) or n-contiguous/general.
@@ -230,20 +230,29 @@ void dispatch_half(NodeCall& c, const MatmulPC& pc, int64_t batch, const int64_t
 }
 
 // A bfloat16/float16 product (pc and the batch strides filled in by product_record). Split-K
-// as for float32 (split_count: few tiles of C, a long K), on the same kernels: the slices are
-// a batch of the product writing float32 partial sums into scratch (K slices of a multiple of
-// 16 elements, the rest in one more dispatch), then sum_slices_h adds them in a fixed order
-// and rounds each element once to the type. H200, the LM head's input gradient in a 13-chunk
-// Mamba2-130M step (315 x 50288 @ 50288 x 768, 18 tiles): 1.27 ms unsplit on the 64x64 tile.
+// as for float32 (few tiles of C, a long K), on the same kernels: the slices are a batch of
+// the product writing float32 partial sums into scratch (K slices of a multiple of 16
+// elements, the rest in one more dispatch), then sum_slices_h adds them in a fixed order and
+// rounds each element once to the type. On tensor cores the tiling and the slices come from
+// coopmat_op_plan (a cost model: waves of workgroups, the partial sums' traffic); the
+// fallback takes split_count's. RECURRA_VK_SPLITK forces the slices on both (for tests and
+// measurements; at most K / 16 of them).
 void record_half(NodeCall& c, const MatmulPC& pc, int64_t batch, const int64_t* sa, const int64_t* sb) {
   const int32_t dt = c.dst.d->dtype == RECURRA_BF16 ? 2 : 3;  // half.glsl's DT_BF16 / DT_F16
-  const int64_t splits = batch == 1 ? split_count(pc.M, pc.N, pc.K) : 1;
-  if (splits < 2) return dispatch_half(c, pc, batch, sa, sb, dt, false, c.dst.range);
+  CoopMatOpPlan plan{nullptr, 1};
+  if (coopmat_op_why_not(c.rec.device(), dt == 2).empty()) plan = coopmat_op_plan(pc.M, pc.N, pc.K, batch);
+  int64_t splits = plan.splits;
+  if (!plan.tile && batch == 1) {
+    const int64_t forced = forced_splits();
+    splits = forced ? std::min<int64_t>(forced, pc.K / 16) : split_count(pc.M, pc.N, pc.K);
+    if ((splits + 1) * pc.M * pc.N > kMaxIndex) splits = 1;
+  }
+  if (splits < 2) return dispatch_half(c, plan.tile, pc, batch, sa, sb, dt, false, c.dst.range);
   const auto part = c.rec.scratch(split_bytes(pc, splits));
   const Split sp = split_k(pc, splits, 16, 2, part.addr);
   const int64_t ssa[2] = {0, sp.sliced.a_b1}, ssb[2] = {0, sp.sliced.b_b1}, none[2] = {0, 0};
-  dispatch_half(c, sp.sliced, splits, ssa, ssb, dt, true, part.range);
-  if (sp.rest.K > 0) dispatch_half(c, sp.rest, 1, none, none, dt, true, part.range);
+  dispatch_half(c, plan.tile, sp.sliced, splits, ssa, ssb, dt, true, part.range);
+  if (sp.rest.K > 0) dispatch_half(c, plan.tile, sp.rest, 1, none, none, dt, true, part.range);
   sum_slices(c, sp, part.range, "sum_slices_h", {dt});
 }
 
