@@ -19,8 +19,6 @@ namespace {
 // dtype dt on a source of dtype src_dt, converting each value to dt where it loads it, as a
 // cast to dt would.
 bool converts_sources(int b, const std::string& op, DType dt, DType src_dt) {
-  const BackendEntry& e = backend_entry(b);
-  if (e.closed) return false;
   recurra_tensor_desc t{};
   t.dtype = static_cast<recurra_dtype>(static_cast<int>(dt));
   t.ndim = 1;
@@ -39,7 +37,7 @@ bool converts_sources(int b, const std::string& op, DType dt, DType src_dt) {
     d.n_ip = 4;
     d.ip = ip;
   }
-  return e.table->supports_op(e.table->ctx, e.device, &d) == 1;
+  return backend_runs(b, d);
 }
 
 }  // namespace

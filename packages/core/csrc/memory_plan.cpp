@@ -25,9 +25,12 @@ namespace sched {
 std::mutex g_scatter_mu;
 std::unordered_map<const Graph*, MergedAdds> g_scatters;
 
-bool assigns_into_windows(int b, DType dt, DType src_dt) {
+bool backend_runs(int b, const recurra_node_desc& d) {
   const BackendEntry& e = backend_entry(b);
-  if (e.closed) return false;
+  return !e.closed && e.table->supports_op(e.table->ctx, e.device, &d) == 1;
+}
+
+bool assigns_into_windows(int b, DType dt, DType src_dt) {
   recurra_tensor_desc w{}, src{}, one{};
   w.dtype = one.dtype = static_cast<recurra_dtype>(static_cast<int>(dt));
   src.dtype = static_cast<recurra_dtype>(static_cast<int>(src_dt));
@@ -44,7 +47,7 @@ bool assigns_into_windows(int b, DType dt, DType src_dt) {
   d.n_src = 2;
   d.src[0] = w;
   d.src[1] = src;
-  return e.table->supports_op(e.table->ctx, e.device, &d) == 1;
+  return backend_runs(b, d);
 }
 
 }  // namespace sched

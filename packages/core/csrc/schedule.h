@@ -100,6 +100,8 @@ struct MergedAdds {
   // each value, as the cast did (the cast is not run), or -1. RECURRA_FOLD_CASTS=0: none.
   std::unordered_map<int, std::vector<int>> folded;
 };
+// Whether device backend b (not closed) runs node d, by its supports_op.
+bool backend_runs(int b, const recurra_node_desc& d);
 // Whether device backend b copies into a strided window of a tensor of dtype dt in place (an
 // assign whose destination is a window of a wider row), as a merged add runs there, from a
 // source of dtype src_dt (float32 into a 2-byte dt: rounding it, see Scatter::from).

@@ -22,17 +22,12 @@ layout(constant_id = 4) const int DA = -1;  // -1: DT; 0: float32, rounded to DT
 layout(constant_id = 5) const int DB = -1;
 
 // Source values: loaded in their dtype `from` (DT, or float32 rounded to DT).
-float ldr(uvec2 a, uint i, int from) {
-  if (from != DT_F32) return ld(a, i, DT);
-  return uintBitsToFloat(h_to_f32_bits(f32_to_h_bits(ld(a, i, DT_F32), DT), DT));
-}
+float rounded(float v) { return uintBitsToFloat(h_to_f32_bits(f32_to_h_bits(v, DT), DT)); }
+float ldr(uvec2 a, uint i, int from) { return from != DT_F32 ? ld(a, i, DT) : rounded(ld(a, i, DT_F32)); }
 vec4 ldr4(uvec2 a, uint j, int from) {
   if (from != DT_F32) return ld4f(a, j, DT);
   const vec4 v = ld4f(a, j, DT_F32);
-  return vec4(uintBitsToFloat(h_to_f32_bits(f32_to_h_bits(v.x, DT), DT)),
-              uintBitsToFloat(h_to_f32_bits(f32_to_h_bits(v.y, DT), DT)),
-              uintBitsToFloat(h_to_f32_bits(f32_to_h_bits(v.z, DT), DT)),
-              uintBitsToFloat(h_to_f32_bits(f32_to_h_bits(v.w, DT), DT)));
+  return vec4(rounded(v.x), rounded(v.y), rounded(v.z), rounded(v.w));
 }
 #endif
 
