@@ -26,7 +26,7 @@ over R - 1 (the submission and the wait cancel out; medians of --runs computes; 
 op128x256drnf, op128drnf, off = the fallback shader), each optionally with ":S" (split-K into
 S slices, RECURRA_VK_SPLITK); each line shows the plan it ran (tiling/slices). The group
 mamba2step holds the step's products in the layouts the step runs them in (x @ W^T forward,
-the 315-row chunks of its LM head). Each result is checked against
+the 256-row chunks of its LM head). Each result is checked against
 torch's float64 product of the same inputs: |C - ref| <= u |ref| + 2 K 2^-24 (|A| @ |B|)
 (u: 2^-8 bf16, 2^-11 f16).
 """
@@ -130,7 +130,7 @@ OP_SHAPES = {
     ],
     # the products of a bf16 Mamba2-130M training step at batch 8 x 512 as it runs them:
     # Linear weights stored (out, in), so the forward is x @ W^T and the input gradient dy @ W;
-    # the tied LM head over a 13-chunk loss (315 rows of the 50288-token padded vocabulary)
+    # the tied LM head over a 16-chunk loss (256 rows of the 50288-token padded vocabulary)
     "mamba2step": [
         ("in_proj x@W^T", 4096, 768, 3352, False, True),
         ("in_proj dW=x^T@dy", 768, 4096, 3352, True, False),
@@ -138,9 +138,9 @@ OP_SHAPES = {
         ("out_proj x@W^T", 4096, 1536, 768, False, True),
         ("out_proj dW=x^T@dy", 1536, 4096, 768, True, False),
         ("out_proj dX=dy@W", 4096, 768, 1536, False, False),
-        ("lm_head 315 x@E^T", 315, 768, 50288, False, True),
-        ("lm_head 315 dW=h^T@dl", 768, 315, 50288, True, False),
-        ("lm_head 315 dX=dl@E", 315, 50288, 768, False, False),
+        ("lm_head 256 x@E^T", 256, 768, 50288, False, True),
+        ("lm_head 256 dW=h^T@dl", 768, 256, 50288, True, False),
+        ("lm_head 256 dX=dl@E", 256, 50288, 768, False, False),
     ],
 }
 UNIT = {"bf16": 2.0**-8, "f16": 2.0**-11}

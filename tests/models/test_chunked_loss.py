@@ -12,7 +12,7 @@ import pytest
 import recurra as rc
 import recurra_models as rm
 from recurra._tensor import LAZY
-from recurra_models.lm import LOSS_CHUNK_ABOVE, LOSS_CHUNK_BYTES, chunk_rows
+from recurra_models.lm import CHUNK_ROW_ALIGN, LOSS_CHUNK_ABOVE, LOSS_CHUNK_BYTES, chunk_rows
 
 TINY = {
     "mamba": {"d_model": 16, "d_state": 4, "tie_embeddings": False},  # the head's own gradient
@@ -102,11 +102,22 @@ def test_chunk_rows_rule():
     assert chunk_rows(100, 10, 0) == 100  # off
     assert chunk_rows(100, 10, 4000) == 100  # fits: one chunk
     assert chunk_rows(100, 10, 3999) == 50  # two equal chunks
-    assert chunk_rows(4096, 50288, 64 << 20) == 316  # 8 x 512 at the 130M vocabulary
-    for n, v, lim in [(4096, 50288, 64 << 20), (1000, 7, 333), (5, 1000, 1)]:
+    # 8 x 512 at the 130M vocabulary: 16 chunks of 256 rows (333 fit), not 13 of 316
+    assert chunk_rows(4096, 50288, 64 << 20) == 256
+    assert chunk_rows(4000, 50288, 64 << 20) == 256  # 15 x 256 + 160
+    assert chunk_rows(1000, 10, 130 * 40) == 128  # 130 fit: aligned down to 128
+    assert chunk_rows(1000, 10, 127 * 40) == 125  # fewer than 128 fit: equal chunks (8 x 125)
+    for n, v, lim in [
+        (4096, 50288, 64 << 20),
+        (1000, 7, 333),
+        (5, 1000, 1),
+        (4000, 50288, 64 << 20),
+    ]:
         rows = chunk_rows(n, v, lim)
         assert 1 <= rows <= n
         assert rows * v * 4 <= lim or rows == 1
+        if lim // (v * 4) >= CHUNK_ROW_ALIGN:
+            assert rows % CHUNK_ROW_ALIGN == 0
     m = rm.create("mamba2", **TINY["mamba2"])
     assert (m.loss_chunk_bytes, m.loss_chunk_above) == (LOSS_CHUNK_BYTES, LOSS_CHUNK_ABOVE)
     # the 130M presets at 8 x 512 tokens are chunked, at 4 x 256 (the CPU's batch) not
