@@ -19,7 +19,7 @@ from optim_reference import adam, assert_close
 
 import recurra
 import recurra_optim as optim
-from recurra.ops import FusedStep
+from recurra.ops import FusedStep, pack_hyper
 
 RNG = np.random.default_rng(3)
 
@@ -444,3 +444,62 @@ def test_device_nodes_of_several_tensors_update_each_and_count_each_step(
     want = _three_steps("cpu", make, clip)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+# -- one dispatch a device node: workgroups of tensors of different sizes and step counts ----
+
+ADAMW = {"lr": 1e-3, "weight_decay": 0.1, "a": 0.9, "b": 0.999, "c": 1e-8}
+
+
+def test_device_adamw_nodes_match_float64_adamw_over_replayed_steps(vulkan: str) -> None:
+    """36 tensors (18 device nodes of two, so the step's recording is replayed) whose sizes
+    differ within a node (300001 elements: 293 workgroups beside a 3-element tensor) and whose
+    step counts differ: a device node updates both tensors in one dispatch and its last
+    workgroup counts their steps, which every workgroup must have read first. Six steps equal
+    float64 AdamW from each tensor's own step count, and every count moves by exactly 6."""
+    from recurra_vulkan import _vk
+
+    rng = np.random.default_rng(5)
+    sizes = [300_001, 3, 70_000, 1, 1025, 4096] + [int(k) for k in rng.integers(1, 3000, 30)]
+    starts = [int(k) for k in rng.integers(0, 50, len(sizes))]
+    p0 = [rng.uniform(0.5, 1.5, n).astype(np.float32) for n in sizes]
+    g = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+
+    def dev(a: np.ndarray) -> recurra.Tensor:
+        return recurra.tensor(a, device=vulkan)
+
+    ps, gs = [dev(a) for a in p0], [dev(a) for a in g]
+    steps = [dev(np.array([k], np.int32)) for k in starts]
+    rows = [
+        (p, gr, dev(np.zeros(n, np.float32)), dev(np.zeros(n, np.float32)), s)
+        for p, gr, n, s in zip(ps, gs, sizes, steps)
+    ]
+    fs = FusedStep([("adamw_step", (), rows)])
+    fs.set_hyper(0, ADAMW)
+    replayed = _vk.replay_info(0)["replayed"]
+    for _ in range(6):
+        fs.run()
+    assert _vk.replay_info(0)["replayed"] >= replayed + 5  # the fill re-zeroes each counter
+    assert [int(s.numpy()[0]) for s in steps] == [k + 6 for k in starts]
+    for p, a, gr, k in zip(ps, p0, g, starts):
+        want = adam(a, [gr] * 6, 1e-3, (0.9, 0.999), 1e-8, 0.1, decoupled=True, start_step=k)
+        assert_close(p.numpy(), want, rtol=1e-5)
+
+
+def test_a_device_node_of_two_tensors_records_one_update_dispatch(vulkan: str) -> None:
+    """A node of two AdamW tensors of different sizes is one optim dispatch (the step counts
+    and the dummy included), not one per tensor and another for the counts."""
+    from recurra_vulkan import _vk
+
+    rng = np.random.default_rng(6)
+    srcs: list[np.ndarray] = [pack_hyper(ADAMW)]
+    for n, k in ((5000, 3), (7, 40)):
+        zeros = np.zeros(n, np.float32)
+        srcs += [rng.standard_normal(n).astype(np.float32)] * 2 + [zeros, zeros]
+        srcs.append(np.array([k], np.int32))
+    recs = _vk.profile_dispatches("adamw_step", srcs, [2, 0], [], (1,), "float32", 3, 0, 0)
+    labels = [lab for lab, _ in recs]
+    assert labels.count("adamw_step/optim[2]") == 3, labels  # one per run
+    assert set(labels) <= {"adamw_step/optim[2]", "adamw_step/fill"}, labels
+    dummy = _vk.run_node("adamw_step", srcs, [2, 0], [], (1,), "float32")
+    np.testing.assert_array_equal(dummy, np.zeros(1, np.float32))

@@ -6,26 +6,18 @@
 
 namespace recurra_vk {
 
-namespace {
-
-bool overlap(const Range& a, const Range& b) {
-  return a.block == b.block && a.lo < b.hi && b.lo < a.hi;
-}
-
-}  // namespace
-
 Recorder::Recorder(Device& dev, Submission& sub)
     : dev_(dev), sub_(sub), cb_(sub.cb), profiling_(dev.profiling()), per_dispatch_(dev.profiling_dispatches()) {}
 
-bool Recorder::conflicts(std::initializer_list<Range> reads, std::initializer_list<Range> writes) const {
-  for (const Range& r : reads)
+bool Recorder::conflicts(const Range* reads, size_t n_reads, const Range* writes, size_t n_writes) const {
+  for (const Range* r = reads; r != reads + n_reads; ++r)
     for (const Range& w : writes_)
-      if (overlap(r, w)) return true;
-  for (const Range& w : writes) {
+      if (overlap(*r, w)) return true;
+  for (const Range* w = writes; w != writes + n_writes; ++w) {
     for (const Range& p : writes_)
-      if (overlap(w, p)) return true;
+      if (overlap(*w, p)) return true;
     for (const Range& p : reads_)
-      if (overlap(w, p)) return true;
+      if (overlap(*w, p)) return true;
   }
   return false;
 }
@@ -42,14 +34,14 @@ void Recorder::barrier() {
 
 void Recorder::dispatch_raw(const std::string& module, const std::vector<int32_t>& spec, const void* pc,
                             size_t pc_bytes, uint32_t gx, uint32_t gy, uint32_t gz,
-                            std::initializer_list<Range> reads, std::initializer_list<Range> writes) {
+                            const Range* reads, size_t n_reads, const Range* writes, size_t n_writes) {
   if (gx == 0 || gy == 0 || gz == 0) return;
   VkPipeline p = dev_.pipelines().get(module, spec);
-  if (conflicts(reads, writes)) barrier();
-  for (const Range& r : reads)
-    if (r.hi > r.lo) reads_.push_back(r);
-  for (const Range& w : writes)
-    if (w.hi > w.lo) writes_.push_back(w);
+  if (conflicts(reads, n_reads, writes, n_writes)) barrier();
+  for (const Range* r = reads; r != reads + n_reads; ++r)
+    if (r->hi > r->lo) reads_.push_back(*r);
+  for (const Range* w = writes; w != writes + n_writes; ++w)
+    if (w->hi > w->lo) writes_.push_back(*w);
   if (p != bound_) {
     vkCmdBindPipeline(cb_, VK_PIPELINE_BIND_POINT_COMPUTE, p);
     bound_ = p;
@@ -95,6 +87,29 @@ Recorder::Scratch Recorder::scratch(size_t nbytes) {
   return s;
 }
 
+Recorder::Scratch Recorder::zeroed_word() {
+  if (pool_next_ == pool_end_) {
+    constexpr uint32_t kWords = 256;
+    const Allocation a = dev_.memory().alloc_internal(kWords * 4);
+    word_pools_.push_back(sub_.scratch.size());
+    sub_.scratch.push_back(a);
+    pool_.addr = dev_.memory().address(a);
+    pool_.range = {a.block, a.offset, a.offset + kWords * 4};
+    pool_next_ = a.offset;
+    pool_end_ = pool_.range.hi;
+    struct {
+      uint64_t d;
+      uint32_t n, bits;
+    } zero{static_cast<uint64_t>(pool_.addr), kWords, 0u};
+    dispatch("fill", {}, zero, 1, 1, 1, {}, {pool_.range});
+  }
+  Scratch w;
+  w.addr = pool_.addr + (pool_next_ - pool_.range.lo);
+  w.range = {pool_.range.block, pool_next_, pool_next_ + 4};
+  pool_next_ += 4;
+  return w;
+}
+
 void Recorder::begin_node(const char* op) {
   node_first_scratch_ = sub_.scratch.size();
   node_reused_.clear();
@@ -107,7 +122,8 @@ void Recorder::begin_node(const char* op) {
 
 void Recorder::end_node() {
   // The node's scratch is free for the next nodes (see Recorder::Scratch).
-  for (size_t k = node_first_scratch_; k < sub_.scratch.size(); ++k) free_scratch_.push_back(k);
+  for (size_t k = node_first_scratch_; k < sub_.scratch.size(); ++k)
+    if (std::find(word_pools_.begin(), word_pools_.end(), k) == word_pools_.end()) free_scratch_.push_back(k);
   free_scratch_.insert(free_scratch_.end(), node_reused_.begin(), node_reused_.end());
   node_reused_.clear();
   node_first_scratch_ = sub_.scratch.size();

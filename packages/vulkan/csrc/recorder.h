@@ -24,6 +24,10 @@ struct Range {
   VkDeviceSize lo = 0, hi = 0;  // byte range within the block; empty when lo == hi
 };
 
+inline bool overlap(const Range& a, const Range& b) {
+  return a.block == b.block && a.lo < b.hi && b.lo < a.hi;
+}
+
 class Recorder {
  public:
   Recorder(Device& dev, Submission& sub);
@@ -32,7 +36,7 @@ class Recorder {
 
   void dispatch_raw(const std::string& module, const std::vector<int32_t>& spec, const void* pc,
                     size_t pc_bytes, uint32_t gx, uint32_t gy, uint32_t gz,
-                    std::initializer_list<Range> reads, std::initializer_list<Range> writes);
+                    const Range* reads, size_t n_reads, const Range* writes, size_t n_writes);
 
   // One dispatch of `module` with specialization constants `spec`, push constants `pc`
   // and gx * gy * gz workgroups (none when any is 0).
@@ -41,7 +45,16 @@ class Recorder {
                 uint32_t gy, uint32_t gz, std::initializer_list<Range> reads,
                 std::initializer_list<Range> writes) {
     static_assert(sizeof(PC) <= kPushConstantBytes, "push constants exceed 128 bytes");
-    dispatch_raw(module, spec, &pc, sizeof(PC), gx, gy, gz, reads, writes);
+    dispatch_raw(module, spec, &pc, sizeof(PC), gx, gy, gz, reads.begin(), reads.size(), writes.begin(),
+                 writes.size());
+  }
+  // The same with the ranges in vectors (a number of them known only when recording).
+  template <class PC>
+  void dispatch(const std::string& module, const std::vector<int32_t>& spec, const PC& pc, uint32_t gx,
+                uint32_t gy, uint32_t gz, const std::vector<Range>& reads, const std::vector<Range>& writes) {
+    static_assert(sizeof(PC) <= kPushConstantBytes, "push constants exceed 128 bytes");
+    dispatch_raw(module, spec, &pc, sizeof(PC), gx, gy, gz, reads.data(), reads.size(), writes.data(),
+                 writes.size());
   }
 
   // Device memory for the node being recorded. It stays allocated until the submission
@@ -55,6 +68,13 @@ class Recorder {
   };
   Scratch scratch(size_t nbytes);
 
+  // A 4-byte word that is 0 when the dispatches recorded after this call start and that no
+  // other dispatch of the submission is handed: the arrival counter of a dispatch whose last
+  // workgroup does what must follow all the others (optim.comp). Words come from pools the
+  // submission keeps; one fill dispatch zeroes a pool (again at each replay), and the
+  // ranges the users declare make the recorder order them after it.
+  Scratch zeroed_word();
+
   // Profiling marks around one node (no-ops unless profiling).
   void begin_node(const char* op);
   void end_node();
@@ -63,7 +83,7 @@ class Recorder {
   void barrier();
 
  private:
-  bool conflicts(std::initializer_list<Range> reads, std::initializer_list<Range> writes) const;
+  bool conflicts(const Range* reads, size_t n_reads, const Range* writes, size_t n_writes) const;
 
   Device& dev_;
   Submission& sub_;
@@ -75,6 +95,9 @@ class Recorder {
   size_t node_first_scratch_ = 0;      // sub_.scratch index of the node's first new scratch
   std::vector<size_t> node_reused_;    // sub_.scratch indexes the node took from free_scratch_
   std::vector<size_t> free_scratch_;   // sub_.scratch indexes no node holds now
+  std::vector<size_t> word_pools_;     // sub_.scratch indexes of zeroed_word's pools (never freed)
+  Scratch pool_;                       // the pool zeroed_word hands words from
+  VkDeviceSize pool_next_ = 0, pool_end_ = 0;
   VkPipeline bound_ = VK_NULL_HANDLE;
 };
 

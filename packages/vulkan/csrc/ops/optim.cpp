@@ -12,8 +12,8 @@
 // The core's scheduler runs these nodes where the memory they write lives (OpDef
 // writes_src), so parameters and state never leave the device. The C table carries at most
 // RECURRA_MAX_SRC sources per node: recurra's FusedStep cuts device steps to fit.
-// Shaders: optim.comp (one dispatch per tensor, then one for the step counts and the dummy),
-// grad_norm.comp.
+// Shaders: optim.comp (one dispatch for up to 3 tensors: the node's tensors, their step counts
+// and its dummy; no barrier between the nodes of a step), grad_norm.comp.
 #include <algorithm>
 #include <string>
 
@@ -23,12 +23,17 @@ namespace recurra_vk {
 
 namespace {
 
-enum UpdateOp { kSgd = 0, kAdam = 1, kAdamW = 2, kLion = 3, kClip = 4, kBump = 5 };
+enum UpdateOp { kSgd = 0, kAdam = 1, kAdamW = 2, kLion = 3, kClip = 4 };
 constexpr int64_t kHyperLen = 2 * RECURRA_HYPER_SLOTS;
 
+// optim.comp's push constants: one dispatch updates up to 3 tensors.
 struct OptimPC {
-  uint64_t hyper, gstat, p, g, s1, s2, step;
-  uint32_t n, flags;
+  uint64_t hyper, gstat;
+  uint64_t counter;  // a word that is 0 when the dispatch starts (0 for grad_clip: no counts)
+  uint64_t dummy;    // the node's 1-element result, or 0 when another dispatch writes it
+  uint64_t a[10];    // the tensors' sources, `per` each, in the op's source order
+  uint32_t n[3];     // the tensors' sizes
+  uint32_t flags;    // bit 0: gstat; bit 1: sgd has a momentum buffer; bits 2-3: tensors
 };
 
 struct NormPC {
@@ -76,61 +81,71 @@ std::string update_check(const recurra_node_desc& n) {
   return "";
 }
 
+// Tensors a dispatch updates at most (OptimPC::n), their addresses (OptimPC::a) and the
+// workgroups one tensor gets at most, so that a dispatch stays within 65535 (optim.comp's
+// MAX_GROUPS and groups_for).
+constexpr int kMaxTensors = 3, kMaxAddr = 10;
+constexpr uint32_t kMaxGroups = 21845;
+
+uint32_t groups_for(uint32_t n) { return std::clamp<uint32_t>((n + 1023u) / 1024u, 1u, kMaxGroups); }
+
 template <int OP>
 void update_record(NodeCall& c) {
   const recurra_node_desc& n = c.node;
-  const int64_t count = ip(n, RECURRA_P_N_TENSORS);
+  const int count = static_cast<int>(ip(n, RECURRA_P_N_TENSORS));
   const bool has_gstat = ip(n, RECURRA_P_HAS_GSTAT) != 0;
   const int per = per_tensor(n, OP), first = 1 + (has_gstat ? 1 : 0);
-  for (int64_t t = 0; t < count; ++t) {
-    const int base = first + static_cast<int>(t) * per;
+  const int fit = std::min(kMaxTensors, kMaxAddr / per);
+  // The tensors go in chunks of up to `fit`, one dispatch each (one for a node of two AdamW
+  // tensors). A tensor whose memory a chunk's tensor also touches starts a new chunk, so
+  // that the recorder orders the two updates (the CPU runs them one after the other).
+  auto touches = [&](int t, int u) {
+    for (int k = 0; k < per; ++k)
+      for (int l = 0; l < per; ++l)
+        if (overlap(c.src[first + t * per + k].range, c.src[first + u * per + l].range)) return true;
+    return false;
+  };
+  bool dummy_written = false;
+  for (int t0 = 0; t0 < count;) {
+    int t1 = t0 + 1;
+    while (t1 < count && t1 - t0 < fit) {
+      bool clash = false;
+      for (int u = t0; u < t1 && !clash; ++u) clash = touches(t1, u);
+      if (clash) break;
+      ++t1;
+    }
     OptimPC pc{};
     pc.hyper = addr(c.src[0]);
     pc.gstat = has_gstat ? addr(c.src[1]) : 0;
     pc.flags = (has_gstat ? 1u : 0u) | (OP == kSgd && per == 4 ? 2u : 0u);
-    const Range none{};
-    Range gst = has_gstat ? c.src[1].range : none;
-    if (OP == kClip) {
-      pc.g = addr(c.src[base]);
-      pc.n = static_cast<uint32_t>(numel(*c.src[base].d));
-      if (pc.n) c.rec.dispatch("optim", {kClip}, pc, grid_groups(pc.n, 1024), 1, 1, {c.src[0].range, gst}, {c.src[base].range});
-      continue;
+    pc.flags |= static_cast<uint32_t>(t1 - t0) << 2;
+    std::vector<Range> reads = {c.src[0].range}, writes;
+    if (has_gstat) reads.push_back(c.src[1].range);
+    uint32_t groups = 0;
+    for (int t = t0; t < t1; ++t) {
+      const int base = first + t * per;
+      pc.n[t - t0] = static_cast<uint32_t>(numel(*c.src[base].d));
+      groups += groups_for(pc.n[t - t0]);
+      for (int k = 0; k < per; ++k) {
+        const Tensor& s = c.src[base + k];
+        pc.a[(t - t0) * per + k] = addr(s);
+        // sources the update only reads: the gradient (grad_clip writes it)
+        (OP != kClip && k == 1 ? reads : writes).push_back(s.range);
+      }
     }
-    const Tensor& p = c.src[base];
-    const Tensor& g = c.src[base + 1];
-    const Tensor& step = c.src[base + per - 1];
-    const bool has_s1 = per >= 4, has_s2 = per == 5;
-    pc.p = addr(p);
-    pc.g = addr(g);
-    pc.s1 = has_s1 ? addr(c.src[base + 2]) : 0;
-    pc.s2 = has_s2 ? addr(c.src[base + 3]) : 0;
-    pc.step = addr(step);
-    pc.n = static_cast<uint32_t>(numel(*p.d));
-    const Range s1r = has_s1 ? c.src[base + 2].range : none, s2r = has_s2 ? c.src[base + 3].range : none;
-    if (pc.n)
-      c.rec.dispatch("optim", {OP}, pc, grid_groups(pc.n, 1024), 1, 1, {c.src[0].range, gst, g.range, step.range},
-                     {p.range, s1r, s2r});
+    if (OP != kClip) {  // the last workgroup to arrive counts the steps (after all read them)
+      const Recorder::Scratch word = c.rec.zeroed_word();
+      pc.counter = static_cast<uint64_t>(word.addr);
+      writes.push_back(word.range);
+    }
+    if (!dummy_written) {
+      pc.dummy = addr(c.dst);
+      writes.push_back(c.dst.range);
+      dummy_written = true;
+    }
+    c.rec.dispatch("optim", {OP}, pc, groups, 1, 1, reads, writes);
+    t0 = t1;
   }
-  // After every update of the node (they read the counts before the increment): one
-  // dispatch increments up to 4 step counts (OP 5 takes their addresses in step, g, s1, s2)
-  // and the last one writes the node's 1-element dummy (0, as the CPU) into p: a node of
-  // two AdamW tensors records 3 dispatches, not 2 per tensor and a fill.
-  std::vector<const Tensor*> steps;
-  if (OP != kClip)
-    for (int64_t t = 0; t < count; ++t) steps.push_back(&c.src[first + static_cast<int>(t) * per + per - 1]);
-  size_t k = 0;
-  do {
-    OptimPC pc{};
-    uint64_t* slot[4] = {&pc.step, &pc.g, &pc.s1, &pc.s2};
-    Range r[4] = {};
-    for (int j = 0; j < 4 && k < steps.size(); ++j, ++k) {
-      *slot[j] = addr(*steps[k]);
-      r[j] = steps[k]->range;
-    }
-    const bool last = k == steps.size();
-    pc.p = last ? addr(c.dst) : 0;
-    c.rec.dispatch("optim", {kBump}, pc, 1, 1, 1, {}, {r[0], r[1], r[2], r[3], last ? c.dst.range : Range{}});
-  } while (k < steps.size());
 }
 
 std::string norm_check(const recurra_node_desc& n) {
