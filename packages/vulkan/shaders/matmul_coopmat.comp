@@ -26,8 +26,9 @@
 // Build-time defines: BM BN BK WM WN (WM, WN, BK multiples of 16; BM/WM * BN/WN = NW
 // subgroups), PD (prefetch distance in steps, 1 to 4), DEFER (0, or 1: stores at the start of
 // the next step), ROT (0, or 1: A's slab items in a bank-conflict-free order for the shared
-// stores, A_ROW), NC (0, or 1: no conditions in the DEFER loop, STEP), PROBE (diagnosis only,
-// wrong results: tools/coopmat_probe.cpp). Specialization constant 0 (csrc/coopmat.cpp): the
+// stores, A_ROW), NC (0, or 1: no conditions in the DEFER loop, STEP), FS (0, or 1: B
+// fragments loaded one at a time, MATH), GROUP_M (the band of tile rows, 8), PROBE (diagnosis
+// only, wrong results: tools/coopmat_probe.cpp). Specialization constant 0 (csrc/coopmat.cpp): the
 // workgroup size WG = NW * the subgroup size (8 to 32; BM * BK / 8 and BK * BN / 8 must be
 // multiples of it). The schedule and indexing are transliterated in
 // tests/vulkan/test_vulkan_coopmat.py (checked against A @ B there).
@@ -54,6 +55,9 @@
 #if ROT && BK > 64
 #error "matmul_coopmat.comp: ROT needs BK <= 64"
 #endif
+#ifndef FS
+#define FS 0  // 1: B fragments loaded one at a time (see MATH)
+#endif
 #ifndef NC
 #define NC 0  // 1 (DEFER only): no conditions in the K loop (see STEP)
 #endif
@@ -64,7 +68,9 @@
 #define B_STAGE (BK * SB)
 #define TM (WM / 16)
 #define TN (WN / 16)
+#ifndef GROUP_M
 #define GROUP_M 8  // workgroups walk C in bands of 8 tile rows (L2 reuse of B)
+#endif
 
 #if (BM * BK) % (8 * NW * 32) != 0 || (BK * BN) % (8 * NW * 32) != 0 || WM % 16 != 0 || WN % 16 != 0 || BK % 16 != 0 || PD < 1 || PD > 4
 #error "matmul_coopmat.comp: BM*BK and BK*BN must be multiples of 8*NW*32; WM, WN, BK multiples of 16; PD 1 to 4"
@@ -100,14 +106,14 @@ const uint NB = BK * BN / 8 / WG;
   {                                                                                       \
   [[unroll]] for (uint s = 0; s < NA_MAX; ++s) {                                          \
     const uint q = s * WG + t;                                                            \
-    if (s < NA) ra[r][s] = a.v[(m0 + A_ROW(q)) * k8 + (k0) / 8 + q % (BK / 8)];           \
+    if (s < NA) ra[r][s] = a.v[(LM0 + A_ROW(q)) * k8 + LK0(k0) / 8 + q % (BK / 8)];           \
   }                                                                                       \
   LOAD_B(r, k0)                                                                           \
   }
 #define LOAD_B(r, k0)                                                                     \
   [[unroll]] for (uint s = 0; s < NB_MAX; ++s) {                                          \
     const uint q = s * WG + t;                                                            \
-    if (s < NB) rb[r][s] = b.v[((k0) + q / (BN / 8)) * n8 + n0 / 8 + q % (BN / 8)];       \
+    if (s < NB) rb[r][s] = b.v[(LK0(k0) + q / (BN / 8)) * n8 + LN0 / 8 + q % (BN / 8)];       \
   }
 #define STORE_B(r, buf)                                                                   \
   [[unroll]] for (uint s = 0; s < NB_MAX; ++s) {                                          \
@@ -131,23 +137,40 @@ const uint NB = BK * BN / 8 / WG;
 #ifndef PROBE
 // Diagnosis only (tools/coopmat_probe.cpp; the results are wrong): 1 leaves out the global loads
 // and shared stores of the K loop (its ceiling with every slab in shared memory), 2 also the
-// fragment loads (fragments loaded once: the tensor-core ceiling through the driver).
+// fragment loads (fragments loaded once: the tensor-core ceiling through the driver), 3 keeps
+// the loads but every workgroup reads the first tile's rows and columns (no DRAM traffic), 4
+// also always K step 0 (every load an L1 hit).
 #define PROBE 0
+#endif
+#if PROBE >= 3
+#define LM0 0u
+#define LN0 0u
+#else
+#define LM0 m0
+#define LN0 n0
+#endif
+#if PROBE == 4
+#define LK0(k) 0u
+#else
+#define LK0(k) (k)
 #endif
 #define LOAD_FRAGS(kk, abase, bbase)                                                                  \
   [[unroll]] for (int i = 0; i < TM; ++i)                                                             \
     coopMatLoad(fa[i], As, abase + (wm + i * 16) * SA + kk / 8, SA, gl_CooperativeMatrixLayoutRowMajor); \
   [[unroll]] for (int j = 0; j < TN; ++j)                                                             \
-    LOAD_FB(j, kk);
+    if (FS == 0) LOAD_FB(j, kk);
 
+// FS = 1: each B fragment loaded right before its products (fewer registers live).
 #define MATH(cur)                                                                                     \
   {                                                                                                   \
     const uint abase = (cur) * (BM * SA), bbase = (cur) * B_STAGE;                                    \
     [[unroll]] for (int kk = 0; kk < BK; kk += 16) {                                                  \
       if (PROBE != 2) { LOAD_FRAGS(kk, abase, bbase) }                                                \
-      [[unroll]] for (int i = 0; i < TM; ++i)                                                         \
-        [[unroll]] for (int j = 0; j < TN; ++j)                                                       \
+      [[unroll]] for (int j = 0; j < TN; ++j) {                                                       \
+        if (FS != 0 && PROBE != 2) LOAD_FB(j, kk);                                                    \
+        [[unroll]] for (int i = 0; i < TM; ++i)                                                       \
           acc[i][j] = coopMatMulAdd(fa[i], fb[j], acc[i][j]);                                         \
+      }                                                                                               \
     }                                                                                                 \
   }
 
@@ -165,12 +188,12 @@ const uint NB = BK * BN / 8 / WG;
 #define STEP(u)                                                                                       \
   {                                                                                                   \
     const uint step = s0 + (u);                                                                       \
-    if (PROBE == 0 && (NC != 0 || step + 1 < steps)) STORE_SLABS(((u) + 1) % PD, (step + 1) % 2);     \
-    if (PROBE == 0 && NC != 0) LOAD_SLABS(((u) + 1) % PD, min(step + 1 + PD, steps - 1) * BK);        \
+    if ((PROBE == 0 || PROBE >= 3) && (NC != 0 || step + 1 < steps)) STORE_SLABS(((u) + 1) % PD, (step + 1) % 2); \
+    if ((PROBE == 0 || PROBE >= 3) && NC != 0) LOAD_SLABS(((u) + 1) % PD, min(step + 1 + PD, steps - 1) * BK); \
     if (PROBE == 0 && NC == 0 && step + 1 + PD < steps)                                               \
       LOAD_SLABS(((u) + 1) % PD, (step + 1 + PD) * BK);                                               \
     MATH(step % 2)                                                                                    \
-    if (PROBE < 2) barrier();                                                                         \
+    if (PROBE != 2) barrier(); \
   }
 #else
 // STEP(u): K step s0 + u, its slabs in shared buffer (s0 + u) % 2; the slabs of step
