@@ -97,10 +97,7 @@ Recorder::Scratch Recorder::zeroed_word() {
     pool_.range = {a.block, a.offset, a.offset + kWords * 4};
     pool_next_ = a.offset;
     pool_end_ = pool_.range.hi;
-    struct {
-      uint64_t d;
-      uint32_t n, bits;
-    } zero{static_cast<uint64_t>(pool_.addr), kWords, 0u};
+    const FillPC zero{static_cast<uint64_t>(pool_.addr), kWords, 0u};
     dispatch("fill", {}, zero, 1, 1, 1, {}, {pool_.range});
   }
   Scratch w;

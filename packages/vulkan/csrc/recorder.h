@@ -24,6 +24,14 @@ struct Range {
   VkDeviceSize lo = 0, hi = 0;  // byte range within the block; empty when lo == hi
 };
 
+// fill.comp's push constants: n 4-byte words at d set to bits (Recorder::zeroed_word, the ops'
+// fills).
+struct FillPC {
+  uint64_t d;
+  uint32_t n;
+  uint32_t bits;
+};
+
 inline bool overlap(const Range& a, const Range& b) {
   return a.block == b.block && a.lo < b.hi && b.lo < a.hi;
 }

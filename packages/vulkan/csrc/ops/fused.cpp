@@ -58,10 +58,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 void record_zero(NodeCall& c) {
   const int64_t n = numel(*c.dst.d);
   if (n == 0) return;
-  struct {
-    uint64_t d;
-    uint32_t n, bits;
-  } z{addr(c.dst), static_cast<uint32_t>(n), 0u};
+  const FillPC z{addr(c.dst), static_cast<uint32_t>(n), 0u};
   c.rec.dispatch("fill", {}, z, grid_groups(n, 256), 1, 1, {}, {c.dst.range});
 }
 

@@ -219,10 +219,7 @@ void get_rows_back_record(NodeCall& c) {
   const auto start = rec.scratch(static_cast<size_t>(V) * 4);
   const auto rank = rec.scratch(static_cast<size_t>(std::max<int64_t>(N, 1)) * 4);
   const auto pos = rec.scratch(static_cast<size_t>(std::max<int64_t>(N, 1)) * 4);
-  struct {
-    uint64_t d;
-    uint32_t n, bits;
-  } zero{counts.addr, static_cast<uint32_t>(V), 0u};
+  FillPC zero{counts.addr, static_cast<uint32_t>(V), 0u};
   rec.dispatch("fill", {}, zero, grid_groups(V, 256), 1, 1, {}, {counts.range});
   zero.d = rank.addr;
   zero.n = static_cast<uint32_t>(N);

@@ -87,7 +87,7 @@ std::string update_check(const recurra_node_desc& n) {
 constexpr int kMaxTensors = 3, kMaxAddr = 10;
 constexpr uint32_t kMaxGroups = 21845;
 
-uint32_t groups_for(uint32_t n) { return std::clamp<uint32_t>((n + 1023u) / 1024u, 1u, kMaxGroups); }
+uint32_t groups_for(uint32_t n) { return std::clamp(grid_groups(n, 1024), 1u, kMaxGroups); }
 
 template <int OP>
 void update_record(NodeCall& c) {

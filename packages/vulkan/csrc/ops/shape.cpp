@@ -54,12 +54,6 @@ void copy_view(Recorder& rec, bool half, int nd, const int64_t* shape, uint64_t 
   rec.dispatch(variant("copy", half), {flat ? 1 : 0, std::max(col.nd, 1)}, pc, grid_groups(n, 256), 1, 1, {s_range}, {d_range});
 }
 
-struct FillPC {
-  uint64_t d;
-  uint32_t n;
-  uint32_t bits;
-};
-
 // n elements of dtype dt = bits (value_bits).
 void fill_words(Recorder& rec, recurra_dtype dt, uint64_t d_addr, int64_t n, uint32_t bits, const Range& range) {
   if (n == 0) return;
