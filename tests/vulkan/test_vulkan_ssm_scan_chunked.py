@@ -139,14 +139,14 @@ def k_steps_ran(
     op: str, srcs: list[np.ndarray], ip: list[int], size: int
 ) -> list[tuple[int, int, int]]:
     """(MODE, K step, rows of the shared matrix) of each chunked dispatch of one run of the
-    node: its first and last two specialization constants, from the profile labels
+    node: its constants 0, 6 and 7, from the profile labels
     'op/shader[constants]'."""
     recs = recurra_vulkan._vk.profile_dispatches(op, srcs, ip, [], (size,), "float32", 1, 0)
     consts = [
         lab.rsplit("[", 1)[1].rstrip("]").split(",") for lab, _ in recs if "ssm_scan_chunked" in lab
     ]
     assert consts
-    return [(int(c[0]), int(c[-2]), int(c[-1])) for c in consts]
+    return [(int(c[0]), int(c[6]), int(c[7])) for c in consts]
 
 
 KT_CASES = [(3, 2, 150, 4, 16, 17, 2, [2, 0]), (2, 1, 200, 2, 70, 65, 1, [1])]
@@ -207,6 +207,79 @@ def test_k_steps(kt, case, monkeypatch):
             assert k == (32 if kt_wanted(kt, mode) == 32 and fits else 16), (mode, k, rows, shared)
         if kt == "32":
             assert any(k == 32 for _, k, _ in ran)
+
+
+@pytest.mark.parametrize("case", KT_CASES + [(2, 2, 129, 3, 16, 17, 1, [1, 0])], ids=str)
+def test_loads_ahead_change_no_bit(case, monkeypatch):
+    """The kernels with their loads ahead (the default: K loops chained, the state passes
+    one pipeline over the chunks) and without (RECURRA_VK_SSD_PIPE=0) give bit for bit the
+    same forward (y, final states, checkpoints), the same backward reading the checkpoints
+    and recomputing them (every MODE: states, reverse states, y's products, dC/dB, du), and
+    the same checkpoints filled after the sequential kernels (RECURRA_VK_SSM=seq); both
+    equal the CPU's. Tail chunks of 22, 8 and 1 tokens, P and N past one tile, permuted ids
+    and a spare state row; dC/dB workgroups of 2 heads where the heads per group allow
+    (the chain into the block's B products after its last head)."""
+    R, S, T, H, P, N, G, ids = case
+    monkeypatch.setenv("RECURRA_VK_SSD_HBLK", "2")
+    srcs = inputs(R, S, T, H, P, N, G, ids, seed=T + P)
+    want = cpu("ssm_scan", srcs, ip=(1,))
+    grad = rand(np.random.default_rng(T), want.size - ck_size(S, T, H, P, N))
+    want_b = cpu("ssm_scan_back", [grad, *srcs])
+    runs = {}
+    for pipe in ("0", "1"):
+        monkeypatch.setenv("RECURRA_VK_SSD_PIPE", pipe)
+        out = []
+        for path in ("chunk", "seq"):
+            monkeypatch.setenv("RECURRA_VK_SSM", path)
+            out.append(
+                recurra_vulkan.run_node("ssm_scan", srcs, [1], [], (want.size,), "float32", 0)
+            )
+        monkeypatch.setenv("RECURRA_VK_SSM", "chunk")
+        for extra in ([out[0]], []):
+            out.append(
+                recurra_vulkan.run_node(
+                    "ssm_scan_back", [grad, *srcs, *extra], [], [], (want_b.size,), "float32", 0
+                )
+            )
+        runs[pipe] = out
+    sizes = {**sizes_fwd(S, T, H, P, N), "checkpoints": ck_size(S, T, H, P, N)}
+    for got0, got1 in zip(runs["0"], runs["1"]):
+        np.testing.assert_array_equal(got1, got0)
+    n_ck = S * T * H * P + S * H * P * N  # the checkpoints follow y and the final states
+    np.testing.assert_array_equal(runs["1"][1][n_ck:], runs["1"][0][n_ck:])  # seq-filled
+    assert_close("ssm_scan (loads ahead)", runs["1"][0], want, sizes)
+    for got_b in runs["1"][2:]:
+        assert_close("ssm_scan_back (loads ahead)", got_b, want_b, sizes_back(srcs))
+
+
+def test_loads_ahead_by_default_where_faster(monkeypatch):
+    """Unset, RECURRA_VK_SSD_PIPE leaves the loads ahead on for the forward and reverse
+    state passes and du only (csrc/ops/ssm.cpp: where they were measured faster); 0 and 1
+    turn them off and on everywhere. The profile labels' constant 8 shows it per dispatch."""
+    srcs = inputs(2, 2, 150, 2, 16, 17, 1, [1, 0], seed=5)
+    want = cpu("ssm_scan", srcs)
+    grad = rand(np.random.default_rng(6), want.size)
+    monkeypatch.setenv("RECURRA_VK_SSM", "chunk")
+    for env, want_on in (("", {(2, 0), (2, 2), (6, 0)}), ("0", set()), ("1", None)):
+        monkeypatch.setenv("RECURRA_VK_SSD_PIPE", env)
+        seen = {}
+        for op, s in (("ssm_scan", srcs), ("ssm_scan_back", [grad, *srcs])):
+            size = want.size if op == "ssm_scan" else sum(a.size for a in srcs[:6])
+            recs = recurra_vulkan._vk.profile_dispatches(op, s, [], [], (size,), "float32", 1, 0)
+            for lab, _ in recs:
+                if "ssm_scan_chunked" in lab:
+                    c = lab.rsplit("[", 1)[1].rstrip("]").split(",")
+                    seen[(int(c[0]), int(c[1]))] = int(c[8])
+        assert {(2, 1), (2, 2), (4, 0), (5, 0), (6, 0)} <= set(seen)
+        on = {k for k, v in seen.items() if v == 1}
+        assert on == (set(seen) if want_on is None else want_on), (env, seen)
+
+
+def test_bad_loads_ahead_setting_is_refused(monkeypatch):
+    monkeypatch.setenv("RECURRA_VK_SSD_PIPE", "yes")
+    srcs = inputs(1, 1, 150, 2, 16, 17, 1, None, seed=3)
+    with pytest.raises(ValueError, match="RECURRA_VK_SSD_PIPE"):
+        vk("ssm_scan", srcs, 150 * 2 * 16 + 2 * 16 * 17, "chunk", monkeypatch)
 
 
 @pytest.mark.parametrize("bad", ["8", "4:64", "9:16", "4-16", "4:16,"])

@@ -58,6 +58,8 @@ layout(constant_id = 6) const int KT = 16;  // K step: 16 or 32
 // Rows of sM: 64 for MODE 4, 5, 6, 2 for MODE 7, else 1 (each pipeline declares only the
 // shared memory it uses: more workgroups fit on a multiprocessor)
 layout(constant_id = 7) const int SMR = 64;
+// MODE 2: 1 runs the chunks as one pipeline (states_pipelined), 0 chunk by chunk through mma
+layout(constant_id = 8) const int PIPE = 1;
 
 const int L = 64;        // chunk length and tile edge
 const int KE = KT / 4;   // staged elements of one operand per thread and K step
@@ -192,16 +194,37 @@ void clear_acc() {
   [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) acc[a][b] = 0.0;
 }
 
+// acc[r][q] += sum_{k < KT} sA(k, r) sB(k, q): the products of one staged K step.
+void mac_staged() {
+  [[unroll]] for (int k = 0; k < KT; ++k) {
+    const vec4 av = sA[k][ty], bv = sB[k][tx];
+    [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) acc[a][b] += av[a] * bv[b];
+  }
+}
+
 // acc[r][q] += sum_{k < K} A(k, r) B(k, q), both operands staged from memory; the next
 // tile's loads are issued before this tile's products (their latency overlaps the maths).
 // lam_hin (with bkind LAM_PN): also adds lam * h_in over the staged elements into lh_acc
 // (each element of the P tile once), h_in loaded beside the staged lam (and as early).
+//
+// PIPE = 1 chains the K loops: a loop's first K step can be loaded ahead (pre_), by the
+// caller before other work, or by the loop before it at its last step, when the caller says
+// what comes next (chain; na, nb, nlh: the next call's akind (-1: mma_m), bkind and lam_hin)
+// and those operands need nothing that changes between the two calls. Otherwise every loop
+// opens waiting out a whole memory latency. Only loads move: the same results, bit for bit.
 float lh_acc = 0.0;
-void mma(int akind, int bkind, int K, bool lam_hin) {
-  float ra[KE], rb[KE], rh[KE];
-  fetch4(akind, 0, ra);
+float ra[KE], rb[KE], rh[KE];  // the next K step's operands
+bool pre_ = false;             // the next loop's first K step is in ra, rb (rh)
+
+void fetch_first(int akind, int bkind, bool lam_hin) {
+  if (akind >= 0) fetch4(akind, 0, ra);
   fetch4(bkind, 0, rb);
   if (lam_hin) fetch4_at(HIN_PN, bkind, 0, rh);
+}
+
+void mma(int akind, int bkind, int K, bool lam_hin, int na, int nb, bool nlh, bool chain) {
+  if (!(PIPE != 0 && pre_)) fetch_first(akind, bkind, lam_hin);
+  pre_ = false;
   for (int k0 = 0; k0 < K; k0 += KT) {
     if (lam_hin)
       [[unroll]] for (int j = 0; j < KE; ++j) lh_acc += rb[j] * rh[j];
@@ -213,23 +236,30 @@ void mma(int akind, int bkind, int K, bool lam_hin) {
       fetch4(akind, k0 + KT, ra);
       fetch4(bkind, k0 + KT, rb);
       if (lam_hin) fetch4_at(HIN_PN, bkind, k0 + KT, rh);
+    } else if (PIPE != 0 && chain) {
+      fetch_first(na, nb, nlh);
+      pre_ = true;
     }
-    [[unroll]] for (int k = 0; k < KT; ++k) {
-      const vec4 av = sA[k][ty], bv = sB[k][tx];
-      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) acc[a][b] += av[a] * bv[b];
-    }
+    mac_staged();
   }
 }
+void mma(int akind, int bkind, int K, bool lam_hin) { mma(akind, bkind, K, lam_hin, -1, -1, false, false); }
 
-// acc[r][q] += sum_{k < K} M(r, k) B(k, q) with M = sM (trans: sM^T), K <= L.
-void mma_m(bool trans, int bkind, int K) {
-  float rb[KE];
-  fetch4(bkind, 0, rb);
+// acc[r][q] += sum_{k < K} M(r, k) B(k, q) with M = sM (trans: sM^T), K <= L; na .. chain
+// as for mma.
+void mma_m(bool trans, int bkind, int K, int na, int nb, bool nlh, bool chain) {
+  if (!(PIPE != 0 && pre_)) fetch4(bkind, 0, rb);
+  pre_ = false;
   for (int k0 = 0; k0 < K; k0 += KT) {
     barrier();
     store4(bkind, rb, false);
     barrier();
-    if (k0 + KT < K) fetch4(bkind, k0 + KT, rb);
+    if (k0 + KT < K) {
+      fetch4(bkind, k0 + KT, rb);
+    } else if (PIPE != 0 && chain) {
+      fetch_first(na, nb, nlh);
+      pre_ = true;
+    }
     [[unroll]] for (int k = 0; k < KT; ++k) {
       float av[4];
       [[unroll]] for (int a = 0; a < 4; ++a) av[a] = trans ? sM[k0 + k][4 * ty + a] : sM[4 * ty + a][k0 + k];
@@ -238,6 +268,7 @@ void mma_m(bool trans, int bkind, int K) {
     }
   }
 }
+void mma_m(bool trans, int bkind, int K) { mma_m(trans, bkind, K, -1, -1, false, false); }
 
 // This thread's element (a, b) of a P x N state tile: whether it is inside the state, and
 // its offset in a (P, N) state.
@@ -254,6 +285,50 @@ void load_chunk() {
     sDtp[lid] = lid < len ? FBuf(pc.scr).v[o_dtp + o] : 0.0;
   }
   barrier();
+}
+
+// ---- MODE 2 as one pipeline (PIPE = 1) -------------------------------------------------
+// A chunk's operands do not depend on the running state; only their scale does (e^{cs_L -
+// cs_s} dtp_s for u_s, e^{cs_t} for dy_t). So the next K step's operands (at a chunk's last
+// step: the next chunk's first) and the next chunk's cs, dtp are loaded raw into registers
+// while this step's products run, and scaled as they are staged. Chunk by chunk (PIPE = 0,
+// through mma), each chunk's cs, dtp and first operands wait out a whole memory latency
+// before its first product, and the chunks in sequence are the whole kernel. The same
+// products in the same order, with the same roundings (bit for bit the same states).
+
+// Raw element (k, r) of the state pass's staged K x 64 operands of the chunk at token tt0
+// (tlen tokens): a: x (forward) or dy (VAR 2) at channel p0 + r; b: B or C at state n0 + r.
+float raw_a(int tt0, int tlen, int k, int r) {
+  const int p = p0 + r;
+  if (k >= tlen || p >= pc.P) return 0.0;
+  const int o = (i * pc.T + tt0 + k) * pc.H * pc.P + h * pc.P + p;
+  return VAR == 2 ? ldf(pc.gr, o, DT_F32_) : ldf(pc.x, o, XDT);
+}
+float raw_b(int tt0, int tlen, int k, int r) {
+  const int n = n0 + r;
+  if (k >= tlen || n >= pc.N) return 0.0;
+  const int o = ((i * pc.T + tt0 + k) * pc.G + g) * pc.N + n;
+  return VAR == 2 ? ldf(pc.C, o, CDT) : ldf(pc.B, o, BDT);
+}
+// This thread's elements of the K step at k0 of that chunk (the positions of X_W / DY_W).
+void fetch_raw(int tt0, int tlen, int k0, out float ra[KE], out float rb[KE]) {
+  [[unroll]] for (int j = 0; j < KE; ++j) {
+    const ivec2 kr = tile_pos(X_W, j);
+    ra[j] = raw_a(tt0, tlen, k0 + kr.x, kr.y);
+    rb[j] = raw_b(tt0, tlen, k0 + kr.x, kr.y);
+  }
+}
+// Stages the K step at k0 of the current chunk (its cs, dtp in sCs, sDtp): a scaled as
+// fetch(X_W / DY_W) scales it, b as it is.
+void store_scaled(int k0, float ra[KE], float rb[KE]) {
+  [[unroll]] for (int j = 0; j < KE; ++j) {
+    const ivec2 kr = tile_pos(X_W, j);
+    const int k = k0 + kr.x;
+    float v = 0.0;
+    if (k < len) v = VAR == 2 ? exp(sCs[k]) * ra[j] : exp(sCs[len - 1] - sCs[k]) * sDtp[k] * ra[j];
+    sA[kr.x][kr.y >> 2][kr.y & 3] = v;
+    sB[kr.x][kr.y >> 2][kr.y & 3] = rb[j];
+  }
 }
 
 // sM[t][s] = CB[t][s] e^{cs_t - cs_s} (s <= t < len, else 0).
@@ -274,7 +349,7 @@ void load_m() {
 // y of rows t (tile channels p0..): e^{cs_t} C_t h_in^T + sM u.
 void compute_y() {
   clear_acc();
-  mma(C_TN, HIN_PN, round_k(pc.N), false);
+  mma(C_TN, HIN_PN, round_k(pc.N), false, -1, U_SP, false, true);  // then u's first K step
   [[unroll]] for (int a = 0; a < 4; ++a) {
     const int t = 4 * ty + a;
     const float e = t < len ? exp(sCs[t]) : 0.0;
@@ -395,7 +470,56 @@ void main() {
         acc[a][b] = st_in(a, b) ? FBuf(pc.gr).v[o + st_at(a, b)] : 0.0;
     }
     FBuf dst = FBuf(rev ? pc.scr : pc.hin);
-    for (int k = 0; k < nc; ++k) {
+    if (PIPE != 0) {
+      // registers: cs, dtp (lid < L) and the first K step's operands of chunk cn
+      int cn = rev ? nc - 1 : 0, tn0 = cn * L, tnl = min(L, T - tn0);
+      float ncs = 0.0, ndtp = 0.0;
+      if (lid < tnl) {
+        ncs = sc.v[o_cs + ih * uint(T) + uint(tn0 + lid)];
+        ndtp = sc.v[o_dtp + ih * uint(T) + uint(tn0 + lid)];
+      }
+      fetch_raw(tn0, tnl, 0, ra, rb);
+      for (int k = 0; k < nc; ++k) {
+        c = cn;
+        t0 = tn0;
+        len = tnl;
+        slot = uint((i * H + h) * nc + c);
+        const uint o = (rev ? o_lam : 0u) + slot * PN;
+        [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b)
+          if (st_in(a, b)) dst.v[o + st_at(a, b)] = acc[a][b];
+        if (!rev && VAR != 0 && k == nc - 1) break;
+        barrier();  // everyone is done with the previous chunk's cs, dtp and staged operands
+        if (lid < L) {
+          sCs[lid] = ncs;
+          sDtp[lid] = ndtp;
+        }
+        if (k + 1 < nc) {  // the next chunk's cs, dtp
+          cn = rev ? c - 1 : c + 1;
+          tn0 = cn * L;
+          tnl = min(L, T - tn0);
+          ncs = 0.0;
+          ndtp = 0.0;
+          if (lid < tnl) {
+            ncs = sc.v[o_cs + ih * uint(T) + uint(tn0 + lid)];
+            ndtp = sc.v[o_dtp + ih * uint(T) + uint(tn0 + lid)];
+          }
+        }
+        barrier();
+        const float decay = exp(sCs[len - 1]);
+        [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) acc[a][b] *= decay;
+        const int K = round_k(len);
+        for (int k0 = 0; k0 < K; k0 += KT) {
+          if (k0 > 0) barrier();  // everyone is done with the staged operands
+          store_scaled(k0, ra, rb);
+          barrier();
+          if (k0 + KT < K)
+            fetch_raw(t0, len, k0 + KT, ra, rb);
+          else if (k + 1 < nc)
+            fetch_raw(tn0, tnl, 0, ra, rb);
+          mac_staged();
+        }
+      }
+    } else for (int k = 0; k < nc; ++k) {
       c = rev ? nc - 1 - k : k;
       t0 = c * L;
       len = min(L, T - t0);
@@ -424,6 +548,16 @@ void main() {
     return;
   }
 
+  // PIPE: the first operands of MODE 4's and 6's first products need no cs, dtp (nor the
+  // products' matrix): loaded before them
+  if (PIPE != 0 && MODE == 4) {
+    fetch_first(C_TN, HIN_PN, false);
+    pre_ = true;
+  }
+  if (PIPE != 0 && MODE == 6) {
+    fetch_first(-1, DY_SP, false);
+    pre_ = true;
+  }
   load_chunk();
 
   if (MODE == 4 || MODE == 6) {  // ---- y / du ----------------------------------------------
@@ -439,7 +573,7 @@ void main() {
       return;
     }
     clear_acc();
-    mma_m(true, DY_SP, round_k(len));  // sum_t M_ts (C_t . B_s) dy_t
+    mma_m(true, DY_SP, round_k(len), B_TN, LAM_PN, true, true);  // sum_t M_ts (C_t . B_s) dy_t
     float du[4][4];
     du = acc;
     clear_acc();
@@ -537,18 +671,19 @@ void main() {
           barrier();
           load_chunk();
           clear_acc();
-          mma(DYE_TP, HIN_KN, round_k(P), false);  // e^{cs_t} dy_t h_in
+          mma(DYE_TP, HIN_KN, round_k(P), false, UE_TP, LAM_KN, false, true);  // e^{cs_t} dy_t h_in
           [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
             qy[jh][a] += acc[a][b] * ld_bc(pc.C, CDT, 4 * ty + a, n0 + 4 * tx + b);
             accC[a][b] += acc[a][b];
           }
           clear_acc();
-          mma(UE_TP, LAM_KN, round_k(P), false);  // e^{cs_L - cs_s} u_s lam
+          // e^{cs_L - cs_s} u_s lam; after the block's last head, B's first K step
+          mma(UE_TP, LAM_KN, round_k(P), false, -1, B_SN, false, jh == HB - 1);
           [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) accB[a][b] += acc[a][b];
         }
       }
       acc = accC;
-      mma_m(false, B_SN, round_k(len));
+      mma_m(false, B_SN, round_k(len), -1, C_SN, false, true);
       [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) {
         const int t = 4 * ty + a, n = n0 + 4 * tx + b;
         if (t < len && n < N) sc.v[o_dcp + opart + uint(t * pc.G * N + n)] = acc[a][b];

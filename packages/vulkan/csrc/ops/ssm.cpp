@@ -75,6 +75,7 @@
 // + (1 + 2*npt)*sht + (1 + npt)*S*H*nc (npt = P tiles): 52.3M floats (209 MB) here.
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <cmath>
 #include <stdexcept>
 
@@ -482,13 +483,30 @@ struct SsdPC {
   int32_t R, S, T, H, P, N, G, nc_hblk;
 };
 
+// The shader's PIPE: its matmul loops load their first operands ahead (the K loops chained,
+// the state passes one pipeline over the chunks). Only loads move: the same results bit for
+// bit either way. By default on where it was measured faster: on the H200, Mamba2-130m layer
+// at 8 x 512 tokens (bf16 autocast step, 4 layers, per layer, PIPE 0 -> 1): forward states
+// 0.130 -> 0.120 ms, reverse states 0.233 -> 0.158, du (MODE 6) 0.265 -> 0.235; off where it
+// was not: the recomputing state pass 0.120 -> 0.148 (by our reading of its SASS, 92 registers
+// instead of 77: two workgroups per multiprocessor instead of three, 384 in two waves), dC/dB
+// 0.555 -> 0.567, y 0.305 both. RECURRA_VK_SSD_PIPE=0 / 1 turns it off / on everywhere (for
+// tests and measurements).
+int32_t ssd_pipe(int mode, int var) {
+  const char* env = std::getenv("RECURRA_VK_SSD_PIPE");
+  if (env == nullptr || *env == 0) return (mode == 2 && (var == 0 || var == 2)) || mode == 6 ? 1 : 0;
+  if (std::strcmp(env, "0") == 0 || std::strcmp(env, "1") == 0) return *env - '0';
+  fail_invalid(std::string("RECURRA_VK_SSD_PIPE=") + env + ": expected 0 or 1");
+}
+
 void ssd_dispatch(Recorder& rec, const ScanDts& dts, int mode, int var, const SsdPC& pc, int64_t groups,
                   std::initializer_list<Range> reads, std::initializer_list<Range> writes) {
   uint32_t gx, gy;
   grid_2d(groups, gx, gy);
   rec.dispatch(variant("ssm_scan_chunked", dts.half()),
-               {mode, var, dts.v[0], dts.v[1], dts.v[2], dts.v[3], ssd_kt(rec.device(), mode), ssd_rows(mode)}, pc,
-               gx, gy, 1, reads, writes);
+               {mode, var, dts.v[0], dts.v[1], dts.v[2], dts.v[3], ssd_kt(rec.device(), mode), ssd_rows(mode),
+                ssd_pipe(mode, var)},
+               pc, gx, gy, 1, reads, writes);
 }
 
 SsdPC ssd_pc(NodeCall& c, const ScanDims& d, const SsdGeom& g, int off) {
