@@ -58,7 +58,8 @@ layout(constant_id = 6) const int KT = 16;  // K step: 16 or 32
 // Rows of sM: 64 for MODE 4, 5, 6, 2 for MODE 7, else 1 (each pipeline declares only the
 // shared memory it uses: more workgroups fit on a multiprocessor)
 layout(constant_id = 7) const int SMR = 64;
-// MODE 2: 1 runs the chunks as one pipeline (states_pipelined), 0 chunk by chunk through mma
+// 1: loads ahead (mma's chained K loops; MODE 2 one pipeline over the chunks, see "MODE 2 as
+// one pipeline"); 0: every loop on its own (csrc/ops/ssm.cpp's ssd_pipe picks it per MODE)
 layout(constant_id = 8) const int PIPE = 1;
 
 const int L = 64;        // chunk length and tile edge
@@ -519,24 +520,26 @@ void main() {
           mac_staged();
         }
       }
-    } else for (int k = 0; k < nc; ++k) {
-      c = rev ? nc - 1 - k : k;
-      t0 = c * L;
-      len = min(L, T - t0);
-      slot = uint((i * H + h) * nc + c);
-      const uint o = (rev ? o_lam : 0u) + slot * PN;
-      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b)
-        if (st_in(a, b)) dst.v[o + st_at(a, b)] = acc[a][b];
-      // the last chunk's own part only makes the final state (VAR 0)
-      if (!rev && VAR != 0 && k == nc - 1) break;
-      barrier();  // everyone is done with the previous chunk's cs, dtp
-      load_chunk();
-      const float decay = exp(sCs[len - 1]);
-      [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) acc[a][b] *= decay;
-      if (rev)
-        mma(DY_W, C_SN, round_k(len), false);  // + sum_t e^{cs_t} dy_t^T C_t
-      else
-        mma(X_W, B_SN, round_k(len), false);  // + sum_s e^{cs_L - cs_s} u_s B_s^T
+    } else {  // chunk by chunk
+      for (int k = 0; k < nc; ++k) {
+        c = rev ? nc - 1 - k : k;
+        t0 = c * L;
+        len = min(L, T - t0);
+        slot = uint((i * H + h) * nc + c);
+        const uint o = (rev ? o_lam : 0u) + slot * PN;
+        [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b)
+          if (st_in(a, b)) dst.v[o + st_at(a, b)] = acc[a][b];
+        // the last chunk's own part only makes the final state (VAR 0)
+        if (!rev && VAR != 0 && k == nc - 1) break;
+        barrier();  // everyone is done with the previous chunk's cs, dtp
+        load_chunk();
+        const float decay = exp(sCs[len - 1]);
+        [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b) acc[a][b] *= decay;
+        if (rev)
+          mma(DY_W, C_SN, round_k(len), false);  // + sum_t e^{cs_t} dy_t^T C_t
+        else
+          mma(X_W, B_SN, round_k(len), false);  // + sum_s e^{cs_L - cs_s} u_s B_s^T
+      }
     }
     if (rev) {
       [[unroll]] for (int a = 0; a < 4; ++a)[[unroll]] for (int b = 0; b < 4; ++b)
