@@ -132,12 +132,22 @@ const int C_SN = 13;   // C[t0 + k][n0 + r]
 const int HIN_KN = 14; // hin[k][n0 + r]
 const int LAM_KN = 15; // lam[k][n0 + r]
 
-float ld_x(uvec2 buf, int dt, int t, int p) {  // x-like (S, T, H, P) at token t0 + t of head h
-  return (t < len && p < pc.P) ? ldf(buf, (i * pc.T + t0 + t) * pc.H * pc.P + h * pc.P + p, dt) : 0.0;
+// x-like (S, T, H, P) at token tt0 + t of head h, in a chunk of tlen tokens
+float ld_x_at(uvec2 buf, int dt, int tt0, int tlen, int t, int p) {
+  return (t < tlen && p < pc.P) ? ldf(buf, (i * pc.T + tt0 + t) * pc.H * pc.P + h * pc.P + p, dt) : 0.0;
 }
-float ld_bc(uvec2 buf, int dt, int t, int n) {  // B/C (S, T, G, N)
-  return (t < len && n < pc.N) ? ldf(buf, ((i * pc.T + t0 + t) * pc.G + g) * pc.N + n, dt) : 0.0;
+// B/C (S, T, G, N) at token tt0 + t, in a chunk of tlen tokens
+float ld_bc_at(uvec2 buf, int dt, int tt0, int tlen, int t, int n) {
+  return (t < tlen && n < pc.N) ? ldf(buf, ((i * pc.T + tt0 + t) * pc.G + g) * pc.N + n, dt) : 0.0;
 }
+// the same in the current chunk (t0, len)
+float ld_x(uvec2 buf, int dt, int t, int p) { return ld_x_at(buf, dt, t0, len, t, p); }
+float ld_bc(uvec2 buf, int dt, int t, int n) { return ld_bc_at(buf, dt, t0, len, t, n); }
+
+// The current chunk's scales of its tokens (cs, dtp in sCs, sDtp): e^{cs_L - cs_s} dtp_s
+// (u_s carried to the chunk's end) and e^{cs_t} (from the chunk's start).
+float to_end(int s) { return exp(sCs[len - 1] - sCs[s]) * sDtp[s]; }
+float from_start(int t) { return exp(sCs[t]); }
 float ld_st(bool hin, int p, int n) {  // a chunk slot (P, N) of hin / lam
   if (p >= pc.P || n >= pc.N) return 0.0;
   const uint o = slot * uint(pc.P * pc.N) + uint(p * pc.N + n);
@@ -152,10 +162,10 @@ float fetch(int kind, int k, int r) {
     case LAM_PN: return ld_st(false, p0 + r, k);
     case DY_TP: return ld_x(pc.gr, DT_F32_, r, k);
     case U_TP: return r < len ? sDtp[r] * ld_x(pc.x, XDT, r, k) : 0.0;
-    case DYE_TP: return r < len ? exp(sCs[r]) * ld_x(pc.gr, DT_F32_, r, k) : 0.0;
-    case UE_TP: return r < len ? exp(sCs[len - 1] - sCs[r]) * sDtp[r] * ld_x(pc.x, XDT, r, k) : 0.0;
-    case X_W: return k < len ? exp(sCs[len - 1] - sCs[k]) * sDtp[k] * ld_x(pc.x, XDT, k, p0 + r) : 0.0;
-    case DY_W: return k < len ? exp(sCs[k]) * ld_x(pc.gr, DT_F32_, k, p0 + r) : 0.0;
+    case DYE_TP: return r < len ? from_start(r) * ld_x(pc.gr, DT_F32_, r, k) : 0.0;
+    case UE_TP: return r < len ? to_end(r) * ld_x(pc.x, XDT, r, k) : 0.0;
+    case X_W: return k < len ? to_end(k) * ld_x(pc.x, XDT, k, p0 + r) : 0.0;
+    case DY_W: return k < len ? from_start(k) * ld_x(pc.gr, DT_F32_, k, p0 + r) : 0.0;
     case U_SP: return k < len ? sDtp[k] * ld_x(pc.x, XDT, k, p0 + r) : 0.0;
     case DY_SP: return ld_x(pc.gr, DT_F32_, k, p0 + r);
     case B_SN: return ld_bc(pc.B, BDT, k, n0 + r);
@@ -279,11 +289,18 @@ uint st_at(int a, int b) { return uint((p0 + 4 * ty + a) * pc.N + n0 + 4 * tx + 
 int round_k(int k) { return (k + KT - 1) / KT * KT; }
 
 // dtp and cs of this chunk into shared memory (after prep ran).
+// cs, dtp of token tt0 + lid of a chunk of tlen tokens (0 past it), from scratch.
+vec2 cs_dtp(int tt0, int tlen) {
+  if (lid >= tlen) return vec2(0.0);
+  const uint o = uint((i * pc.H + h) * pc.T + tt0 + lid);
+  return vec2(FBuf(pc.scr).v[o_cs + o], FBuf(pc.scr).v[o_dtp + o]);
+}
+
 void load_chunk() {
   if (lid < L) {
-    const uint o = uint((i * pc.H + h) * pc.T + t0 + lid);
-    sCs[lid] = lid < len ? FBuf(pc.scr).v[o_cs + o] : 0.0;
-    sDtp[lid] = lid < len ? FBuf(pc.scr).v[o_dtp + o] : 0.0;
+    const vec2 v = cs_dtp(t0, len);
+    sCs[lid] = v.x;
+    sDtp[lid] = v.y;
   }
   barrier();
 }
@@ -297,26 +314,15 @@ void load_chunk() {
 // before its first product, and the chunks in sequence are the whole kernel. The same
 // products in the same order, with the same roundings (bit for bit the same states).
 
-// Raw element (k, r) of the state pass's staged K x 64 operands of the chunk at token tt0
-// (tlen tokens): a: x (forward) or dy (VAR 2) at channel p0 + r; b: B or C at state n0 + r.
-float raw_a(int tt0, int tlen, int k, int r) {
-  const int p = p0 + r;
-  if (k >= tlen || p >= pc.P) return 0.0;
-  const int o = (i * pc.T + tt0 + k) * pc.H * pc.P + h * pc.P + p;
-  return VAR == 2 ? ldf(pc.gr, o, DT_F32_) : ldf(pc.x, o, XDT);
-}
-float raw_b(int tt0, int tlen, int k, int r) {
-  const int n = n0 + r;
-  if (k >= tlen || n >= pc.N) return 0.0;
-  const int o = ((i * pc.T + tt0 + k) * pc.G + g) * pc.N + n;
-  return VAR == 2 ? ldf(pc.C, o, CDT) : ldf(pc.B, o, BDT);
-}
+// The state pass's staged K x 64 operands of the chunk at token tt0 (tlen tokens), raw: a:
+// x (forward) or dy (VAR 2) at channel p0 + r; b: B or C at state n0 + r.
 // This thread's elements of the K step at k0 of that chunk (the positions of X_W / DY_W).
 void fetch_raw(int tt0, int tlen, int k0, out float ra[KE], out float rb[KE]) {
   [[unroll]] for (int j = 0; j < KE; ++j) {
     const ivec2 kr = tile_pos(X_W, j);
-    ra[j] = raw_a(tt0, tlen, k0 + kr.x, kr.y);
-    rb[j] = raw_b(tt0, tlen, k0 + kr.x, kr.y);
+    const int k = k0 + kr.x;
+    ra[j] = VAR == 2 ? ld_x_at(pc.gr, DT_F32_, tt0, tlen, k, p0 + kr.y) : ld_x_at(pc.x, XDT, tt0, tlen, k, p0 + kr.y);
+    rb[j] = VAR == 2 ? ld_bc_at(pc.C, CDT, tt0, tlen, k, n0 + kr.y) : ld_bc_at(pc.B, BDT, tt0, tlen, k, n0 + kr.y);
   }
 }
 // Stages the K step at k0 of the current chunk (its cs, dtp in sCs, sDtp): a scaled as
@@ -326,7 +332,7 @@ void store_scaled(int k0, float ra[KE], float rb[KE]) {
     const ivec2 kr = tile_pos(X_W, j);
     const int k = k0 + kr.x;
     float v = 0.0;
-    if (k < len) v = VAR == 2 ? exp(sCs[k]) * ra[j] : exp(sCs[len - 1] - sCs[k]) * sDtp[k] * ra[j];
+    if (k < len) v = (VAR == 2 ? from_start(k) : to_end(k)) * ra[j];
     sA[kr.x][kr.y >> 2][kr.y & 3] = v;
     sB[kr.x][kr.y >> 2][kr.y & 3] = rb[j];
   }
@@ -353,7 +359,7 @@ void compute_y() {
   mma(C_TN, HIN_PN, round_k(pc.N), false, -1, U_SP, false, true);  // then u's first K step
   [[unroll]] for (int a = 0; a < 4; ++a) {
     const int t = 4 * ty + a;
-    const float e = t < len ? exp(sCs[t]) : 0.0;
+    const float e = t < len ? from_start(t) : 0.0;
     [[unroll]] for (int b = 0; b < 4; ++b) acc[a][b] *= e;
   }
   mma_m(false, U_SP, round_k(len));
@@ -474,11 +480,7 @@ void main() {
     if (PIPE != 0) {
       // registers: cs, dtp (lid < L) and the first K step's operands of chunk cn
       int cn = rev ? nc - 1 : 0, tn0 = cn * L, tnl = min(L, T - tn0);
-      float ncs = 0.0, ndtp = 0.0;
-      if (lid < tnl) {
-        ncs = sc.v[o_cs + ih * uint(T) + uint(tn0 + lid)];
-        ndtp = sc.v[o_dtp + ih * uint(T) + uint(tn0 + lid)];
-      }
+      vec2 ncd = cs_dtp(tn0, tnl);
       fetch_raw(tn0, tnl, 0, ra, rb);
       for (int k = 0; k < nc; ++k) {
         c = cn;
@@ -491,19 +493,14 @@ void main() {
         if (!rev && VAR != 0 && k == nc - 1) break;
         barrier();  // everyone is done with the previous chunk's cs, dtp and staged operands
         if (lid < L) {
-          sCs[lid] = ncs;
-          sDtp[lid] = ndtp;
+          sCs[lid] = ncd.x;
+          sDtp[lid] = ncd.y;
         }
         if (k + 1 < nc) {  // the next chunk's cs, dtp
           cn = rev ? c - 1 : c + 1;
           tn0 = cn * L;
           tnl = min(L, T - tn0);
-          ncs = 0.0;
-          ndtp = 0.0;
-          if (lid < tnl) {
-            ncs = sc.v[o_cs + ih * uint(T) + uint(tn0 + lid)];
-            ndtp = sc.v[o_dtp + ih * uint(T) + uint(tn0 + lid)];
-          }
+          ncd = cs_dtp(tn0, tnl);
         }
         barrier();
         const float decay = exp(sCs[len - 1]);
