@@ -135,18 +135,25 @@ def test_head_blocks(hblk, monkeypatch):
     assert_close("ssm_scan_back", got_b, want_b, sizes_back(srcs))
 
 
+def chunked_constants(op: str, srcs: list[np.ndarray], ip: list[int], size: int) -> list[list[int]]:
+    """The specialization constants of each chunked dispatch of one run of the node, from
+    the profile labels 'op/shader[constants]'."""
+    recs = recurra_vulkan._vk.profile_dispatches(op, srcs, ip, [], (size,), "float32", 1, 0)
+    consts = [
+        [int(v) for v in lab.rsplit("[", 1)[1].rstrip("]").split(",")]
+        for lab, _ in recs
+        if "ssm_scan_chunked" in lab
+    ]
+    assert consts
+    return consts
+
+
 def k_steps_ran(
     op: str, srcs: list[np.ndarray], ip: list[int], size: int
 ) -> list[tuple[int, int, int]]:
     """(MODE, K step, rows of the shared matrix) of each chunked dispatch of one run of the
-    node: its constants 0, 6 and 7, from the profile labels
-    'op/shader[constants]'."""
-    recs = recurra_vulkan._vk.profile_dispatches(op, srcs, ip, [], (size,), "float32", 1, 0)
-    consts = [
-        lab.rsplit("[", 1)[1].rstrip("]").split(",") for lab, _ in recs if "ssm_scan_chunked" in lab
-    ]
-    assert consts
-    return [(int(c[0]), int(c[6]), int(c[7])) for c in consts]
+    node: its constants 0, 6 and 7."""
+    return [(c[0], c[6], c[7]) for c in chunked_constants(op, srcs, ip, size)]
 
 
 KT_CASES = [(3, 2, 150, 4, 16, 17, 2, [2, 0]), (2, 1, 200, 2, 70, 65, 1, [1])]
@@ -265,11 +272,8 @@ def test_loads_ahead_by_default_where_faster(monkeypatch):
         seen = {}
         for op, s in (("ssm_scan", srcs), ("ssm_scan_back", [grad, *srcs])):
             size = want.size if op == "ssm_scan" else sum(a.size for a in srcs[:6])
-            recs = recurra_vulkan._vk.profile_dispatches(op, s, [], [], (size,), "float32", 1, 0)
-            for lab, _ in recs:
-                if "ssm_scan_chunked" in lab:
-                    c = lab.rsplit("[", 1)[1].rstrip("]").split(",")
-                    seen[(int(c[0]), int(c[1]))] = int(c[8])
+            for c in chunked_constants(op, s, [], size):
+                seen[(c[0], c[1])] = c[8]
         assert {(2, 1), (2, 2), (4, 0), (5, 0), (6, 0)} <= set(seen)
         on = {k for k, v in seen.items() if v == 1}
         assert on == (set(seen) if want_on is None else want_on), (env, seen)
