@@ -206,10 +206,9 @@ class Mamba2Mixer(nn.Module):
             sp = ops.clamp(ops.softplus(dt), max(lo, 1e-30), hi)
             dt = ops.log(ops.exp(sp) - 1.0)
         conv_state = state[0] if state is not None else None
-        if rc.autocast_dtype() is not None:
-            # The conv's backward keeps its input: xbc's own copy (one 2-byte copy per layer),
-            # not a view that would keep all of in_proj's output alive until then.
-            xbc = xbc.contiguous()
+        # The conv and the gated norm read their slices of in_proj's output as they lie:
+        # their backwards keep that output (z, xBC and dt together), as many bytes as
+        # copies of z and xBC would take, without the two copies.
         xbc, conv_state = causal_conv(xbc, conv_state, self.conv1d.w2d(), self.conv1d.bias)
         x, bm, cm = xbc[:, :, :di], xbc[:, :, di : di + g * n], xbc[:, :, di + g * n :]
         x = x.reshape(b, t, nh, p)
@@ -230,7 +229,6 @@ class Mamba2Mixer(nn.Module):
             # for its backward, not the scan's float32 packed result; then
             # (RECOMPUTE_NORM_PROJ) the norm and out_proj in a recomputation segment.
             y = y.to(half)
-            z = z.contiguous()  # the segment's input (z's own copy, as the norm reads it)
             if RECOMPUTE_NORM_PROJ and not self._among_last(KEEP_NORM_PROJ):
                 seg = rc.recompute()
         with seg:
