@@ -118,6 +118,12 @@ def test_chunk_rows_rule():
         assert rows * v * 4 <= lim or rows == 1
         if lim // (v * 4) >= CHUNK_ROW_ALIGN:
             assert rows % CHUNK_ROW_ALIGN == 0
+    # 2-byte logits (autocast): twice the rows in the same bytes (667 fit): 6 x 640 + 256
+    assert chunk_rows(4096, 50288, 64 << 20, 2) == 640
+    assert chunk_rows(100, 10, 3999, 2) == 100  # 2000 bytes: one chunk
+    assert chunk_rows(100, 10, 1999, 2) == 50
+    with pytest.raises(ValueError, match="itemsize"):
+        chunk_rows(100, 10, 1999, 3)
     m = rm.create("mamba2", **TINY["mamba2"])
     assert (m.loss_chunk_bytes, m.loss_chunk_above) == (LOSS_CHUNK_BYTES, LOSS_CHUNK_ABOVE)
     # the 130M presets at 8 x 512 tokens are chunked, at 4 x 256 (the CPU's batch) not
@@ -161,3 +167,34 @@ def test_forward_only_loss_equals_unchunked():
         b = model.loss(x, y, chunk_bytes=0).item()
     assert a == pytest.approx(b, rel=1e-6)  # tied embeddings (Mamba's default) too
     assert a == pytest.approx(_reference(model, x, y)[0], rel=1e-5)
+
+
+def test_autocast_chunks_count_two_byte_logits(monkeypatch):
+    """Under autocast the head's logits are bfloat16: a chunk of chunk_bytes holds twice the
+    rows of a float32 one (the same bytes alive), and the loss and the head's gradient stay
+    those of the unchunked autocast loss."""
+    from recurra_models import lm
+
+    seen: list[int] = []
+    real = lm.chunked_cross_entropy
+
+    def spy(h, head, targets, rows):
+        seen.append(rows)
+        return real(h, head, targets, rows)
+
+    monkeypatch.setattr(lm, "chunked_cross_entropy", spy)
+    model = rm.create("mamba2", vocab_size=VOCAB, n_layer=1, seed=4, **TINY["mamba2"])
+    x, y = _batch(2, 13)  # 26 rows
+    chunk = 5 * VOCAB * 4  # 5 float32 rows fit, 10 bfloat16 rows: 3 chunks of 9
+    model.loss(x, y, chunk_bytes=chunk)
+    assert seen == [5]
+    with rc.autocast(rc.bfloat16):
+        loss0, g0 = _run(model, x, y, 0)
+        assert seen == [5]  # unchunked: no chunks
+        loss1, g1 = _run(model, x, y, chunk)
+    assert seen == [5, 9]
+    assert loss1 == pytest.approx(loss0, rel=1e-2)
+    head = next(n for n, p in model.named_parameters() if p is model.lm_head_module().weight)
+    scale = np.abs(g0[head]).max()
+    assert scale > 0
+    np.testing.assert_allclose(g1[head], g0[head], rtol=0, atol=2e-2 * scale)

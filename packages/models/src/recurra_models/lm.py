@@ -27,9 +27,10 @@ __all__ = [
 State = list[list[Any]]  # one list of recurra tensors per layer
 
 # CausalLM.loss: logits (batch * time * vocab float32) past LOSS_CHUNK_ABOVE bytes are made
-# in chunks of at most LOSS_CHUNK_BYTES. Below, a step keeps its speed: chunks cost one more
-# head product each in the backward (at 4 x 256 tokens, vocab 50k, 2 cores: a 2-layer step
-# 37% slower, the 130M model ~8%) for memory that does not matter there.
+# in chunks of at most LOSS_CHUNK_BYTES (of the logits as the head computes them: 2-byte
+# under autocast, twice the rows of float32 chunks). Below, a step keeps its speed: chunks
+# cost one more head product each in the backward (at 4 x 256 tokens, vocab 50k, 2 cores: a
+# 2-layer step 37% slower, the 130M model ~8%) for memory that does not matter there.
 LOSS_CHUNK_BYTES = 64 << 20
 LOSS_CHUNK_ABOVE = 512 << 20
 
@@ -219,7 +220,8 @@ class CausalLM(nn.Module):
         When the logits (batch * time * vocab float32) would take more than
         ``self.loss_chunk_above`` bytes (512 MiB: 8 x 512 tokens of a 50k vocabulary are 0.8
         GiB), the LM head and the loss run over chunks of token rows, each chunk's logits at
-        most ``chunk_bytes`` (default ``self.loss_chunk_bytes``, 64 MiB; 0 turns chunking
+        most ``chunk_bytes`` (default ``self.loss_chunk_bytes``, 64 MiB, counted in the
+        logits' dtype: bfloat16/float16 under :class:`recurra.autocast`; 0 turns chunking
         off; given here, it chunks whenever the logits pass it) and each chunk inside its
         own ``recurra.recompute()`` segment: only one chunk's logits (and, in the backward,
         their gradient) is alive at a time instead of the whole (B*T, vocab) pair, the
@@ -233,7 +235,8 @@ class CausalLM(nn.Module):
             limit = self.loss_chunk_bytes if big else 0
         else:
             limit = chunk_bytes
-        rows = chunk_rows(b * t, self.vocab_size, limit or 0)
+        half = rc.autocast_dtype()  # the head's product is 2-byte under autocast
+        rows = chunk_rows(b * t, self.vocab_size, limit or 0, 4 if half is None else 2)
         if head is None or rows >= b * t:
             return ops.cross_entropy(self.forward(tokens), tgt)
         h, _ = self.features_with_state(tokens, None)
@@ -247,14 +250,17 @@ class CausalLM(nn.Module):
 CHUNK_ROW_ALIGN = 128
 
 
-def chunk_rows(n: int, vocab: int, limit: int) -> int:
-    """Rows per chunk for :func:`chunked_cross_entropy`: ``n`` when n * vocab float32 logits
-    fit in ``limit`` bytes (or limit <= 0), else the rows of equal chunks (the last may be
-    shorter) of at most ``limit`` bytes each (at least one row), a multiple of
-    ``CHUNK_ROW_ALIGN`` rows where ``limit`` holds that many."""
-    if limit <= 0 or n * vocab * 4 <= limit:
+def chunk_rows(n: int, vocab: int, limit: int, itemsize: int = 4) -> int:
+    """Rows per chunk for :func:`chunked_cross_entropy`: ``n`` when n * vocab logits of
+    ``itemsize`` bytes (4: float32, 2: bfloat16/float16) fit in ``limit`` bytes (or limit <=
+    0), else the rows of equal chunks (the last may be shorter) of at most ``limit`` bytes
+    each (at least one row), a multiple of ``CHUNK_ROW_ALIGN`` rows where ``limit`` holds
+    that many."""
+    if itemsize not in (2, 4):
+        raise ValueError(f"chunk_rows: itemsize must be 2 or 4, got {itemsize!r}")
+    if limit <= 0 or n * vocab * itemsize <= limit:
         return n
-    most = max(1, limit // (vocab * 4))  # rows of at most limit bytes
+    most = max(1, limit // (vocab * itemsize))  # rows of at most limit bytes
     align = CHUNK_ROW_ALIGN if most >= CHUNK_ROW_ALIGN else 1
     most -= most % align
     n_chunks = -(-n // most)
