@@ -350,9 +350,10 @@ def test_empty_shared_blocks_are_kept_for_the_next_step(vulkan: str) -> None:
 def test_mamba2_step_with_an_arena_past_2_gib(vulkan: str) -> None:
     # A Mamba-2 LM step (forward, cross-entropy, backward) whose planned arena on the device
     # passes 2 GiB (lavapipe's largest allocation): 16384 tokens, a 16384-token vocabulary and
-    # the loss unchunked, so the logits and their gradient are 1 GiB each. Reference: the
-    # CPU's gradients over 8 slices of the batch (the loss is a mean over tokens, so the whole
-    # batch's gradient is the mean of the slices').
+    # the loss unchunked, so the logits and their gradient are 1 GiB each (a penalty on the
+    # logits' mean square reads them too, so the cross-entropy's gradient cannot take their
+    # memory). Reference: the CPU's gradients over 8 slices of the batch (the loss is a mean
+    # over tokens, so the whole batch's gradient is the mean of the slices').
     rm = pytest.importorskip("recurra_models")
     from recurra._tensor import LAZY
 
@@ -365,7 +366,8 @@ def test_mamba2_step_with_an_arena_past_2_gib(vulkan: str) -> None:
         )
         x = rc.tensor(tokens[rows, :-1].copy(), device=device)
         y = rc.tensor(tokens[rows, 1:].copy(), device=device)
-        loss = model.loss(x, y, chunk_bytes=0)
+        logits = model.forward(x)
+        loss = ops.cross_entropy(logits, y) + 1e-3 * ops.mean(logits * logits)
         loss.backward()
         return loss.item(), {k: p.grad.numpy() for k, p in model.named_parameters()}
 
@@ -383,3 +385,52 @@ def test_mamba2_step_with_an_arena_past_2_gib(vulkan: str) -> None:
         np.testing.assert_allclose(
             got[k], ref, rtol=2e-3, atol=2e-4 * np.abs(ref).max() + 1e-7, err_msg=k
         )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cross_entropy_gradient_takes_the_logits_memory(vulkan: str, dtype: str) -> None:
+    """On the device, too, the logits' gradient is written over the logits (in their dtype):
+    one (N, V) tensor less at the peak of a loss's backward, the same gradients."""
+    from recurra._tensor import LAZY
+
+    rng = np.random.default_rng(7)
+    n, d, v = 40, 24, 300  # V past one workgroup's 256 threads (and not a multiple of 4)
+    hv = rng.standard_normal((n, d)).astype(np.float32)
+    wv = (rng.standard_normal((d, v)) * 0.5).astype(np.float32)
+    tv = rng.integers(0, v, n).astype(np.int32)
+    rc.set_strict_placement(True)
+    try:
+        LAZY.clear()
+        h = rc.param(hv, device=vulkan)
+        w = rc.param(wv, device=vulkan)
+        t = rc.tensor(tv, device=vulkan)
+        half = dtype == "bfloat16"
+        with rc.autocast(rc.bfloat16, enabled=half):
+            loss = ops.cross_entropy(ops.matmul(h, w), t)
+        loss.backward()
+        g = next(reversed(LAZY._plans.values())).graph
+        plan = g.plan()
+        got_h, got_w = h.grad.numpy(), w.grad.numpy()
+    finally:
+        rc.set_strict_placement(False)
+    assert {g.info(i)["op"] for i in range(len(g))} >= {"cross_entropy_back", "matmul"}
+    assert plan["in_place_bytes"] >= n * v * (2 if half else 4), plan
+    # float64: the logits as the device computed them (bf16 products of bf16-rounded
+    # operands under autocast), their softmax gradient
+    if half:
+        import ml_dtypes
+
+        def rnd(a):
+            return a.astype(ml_dtypes.bfloat16).astype(np.float64)
+
+        logits = rnd(rnd(hv) @ rnd(wv))
+    else:
+        logits = hv.astype(np.float64) @ wv.astype(np.float64)
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    p[np.arange(n), tv] -= 1.0
+    p /= n
+    want_h, want_w = p @ wv.astype(np.float64).T, hv.astype(np.float64).T @ p
+    tol = 2e-2 if half else 1e-4
+    np.testing.assert_allclose(got_h, want_h, rtol=tol, atol=tol * np.abs(want_h).max())
+    np.testing.assert_allclose(got_w, want_w, rtol=tol, atol=tol * np.abs(want_w).max())

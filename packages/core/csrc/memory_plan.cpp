@@ -485,11 +485,13 @@ const MemoryPlan& Graph::plan() {
   }
   for (int id = 0; id < tab.size(); ++id)
     if (tab.spec(id).unary >= 0) elementwise[id] = 1;
-  // Row by row on the CPU: a kernel that reads the whole row of one source before it writes
-  // that row of its output may write over that source too (float32). cross_entropy_back's
-  // logits, (N, V): the gradient takes their memory (at 1024 x 50288, 206 MB less at the
-  // peak, and its rows are written where they were just read, not into memory fetched for
-  // it).
+  // Row by row: a kernel that reads the whole row of one source before it writes that row of
+  // its output may write over that source too: on the CPU in float32, on a device in the
+  // source's dtype (Vulkan's softmax_norm.comp: each invocation reads its elements of the
+  // row before it writes them, after the row's reductions). cross_entropy_back's logits,
+  // (N, V): the gradient takes their memory (at 1024 x 50288, 206 MB less at the peak, and
+  // its rows are written where they were just read, not into memory fetched for it; a bf16
+  // Mamba2-130m step on the H200 holds one loss chunk's logits, 64 MB, less at its peak).
   std::vector<int> row_source(tab.size(), -1);
   row_source[tab.find("cross_entropy_back")] = 1;
   std::vector<int> taken_by(n, -1);  // a source whose memory node taken_by[s] took over
@@ -520,7 +522,7 @@ const MemoryPlan& Graph::plan() {
         if (rd->second[k] < 0) over.push_back(nd.src[k]);
     } else if (elementwise[nd.op])
       over = nd.src;
-    else if (row_source[nd.op] >= 0 && place_.where[j] == kCpuBackend && nd.dtype == DType::f32)
+    else if (row_source[nd.op] >= 0 && (place_.where[j] != kCpuBackend || nd.dtype == DType::f32))
       over = {nd.src[row_source[nd.op]]};
     else
       return -1;

@@ -44,7 +44,7 @@ void sty(uint i, float v) { st(pc.y, i, YDT, v); }
 #define sty(i, val) y.v[i] = (val)
 #endif
 
-shared float red[256];
+shared float red[256], red2[256];
 
 float wg_sum(float v) {
   const uint t = gl_LocalInvocationID.x;
@@ -59,15 +59,37 @@ float wg_sum(float v) {
   return r;
 }
 
-float wg_max(float v) {
+// The running maximum m and sum s of exp(v - m) of the values seen, one more value v taken
+// in (online: s rescaled when the maximum grows). -inf adds nothing; NaN makes both NaN.
+void online(inout float m, inout float s, float v) {
+  if (isnan(v)) {
+    m = v;
+    s = v;
+  } else if (v > m) {
+    s = s * exp(m - v) + 1.0;  // the first value: m = -inf, s = 0
+    m = v;
+  } else if (!isinf(v) || v > 0.0) {
+    s += exp(v - m);
+  }
+}
+
+// (m, s) of the workgroup's threads combined: the row's maximum and sum of exp(x - max).
+vec2 wg_online(float m, float s) {
   const uint t = gl_LocalInvocationID.x;
-  red[t] = v;
+  red[t] = m;
+  red2[t] = s;
   barrier();
   [[unroll]] for (uint w = 128u; w > 0u; w >>= 1) {
-    if (t < w) red[t] = max_nan(red[t], red[t + w]);
+    if (t < w) {
+      const float ma = red[t], mb = red[t + w], sa = red2[t], sb = red2[t + w];
+      const float mm = max_nan(ma, mb);
+      red[t] = mm;
+      // a side without values (s 0, m -inf) adds nothing (exp(-inf - -inf) would be NaN)
+      red2[t] = (sa == 0.0 ? 0.0 : sa * exp(ma - mm)) + (sb == 0.0 ? 0.0 : sb * exp(mb - mm));
+    }
     barrier();
   }
-  const float r = red[0];
+  const vec2 r = vec2(red[0], red2[0]);
   barrier();
   return r;
 }
@@ -82,12 +104,17 @@ void main() {
   const float n = float(C);
 
   if (OP == 0 || OP == 1 || OP == 8 || OP == 9) {
-    float m = uintBitsToFloat(0xff800000u);
-    for (uint i = t; i < C; i += 256u) m = max_nan(m, ldx(base + i));
-    m = wg_max(m);
-    float s = 0.0;
-    for (uint i = t; i < C; i += 256u) s += exp(ldx(base + i) - m);
-    s = wg_sum(s);
+    // One pass for the maximum and the sum (online), four loads in flight per thread.
+    const float ninf = uintBitsToFloat(0xff800000u);
+    float m = ninf, s = 0.0;
+    for (uint i = t; i < C; i += 1024u) {
+      float v[4];
+      [[unroll]] for (uint j = 0u; j < 4u; ++j) v[j] = i + 256u * j < C ? ldx(base + i + 256u * j) : ninf;
+      [[unroll]] for (uint j = 0u; j < 4u; ++j) online(m, s, v[j]);
+    }
+    const vec2 ms = wg_online(m, s);
+    m = ms.x;
+    s = ms.y;
     if (OP == 0) {
       const float inv = 1.0 / s;
       for (uint i = t; i < C; i += 256u) sty(base + i, exp(ldx(base + i) - m) * inv);
@@ -101,12 +128,19 @@ void main() {
       if (OP == 8) {
         if (t == 0u) sty(row, ok ? m + log(s) - ldx(base + uint(tv)) : 0.0);
       } else {
+        // y may be x itself (the planner lets the gradient take the logits' memory): each
+        // invocation reads its elements before it writes them, after the passes above.
         const float gs = ldg(0) / float(pc.rows);
         const float sc = gs / s;
-        for (uint i = t; i < C; i += 256u) {
-          float v = exp(ldx(base + i) - m) * sc;
-          if (ok && i == uint(tv)) v -= gs;
-          sty(base + i, ok ? v : 0.0);
+        for (uint i = t; i < C; i += 1024u) {
+          float v[4];
+          [[unroll]] for (uint j = 0u; j < 4u; ++j) v[j] = i + 256u * j < C ? ldx(base + i + 256u * j) : 0.0;
+          [[unroll]] for (uint j = 0u; j < 4u; ++j) {
+            const uint k = i + 256u * j;
+            float d = exp(v[j] - m) * sc;
+            if (ok && k == uint(tv)) d -= gs;
+            if (k < C) sty(base + k, ok ? d : 0.0);
+          }
         }
       }
     }
