@@ -89,6 +89,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     keep_variant(spec["precision"])
     over = {"n_layer": spec["n_layer"]} if spec["n_layer"] else {}
     model = rm.create(spec["preset"], seed=0, **over).to(spec["device"])
+    if spec.get("loss_chunk_bytes") is not None:
+        model.loss_chunk_bytes = spec["loss_chunk_bytes"]
     opt = AdamW(list(model.parameters()), lr=spec["lr"])
     half = spec["precision"].startswith("bf16")
     # the step as recurra_models.Trainer runs it: captured (the plan runs from its cache)
@@ -157,6 +159,12 @@ def main() -> None:
         action="store_false",
         help="record every step's ops again (the default captures the step, as Trainer does)",
     )
+    ap.add_argument(
+        "--loss-chunk-bytes",
+        type=int,
+        default=None,
+        help="the model's loss_chunk_bytes (default: its own; 0: the loss unchunked)",
+    )
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -173,6 +181,7 @@ def main() -> None:
     for prec in a.precisions.split(","):
         spec = {k: getattr(a, k) for k in ("preset", "n_layer", "device", "batch", "seq_len")}
         spec.update(steps=a.steps, lr=a.lr, symbols=a.symbols, precision=prec, capture=a.capture)
+        spec.update(loss_chunk_bytes=a.loss_chunk_bytes)
         r = run_polled(__file__, spec, a.timeout)
         out[prec] = r
         if "error" in r:

@@ -94,6 +94,7 @@ def main() -> None:
         action="store_true",
         help="one time per dispatch, by op/shader[specialization constants] (which kernel ran)",
     )
+    ap.add_argument("--raw", help="also write the last step's nodes, in order, to this file")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -103,10 +104,15 @@ def main() -> None:
     lines, prof_times = run_child(args, profile=True)
     _, times = run_child(args, profile=False)
     by_op: dict[str, list[float]] = collections.defaultdict(list)
+    order = []
     for ln in lines:
         m = LINE.match(ln)
         if m:
             by_op[m.group(1)].append(float(m.group(2)) / 1e3)
+            order.append(f"{m.group(1)} {m.group(2)}")
+    if args.raw:
+        with open(args.raw, "w") as f:
+            f.write("\n".join(order) + "\n")
     total = sum(sum(v) for v in by_op.values())
     print(
         f"{args.preset} batch {args.batch} x {args.seq_len}"
