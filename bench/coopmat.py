@@ -130,7 +130,8 @@ OP_SHAPES = {
     ],
     # the products of a bf16 Mamba2-130M training step at batch 8 x 512 as it runs them:
     # Linear weights stored (out, in), so the forward is x @ W^T and the input gradient dy @ W;
-    # the tied LM head over a 16-chunk loss (256 rows of the 50288-token padded vocabulary)
+    # the tied LM head over a 7-chunk loss (640 rows of the 50288-token padded vocabulary:
+    # 64 MiB of bf16 logits a chunk)
     "mamba2step": [
         ("in_proj x@W^T", 4096, 768, 3352, False, True),
         ("in_proj dW=x^T@dy", 768, 4096, 3352, True, False),
@@ -138,9 +139,9 @@ OP_SHAPES = {
         ("out_proj x@W^T", 4096, 1536, 768, False, True),
         ("out_proj dW=x^T@dy", 1536, 4096, 768, True, False),
         ("out_proj dX=dy@W", 4096, 768, 1536, False, False),
-        ("lm_head 256 x@E^T", 256, 768, 50288, False, True),
-        ("lm_head 256 dW=h^T@dl", 768, 256, 50288, True, False),
-        ("lm_head 256 dX=dl@E", 256, 50288, 768, False, False),
+        ("lm_head 640 x@E^T", 640, 768, 50288, False, True),
+        ("lm_head 640 dW=h^T@dl", 768, 640, 50288, True, False),
+        ("lm_head 640 dX=dl@E", 640, 50288, 768, False, False),
     ],
 }
 UNIT = {"bf16": 2.0**-8, "f16": 2.0**-11}
