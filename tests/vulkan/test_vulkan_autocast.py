@@ -178,3 +178,51 @@ def test_mamba2_bf16_curve_on_the_device_follows_float32(vulkan: str) -> None:
     assert l32[-1] < 0.7 * l32[0]  # measured: 5.62 -> 3.08 (lavapipe)
     rel = np.abs(lbf - l32) / l32
     assert rel.max() < 0.02, rel.max()
+
+
+@pytest.mark.parametrize("split", ["", "4"])
+def test_weight_gradient_is_the_unrounded_product(vulkan: str, monkeypatch, split: str) -> None:
+    """Under autocast a float32 weight's gradient is the bf16 product x^T dy cast up; on the
+    device that product writes float32 itself (the plan's n_widened_products; one dispatch
+    instead of two) and its sums are not rounded to bf16 on the way: the gradient is the
+    float64 sum of the bf16 operands' products to float32 accuracy, where a bf16 rounding
+    would be off by up to 2^-9. RECURRA_WIDEN_PRODUCTS=0 runs the product and the cast (the
+    rounded gradient). With split="4" the product runs in 4 slices of K (split-K)."""
+    import ml_dtypes
+
+    from recurra import ops
+    from recurra._tensor import LAZY
+
+    monkeypatch.setenv("RECURRA_VK_SPLITK", split)
+    rng = np.random.default_rng(3)
+    n, d_in, d_out = 96, 40, 24
+    xv = rng.standard_normal((n, d_in)).astype(ml_dtypes.bfloat16)
+    wv = rng.standard_normal((d_out, d_in)).astype(np.float32)
+
+    def grad(fold: bool) -> tuple[np.ndarray, dict]:
+        monkeypatch.setenv("RECURRA_WIDEN_PRODUCTS", "1" if fold else "0")
+        LAZY.clear()
+        rc.set_strict_placement(True)
+        try:
+            w = rc.param(wv, device=vulkan)
+            x = rc.tensor(xv, device=vulkan)
+            with rc.autocast(rc.bfloat16):
+                y = ops.matmul(x, w.T)  # (n, d_out) bf16; dy = 1 everywhere (exact)
+                loss = ops.sum(y)
+            loss.backward()
+            plan = dict(next(reversed(LAZY._plans.values())).graph.plan())
+            return w.grad.numpy(), plan
+        finally:
+            rc.set_strict_placement(False)
+
+    g, plan = grad(True)
+    g0, plan0 = grad(False)
+    assert g.dtype == np.float32 and g.shape == (d_out, d_in)
+    assert plan["n_widened_products"] == 1 and plan0["n_widened_products"] == 0
+    want = np.broadcast_to(xv.astype(np.float64).sum(axis=0), (d_out, d_in))
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(g, want, rtol=0, atol=1e-6 * scale)
+    # the unfolded step rounds the product to bf16 first (the same values, rounded)
+    rounded = want.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(g0, rounded)
+    assert np.abs(g0 - want).max() > 1e-4 * scale  # the rounding this test can see

@@ -158,8 +158,12 @@ SIZES = {
 def test_bf16_step_equals_the_up_cast_step(vulkan: str, monkeypatch, arch: str) -> None:
     """Mamba-2 (the chunked scan's layout) and Mamba-1 (one decay per state: the sequential
     kernels) under autocast, strict placement on the device: bitwise the loss and gradients
-    of the step with the up-casts and float32 norms, with fewer casts."""
+    of the step with the up-casts and float32 norms, with fewer casts. (Products whose
+    2-byte result a cast widens write float32 on the device, unrounded: in the up-cast step
+    the norms' float32 inputs take such gradients, so that is off here, the two steps'
+    products rounded alike; test_vulkan_autocast.py tests it.)"""
     rm = pytest.importorskip("recurra_models")
+    monkeypatch.setenv("RECURRA_WIDEN_PRODUCTS", "0")
     d = np.random.default_rng(0).integers(0, 64, (2, 17)).astype(np.int32)
     op_class = _autocast.op_class
     got = []

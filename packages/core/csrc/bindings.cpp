@@ -205,6 +205,7 @@ PYBIND11_MODULE(_core, m) {
         d["in_place_bytes"] = p.in_place_bytes;
         d["n_redirected"] = p.n_redirected;
         d["n_folded_casts"] = p.n_folded_casts;
+        d["n_widened_products"] = p.n_widened_products;
         py::list at_peak;  // (op, bytes) live at the peak, largest first
         for (const auto& [op, bytes] : p.live_at_peak) at_peak.append(py::make_tuple(op, bytes));
         d["live_at_peak"] = at_peak;

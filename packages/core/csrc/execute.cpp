@@ -277,6 +277,24 @@ void Graph::run_device_split(const Placement::Split& sp, size_t begin, size_t en
       continue;
     }
     recurra_node_desc d{};
+    if (merged) {
+      // A widened product (see MergedAdds::widened): the 2-byte product writes this cast's
+      // float32 output.
+      const auto w = merged->widened.find(j);
+      if (w != merged->widened.end()) {
+        const Node& m = nodes_[w->second];
+        d.op = tab.at(m.op).name.c_str();
+        d.dst = desc_on(nd.id, sp.backend);
+        d.n_src = static_cast<int32_t>(m.src.size());
+        for (size_t i = 0; i < m.src.size(); ++i) d.src[i] = desc_on(m.src[i], sp.backend);
+        d.n_ip = static_cast<int32_t>(m.ip.size());
+        d.ip = m.ip.data();
+        d.n_fp = static_cast<int32_t>(m.fp.size());
+        d.fp = m.fp.data();
+        descs.push_back(d);
+        continue;
+      }
+    }
     d.op = tab.at(nd.op).name.c_str();
     d.dst = desc_on(nd.id, sp.backend);
     d.n_src = static_cast<int32_t>(nd.src.size());

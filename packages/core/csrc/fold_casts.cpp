@@ -40,10 +40,30 @@ bool converts_sources(int b, const std::string& op, DType dt, DType src_dt) {
   return backend_runs(b, d);
 }
 
+// Whether device backend b runs product `op` (matmul or out_prod) of two sources of the
+// 2-byte dtype dt into a float32 output (the sums not rounded to dt).
+bool widens_products(int b, const std::string& op, DType dt) {
+  recurra_tensor_desc t{};
+  t.dtype = static_cast<recurra_dtype>(static_cast<int>(dt));
+  t.ndim = 2;
+  for (int i = 0; i < RECURRA_MAX_DIMS; ++i) t.shape[i] = 1;
+  t.shape[0] = t.shape[1] = 8;
+  t.strides[0] = 8;
+  t.strides[1] = 1;
+  recurra_node_desc d{};
+  d.op = op.c_str();
+  d.n_src = 2;
+  d.src[0] = d.src[1] = t;
+  d.dst = t;
+  d.dst.dtype = RECURRA_F32;
+  return backend_runs(b, d);
+}
+
 }  // namespace
 
 void fold_casts(const Graph& g, const std::vector<int>& where, const std::vector<int>& readers,
-                std::unordered_map<int, Scatter>& merged, std::unordered_map<int, std::vector<int>>& folded) {
+                std::unordered_map<int, Scatter>& merged, std::unordered_map<int, std::vector<int>>& folded,
+                std::unordered_map<int, int>& widened) {
   const OpTable& tab = OpTable::get();
   const int n = g.size();
   const int add_op = tab.find("add");
@@ -116,6 +136,32 @@ void fold_casts(const Graph& g, const std::vector<int>& where, const std::vector
       ok = ok && converts_from(b, tab.at(nd.op).name, nd.dtype, from.back());
     }
     if (any && ok) folded[j] = std::move(from);
+  }
+  // Widened products: a cast to float32 whose source is a 2-byte product read by nothing
+  // else (the gradient of a float32 weight that autocast cast to bf16) runs as that product
+  // writing float32: one dispatch, and the sums not rounded to the 2-byte type on the way.
+  // Not bitwise the values of before (the sums are not rounded): a switch of its own,
+  // RECURRA_WIDEN_PRODUCTS=0 (comparisons), beside RECURRA_FOLD_CASTS=0.
+  const char* widen_env = std::getenv("RECURRA_WIDEN_PRODUCTS");
+  const bool widen = !(widen_env && std::string(widen_env) == "0");
+  const int matmul_op = tab.find("matmul"), out_prod_op = tab.find("out_prod");
+  std::map<std::tuple<int, int, int>, bool> widens;  // widens_products, cached
+  for (int j = loss_at + 1; j < n && widen; ++j) {
+    const Node& nd = g.node(j);
+    const int b = where[j];
+    if (nd.is_leaf() || nd.is_view() || nd.op != cast_op || nd.dtype != DType::f32 || b == kCpuBackend ||
+        merged.count(j) || folded.count(j))
+      continue;
+    const int m = nd.src[0];
+    const Node& mn = g.node(m);
+    if (m <= loss_at || mn.is_leaf() || mn.is_view() || (mn.op != matmul_op && mn.op != out_prod_op) ||
+        !is_half(mn.dtype) || readers[m] != 1 || (mn.flags & (kOutput | kLoss)) || where[m] != b ||
+        merged.count(m) || folded.count(m))
+      continue;
+    const auto key = std::make_tuple(b, mn.op, static_cast<int>(mn.dtype));
+    auto it = widens.find(key);
+    if (it == widens.end()) it = widens.emplace(key, widens_products(b, tab.at(mn.op).name, mn.dtype)).first;
+    if (it->second) widened[j] = m;
   }
 }
 

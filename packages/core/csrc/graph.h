@@ -207,6 +207,9 @@ struct MemoryPlan {
   // Casts of gradients whose sources a device's merged scatter, add or slice_grad reads
   // instead, converting each value itself (Scatter::from, MergedAdds::folded): not run.
   size_t n_folded_casts = 0;
+  // Casts to float32 of 2-byte products that nothing else reads, run as the product writing
+  // float32 (MergedAdds::widened): the product's node is not run.
+  size_t n_widened_products = 0;
   // Per node: the segment of its backend's arena and the byte offset in it (SIZE_MAX: none).
   // A device backend's arena is split into segments no larger than its largest buffer; the
   // host's arena is one segment.

@@ -245,6 +245,7 @@ const MemoryPlan& Graph::plan() {
   std::unordered_map<int, RowsAdd> rows_adds;
   std::unordered_map<int, std::vector<Redirect>> redirects;
   std::unordered_map<int, std::vector<int>> folded;  // see MergedAdds::folded
+  std::unordered_map<int, int> widened;              // see MergedAdds::widened
   const int add_op = tab.find("add");
   {
     std::map<std::pair<int, int>, bool> window_ok;  // (backend, dtype): takes window assigns
@@ -297,7 +298,7 @@ const MemoryPlan& Graph::plan() {
         sc.rhs[i] = a.src[1];
       }
     }
-    fold_casts(*this, place_.where, readers, merged, folded);  // (see Scatter::from)
+    fold_casts(*this, place_.where, readers, merged, folded, widened);  // (see Scatter::from)
     // Tied embeddings: add(A, get_rows_back(g, idx)) on the CPU (see RowsAdd).
     const int rows_op = tab.find("get_rows_back");
     for (int j = 0; j < n; ++j) {
@@ -336,6 +337,7 @@ const MemoryPlan& Graph::plan() {
     auto& r = merged_reads[j];
     for (size_t k = 0; k < from.size(); ++k) r.push_back(from[k] >= 0 ? from[k] : nodes_[j].src[k]);
   }
+  for (const auto& [j, m] : widened) merged_reads[j] = nodes_[m].src;  // the product's sources
   auto srcs_of = [&](int j) -> const std::vector<int>& {
     const auto it = merged_reads.find(j);
     return it == merged_reads.end() ? nodes_[j].src : it->second;
@@ -458,6 +460,7 @@ const MemoryPlan& Graph::plan() {
     for (int f : sc.from) p.n_folded_casts += keep[j] && f >= 0;
   for (const auto& [j, from] : folded)
     for (int f : from) p.n_folded_casts += keep[j] && f >= 0;
+  for (const auto& [j, m] : widened) p.n_widened_products += keep[j];
   p.offsets.assign(n, SIZE_MAX);
   p.segments.assign(n, 0);
   // Outputs with memory of their own (kOwnMemory): no place in the arena (compute() makes
@@ -680,11 +683,11 @@ const MemoryPlan& Graph::plan() {
       nodes_[j].data = static_cast<uint8_t*>(arena_.get()) + p.offsets[j];
   {
     std::lock_guard<std::mutex> lk(g_scatter_mu);
-    if (merged.empty() && rows_adds.empty() && redirects.empty() && folded.empty())
+    if (merged.empty() && rows_adds.empty() && redirects.empty() && folded.empty() && widened.empty())
       g_scatters.erase(this);
     else
-      g_scatters[this] = MergedAdds{std::move(merged), std::move(rows_adds), std::move(redirects), std::move(written_slices),
-                                    std::move(folded)};
+      g_scatters[this] = MergedAdds{std::move(merged),         std::move(rows_adds), std::move(redirects),
+                                    std::move(written_slices), std::move(folded),    std::move(widened)};
   }
   plan_ = std::move(p);
   planned_ = true;

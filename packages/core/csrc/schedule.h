@@ -99,6 +99,12 @@ struct MergedAdds {
   // per source, that node, which the backend's kernel reads and converts where it loads
   // each value, as the cast did (the cast is not run), or -1. RECURRA_FOLD_CASTS=0: none.
   std::unordered_map<int, std::vector<int>> folded;
+  // On a device, casts to float32 (after the loss) of a 2-byte matmul or out_prod that
+  // nothing else reads (a weight's gradient under autocast, widened for its float32
+  // parameter), by cast node: that product, which the backend runs writing the cast's float32
+  // output itself, its sums not rounded to the 2-byte type first (the product is not run).
+  // RECURRA_WIDEN_PRODUCTS=0: none (comparisons; RECURRA_FOLD_CASTS does not change it).
+  std::unordered_map<int, int> widened;
 };
 // Whether device backend b (not closed) runs node d, by its supports_op.
 bool backend_runs(int b, const recurra_node_desc& d);
@@ -107,10 +113,12 @@ bool backend_runs(int b, const recurra_node_desc& d);
 // source of dtype src_dt (float32 into a 2-byte dt: rounding it, see Scatter::from).
 bool assigns_into_windows(int b, DType dt, DType src_dt);
 
-// Fills Scatter::from of the merged adds and `folded` (MergedAdds::folded) for graph g,
-// placed by `where`, whose node j has readers[j] readers (fold_casts.cpp).
+// Fills Scatter::from of the merged adds, `folded` (MergedAdds::folded) and `widened`
+// (MergedAdds::widened) for graph g, placed by `where`, whose node j has readers[j] readers
+// (fold_casts.cpp).
 void fold_casts(const Graph& g, const std::vector<int>& where, const std::vector<int>& readers,
-                std::unordered_map<int, Scatter>& merged, std::unordered_map<int, std::vector<int>>& folded);
+                std::unordered_map<int, Scatter>& merged, std::unordered_map<int, std::vector<int>>& folded,
+                std::unordered_map<int, int>& widened);
 
 extern std::mutex g_scatter_mu;
 extern std::unordered_map<const Graph*, MergedAdds> g_scatters;

@@ -232,7 +232,9 @@ class Graph:
         and the bytes that saved), ``n_redirected`` (pieces of packed CPU results written
         straight into their window of a merged gradient scatter), ``n_folded_casts`` (casts
         of float32 gradients to a 2-byte dtype not run on a device: the assign or add reading
-        them rounds their float32 sources itself); ``live_nodes_at_peak`` lists
+        them rounds their float32 sources itself), ``n_widened_products`` (casts to float32 of
+        a 2-byte product run on a device as that product writing float32: a weight's gradient
+        under autocast, not rounded to the 2-byte type first); ``live_nodes_at_peak`` lists
         the nodes alive at the peak, ``(id, op, dtype, shape, bytes, made by the forward)``,
         and ``peak_node`` is the node at which the peak is reached."""
         return dict(self._g.plan())

@@ -79,14 +79,17 @@ Kernel choose_kernel(int64_t m, int64_t n, int64_t batch, bool half) {
 
 bool is_half(recurra_dtype dt) { return dt == RECURRA_BF16 || dt == RECURRA_F16; }
 
-// Dtypes: all float32, or all one 2-byte float type (check_node refuses 2-byte tensors on
-// devices without 16-bit storage).
+// Dtypes: all float32, or all one 2-byte float type, or two sources of one 2-byte type into
+// a float32 output (the product not rounded: a 2-byte weight gradient the core widens, see
+// its fold_casts) (check_node refuses 2-byte tensors on devices without 16-bit storage).
 std::string product_dtypes(const recurra_node_desc& n) {
-  if (!is_half(n.dst.dtype)) return require_f32(n, 2);
-  const char* name = n.dst.dtype == RECURRA_BF16 ? "bfloat16" : "float16";
+  if (!is_half(n.dst.dtype) && !is_half(n.src[0].dtype)) return require_f32(n, 2);
+  const recurra_dtype dt = is_half(n.dst.dtype) ? n.dst.dtype : n.src[0].dtype;
+  const char* name = dt == RECURRA_BF16 ? "bfloat16" : "float16";
   for (int i = 0; i < 2; ++i)
-    if (n.src[i].dtype != n.dst.dtype)
-      return std::string(n.op) + ": source " + std::to_string(i) + " must be " + name + " like the output";
+    if (n.src[i].dtype != dt)
+      return std::string(n.op) + ": source " + std::to_string(i) + " must be " + name + " like " +
+             (is_half(n.dst.dtype) ? "the output" : "source 0");
   return "";
 }
 
@@ -237,8 +240,12 @@ void dispatch_half(NodeCall& c, const CoopMatOpTile* tile, const MatmulPC& pc, i
 // coopmat_op_plan (a cost model: waves of workgroups, the partial sums' traffic); the
 // fallback takes split_count's. RECURRA_VK_SPLITK forces the slices on both (for tests and
 // measurements; at most K / 16 of them).
+//
+// A float32 output (2-byte sources): the sums written as they are, not rounded (c_f32 on the
+// kernels, the float32 sum_slices).
 void record_half(NodeCall& c, const MatmulPC& pc, int64_t batch, const int64_t* sa, const int64_t* sb) {
-  const int32_t dt = c.dst.d->dtype == RECURRA_BF16 ? 2 : 3;  // half.glsl's DT_BF16 / DT_F16
+  const int32_t dt = c.src[0].d->dtype == RECURRA_BF16 ? 2 : 3;  // half.glsl's DT_BF16 / DT_F16
+  const bool out_f32 = c.dst.d->dtype == RECURRA_F32;
   CoopMatOpPlan plan{nullptr, 1};
   if (coopmat_op_why_not(c.rec.device(), dt == 2).empty()) plan = coopmat_op_plan(pc.M, pc.N, pc.K, batch);
   int64_t splits = plan.splits;
@@ -247,13 +254,16 @@ void record_half(NodeCall& c, const MatmulPC& pc, int64_t batch, const int64_t* 
     splits = forced ? std::min<int64_t>(forced, pc.K / 16) : split_count(pc.M, pc.N, pc.K);
     if ((splits + 1) * pc.M * pc.N > kMaxIndex) splits = 1;
   }
-  if (splits < 2) return dispatch_half(c, plan.tile, pc, batch, sa, sb, dt, false, c.dst.range);
+  if (splits < 2) return dispatch_half(c, plan.tile, pc, batch, sa, sb, dt, out_f32, c.dst.range);
   const auto part = c.rec.scratch(split_bytes(pc, splits));
   const Split sp = split_k(pc, splits, 16, 2, part.addr);
   const int64_t ssa[2] = {0, sp.sliced.a_b1}, ssb[2] = {0, sp.sliced.b_b1}, none[2] = {0, 0};
   dispatch_half(c, plan.tile, sp.sliced, splits, ssa, ssb, dt, true, part.range);
   if (sp.rest.K > 0) dispatch_half(c, plan.tile, sp.rest, 1, none, none, dt, true, part.range);
-  sum_slices(c, sp, part.range, "sum_slices_h", {dt});
+  if (out_f32)
+    sum_slices(c, sp, part.range, "sum_slices", {});
+  else
+    sum_slices(c, sp, part.range, "sum_slices_h", {dt});
 }
 
 template <bool OUT_PROD>
@@ -311,7 +321,7 @@ void product_record(NodeCall& c) {
   const int vec_b = b_kc ? aligned(pc.b, {pc.b_cs, sb[0], sb[1]}, pc.K)
                          : (pc.b_cs == 1 && aligned(pc.b, {pc.b_rs, sb[0], sb[1]}, pc.N));
   const int vec_c = pc.N % 4 == 0 && pc.c % 16 == 0;
-  if (is_half(d.dtype)) return record_half(c, pc, batch, sa, sb);
+  if (is_half(a.dtype)) return record_half(c, pc, batch, sa, sb);
 
   // One to four rows (a token's step): gemv.comp splits each column's K over many threads.
   // RECURRA_VK_MATMUL=legacy|r.. keeps the tiled kernels for them too.
