@@ -180,8 +180,14 @@ def main() -> None:
     out: dict[str, Any] = {}
     for prec in a.precisions.split(","):
         spec = {k: getattr(a, k) for k in ("preset", "n_layer", "device", "batch", "seq_len")}
-        spec.update(steps=a.steps, lr=a.lr, symbols=a.symbols, precision=prec, capture=a.capture)
-        spec.update(loss_chunk_bytes=a.loss_chunk_bytes)
+        spec.update(
+            steps=a.steps,
+            lr=a.lr,
+            symbols=a.symbols,
+            precision=prec,
+            capture=a.capture,
+            loss_chunk_bytes=a.loss_chunk_bytes,
+        )
         r = run_polled(__file__, spec, a.timeout)
         out[prec] = r
         if "error" in r:

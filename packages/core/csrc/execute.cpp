@@ -276,37 +276,23 @@ void Graph::run_device_split(const Placement::Split& sp, size_t begin, size_t en
       }
       continue;
     }
+    // A widened product (see MergedAdds::widened): the cast runs as its 2-byte product,
+    // writing the cast's float32 output.
+    const auto w = merged ? merged->widened.find(j) : std::unordered_map<int, int>::const_iterator{};
+    const Node& op = merged && w != merged->widened.end() ? nodes_[w->second] : nd;
     recurra_node_desc d{};
-    if (merged) {
-      // A widened product (see MergedAdds::widened): the 2-byte product writes this cast's
-      // float32 output.
-      const auto w = merged->widened.find(j);
-      if (w != merged->widened.end()) {
-        const Node& m = nodes_[w->second];
-        d.op = tab.at(m.op).name.c_str();
-        d.dst = desc_on(nd.id, sp.backend);
-        d.n_src = static_cast<int32_t>(m.src.size());
-        for (size_t i = 0; i < m.src.size(); ++i) d.src[i] = desc_on(m.src[i], sp.backend);
-        d.n_ip = static_cast<int32_t>(m.ip.size());
-        d.ip = m.ip.data();
-        d.n_fp = static_cast<int32_t>(m.fp.size());
-        d.fp = m.fp.data();
-        descs.push_back(d);
-        continue;
-      }
-    }
-    d.op = tab.at(nd.op).name.c_str();
+    d.op = tab.at(op.op).name.c_str();
     d.dst = desc_on(nd.id, sp.backend);
-    d.n_src = static_cast<int32_t>(nd.src.size());
+    d.n_src = static_cast<int32_t>(op.src.size());
     const auto rd = merged ? merged->folded.find(j) : std::unordered_map<int, std::vector<int>>::const_iterator{};
     const bool rounds = merged && rd != merged->folded.end();
-    for (size_t i = 0; i < nd.src.size(); ++i) {
-      d.src[i] = rounds ? folded_desc(nd.src[i], rd->second[i]) : desc_on(nd.src[i], sp.backend);
+    for (size_t i = 0; i < op.src.size(); ++i) {
+      d.src[i] = rounds ? folded_desc(op.src[i], rd->second[i]) : desc_on(op.src[i], sp.backend);
     }
-    d.n_ip = static_cast<int32_t>(nd.ip.size());
-    d.ip = nd.ip.data();
-    d.n_fp = static_cast<int32_t>(nd.fp.size());
-    d.fp = nd.fp.data();
+    d.n_ip = static_cast<int32_t>(op.ip.size());
+    d.ip = op.ip.data();
+    d.n_fp = static_cast<int32_t>(op.fp.size());
+    d.fp = op.fp.data();
     descs.push_back(d);
   }
   descs.insert(descs.end(), extra.begin(), extra.end());

@@ -149,14 +149,11 @@ void fold_casts(const Graph& g, const std::vector<int>& where, const std::vector
   for (int j = loss_at + 1; j < n && widen; ++j) {
     const Node& nd = g.node(j);
     const int b = where[j];
-    if (nd.is_leaf() || nd.is_view() || nd.op != cast_op || nd.dtype != DType::f32 || b == kCpuBackend ||
-        merged.count(j) || folded.count(j))
-      continue;
+    if (nd.is_leaf() || nd.is_view() || nd.op != cast_op || nd.dtype != DType::f32 || b == kCpuBackend) continue;
     const int m = nd.src[0];
     const Node& mn = g.node(m);
     if (m <= loss_at || mn.is_leaf() || mn.is_view() || (mn.op != matmul_op && mn.op != out_prod_op) ||
-        !is_half(mn.dtype) || readers[m] != 1 || (mn.flags & (kOutput | kLoss)) || where[m] != b ||
-        merged.count(m) || folded.count(m))
+        !is_half(mn.dtype) || readers[m] != 1 || (mn.flags & (kOutput | kLoss)) || where[m] != b)
       continue;
     const auto key = std::make_tuple(b, mn.op, static_cast<int>(mn.dtype));
     auto it = widens.find(key);

@@ -236,7 +236,7 @@ class CausalLM(nn.Module):
         else:
             limit = chunk_bytes
         half = rc.autocast_dtype()  # the head's product is 2-byte under autocast
-        rows = chunk_rows(b * t, self.vocab_size, limit or 0, 4 if half is None else 2)
+        rows = chunk_rows(b * t, self.vocab_size, limit or 0, 4 if half is None else half.itemsize)
         if head is None or rows >= b * t:
             return ops.cross_entropy(self.forward(tokens), tgt)
         h, _ = self.features_with_state(tokens, None)
