@@ -19,6 +19,7 @@
 layout(local_size_x = 256) in;
 layout(constant_id = 0) const int MODE = 0;
 layout(constant_id = 1) const int ND = 4;  // axes of the collapsed shape (1..4)
+layout(constant_id = 4) const int RUN = 1;  // MODE 0: elements per invocation (see copy_runs)
 #ifdef HALF
 layout(constant_id = 2) const int FROM = -1;  // -1: the destination's dtype (bits moved); else a dtype code
 layout(constant_id = 3) const int DT = DT_BF16;  // the destination's dtype when FROM >= 0
@@ -32,8 +33,38 @@ layout(push_constant) uniform PC {
   int sd[4];
 } pc;
 
+// MODE 0 with RUN > 1 (the host: the innermost axis' length a multiple of RUN): each
+// invocation moves RUN consecutive elements along that axis, one index computation and RUN
+// loads in flight instead of one each (a strided copy waits on its index arithmetic and on
+// single loads, not on bandwidth).
+void copy_runs() {
+  const uint stride = gl_NumWorkGroups.x * 256u, m = pc.n / uint(RUN);
+  const int s3 = pc.ss[3], d3 = pc.sd[3];
+  for (uint u = gl_GlobalInvocationID.x; u < m; u += stride) {
+    const int so = offset_nd(u * uint(RUN), pc.shape, pc.ss, ND), dof = offset_nd(u * uint(RUN), pc.shape, pc.sd, ND);
+#ifdef HALF
+    if (FROM >= 0) {
+      float v[RUN];
+      [[unroll]] for (int q = 0; q < RUN; ++q) v[q] = ld(pc.s, uint(so + q * s3), FROM);
+      [[unroll]] for (int q = 0; q < RUN; ++q) st(pc.d, uint(dof + q * d3), DT, v[q]);
+      continue;
+    }
+    uint16_t v[RUN];
+#else
+    uint v[RUN];
+#endif
+    WORDS s = WORDS(pc.s), d = WORDS(pc.d);
+    [[unroll]] for (int q = 0; q < RUN; ++q) v[q] = s.v[so + q * s3];
+    [[unroll]] for (int q = 0; q < RUN; ++q) d.v[dof + q * d3] = v[q];
+  }
+}
+
 void main() {
   const uint stride = gl_NumWorkGroups.x * 256u;
+  if (MODE == 0 && RUN > 1) {
+    copy_runs();
+    return;
+  }
 #ifdef HALF
   if (FROM >= 0) {
     for (uint i = gl_GlobalInvocationID.x; i < pc.n; i += stride) {

@@ -46,12 +46,16 @@ void copy_view(Recorder& rec, bool half, int nd, const int64_t* shape, uint64_t 
   std::memcpy(pc.ss, col.strides[0], sizeof pc.ss);
   std::memcpy(pc.sd, col.strides[1], sizeof pc.sd);
   const bool flat = col.nd == 0 || (col.nd == 1 && col.strides[0][3] == 1 && col.strides[1][3] == 1);
+  // copy.comp's RUN: a strided copy moves runs of 4 elements along its innermost axis
+  const int run = !flat && col.shape[3] % 4 == 0 ? 4 : 1;
+  const uint32_t groups = grid_groups(n / run, 256);
   if (from != to) {
-    rec.dispatch("copy_h", {flat ? 1 : 0, std::max(col.nd, 1), dt_code(from), dt_code(to)}, pc, grid_groups(n, 256), 1, 1, {s_range},
-                 {d_range});
+    rec.dispatch("copy_h", {flat ? 1 : 0, std::max(col.nd, 1), dt_code(from), dt_code(to), run}, pc, groups, 1, 1,
+                 {s_range}, {d_range});
     return;
   }
-  rec.dispatch(variant("copy", half), {flat ? 1 : 0, std::max(col.nd, 1)}, pc, grid_groups(n, 256), 1, 1, {s_range}, {d_range});
+  // (FROM -1 and DT: copy_h's bit moves; the float32 module has no constants 2 and 3)
+  rec.dispatch(variant("copy", half), {flat ? 1 : 0, std::max(col.nd, 1), -1, 2, run}, pc, groups, 1, 1, {s_range}, {d_range});
 }
 
 // n elements of dtype dt = bits (value_bits).
