@@ -1,7 +1,8 @@
 // Strided copy of 4-byte elements (float32 or int32 alike): d[view] = s[view], both views of
 // the collapsed shape `shape`. Serves contiguous, concat (into windows of the output) and
 // slice_grad (into a strided window of a zeroed output).
-//   MODE 0: general, 1: both dense (flat copy)
+//   MODE 0: general, 1: both dense (flat copy), 2: flat, four elements an invocation (the
+//   host checks n % 4 == 0 and both addresses aligned to four elements)
 //   HALF (the copy_h variant): 2-byte elements (bfloat16/float16) moved as 16-bit words,
 //   bits untouched; one invocation per element, so no two write one 32-bit word. With
 //   FROM >= 0 the source has dtype FROM and the destination DT (float32, bfloat16, float16),
@@ -11,8 +12,10 @@
 #include "common.glsl"
 #ifdef HALF
 #include "half.glsl"
+#include "half_ew.glsl"
 #define WORDS U16Buf
 #else
+layout(buffer_reference, std430, buffer_reference_align = 16) buffer U4Buf { uvec4 v[]; };
 #define WORDS UBuf
 #endif
 
@@ -63,6 +66,20 @@ void main() {
   const uint stride = gl_NumWorkGroups.x * 256u;
   if (MODE == 0 && RUN > 1) {
     copy_runs();
+    return;
+  }
+  if (MODE == 2) {
+    const uint n4 = pc.n / 4u;
+    for (uint j = gl_GlobalInvocationID.x; j < n4; j += stride) {
+#ifdef HALF
+      if (FROM >= 0)
+        st4f(pc.d, j, DT, ld4f(pc.s, j, FROM));
+      else
+        U2Buf(pc.d).v[j] = U2Buf(pc.s).v[j];
+#else
+      U4Buf(pc.d).v[j] = U4Buf(pc.s).v[j];
+#endif
+    }
     return;
   }
 #ifdef HALF

@@ -46,16 +46,19 @@ void copy_view(Recorder& rec, bool half, int nd, const int64_t* shape, uint64_t 
   std::memcpy(pc.ss, col.strides[0], sizeof pc.ss);
   std::memcpy(pc.sd, col.strides[1], sizeof pc.sd);
   const bool flat = col.nd == 0 || (col.nd == 1 && col.strides[0][3] == 1 && col.strides[1][3] == 1);
-  // copy.comp's RUN: a strided copy moves runs of 4 elements along its innermost axis
-  const int run = !flat && col.shape[3] % 4 == 0 ? 4 : 1;
-  const uint32_t groups = grid_groups(n / run, 256);
+  // copy.comp's RUN: a strided copy moves runs of 4 elements along its innermost axis; its
+  // MODE 2: a flat one moves 4 elements at a time where both ends are aligned to 4 of theirs
+  const uint64_t s_size = from != to ? elem_bytes(from) : half ? 2 : 4, d_size = from != to ? elem_bytes(to) : s_size;
+  const bool vec = flat && n % 4 == 0 && s_addr % (4 * s_size) == 0 && d_addr % (4 * d_size) == 0;
+  const int run = !flat && col.shape[3] % 4 == 0 ? 4 : 1, mode = vec ? 2 : flat ? 1 : 0;
+  const uint32_t groups = grid_groups(n / (vec ? 4 : run), 256);
   if (from != to) {
-    rec.dispatch("copy_h", {flat ? 1 : 0, std::max(col.nd, 1), dt_code(from), dt_code(to), run}, pc, groups, 1, 1,
-                 {s_range}, {d_range});
+    rec.dispatch("copy_h", {mode, std::max(col.nd, 1), dt_code(from), dt_code(to), run}, pc, groups, 1, 1, {s_range},
+                 {d_range});
     return;
   }
   // (FROM -1 and DT: copy_h's bit moves; the float32 module has no constants 2 and 3)
-  rec.dispatch(variant("copy", half), {flat ? 1 : 0, std::max(col.nd, 1), -1, 2, run}, pc, groups, 1, 1, {s_range}, {d_range});
+  rec.dispatch(variant("copy", half), {mode, std::max(col.nd, 1), -1, 2, run}, pc, groups, 1, 1, {s_range}, {d_range});
 }
 
 // n elements of dtype dt = bits (value_bits).
