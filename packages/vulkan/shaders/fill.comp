@@ -9,6 +9,11 @@ layout(constant_id = 0) const int DT = DT_BF16;
 #endif
 
 layout(local_size_x = 256) in;
+// 1: four elements an invocation (the host checks n % 4 == 0 and the address aligned to
+// four elements)
+layout(constant_id = 1) const int VEC = 0;
+layout(buffer_reference, std430, buffer_reference_align = 8) buffer U2Words { uvec2 v[]; };
+layout(buffer_reference, std430, buffer_reference_align = 16) buffer U4Words { uvec4 v[]; };
 
 layout(push_constant) uniform PC {
   uvec2 d;
@@ -26,5 +31,14 @@ void main() {
   UBuf d = UBuf(pc.d);
   const uint bits = pc.bits;
 #endif
+  if (VEC != 0) {
+#ifdef HALF
+    const uint w = uint(bits) | (uint(bits) << 16);
+    for (uint i = gl_GlobalInvocationID.x; i < pc.n / 4u; i += stride) U2Words(pc.d).v[i] = uvec2(w);
+#else
+    for (uint i = gl_GlobalInvocationID.x; i < pc.n / 4u; i += stride) U4Words(pc.d).v[i] = uvec4(bits);
+#endif
+    return;
+  }
   for (uint i = gl_GlobalInvocationID.x; i < pc.n; i += stride) d.v[i] = bits;
 }
