@@ -61,8 +61,17 @@ void main() {
     } else {  // k over (R, H, P, N)
       const uint r = k / pc.nstate, e = k % pc.nstate;
       float a = 0.0;
-      for (uint i = 0u; i < pc.S; ++i)
-        if (IBuf(pc.ids).v[i] == int(r)) a += src.v[i * pc.nstate + e];
+      for (uint i0 = 0u; i0 < pc.S; i0 += RU) {  // RU sequences' loads at a time, in order
+        float v[RU];
+        bool mine[RU];
+        [[unroll]] for (uint q = 0u; q < RU; ++q) {
+          const uint i = min(i0 + q, pc.S - 1u);
+          mine[q] = i0 + q < pc.S && IBuf(pc.ids).v[i] == int(r);
+          v[q] = src.v[i * pc.nstate + e];
+        }
+        [[unroll]] for (uint q = 0u; q < RU; ++q)
+          if (mine[q]) a += v[q];
+      }
       dst.v[k] = a;
     }
   }
