@@ -111,6 +111,40 @@ def test_contiguous_of_a_slice_at_odd_elements(vulkan: str, dtype: np.dtype, n: 
     np.testing.assert_array_equal(bits(got), bits(want))
 
 
+@pytest.mark.parametrize("dtype", [*DTYPES, np.dtype(np.float32)], ids=lambda d: str(d))
+def test_copies_and_fills_four_elements_at_a_time(vulkan: str, dtype: np.dtype) -> None:
+    """A strided copy whose innermost axis is a multiple of 4 elements long moves runs of 4
+    per invocation (copy.comp's RUN); a dense copy and a fill whose ends are aligned to 4
+    elements move 4 at a time (MODE 2, fill.comp's VEC). Other lengths and odd offsets take
+    one element at a time. Every path moves each element's bits (specials included)."""
+    x = rand((6, 8, 12), dtype, seed=11)
+    if dtype != np.float32:
+        x.reshape(-1)[:8] = specials(dtype)
+    for perm in [(1, 0, 2), (2, 0, 1), (0, 2, 1), (2, 1, 0)]:  # innermost 12, 8, 8, 6
+        got, want = both(
+            lambda g, a, p=perm: ops.contiguous(ops.permute(a, p)), [x], vulkan, "contiguous"
+        )
+        np.testing.assert_array_equal(bits(got), bits(np.transpose(x, perm)))
+        np.testing.assert_array_equal(bits(got), bits(want))
+    y = rand((70,), dtype, seed=12)
+    for lo in (0, 4, 1, 2):  # aligned to 4 elements, and not
+        got, want = both(
+            lambda g, a, o=lo: ops.concat([a[o : o + 32], a[o + 1 : o + 33]], axis=0),
+            [y],
+            vulkan,
+            "concat",
+        )
+        ref = np.concatenate([y[lo : lo + 32], y[lo + 1 : lo + 33]])
+        np.testing.assert_array_equal(bits(got), bits(ref))
+        np.testing.assert_array_equal(bits(got), bits(want))
+    code = CODE.get(dtype, 0)
+    for shape in [(4, 16), (3, 5)]:
+        got, want = both(lambda g, s=shape: g.apply("fill", [], s, (0.1, code)), [], vulkan, "fill")
+        ref = np.full(shape, np.float32(0.1)).astype(dtype)
+        np.testing.assert_array_equal(bits(got), bits(ref))
+        np.testing.assert_array_equal(bits(got), bits(want))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
 def test_a_signalling_nan_is_copied_unchanged(vulkan: str, dtype: np.dtype) -> None:
     snan = 0x7F81 if dtype == BF16 else 0x7C01  # no quiet bit: a float round trip sets it

@@ -12,9 +12,7 @@
 // OP 0-2: one invocation per (row, channel), a workgroup 64 channels x 4 rows (coalesced
 // along the channels). OP 3: a workgroup 64 channels x 4 taps of one block. No invocation
 // walks the time axis (the loops run over W taps, TB rows or the parts: the host keeps each
-// below lavapipe's 65535 iterations). These kernels wait on memory, not on arithmetic: each
-// invocation issues its loads together (WU; RU rows or parts) rather than one sum's term at
-// a time.
+// below lavapipe's 65535 iterations).
 // The "_h" variant (-DHALF) reads x, c, bias and dy in the dtypes XDT, CDT, BDT, DYDT
 // (float32, bfloat16 or float16: ldf.glsl) and writes OP 0's output in ODT (the float32
 // result rounded once); the scratch and the backward's outputs stay float32.
@@ -31,10 +29,6 @@ layout(constant_id = 4) const int BDT = 0;
 layout(constant_id = 5) const int DYDT = 0;
 layout(constant_id = 6) const int ODT = 0;  // the forward's output dtype (_h: 2-byte allowed)
 
-// Loads in flight: the taps of OP 0-2 (d_conv <= WU: all of them issued before the sums; a
-// wider conv loops) and OP 3's rows, RU at a time. The sums keep their order: the same bits.
-const int WU = 4, RU = 8;
-
 layout(push_constant) uniform PC {
   uvec2 x, c, b, dy, out_, g, part;
   int S, T, D, W;
@@ -45,19 +39,8 @@ layout(push_constant) uniform PC {
 
 float silu_pre(int s, int t, int ch) {
   float a = HAS_B != 0 ? ldf(pc.b, ch * pc.bs, BDT) : 0.0;
-  const int base = s * pc.xs0 + ch * pc.xs2, k0 = max(0, pc.W - 1 - t);
-  if (pc.W <= WU) {  // the taps' loads issued together, then summed in order
-    float cv[WU], xv[WU];
-    [[unroll]] for (int k = 0; k < WU; ++k) {
-      const bool on = k >= k0 && k < pc.W;
-      cv[k] = on ? ldf(pc.c, ch * pc.cs0 + k * pc.cs1, CDT) : 0.0;
-      xv[k] = on ? ldf(pc.x, base + (t - pc.W + 1 + k) * pc.xs1, XDT) : 0.0;
-    }
-    [[unroll]] for (int k = 0; k < WU; ++k)
-      if (k >= k0 && k < pc.W) a += cv[k] * xv[k];
-    return a;
-  }
-  for (int k = k0; k < pc.W; ++k)
+  const int base = s * pc.xs0 + ch * pc.xs2;
+  for (int k = max(0, pc.W - 1 - t); k < pc.W; ++k)
     a += ldf(pc.c, ch * pc.cs0 + k * pc.cs1, CDT) * ldf(pc.x, base + (t - pc.W + 1 + k) * pc.xs1, XDT);
   return a;
 }
@@ -73,12 +56,7 @@ void main() {
     for (int i = int(gl_WorkGroupID.x) * 256 + int(gl_LocalInvocationIndex); i < n; i += stride) {
       const int k = i / pc.D, ch = i % pc.D;
       float acc = 0.0;
-      for (int p0 = 0; p0 < pc.np; p0 += RU) {  // RU parts' loads at a time, added in order
-        float v[RU];
-        [[unroll]] for (int q = 0; q < RU; ++q) v[q] = part.v[(min(p0 + q, pc.np - 1) * nk + k) * pc.D + ch];
-        [[unroll]] for (int q = 0; q < RU; ++q)
-          if (p0 + q < pc.np) acc += v[q];
-      }
+      for (int p = 0; p < pc.np; ++p) acc += part.v[(p * nk + k) * pc.D + ch];
       if (k < pc.W)
         out_.v[R * pc.D + ch * pc.W + k] = acc;
       else
@@ -95,22 +73,14 @@ void main() {
     FBuf g = FBuf(pc.g);
     const int r1 = min(R, (p + 1) * pc.TB);
     float acc = 0.0;
-    // RU rows at a time: their loads issued together, then added in row order
-    for (int r0 = p * pc.TB; r0 < r1; r0 += RU) {
-      float gv[RU], xv[RU];
-      [[unroll]] for (int q = 0; q < RU; ++q) {
-        const int r = r0 + q, s = r / pc.T, tt = r % pc.T - pc.W + 1 + k;
-        gv[q] = r < r1 ? g.v[r * pc.D + ch] : 0.0;
-        xv[q] = r < r1 && k < pc.W && tt >= 0 ? ldf(pc.x, s * pc.xs0 + tt * pc.xs1 + ch * pc.xs2, XDT) : 0.0;
+    for (int r = p * pc.TB; r < r1; ++r) {
+      const float gv = g.v[r * pc.D + ch];
+      if (k == pc.W) {
+        acc += gv;
+        continue;
       }
-      [[unroll]] for (int q = 0; q < RU; ++q) {
-        const int r = r0 + q, tt = r % pc.T - pc.W + 1 + k;
-        if (r >= r1) continue;
-        if (k == pc.W)
-          acc += gv[q];
-        else if (tt >= 0)
-          acc += gv[q] * xv[q];
-      }
+      const int s = r / pc.T, t = r % pc.T, tt = t - pc.W + 1 + k;
+      if (tt >= 0) acc += gv * ldf(pc.x, s * pc.xs0 + tt * pc.xs1 + ch * pc.xs2, XDT);
     }
     FBuf(pc.part).v[(p * nk + k) * pc.D + ch] = acc;
     return;
@@ -133,20 +103,8 @@ void main() {
   } else {
     FBuf g = FBuf(pc.g);
     float acc = 0.0;
-    const int k0 = max(0, t + pc.W - pc.T);
-    if (pc.W <= WU) {  // as silu_pre
-      float cv[WU], gv[WU];
-      [[unroll]] for (int k = 0; k < WU; ++k) {
-        const bool on = k >= k0 && k < pc.W;
-        cv[k] = on ? ldf(pc.c, ch * pc.cs0 + k * pc.cs1, CDT) : 0.0;
-        gv[k] = on ? g.v[e + (pc.W - 1 - k) * pc.D] : 0.0;
-      }
-      [[unroll]] for (int k = 0; k < WU; ++k)
-        if (k >= k0 && k < pc.W) acc += cv[k] * gv[k];
-    } else {
-      for (int k = k0; k < pc.W; ++k)
-        acc += ldf(pc.c, ch * pc.cs0 + k * pc.cs1, CDT) * g.v[e + (pc.W - 1 - k) * pc.D];
-    }
+    for (int k = max(0, t + pc.W - pc.T); k < pc.W; ++k)
+      acc += ldf(pc.c, ch * pc.cs0 + k * pc.cs1, CDT) * g.v[e + (pc.W - 1 - k) * pc.D];
     FBuf(pc.out_).v[e] = acc;
   }
 }

@@ -41,11 +41,6 @@ layout(push_constant) uniform PC {
 
 shared float red_a[256], red_b[256];
 
-// Loads in flight (these kernels wait on memory, not on arithmetic): OP 0/1 keep up to NPT
-// channels of a unit per invocation in registers (groups of up to 256 * NPT channels; wider
-// ones take unit_sums' loop); OP 2 loads RU rows at a time, OP 3 and 4 RU terms of a sum.
-const int NPT = 8, RU = 8;
-
 int n_units() { return pc.R * (pc.C / pc.gs); }
 int rows_per_block() { return max(32, (pc.R + 16383) / 16384); }
 int n_blocks() { return (pc.R + rows_per_block() - 1) / rows_per_block(); }
@@ -119,58 +114,6 @@ void finish_unit(int unit, int first, int step, float ss, float gwh) {
   }
 }
 
-// The sum of red_a over the workgroup (and of red_b for OP 1), in red_a[0] (red_b[0]).
-void reduce_wg(int lid) {
-  barrier();
-  [[unroll]] for (int h = 128; h > 0; h /= 2) {
-    if (lid < h) {
-      red_a[lid] += red_a[lid + h];
-      if (OP == 1) red_b[lid] += red_b[lid + h];
-    }
-    barrier();
-  }
-}
-
-// OP 0/1, WIDE, gs <= 256 * NPT: unit_sums and finish_unit with the invocation's h values
-// (channels lid, lid + 256, ..) held in registers: their loads issued together, each source
-// read once, the sums and outputs those of unit_sums and finish_unit, bit for bit.
-void wide_unit(int unit, int lid) {
-  const int ng = pc.C / pc.gs, r = unit / ng, c0 = (unit % ng) * pc.gs;
-  float hv[NPT];
-  [[unroll]] for (int i = 0; i < NPT; ++i) hv[i] = lid + 256 * i < pc.gs ? h_at(r, c0 + lid + 256 * i) : 0.0;
-  float ss = 0.0, gwh = 0.0;
-  [[unroll]] for (int i = 0; i < NPT; ++i) {
-    const int j = lid + 256 * i;
-    if (j >= pc.gs) continue;
-    ss += hv[i] * hv[i];
-    if (OP == 1) gwh += ldf(pc.g, r * pc.C + c0 + j, GDT) * ldf(pc.w, (c0 + j) * pc.ws, WDT) * hv[i];
-  }
-  red_a[lid] = ss;
-  if (OP == 1) red_b[lid] = gwh;
-  reduce_wg(lid);
-  const float rr = inv_rms(red_a[0]);
-  if (OP == 1) {
-    if (lid == 0) {
-      FBuf st = FBuf(pc.aux);
-      st.v[2 * unit] = rr;
-      st.v[2 * unit + 1] = rr * red_b[0] / float(pc.gs);
-    }
-    return;
-  }
-  [[unroll]] for (int i = 0; i < NPT; ++i) {
-    const int j = lid + 256 * i;
-    if (j >= pc.gs) continue;
-    const float o = hv[i] * rr * ldf(pc.w, (c0 + j) * pc.ws, WDT);
-#ifdef HALF
-    if (ODT != DT_F32_) {
-      st(pc.out_, uint(r * pc.C + c0 + j), ODT, o);
-      continue;
-    }
-#endif
-    FBuf(pc.out_).v[r * pc.C + c0 + j] = o;
-  }
-}
-
 void main() {
   const int lid = int(gl_LocalInvocationID.x);
   if (OP <= 1) {
@@ -178,14 +121,17 @@ void main() {
     if (WIDE != 0) {
       const int unit = int(group_index());
       if (unit >= n_units()) return;  // uniform over the workgroup
-      if (pc.gs <= 256 * NPT) {
-        wide_unit(unit, lid);
-        return;
-      }
       unit_sums(unit, lid, 256, ss, gwh);
       red_a[lid] = ss;
       if (OP == 1) red_b[lid] = gwh;
-      reduce_wg(lid);
+      barrier();
+      [[unroll]] for (int h = 128; h > 0; h /= 2) {
+        if (lid < h) {
+          red_a[lid] += red_a[lid + h];
+          if (OP == 1) red_b[lid] += red_b[lid + h];
+        }
+        barrier();
+      }
       finish_unit(unit, lid, 256, red_a[0], red_b[0]);
     } else {
       const int unit = int(group_index()) * 256 + lid;
@@ -209,44 +155,27 @@ void main() {
     const float dv = HAS_X != 0 ? ldf(pc.d, (c / pc.P) * pc.ds, DDT) : 0.0;
     float pw = 0.0, pd = 0.0;
     const int r1 = min(pc.R, (p + 1) * TB);
-    // RU rows at a time: every load of the RU rows first (they do not depend on the stores
-    // before them, which the compiler cannot know), then each row in order as before.
-    for (int r0 = p * TB; r0 < r1; r0 += RU) {
-      float rrv[RU], c1v[RU], yv[RU], xv[RU], zvv[RU], gvv[RU];
-      [[unroll]] for (int q = 0; q < RU; ++q) {
-        const int r = min(r0 + q, r1 - 1);  // past r1: row r1 - 1 again, not used
-        const ivec3 o = offsets(r, c);
-        const int unit = r * ng + c / pc.gs;
-        rrv[q] = aux.v[2 * unit];
-        c1v[q] = aux.v[2 * unit + 1];
-        yv[q] = ldf(pc.y, o.x, YDT);
-        xv[q] = HAS_X != 0 ? ldf(pc.x, o.z, XDT) : 0.0;
-        zvv[q] = HAS_Z != 0 ? ldf(pc.z, o.y, ZDT) : 0.0;
-        gvv[q] = ldf(pc.g, r * pc.C + c, GDT);
+    for (int r = p * TB; r < r1; ++r) {
+      const ivec3 o = offsets(r, c);
+      const int unit = r * ng + c / pc.gs;
+      const float rr = aux.v[2 * unit], c1 = aux.v[2 * unit + 1];
+      const float u = u_at(o, c);
+      float sg = 1.0, s = 1.0, zv = 0.0;
+      if (HAS_Z != 0) {
+        zv = ldf(pc.z, o.y, ZDT);
+        sg = sigmoid(zv);
+        s = zv * sg;
       }
-      [[unroll]] for (int q = 0; q < RU; ++q) {
-        const int r = r0 + q;
-        if (r >= r1) continue;
-        const float rr = rrv[q], c1 = c1v[q];
-        float u = yv[q];
-        if (HAS_X != 0) u += xv[q] * dv;
-        float sg = 1.0, s = 1.0, zv = 0.0;
-        if (HAS_Z != 0) {
-          zv = zvv[q];
-          sg = sigmoid(zv);
-          s = zv * sg;
-        }
-        const float gv = gvv[q];
-        const float nv = u * s * rr;
-        const float dh = rr * (gv * wv - nv * c1);
-        const float du = dh * s;
-        out_.v[r * pc.C + c] = du;
-        if (HAS_Z != 0) out_.v[o_dz + r * pc.C + c] = dh * u * sg * (1.0 + zv * (1.0 - sg));
-        pw += gv * nv;
-        if (HAS_X != 0) {
-          out_.v[o_dx + r * pc.C + c] = du * dv;
-          pd += du * xv[q];
-        }
+      const float gv = ldf(pc.g, r * pc.C + c, GDT);
+      const float nv = u * s * rr;
+      const float dh = rr * (gv * wv - nv * c1);
+      const float du = dh * s;
+      out_.v[r * pc.C + c] = du;
+      if (HAS_Z != 0) out_.v[o_dz + r * pc.C + c] = dh * u * sg * (1.0 + zv * (1.0 - sg));
+      pw += gv * nv;
+      if (HAS_X != 0) {
+        out_.v[o_dx + r * pc.C + c] = du * dv;
+        pd += du * ldf(pc.x, o.z, XDT);
       }
     }
     aux.v[o_pw + p * pc.C + c] = pw;
@@ -257,18 +186,9 @@ void main() {
   if (OP == 3) {
     for (int c = int(gl_GlobalInvocationID.x); c < pc.C; c += stride) {
       float a = 0.0, b = 0.0;
-      for (int p0 = 0; p0 < nb; p0 += RU) {  // RU blocks' loads at a time, added in order
-        float va[RU], vb[RU];
-        [[unroll]] for (int q = 0; q < RU; ++q) {
-          const int p = min(p0 + q, nb - 1);
-          va[q] = aux.v[o_pw + p * pc.C + c];
-          vb[q] = HAS_X != 0 ? aux.v[o_pd + p * pc.C + c] : 0.0;
-        }
-        [[unroll]] for (int q = 0; q < RU; ++q) {
-          if (p0 + q >= nb) continue;
-          a += va[q];
-          if (HAS_X != 0) b += vb[q];
-        }
+      for (int p = 0; p < nb; ++p) {
+        a += aux.v[o_pw + p * pc.C + c];
+        if (HAS_X != 0) b += aux.v[o_pd + p * pc.C + c];
       }
       out_.v[o_dw + c] = a;
       if (HAS_X != 0) aux.v[o_pdc + c] = b;
@@ -279,13 +199,7 @@ void main() {
   const int H = pc.P > 0 ? pc.C / pc.P : 0;
   for (int hh = int(gl_GlobalInvocationID.x); hh < H; hh += stride) {
     float a = 0.0;
-    const int c1 = (hh + 1) * pc.P;
-    for (int c0 = hh * pc.P; c0 < c1; c0 += RU) {  // as OP 3
-      float v[RU];
-      [[unroll]] for (int q = 0; q < RU; ++q) v[q] = aux.v[o_pdc + min(c0 + q, c1 - 1)];
-      [[unroll]] for (int q = 0; q < RU; ++q)
-        if (c0 + q < c1) a += v[q];
-    }
+    for (int c = hh * pc.P; c < (hh + 1) * pc.P; ++c) a += aux.v[o_pdc + c];
     out_.v[o_dd + hh] = a;
   }
 }

@@ -44,7 +44,6 @@ void sto(uint i, float v) { st(pc.out_, i, ODT, v); }
 #endif
 
 shared float red[256];
-const uint RU = 8u;  // loads in flight per invocation (a reduction waits on memory)
 
 float ident() { return OP == 0 ? 0.0 : uintBitsToFloat(0xff800000u); }
 float comb(float a, float b) { return OP == 0 ? a + b : max_nan(a, b); }
@@ -64,13 +63,7 @@ void main() {
     const int base = koff(k);
     const uint t = gl_LocalInvocationID.x;
     float acc = ident();
-    // RU terms' loads in flight at a time, combined in order (the same result)
-    for (uint s = s0 + t; s < s1; s += 256u * RU) {
-      float v[RU];
-      [[unroll]] for (uint q = 0u; q < RU; ++q) v[q] = s + 256u * q < s1 ? ldx(base + soff(s + 256u * q)) : 0.0;
-      [[unroll]] for (uint q = 0u; q < RU; ++q)
-        if (s + 256u * q < s1) acc = comb(acc, v[q]);
-    }
+    for (uint s = s0 + t; s < s1; s += 256u) acc = comb(acc, ldx(base + soff(s)));
     red[t] = acc;
     barrier();
     [[unroll]] for (uint w = 128u; w > 0u; w >>= 1) {
@@ -86,12 +79,7 @@ void main() {
   for (uint k = gl_GlobalInvocationID.x; k < pc.K; k += stride) {
     const int base = koff(k);
     float acc = ident();
-    for (uint s = s0; s < s1; s += RU) {  // as MODE 0
-      float v[RU];
-      [[unroll]] for (uint q = 0u; q < RU; ++q) v[q] = s + q < s1 ? ldx(base + soff(s + q)) : 0.0;
-      [[unroll]] for (uint q = 0u; q < RU; ++q)
-        if (s + q < s1) acc = comb(acc, v[q]);
-    }
+    for (uint s = s0; s < s1; ++s) acc = comb(acc, ldx(base + soff(s)));
     sto(c * pc.K + k, finish(acc));
   }
 }

@@ -270,16 +270,11 @@ def fused_cases() -> list[OpCase]:
         gated("group_lt_c_no_skip", (2, 5), 48, 16),
         gated("rows_70000", (70000,), 4, 2, heads=2),
         gated("rows_70000_wide", (70001,), 64, 64, z=False),
-        # Vulkan's gated_norm.comp holds a unit of up to 2048 channels in registers; wider
-        # groups take its loop over the channels
-        gated("groups_of_2048_skip", (2, 3), 4096, 2048, heads=2),
-        gated("groups_of_2056", (3,), 2056, 2056),
         conv("2x7x20_k4_bias", 2, 7, 20, 4),
         conv("no_bias", 2, 7, 20, 4, bias=False),
         conv("t_lt_k", 3, 2, 5, 4),
         conv("t1_k4_no_bias", 2, 1, 3, 4, bias=False),
         conv("k1", 2, 5, 3, 1),
-        conv("k5", 2, 9, 6, 5),  # (Vulkan's causal_conv.comp loads up to 4 taps at once)
         conv("wide_70ch_k3", 2, 40, 70, 3),
         conv("rows_70000", 7, 10000, 3, 4),
     ]
