@@ -4,7 +4,8 @@
 //   MODE 0: general, 1: both dense (flat copy), 2: flat, four elements an invocation (the
 //   host checks n % 4 == 0 and both addresses aligned to four elements)
 //   HALF (the copy_h variant): 2-byte elements (bfloat16/float16) moved as 16-bit words,
-//   bits untouched; one invocation per element, so no two write one 32-bit word. With
+//   bits untouched (16-bit stores, or whole 8-byte groups in MODE 2: no invocation rewrites
+//   another's half of a 32-bit word). With
 //   FROM >= 0 the source has dtype FROM and the destination DT (float32, bfloat16, float16),
 //   each element converted as a cast does (the core's folded casts: a merged slice gradient
 //   reading a cast's float32 source, a slice_grad widening a 2-byte gradient).
