@@ -5,15 +5,16 @@
 #include "common.glsl"
 #ifdef HALF
 #include "half.glsl"
+#include "half_ew.glsl"  // U2Buf
 layout(constant_id = 0) const int DT = DT_BF16;
+#else
+layout(buffer_reference, std430, buffer_reference_align = 16) buffer U4Buf { uvec4 v[]; };  // as copy.comp
 #endif
 
 layout(local_size_x = 256) in;
 // 1: four elements an invocation (the host checks n % 4 == 0 and the address aligned to
 // four elements)
 layout(constant_id = 1) const int VEC = 0;
-layout(buffer_reference, std430, buffer_reference_align = 8) buffer U2Words { uvec2 v[]; };
-layout(buffer_reference, std430, buffer_reference_align = 16) buffer U4Words { uvec4 v[]; };
 
 layout(push_constant) uniform PC {
   uvec2 d;
@@ -34,9 +35,9 @@ void main() {
   if (VEC != 0) {
 #ifdef HALF
     const uint w = uint(bits) | (uint(bits) << 16);
-    for (uint i = gl_GlobalInvocationID.x; i < pc.n / 4u; i += stride) U2Words(pc.d).v[i] = uvec2(w);
+    for (uint i = gl_GlobalInvocationID.x; i < pc.n / 4u; i += stride) U2Buf(pc.d).v[i] = uvec2(w);
 #else
-    for (uint i = gl_GlobalInvocationID.x; i < pc.n / 4u; i += stride) U4Words(pc.d).v[i] = uvec4(bits);
+    for (uint i = gl_GlobalInvocationID.x; i < pc.n / 4u; i += stride) U4Buf(pc.d).v[i] = uvec4(bits);
 #endif
     return;
   }
