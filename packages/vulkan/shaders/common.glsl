@@ -12,6 +12,7 @@ layout(buffer_reference, std430, buffer_reference_align = 4) buffer FBuf { float
 layout(buffer_reference, std430, buffer_reference_align = 4) buffer IBuf { int v[]; };
 layout(buffer_reference, std430, buffer_reference_align = 4) buffer UBuf { uint v[]; };
 layout(buffer_reference, std430, buffer_reference_align = 16) buffer F4Buf { vec4 v[]; };
+layout(buffer_reference, std430, buffer_reference_align = 16) buffer U4Buf { uvec4 v[]; };  // 16 bytes as bits
 
 // Error flags (Device::wait_all reports them): one word per op, set with a plain store (no
 // atomics: the words live in host memory, where GPU atomics need PCIe atomic support).

@@ -16,7 +16,6 @@
 #include "half_ew.glsl"
 #define WORDS U16Buf
 #else
-layout(buffer_reference, std430, buffer_reference_align = 16) buffer U4Buf { uvec4 v[]; };
 #define WORDS UBuf
 #endif
 

@@ -7,8 +7,6 @@
 #include "half.glsl"
 #include "half_ew.glsl"  // U2Buf
 layout(constant_id = 0) const int DT = DT_BF16;
-#else
-layout(buffer_reference, std430, buffer_reference_align = 16) buffer U4Buf { uvec4 v[]; };  // as copy.comp
 #endif
 
 layout(local_size_x = 256) in;

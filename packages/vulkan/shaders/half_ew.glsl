@@ -3,9 +3,9 @@
 // and st), with the conversions done on the bits so that every value (NaN payloads,
 // subnormals included) converts exactly as the core's half.h does. Include after half.glsl.
 
-// Four 2-byte elements (8 bytes, element 0 in the low half of .x), and four float32 ones.
+// Four 2-byte elements (8 bytes, element 0 in the low half of .x); four float32 ones: common.glsl's
+// U4Buf.
 layout(buffer_reference, std430, buffer_reference_align = 8) buffer U2Buf { uvec2 v[]; };
-layout(buffer_reference, std430, buffer_reference_align = 16) buffer U4Buf { uvec4 v[]; };
 
 // Elements 4j .. 4j+3 (the tensor 16-byte aligned for float32, 8-byte for 2-byte dtypes).
 uvec4 ld4_bits(uvec2 a, uint j, int dt) {

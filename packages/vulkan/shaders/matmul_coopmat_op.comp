@@ -104,7 +104,7 @@ const uint NB = BK * BN / 8 / WG;
 #define NA_MAX (BM * BK / 8 / (NW * 8))
 #define NB_MAX (BK * BN / 8 / (NW * 8))
 
-layout(buffer_reference, std430, buffer_reference_align = 16) readonly buffer U4Buf { uvec4 v[]; };
+layout(buffer_reference, std430, buffer_reference_align = 16) readonly buffer U4In { uvec4 v[]; };  // read-only U4Buf
 
 layout(push_constant) uniform PC {
   uvec2 a, b, c;
@@ -130,7 +130,7 @@ uvec4 load_item(const Operand o, const int r0, const int c0, const int row, cons
   const int r = r0 + row, c = c0 + cg * 8;
   uvec4 v = uvec4(0u);
   if (VEC != 0) {
-    if (r < o.R && c < o.C) v = U4Buf(o.x).v[(o.base + r * o.rs + c) >> 3];
+    if (r < o.R && c < o.C) v = U4In(o.x).v[(o.base + r * o.rs + c) >> 3];
   } else if (r < o.R) {
     const int at = o.base + r * o.rs + c * o.cs;
     [[unroll]] for (int e = 0; e < 8; ++e) {

@@ -148,23 +148,20 @@ const bool UNCOND = MODE == 5 || MODE == 4;
 const bool UNCOND = MODE == 5;
 #endif
 
-// x-like (S, T, H, P) at token tt0 + t of head h, in a chunk of tlen tokens
-float ld_x_at(uvec2 buf, int dt, int tt0, int tlen, int t, int p) {
-  const bool ok = t < tlen && p < pc.P;
-  const int at = (i * pc.T + tt0 + t) * pc.H * pc.P + h * pc.P + p;
+// Element `at` of the source at buf where ok, else 0 (UNCOND: loaded either way).
+float ld_if(bool ok, uvec2 buf, int at, int dt) {
   if (!UNCOND) return ok ? ldf(buf, at, dt) : 0.0;
   const int o = ok ? at : 0;
   const float v = ldf(buf, o, dt);
   return ok ? v : 0.0;
 }
+// x-like (S, T, H, P) at token tt0 + t of head h, in a chunk of tlen tokens
+float ld_x_at(uvec2 buf, int dt, int tt0, int tlen, int t, int p) {
+  return ld_if(t < tlen && p < pc.P, buf, (i * pc.T + tt0 + t) * pc.H * pc.P + h * pc.P + p, dt);
+}
 // B/C (S, T, G, N) at token tt0 + t, in a chunk of tlen tokens
 float ld_bc_at(uvec2 buf, int dt, int tt0, int tlen, int t, int n) {
-  const bool ok = t < tlen && n < pc.N;
-  const int at = ((i * pc.T + tt0 + t) * pc.G + g) * pc.N + n;
-  if (!UNCOND) return ok ? ldf(buf, at, dt) : 0.0;
-  const int o = ok ? at : 0;
-  const float v = ldf(buf, o, dt);
-  return ok ? v : 0.0;
+  return ld_if(t < tlen && n < pc.N, buf, ((i * pc.T + tt0 + t) * pc.G + g) * pc.N + n, dt);
 }
 // the same in the current chunk (t0, len)
 float ld_x(uvec2 buf, int dt, int t, int p) { return ld_x_at(buf, dt, t0, len, t, p); }
