@@ -23,7 +23,7 @@ dX = dy @ W^T as transposed views), beside torch.matmul in the same dtype and la
 product: the wall time of a graph of R independent products minus that of a graph of one,
 over R - 1 (the submission and the wait cancel out; medians of --runs computes; R from
 --op-reps). --op-tilings runs each RECURRA_VK_COOPMAT setting (auto, op128, op64,
-op128x256drnf, op128drnf, off = the fallback shader), each optionally with ":S" (split-K into
+op128x256drnf, op128m, off = the fallback shader), each optionally with ":S" (split-K into
 S slices, RECURRA_VK_SPLITK); each line shows the plan it ran (tiling/slices). The group
 mamba2step holds the step's products in the layouts the step runs them in (x @ W^T forward,
 the 256-row chunks of its LM head). Each result is checked against
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--op-tilings",
         default="auto",
-        help="RECURRA_VK_COOPMAT values (auto, off, op128, op64, op128x256drnf, op128drnf), "
+        help="RECURRA_VK_COOPMAT values (auto, off, op128, op64, op128x256drnf, op128m), "
         "each optionally with :SLICES (RECURRA_VK_SPLITK: split-K into that many slices)",
     )
     ap.add_argument("--op-match", default="", help="only the products whose name has this")

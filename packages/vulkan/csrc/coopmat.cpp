@@ -64,6 +64,7 @@ const Variant kVariants[] = {
     {"cm128w4dp2", 128, 128, 16, 64, 64, 2},
     {"cm128w4dp2rn", 128, 128, 16, 64, 64, 2},  // ROT and NC do not change the tiles
     {"cm128x256drn", 128, 256, 16, 64, 64},
+    {"cm128w4m", 128, 128, 16, 64, 64},  // MB
 };
 
 const Variant* find_variant(const std::string& name) {
@@ -198,7 +199,7 @@ const CoopMatOpTile kOpTiles[] = {
     {"op128", 128, 128, 32, 64, 64, 2, 195.0},  // 4 subgroups of 64x64
     {"op64", 64, 64, 32, 32, 32, 4, 100.0},     // 4 subgroups of 32x32
     {"op128x256drnf", 128, 256, 16, 64, 64, 1, 238.0},  // 8 subgroups of 64x64, DEFER, ROT, NC, FS
-    {"op128drnf", 128, 128, 16, 64, 64, 2, 230.0},      // 4 subgroups of 64x64, DEFER, ROT, NC, FS
+    {"op128m", 128, 128, 16, 64, 64, 2, 262.0},         // 4 subgroups of 64x64, DEFER, ROT, NC, MB
 };
 
 static const CoopMatOpTile* find_op_tile(const std::string& name) {
@@ -282,16 +283,17 @@ CoopMatOpPlan coopmat_op_plan(int64_t m, int64_t n, int64_t k, int64_t batch) {
       fail_invalid("RECURRA_VK_COOPMAT=" + v + ": unknown tiling (expected auto, off" + names + ")");
     }
   }
-  // Slices: single products with K of at least 128 a slice, their partial sums indexable.
+  // Slices: single products with K of at least 128 a slice (16 when RECURRA_VK_SPLITK forces
+  // them, as for the fallback), their partial sums indexable.
   const int64_t forced = forced_splits();
-  int64_t most = batch == 1 ? std::min<int64_t>(32, k / 128) : 1;
+  int64_t most = batch == 1 ? std::min<int64_t>(32, k / (forced ? 16 : 128)) : 1;
   while (most > 1 && (most + 1) * m * n > kMaxIndex) --most;
   most = std::max<int64_t>(most, 1);
   const int64_t lo = forced ? std::min(forced, most) : 1, hi = forced ? lo : most;
   CoopMatOpPlan best{nullptr, 1};
   double best_ns = 0.0;
   for (const CoopMatOpTile& t : kOpTiles) {
-    if (only ? &t != only : std::strcmp(t.name, "op128") == 0) continue;  // op128drnf replaces it
+    if (only ? &t != only : std::strcmp(t.name, "op128") == 0) continue;  // op128m replaces it
     for (int64_t s = lo; s <= hi; ++s) {
       const double ns = plan_ns(t, m, n, k, batch, s);
       if (!best.tile || ns < best_ns) best = {&t, s}, best_ns = ns;

@@ -200,7 +200,7 @@ struct CoopMatOpPlan {
 // The plan for a product with an M x N output per batch matrix and inner size K (split-K
 // only for batch 1): by a cost model of an H200 (coopmat_op_plan in coopmat.cpp: waves of
 // workgroups on 132 SMs, the slices' partial sums through memory), over the tilings and 1 to
-// 32 slices; RECURRA_VK_COOPMAT names a tiling ("op128x256drnf", "op128drnf", "op128",
+// 32 slices; RECURRA_VK_COOPMAT names a tiling ("op128x256drnf", "op128m", "op128",
 // "op64") and RECURRA_VK_SPLITK a number of slices (each then chosen by the model given the
 // other). tile nullptr when RECURRA_VK_COOPMAT=off (the op then runs the fallback shader).
 // Throws Error (RECURRA_ERR_INVALID) for an unknown name or a bad number.

@@ -58,6 +58,12 @@
 #ifndef FS
 #define FS 0  // 1: B fragments loaded one at a time (see MATH)
 #endif
+#ifndef MB
+#define MB 0  // 1 (DEFER, NC, BK 16, PROBE 0 only): the barrier in the middle of a step (see STEP)
+#endif
+#if MB && (!DEFER || !NC || BK != 16 || PROBE != 0)
+#error "matmul_coopmat.comp: MB needs DEFER, NC, BK 16 and no PROBE"
+#endif
 #ifndef NC
 #define NC 0  // 1 (DEFER only): no conditions in the K loop (see STEP)
 #endif
@@ -174,7 +180,39 @@ const uint NB = BK * BN / 8 / WG;
     }                                                                                                 \
   }
 
-#if DEFER
+#if MB
+// STEP(u), MB = 1 (with DEFER and NC; BK = 16, one fragment K step per K step): the barrier in
+// the middle of the step's products, so that the next step's first fragments load behind it
+// while the second half of this step's products runs (no wait for the fragments after the
+// barrier). At the start of step s, fa (A) and fb[j < TN/2] (the first B fragments) of step s
+// are in registers. The step stores the slabs of step s + 1 into buffer (s + 1) % 2 (its last
+// reads, step s - 1's fragments, came before the barrier of step s - 1), loads those of step
+// s + 1 + PD, loads fb[j >= TN/2] of step s, multiplies the first half, meets the barrier
+// (which makes step s + 1's slabs visible and ends every read of buffer s % 2), loads step
+// s + 1's A fragments into fa2 and its first B fragments into fb[j < TN/2], multiplies the
+// second half with fa, and moves fa2 into fa.
+#define STEP(u)                                                                                       \
+  {                                                                                                   \
+    const uint step = s0 + (u);                                                                       \
+    const uint cur = step % 2, nxt = (step + 1) % 2;                                                  \
+    const uint bbase = cur * B_STAGE;                                                                 \
+    STORE_SLABS(((u) + 1) % PD, nxt);                                                                 \
+    LOAD_SLABS(((u) + 1) % PD, min(step + 1 + PD, steps - 1) * BK);                                   \
+    [[unroll]] for (int j = TN / 2; j < TN; ++j) LOAD_FB(j, 0);                                      \
+    [[unroll]] for (int j = 0; j < TN / 2; ++j)                                                      \
+      [[unroll]] for (int i = 0; i < TM; ++i) acc[i][j] = coopMatMulAdd(fa[i], fb[j], acc[i][j]);    \
+    barrier();                                                                                        \
+    {                                                                                                 \
+      const uint abase = nxt * (BM * SA), bbase = nxt * B_STAGE;                                      \
+      [[unroll]] for (int i = 0; i < TM; ++i)                                                         \
+        coopMatLoad(fa2[i], As, abase + (wm + i * 16) * SA, SA, gl_CooperativeMatrixLayoutRowMajor);  \
+      [[unroll]] for (int j = 0; j < TN / 2; ++j) LOAD_FB(j, 0);                                     \
+    }                                                                                                 \
+    [[unroll]] for (int j = TN / 2; j < TN; ++j)                                                     \
+      [[unroll]] for (int i = 0; i < TM; ++i) acc[i][j] = coopMatMulAdd(fa[i], fb[j], acc[i][j]);    \
+    [[unroll]] for (int i = 0; i < TM; ++i) fa[i] = fa2[i];                                          \
+  }
+#elif DEFER
 // STEP(u), DEFER = 1: K step s = s0 + u reads shared buffer s % 2. It first stores the slabs of
 // step s + 1 (register set (u + 1) % PD, loaded PD steps earlier) into buffer (s + 1) % 2, free
 // since the barrier that ended step s - 1, then loads the slabs of step s + 1 + PD into that
@@ -248,6 +286,9 @@ void main() {
 
   coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> fa[TM];
   coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> fb[TN];
+#if MB
+  coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> fa2[TM];
+#endif
 
   uvec4 ra[PD][NA_MAX], rb[PD][NB_MAX];
   const uint steps = pc.K / BK;  // a multiple of PD (the host pads K to BK * PD)
@@ -269,7 +310,7 @@ void main() {
   LOAD_SLABS(3, 3 * BK);
 #endif
   barrier();
-  if (PROBE == 2) {
+  if (PROBE == 2 || MB != 0) {
     const uint abase = 0, bbase = 0;
     LOAD_FRAGS(0, abase, bbase)
   }

@@ -86,6 +86,12 @@
 #if NC && !DEFER
 #error "matmul_coopmat_op.comp: NC needs DEFER"
 #endif
+#ifndef MB
+#define MB 0  // 1 (DEFER, NC, BK 16): the barrier in the middle of a step's products (see the loop)
+#endif
+#if MB && (!DEFER || !NC || BK != 16 || TN % 2 != 0)
+#error "matmul_coopmat_op.comp: MB needs DEFER, NC, BK 16 and an even TN"
+#endif
 #if 2 * BM * (BK + 8) / 8 < NW * 64 && 2 * BK * (BM + 8) / 8 < NW * 64
 #error "matmul_coopmat_op.comp: the epilogue needs 1 KiB of the A buffers per subgroup"
 #endif
@@ -250,7 +256,55 @@ void main() {
       }                                                                                                        \
     }                                                                                                          \
   }
-#if DEFER
+#if MB
+  // MB = 1: the loop of DEFER and NC below, with the barrier in the middle of a step's products,
+  // so that the next step's first fragments load behind the barrier while the rest of this
+  // step's products run (no wait for fragments after the barrier; H200, bf16 4096^3, standalone:
+  // 128x128 251 -> 258 TFLOP/s, 128x256 239 -> 247). At the start of step s, fa (A) and fb[j]
+  // for j < TN/2 hold step s's fragments. The step stores the slabs of step s + 1 into buffer
+  // (s + 1) & 1 and loads those of step s + 2 (as DEFER), loads fb[j >= TN/2] of step s,
+  // multiplies the first half (j < TN/2), meets the barrier (step s + 1's slabs are visible
+  // after it, and every read of buffer s & 1 came before it), loads step s + 1's A fragments
+  // into fa2 and its first B fragments into fb[j < TN/2], multiplies the second half with fa and
+  // moves fa2 into fa. The shared accesses between two barriers are DEFER's.
+  coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> fa[TM];
+  coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> fa2[TM];
+  coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> fb[TN];
+#define LOAD_FA(f, i)                                                                                     \
+  if (A_T != 0)                                                                                           \
+    coopMatLoad(f[i], As, abase + kk * sa + (wm + (i) * 16) / 8, sa, gl_CooperativeMatrixLayoutColumnMajor); \
+  else                                                                                                    \
+    coopMatLoad(f[i], As, abase + (wm + (i) * 16) * sa + kk / 8, sa, gl_CooperativeMatrixLayoutRowMajor);
+  LOAD_STEP(0)
+  STORE_STEP(0)
+  LOAD_STEP(1)
+  barrier();
+  {
+    const uint abase = 0, bbase = 0, kk = 0;
+    [[unroll]] for (uint i = 0; i < TM; ++i) LOAD_FA(fa, i)
+    [[unroll]] for (uint j = 0; j < TN / 2; ++j) LOAD_FB(j)
+  }
+  for (int s = 0; s < steps; ++s) {
+    STORE_STEP((s + 1) & 1)
+    LOAD_STEP(s + 2)
+    {
+      const uint bbase = (s & 1) * B_STAGE, kk = 0;
+      [[unroll]] for (uint j = TN / 2; j < TN; ++j) LOAD_FB(j)
+    }
+    [[unroll]] for (int j = 0; j < TN / 2; ++j)
+      [[unroll]] for (int i = 0; i < TM; ++i) acc[i][j] = coopMatMulAdd(fa[i], fb[j], acc[i][j]);
+    barrier();
+    {
+      const uint abase = ((s + 1) & 1) * A_STAGE, bbase = ((s + 1) & 1) * B_STAGE, kk = 0;
+      [[unroll]] for (uint i = 0; i < TM; ++i) LOAD_FA(fa2, i)
+      [[unroll]] for (uint j = 0; j < TN / 2; ++j) LOAD_FB(j)
+    }
+    [[unroll]] for (int j = TN / 2; j < TN; ++j)
+      [[unroll]] for (int i = 0; i < TM; ++i) acc[i][j] = coopMatMulAdd(fa[i], fb[j], acc[i][j]);
+    [[unroll]] for (uint i = 0; i < TM; ++i) fa[i] = fa2[i];
+  }
+  barrier();  // the last step's (unused) fragment loads before the epilogue's stores into As
+#elif DEFER
   // Step s reads buffer s & 1. It first stores the slabs of step s + 1 (loaded during step
   // s - 1) into buffer (s + 1) & 1, free since the barrier that ended step s - 1, then loads
   // those of step s + 2: the store waits on loads issued a whole step earlier, and the barrier
