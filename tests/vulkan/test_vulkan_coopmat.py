@@ -119,8 +119,8 @@ def _variant_defines() -> dict[str, list[str]]:
 
 
 def _params(flags: list[str]) -> dict[str, int]:
-    """BM BN BK WM WN PD DEFER ROT NC of a variant (the shader's defaults from PD)."""
-    d = {"PD": 1, "DEFER": 0, "ROT": 0, "NC": 0}
+    """BM BN BK WM WN PD DEFER ROT NC MB of a variant (the shader's defaults from PD)."""
+    d = {"PD": 1, "DEFER": 0, "ROT": 0, "NC": 0, "MB": 0}
     d.update({k: int(v) for k, v in (f[2:].split("=") for f in flags)})
     return d
 
@@ -191,8 +191,18 @@ def _workgroup(
         rows = start + np.arange(16) * stride  # coopMatLoad, row-major, in uvec4 units
         return np.concatenate([x[rows], x[rows + 1]], axis=1)
 
+    def frags(buf: int, w: int, kk: int, js: range) -> tuple[np.ndarray, np.ndarray]:
+        """Subgroup w's A fragments and its B fragments js of buffer buf."""
+        access.add((interval, buf, "r"))
+        wm, wn = (w // (bn // wn_)) * wm_, (w % (bn // wn_)) * wn_
+        fa = [frag(a_s, buf * bm * sa + (wm + i * 16) * sa + kk // 8, sa) for i in range(wm_ // 16)]
+        fb = [frag(b_s, buf * b_stage + kk * sb + (wn + j * 16) // 8, sb) for j in js]
+        return np.array(fa), np.array(fb)
+
     acc = np.zeros((nw, wm_ // 16, wn_ // 16, 16, 16))
     steps = k // bk
+    tn = wn_ // 16
+    first, second = range(tn // 2), range(tn // 2, tn)
     load(0, 0)
     store(0, 0)
     if defer and pd < steps:
@@ -200,6 +210,9 @@ def _workgroup(
     for p in range(1, pd):
         load(p, p * bk)
     interval += 1
+    if d["MB"]:  # a subgroup holds step 0's A fragments and first B fragments
+        assert bk == 16 and defer and d["NC"] and tn % 2 == 0
+        held = [frags(0, w, 0, first) for w in range(nw)]
     for s0 in range(0, steps, pd):
         for u in range(pd):
             step = s0 + u
@@ -212,19 +225,21 @@ def _workgroup(
                 load(u, (step + pd) * bk)
             cur = step % stages
             assert holds[cur] == step, f"step {step} reads buffer {cur} holding {holds[cur]}"
-            access.add((interval, cur, "r"))
+            if d["MB"]:  # MB: the barrier between the two halves of the step's products
+                rest = [frags(cur, w, 0, second)[1] for w in range(nw)]
+                for w in range(nw):
+                    acc[w][:, first] += np.einsum("iab,jbc->ijac", held[w][0], held[w][1])
+                interval += 1  # barrier
+                nxt = (step + 1) % stages  # the last step's (unused) ones from a stale buffer
+                assert step + 1 == steps or holds[nxt] == step + 1
+                following = [frags(nxt, w, 0, first) for w in range(nw)]
+                for w in range(nw):
+                    acc[w][:, second] += np.einsum("iab,jbc->ijac", held[w][0], rest[w])
+                held = following
+                continue
             for w in range(nw):
-                wm, wn = (w // (bn // wn_)) * wm_, (w % (bn // wn_)) * wn_
                 for kk in range(0, bk, 16):
-                    fa = [
-                        frag(a_s, cur * bm * sa + (wm + i * 16) * sa + kk // 8, sa)
-                        for i in range(wm_ // 16)
-                    ]
-                    fb = [
-                        frag(b_s, cur * b_stage + kk * sb + (wn + j * 16) // 8, sb)
-                        for j in range(wn_ // 16)
-                    ]
-                    acc[w] += np.einsum("iab,jbc->ijac", np.array(fa), np.array(fb))
+                    acc[w] += np.einsum("iab,jbc->ijac", *frags(cur, w, kk, range(tn)))
             if not defer:
                 if step + 1 < steps:
                     store((u + 1) % pd, (step + 1) % stages)
