@@ -3,6 +3,7 @@ tests/conftest.py)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,3 +55,14 @@ def compile_coopmat(
     cmd += ["--libdir", libdir, "--opt", opt, "--val", val] + (["--bf16"] if bf16 else [])
     cmd += [str(src), str(out), *flags]
     return subprocess.run(cmd, capture_output=True, text=True)
+
+
+def op_tiles() -> dict[str, dict[str, int]]:
+    """The op's tilings in meson.build: name -> BM BN BK WM WN."""
+    text = (VK_DIR / "meson.build").read_text()
+    start = text.index("coopmat_op_tiles = [")
+    block = text[start : text.index("\n]", start)]
+    return {
+        m.group(1): {k: int(v) for k, v in re.findall(r"'-D(\w+)=(\d+)'", m.group(2))}
+        for m in re.finditer(r"\['(\w+)', \[([^\]]*)\]", block)
+    }

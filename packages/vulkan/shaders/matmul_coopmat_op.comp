@@ -46,7 +46,7 @@
 // Specialization constants (csrc/coopmat.cpp, csrc/ops/matmul.cpp): 0 the workgroup size
 // WG = NW * the subgroup size (8 to 32), 1 A_T, 2 B_T, 3 VEC_A, 4 VEC_B, 5 DT (2 bfloat16,
 // 3 float16: the rounding of C; 0: C holds float32, the partial sums of a split-K product). The schedule and indexing are transliterated in
-// tests/vulkan/test_vulkan_half_matmul.py (checked against A @ B on the CPU there).
+// tests/vulkan/test_vulkan_half_matmul_schedule.py (checked against A @ B on the CPU there).
 #version 450
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
