@@ -119,7 +119,7 @@ def _variant_defines() -> dict[str, list[str]]:
 
 
 def _params(flags: list[str]) -> dict[str, int]:
-    """BM BN BK WM WN PD DEFER ROT NC MB of a variant (the shader's defaults from PD)."""
+    """BM BN BK WM WN PD DEFER ROT NC MB (MBS) of a variant (the shader's defaults from PD)."""
     d = {"PD": 1, "DEFER": 0, "ROT": 0, "NC": 0, "MB": 0}
     d.update({k: int(v) for k, v in (f[2:].split("=") for f in flags)})
     return d
@@ -202,7 +202,8 @@ def _workgroup(
     acc = np.zeros((nw, wm_ // 16, wn_ // 16, 16, 16))
     steps = k // bk
     tn = wn_ // 16
-    first, second = range(tn // 2), range(tn // 2, tn)
+    mbs = d.get("MBS", tn // 2)  # MB: the B columns multiplied before the barrier
+    first, second = range(mbs), range(mbs, tn)
     load(0, 0)
     store(0, 0)
     if defer and pd < steps:
@@ -211,17 +212,22 @@ def _workgroup(
         load(p, p * bk)
     interval += 1
     if d["MB"]:  # a subgroup holds step 0's A fragments and first B fragments
-        assert bk == 16 and defer and d["NC"] and tn % 2 == 0
+        assert bk == 16 and defer and d["NC"] and 0 < mbs < tn and d["MB"] in (1, 2)
         held = [frags(0, w, 0, first) for w in range(nw)]
+
+    def stage_next(u: int, step: int) -> None:
+        """DEFER: store the next step's slabs, then load those of step + 1 + PD."""
+        if step + 1 < steps or d["NC"]:  # NC: into the buffer no step reads any more
+            store((u + 1) % pd, (step + 1) % stages)
+        if step + 1 + pd < steps or d["NC"]:  # NC: past the end, the last step again
+            load((u + 1) % pd, min(step + 1 + pd, steps - 1) * bk)
+
     for s0 in range(0, steps, pd):
         for u in range(pd):
             step = s0 + u
-            if defer:  # store the next step's slabs, then load those of step + 1 + PD
-                if step + 1 < steps or d["NC"]:  # NC: into the buffer no step reads any more
-                    store((u + 1) % pd, (step + 1) % stages)
-                if step + 1 + pd < steps or d["NC"]:  # NC: past the end, the last step again
-                    load((u + 1) % pd, min(step + 1 + pd, steps - 1) * bk)
-            elif step + pd < steps:
+            if defer and d["MB"] != 2:  # MB 2: after the first products (below)
+                stage_next(u, step)
+            elif not defer and step + pd < steps:
                 load(u, (step + pd) * bk)
             cur = step % stages
             assert holds[cur] == step, f"step {step} reads buffer {cur} holding {holds[cur]}"
@@ -229,6 +235,8 @@ def _workgroup(
                 rest = [frags(cur, w, 0, second)[1] for w in range(nw)]
                 for w in range(nw):
                     acc[w][:, first] += np.einsum("iab,jbc->ijac", held[w][0], held[w][1])
+                if d["MB"] == 2:
+                    stage_next(u, step)
                 interval += 1  # barrier
                 nxt = (step + 1) % stages  # the last step's (unused) ones from a stale buffer
                 assert step + 1 == steps or holds[nxt] == step + 1
@@ -389,6 +397,9 @@ def test_unsupported_dtype_raises_with_the_reason(vulkan: str, dtype: str) -> No
         (200, 300, 40, "cm128w4dp2rn"),
         (130, 140, 16, "cm128w4dp2rn"),
         (300, 260, 48, "cm128x256drn"),
+        (200, 300, 40, "cm128w4m"),
+        (130, 140, 16, "cm128w4m2"),
+        (260, 390, 72, "cm128w4m2"),
     ],
 )
 def test_coopmat_matmul_matches_float64(

@@ -65,6 +65,7 @@ const Variant kVariants[] = {
     {"cm128w4dp2rn", 128, 128, 16, 64, 64, 2},  // ROT and NC do not change the tiles
     {"cm128x256drn", 128, 256, 16, 64, 64},
     {"cm128w4m", 128, 128, 16, 64, 64},  // MB
+    {"cm128w4m2", 128, 128, 16, 64, 64},  // MB 2, MBS 1
 };
 
 const Variant* find_variant(const std::string& name) {

@@ -27,8 +27,9 @@
 // subgroups), PD (prefetch distance in steps, 1 to 4), DEFER (0, or 1: stores at the start of
 // the next step), ROT (0, or 1: A's slab items in a bank-conflict-free order for the shared
 // stores, A_ROW), NC (0, or 1: no conditions in the DEFER loop, STEP), FS (0, or 1: B
-// fragments loaded one at a time, MATH), GROUP_M (the band of tile rows, 8), PROBE (diagnosis
-// only, wrong results: tools/coopmat_probe.cpp). Specialization constant 0 (csrc/coopmat.cpp): the
+// fragments loaded one at a time, MATH), MB (0, or 1 or 2: the barrier in the middle of a
+// step's products, STEP) with MBS (the B columns before it), GROUP_M (the band of tile rows,
+// 8), PROBE (diagnosis only, wrong results: tools/coopmat_probe.cpp). Specialization constant 0 (csrc/coopmat.cpp): the
 // workgroup size WG = NW * the subgroup size (8 to 32; BM * BK / 8 and BK * BN / 8 must be
 // multiples of it). The schedule and indexing are transliterated in
 // tests/vulkan/test_vulkan_coopmat.py (checked against A @ B there).
@@ -59,10 +60,16 @@
 #define FS 0  // 1: B fragments loaded one at a time (see MATH)
 #endif
 #ifndef MB
-#define MB 0  // 1 (DEFER, NC, BK 16, PROBE 0 only): the barrier in the middle of a step (see STEP)
+#define MB 0  // 1 or 2 (DEFER, NC, BK 16, PROBE 0 only): the barrier in the middle of a step (STEP)
 #endif
 #if MB && (!DEFER || !NC || BK != 16 || PROBE != 0)
 #error "matmul_coopmat.comp: MB needs DEFER, NC, BK 16 and no PROBE"
+#endif
+#ifndef MBS
+#define MBS (WN / 32)  // MB: the B fragment columns multiplied before the barrier (1 to TN - 1)
+#endif
+#if MB && (MB > 2 || MBS < 1 || MBS >= WN / 16)
+#error "matmul_coopmat.comp: MB is 1 or 2, MBS 1 to WN/16 - 1"
 #endif
 #ifndef NC
 #define NC 0  // 1 (DEFER only): no conditions in the K loop (see STEP)
@@ -181,34 +188,43 @@ const uint NB = BK * BN / 8 / WG;
   }
 
 #if MB
-// STEP(u), MB = 1 (with DEFER and NC; BK = 16, one fragment K step per K step): the barrier in
-// the middle of the step's products, so that the next step's first fragments load behind it
-// while the second half of this step's products runs (no wait for the fragments after the
-// barrier). At the start of step s, fa (A) and fb[j < TN/2] (the first B fragments) of step s
-// are in registers. The step stores the slabs of step s + 1 into buffer (s + 1) % 2 (its last
-// reads, step s - 1's fragments, came before the barrier of step s - 1), loads those of step
-// s + 1 + PD, loads fb[j >= TN/2] of step s, multiplies the first half, meets the barrier
-// (which makes step s + 1's slabs visible and ends every read of buffer s % 2), loads step
-// s + 1's A fragments into fa2 and its first B fragments into fb[j < TN/2], multiplies the
-// second half with fa, and moves fa2 into fa.
+// STEP(u), MB = 1 or 2 (with DEFER and NC; BK = 16, one fragment K step per K step): the
+// barrier in the middle of the step's products, so that the next step's first fragments load
+// behind it while the rest of this step's products run (no wait for the fragments after the
+// barrier). At the start of step s, fa (A) and fb[j < MBS] (the first B fragments) of step s
+// are in registers. The step loads fb[j >= MBS] of step s, multiplies columns j < MBS, meets
+// the barrier (which makes step s + 1's slabs visible and ends every read of buffer s % 2),
+// loads step s + 1's A fragments into fa2 and its first B fragments into fb[j < MBS],
+// multiplies columns j >= MBS with fa, and moves fa2 into fa. Before the barrier it stores the
+// slabs of step s + 1 into buffer (s + 1) % 2 (whose last reads, step s - 1's fragments, came
+// before the barrier of step s - 1) and loads those of step s + 1 + PD: MB = 1 at the start of
+// the step, MB = 2 after the first products, so that a warp waiting for the loaded slab to
+// store has its first products issued (H200, bf16 4096^3, 128x128: MB 1 with MBS 2 255 to
+// 258 TFLOP/s, MB 2 with MBS 2 262 to 265, with MBS 1 265 to 267).
 #define STEP(u)                                                                                       \
   {                                                                                                   \
     const uint step = s0 + (u);                                                                       \
     const uint cur = step % 2, nxt = (step + 1) % 2;                                                  \
     const uint bbase = cur * B_STAGE;                                                                 \
-    STORE_SLABS(((u) + 1) % PD, nxt);                                                                 \
-    LOAD_SLABS(((u) + 1) % PD, min(step + 1 + PD, steps - 1) * BK);                                   \
-    [[unroll]] for (int j = TN / 2; j < TN; ++j) LOAD_FB(j, 0);                                      \
-    [[unroll]] for (int j = 0; j < TN / 2; ++j)                                                      \
+    if (MB == 1) {                                                                                    \
+      STORE_SLABS(((u) + 1) % PD, nxt);                                                               \
+      LOAD_SLABS(((u) + 1) % PD, min(step + 1 + PD, steps - 1) * BK);                                 \
+    }                                                                                                 \
+    [[unroll]] for (int j = MBS; j < TN; ++j) LOAD_FB(j, 0);                                          \
+    [[unroll]] for (int j = 0; j < MBS; ++j)                                                          \
       [[unroll]] for (int i = 0; i < TM; ++i) acc[i][j] = coopMatMulAdd(fa[i], fb[j], acc[i][j]);    \
+    if (MB == 2) {                                                                                    \
+      STORE_SLABS(((u) + 1) % PD, nxt);                                                               \
+      LOAD_SLABS(((u) + 1) % PD, min(step + 1 + PD, steps - 1) * BK);                                 \
+    }                                                                                                 \
     barrier();                                                                                        \
     {                                                                                                 \
       const uint abase = nxt * (BM * SA), bbase = nxt * B_STAGE;                                      \
       [[unroll]] for (int i = 0; i < TM; ++i)                                                         \
         coopMatLoad(fa2[i], As, abase + (wm + i * 16) * SA, SA, gl_CooperativeMatrixLayoutRowMajor);  \
-      [[unroll]] for (int j = 0; j < TN / 2; ++j) LOAD_FB(j, 0);                                     \
+      [[unroll]] for (int j = 0; j < MBS; ++j) LOAD_FB(j, 0);                                         \
     }                                                                                                 \
-    [[unroll]] for (int j = TN / 2; j < TN; ++j)                                                     \
+    [[unroll]] for (int j = MBS; j < TN; ++j)                                                         \
       [[unroll]] for (int i = 0; i < TM; ++i) acc[i][j] = coopMatMulAdd(fa[i], fb[j], acc[i][j]);    \
     [[unroll]] for (int i = 0; i < TM; ++i) fa[i] = fa2[i];                                          \
   }
