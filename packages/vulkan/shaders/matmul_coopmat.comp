@@ -29,8 +29,8 @@
 // stores, A_ROW), NC (0, or 1: no conditions in the DEFER loop, STEP), FS (0, or 1: B
 // fragments loaded one at a time, MATH), MB (0, or 1 or 2: the barrier in the middle of a
 // step's products, STEP) with MBS (the B columns before it), GROUP_M (the band of tile rows,
-// 8), PROBE (diagnosis only, wrong results: tools/coopmat_probe.cpp). Specialization constant 0 (csrc/coopmat.cpp): the
-// workgroup size WG = NW * the subgroup size (8 to 32; BM * BK / 8 and BK * BN / 8 must be
+// 8), PROBE (diagnosis only, wrong results: tools/coopmat_probe.cpp). Specialization
+// constant 0 (csrc/coopmat.cpp): the workgroup size WG = NW * the subgroup size (8 to 32; BM * BK / 8 and BK * BN / 8 must be
 // multiples of it). The schedule and indexing are transliterated in
 // tests/vulkan/test_vulkan_coopmat.py (checked against A @ B there).
 #version 450
@@ -65,12 +65,6 @@
 #if MB && (!DEFER || !NC || BK != 16 || PROBE != 0)
 #error "matmul_coopmat.comp: MB needs DEFER, NC, BK 16 and no PROBE"
 #endif
-#ifndef MBS
-#define MBS (WN / 32)  // MB: the B fragment columns multiplied before the barrier (1 to TN - 1)
-#endif
-#if MB && (MB > 2 || MBS < 1 || MBS >= WN / 16)
-#error "matmul_coopmat.comp: MB is 1 or 2, MBS 1 to WN/16 - 1"
-#endif
 #ifndef NC
 #define NC 0  // 1 (DEFER only): no conditions in the K loop (see STEP)
 #endif
@@ -81,6 +75,12 @@
 #define B_STAGE (BK * SB)
 #define TM (WM / 16)
 #define TN (WN / 16)
+#ifndef MBS
+#define MBS (TN / 2)  // MB: the B fragment columns multiplied before the barrier (1 to TN - 1)
+#endif
+#if MB && (MB > 2 || MBS < 1 || MBS >= TN)
+#error "matmul_coopmat.comp: MB is 1 or 2, MBS 1 to TN - 1"
+#endif
 #ifndef GROUP_M
 #define GROUP_M 8  // workgroups walk C in bands of 8 tile rows (L2 reuse of B)
 #endif
@@ -201,22 +201,21 @@ const uint NB = BK * BN / 8 / WG;
 // the step, MB = 2 after the first products, so that a warp waiting for the loaded slab to
 // store has its first products issued (H200, bf16 4096^3, 128x128: MB 1 with MBS 2 255 to
 // 258 TFLOP/s, MB 2 with MBS 2 262 to 265, with MBS 1 265 to 267).
+#define STAGE_NEXT(u)                                                                                 \
+  {                                                                                                   \
+    STORE_SLABS(((u) + 1) % PD, nxt);                                                                 \
+    LOAD_SLABS(((u) + 1) % PD, min(step + 1 + PD, steps - 1) * BK);                                   \
+  }
 #define STEP(u)                                                                                       \
   {                                                                                                   \
     const uint step = s0 + (u);                                                                       \
     const uint cur = step % 2, nxt = (step + 1) % 2;                                                  \
     const uint bbase = cur * B_STAGE;                                                                 \
-    if (MB == 1) {                                                                                    \
-      STORE_SLABS(((u) + 1) % PD, nxt);                                                               \
-      LOAD_SLABS(((u) + 1) % PD, min(step + 1 + PD, steps - 1) * BK);                                 \
-    }                                                                                                 \
+    if (MB == 1) STAGE_NEXT(u)                                                                        \
     [[unroll]] for (int j = MBS; j < TN; ++j) LOAD_FB(j, 0);                                          \
     [[unroll]] for (int j = 0; j < MBS; ++j)                                                          \
       [[unroll]] for (int i = 0; i < TM; ++i) acc[i][j] = coopMatMulAdd(fa[i], fb[j], acc[i][j]);    \
-    if (MB == 2) {                                                                                    \
-      STORE_SLABS(((u) + 1) % PD, nxt);                                                               \
-      LOAD_SLABS(((u) + 1) % PD, min(step + 1 + PD, steps - 1) * BK);                                 \
-    }                                                                                                 \
+    if (MB == 2) STAGE_NEXT(u)                                                                        \
     barrier();                                                                                        \
     {                                                                                                 \
       const uint abase = nxt * (BM * SA), bbase = nxt * B_STAGE;                                      \
