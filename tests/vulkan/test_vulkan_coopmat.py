@@ -324,6 +324,36 @@ def test_every_variant_compiles_where_a_compiler_is_found(dtype: str, tmp_path: 
             assert sum(i[0] & 0xFFFF == 246 for i in insts) == 1, name  # OpLoopMerge: the K loop
 
 
+def test_diagnosis_builds_keep_the_schedule_and_move_only_addresses(tmp_path: Path) -> None:
+    """PROBE 3 to 6 (tools/coopmat_probe.cpp) redirect the slab loads of an MB build and keep
+    every other instruction: the same products, fragment loads, barriers, loads and stores as
+    the shipped variant, in a different module; PROBE 1 and 2 (which drop loads) refuse MB."""
+    found = find_coopmat_compiler()
+    if not found[0]:
+        pytest.skip(f"no cooperative-matrix compiler here: {found[4]}")
+    src = VK_DIR / "shaders" / "matmul_coopmat.comp"
+    flags = _variant_defines()["cm128w4m2"]
+    kinds = {4459: "mul-add", 4457: "fragment load", 224: "barrier", 61: "load", 62: "store"}
+
+    def build(probe: int) -> tuple[bytes, dict[str, int]]:
+        out = tmp_path / f"probe{probe}.spv"
+        p = compile_coopmat(found, src, out, [*flags, f"-DPROBE={probe}"], False)
+        assert p.returncode == 0, p.stderr
+        data = out.read_bytes()
+        ops = [i[0] & 0xFFFF for i in _parse(data)]
+        return data, {name: ops.count(op) for op, name in kinds.items()}
+
+    base, counts = build(0)
+    assert counts["mul-add"] == 16 and counts["barrier"] == 2
+    for probe in (3, 4, 5, 6):
+        data, got = build(probe)
+        assert got == counts, probe
+        assert data != base, probe
+    for probe in (1, 2):
+        p = compile_coopmat(found, src, tmp_path / "x.spv", [*flags, f"-DPROBE={probe}"], False)
+        assert p.returncode != 0 and "MB needs" in p.stdout + p.stderr
+
+
 def test_a_build_with_the_shaders_embeds_every_variant() -> None:
     info = recurra_vulkan.coopmat_info(0) if recurra_vulkan.backend_info()["devices"] else None
     if info is None:

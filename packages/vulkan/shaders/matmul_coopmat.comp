@@ -60,10 +60,10 @@
 #define FS 0  // 1: B fragments loaded one at a time (see MATH)
 #endif
 #ifndef MB
-#define MB 0  // 1 or 2 (DEFER, NC, BK 16, PROBE 0 only): the barrier in the middle of a step (STEP)
+#define MB 0  // 1 or 2 (DEFER, NC, BK 16, PROBE 0 or 3 to 6): the barrier in the middle of a step (STEP)
 #endif
-#if MB && (!DEFER || !NC || BK != 16 || PROBE != 0)
-#error "matmul_coopmat.comp: MB needs DEFER, NC, BK 16 and no PROBE"
+#if MB && (!DEFER || !NC || BK != 16 || PROBE == 1 || PROBE == 2)
+#error "matmul_coopmat.comp: MB needs DEFER, NC, BK 16 and PROBE 0 or 3 to 6"
 #endif
 #ifndef NC
 #define NC 0  // 1 (DEFER only): no conditions in the K loop (see STEP)
@@ -119,14 +119,14 @@ const uint NB = BK * BN / 8 / WG;
   {                                                                                       \
   [[unroll]] for (uint s = 0; s < NA_MAX; ++s) {                                          \
     const uint q = s * WG + t;                                                            \
-    if (s < NA) ra[r][s] = a.v[(LM0 + A_ROW(q)) * k8 + LK0(k0) / 8 + q % (BK / 8)];           \
+    if (s < NA) ra[r][s] = a.v[(LM0 + A_ROW(q)) * k8 + LKA(k0) / 8 + q % (BK / 8)];           \
   }                                                                                       \
   LOAD_B(r, k0)                                                                           \
   }
 #define LOAD_B(r, k0)                                                                     \
   [[unroll]] for (uint s = 0; s < NB_MAX; ++s) {                                          \
     const uint q = s * WG + t;                                                            \
-    if (s < NB) rb[r][s] = b.v[(LK0(k0) + q / (BN / 8)) * n8 + LN0 / 8 + q % (BN / 8)];       \
+    if (s < NB) rb[r][s] = b.v[(LKB(k0) + q / (BN / 8)) * n8 + LN0 / 8 + q % (BN / 8)];       \
   }
 #define STORE_B(r, buf)                                                                   \
   [[unroll]] for (uint s = 0; s < NB_MAX; ++s) {                                          \
@@ -152,20 +152,27 @@ const uint NB = BK * BN / 8 / WG;
 // and shared stores of the K loop (its ceiling with every slab in shared memory), 2 also the
 // fragment loads (fragments loaded once: the tensor-core ceiling through the driver), 3 keeps
 // the loads but every workgroup reads the first tile's rows and columns (no DRAM traffic), 4
-// also always K step 0 (every load an L1 hit).
+// also always K step 0 (every load an L1 hit), 5 keeps the workgroup's own tile but reads B's
+// slab of K step 0 at every step (B's loads L1 hits, A's from L2), 6 the same for A. 3 to 6
+// keep the schedule and the instructions (MB too) and change only the addresses.
 #define PROBE 0
 #endif
-#if PROBE >= 3
+#if PROBE == 3 || PROBE == 4
 #define LM0 0u
 #define LN0 0u
 #else
 #define LM0 m0
 #define LN0 n0
 #endif
-#if PROBE == 4
-#define LK0(k) 0u
+#if PROBE == 4 || PROBE == 6
+#define LKA(k) 0u  // the K offset of A's slab loads
 #else
-#define LK0(k) (k)
+#define LKA(k) (k)
+#endif
+#if PROBE == 4 || PROBE == 5
+#define LKB(k) 0u  // the K offset of B's slab loads
+#else
+#define LKB(k) (k)
 #endif
 #define LOAD_FRAGS(kk, abase, bbase)                                                                  \
   [[unroll]] for (int i = 0; i < TM; ++i)                                                             \
