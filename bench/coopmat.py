@@ -108,6 +108,12 @@ def cuda_seconds(torch, fn, reps: int, runs: int) -> float:
 # (name, M, K, N, A given as a transposed view, B given as a transposed view)
 OP_SHAPES = {
     "square": [("4096^3", 4096, 4096, 4096, False, False)],
+    # the same product with each operand given as a transposed view (its other layouts)
+    "layouts": [
+        ("4096^3 A^T", 4096, 4096, 4096, True, False),
+        ("4096^3 B^T", 4096, 4096, 4096, False, True),
+        ("4096^3 A^T B^T", 4096, 4096, 4096, True, True),
+    ],
     # a smoke test for CPU Vulkan (lavapipe): odd sizes, every layout
     "small": [
         ("small x@W", 130, 72, 200, False, False),
@@ -229,10 +235,15 @@ def bench_op(args, torch) -> list[dict]:
                 peer = flop / t_sec / 1e12
                 print(f"{dtype} op {name} ({m}x{k} @ {k}x{n}) torch: {peer:8.1f} TFLOP/s")
             for tiling in tilings:
-                # TILING or TILING:SLICES (RECURRA_VK_SPLITK)
-                os.environ["RECURRA_VK_COOPMAT"], _, splits = tiling.partition(":")
-                os.environ["RECURRA_VK_SPLITK"] = splits
-                plan = "/".join(map(str, rv._vk.coopmat_op_plan(m, n, k)))
+                # TILING, TILING:SLICES (RECURRA_VK_SPLITK) or TILING:SLICES:T
+                # (RECURRA_VK_TRANSPOSE)
+                env = os.environ
+                env["RECURRA_VK_COOPMAT"], _, rest = tiling.partition(":")
+                env["RECURRA_VK_SPLITK"], _, env["RECURRA_VK_TRANSPOSE"] = rest.partition(":")
+                # A transposable: one row-major matrix with 16-byte loads (csrc/ops/matmul.cpp)
+                transposable = not ta and k % 8 == 0
+                tile, slices, at = rv._vk.coopmat_op_plan(m, n, k, a_transposable=transposable)
+                plan = f"{tile}/{slices}" + ("/A^T" if at else "")
                 try:
                     sec, c, where = time_op(a, b, ta, tb, args.op_reps, args.runs)
                 except (RuntimeError, ValueError, MemoryError) as e:
@@ -240,8 +251,8 @@ def bench_op(args, torch) -> list[dict]:
                     results.append({"dtype": dtype, "op": name, "tiling": tiling, "error": str(e)})
                     continue
                 finally:
-                    os.environ.pop("RECURRA_VK_COOPMAT", None)
-                    os.environ.pop("RECURRA_VK_SPLITK", None)
+                    for var in ("RECURRA_VK_COOPMAT", "RECURRA_VK_SPLITK", "RECURRA_VK_TRANSPOSE"):
+                        os.environ.pop(var, None)
                 ours = flop / sec / 1e12 if sec > 0 else float("nan")
                 ok = None
                 if ref is not None:
@@ -299,13 +310,16 @@ def main(argv: list[str] | None = None) -> int:
         help="time the standalone variants (default on)",
     )
     ap.add_argument(
-        "--op-shapes", default="square,mamba2", help="groups: square, mamba2, mamba2step, small"
+        "--op-shapes",
+        default="square,mamba2",
+        help="groups: square, layouts, mamba2, mamba2step, small",
     )
     ap.add_argument(
         "--op-tilings",
         default="auto",
         help="RECURRA_VK_COOPMAT values (auto, off, op128, op64, op128x256drnf, op128m), "
-        "each optionally with :SLICES (RECURRA_VK_SPLITK: split-K into that many slices)",
+        "each optionally with :SLICES (RECURRA_VK_SPLITK: split-K into that many slices, empty: "
+        "auto) and :T (RECURRA_VK_TRANSPOSE: on, off or auto: a row-major A transposed first)",
     )
     ap.add_argument("--op-match", default="", help="only the products whose name has this")
     ap.add_argument("--op-reps", type=int, default=10, help="products per timed graph (>= 2)")

@@ -369,3 +369,66 @@ def test_a_bad_split_count_raises(vulkan: str, monkeypatch: pytest.MonkeyPatch) 
 
 # The Mamba2-130M step's products at batch 8 x 512 (M, N, K): in_proj, out_proj (forward,
 # dW, dX) and the tied LM head over 315-row chunks of the loss.
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])
+def test_a_transposed_first(
+    vulkan: str, dtype: np.dtype, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RECURRA_VK_TRANSPOSE=on copies a row-major A transposed (transpose_h.comp: K rows of M
+    rounded up to 8, zeros past M, in op scratch) before the product, which then stages an
+    m-contiguous A: values against float64 and the CPU on the coopmat path and the fallback,
+    with B row-major and k-contiguous; the copy's scratch in the internal pool. An A the op
+    cannot transpose (K not a multiple of 8: no 16-byte loads) is used as it is, no scratch."""
+    monkeypatch.setenv("RECURRA_VK_TRANSPOSE", "on")
+    index = int(vulkan.partition(":")[2] or 0)
+    for m, k, n in [(7, 8, 5), (129, 64, 65), (130, 72, 200), (300, 40, 9), (65, 136, 64)]:
+        a, b = rounded((m, k), dtype, 31), rounded((k, n), dtype, 32)
+        recurra_vulkan._vk.memory_info(index, reset_peaks=True)
+        got, where = device_op(vulkan, "matmul", a, b)
+        scratch = recurra_vulkan._vk.memory_info(index)["internal"]["peak_bytes"]
+        assert where.startswith("vulkan")
+        assert_close("matmul", got, a, b)
+        assert_matches_cpu(got, cpu_op("matmul", a, b), "matmul", a, b)
+        assert scratch >= k * -(-m // 8) * 8 * 2, (m, k, n, scratch)
+        got, _ = device_op(vulkan, "matmul", a, b, False, True)  # B k-contiguous (x @ W^T)
+        assert_close("matmul", got, a, b)
+    a, b = rounded((33, 129), dtype, 33), rounded((129, 7), dtype, 34)
+    recurra_vulkan._vk.memory_info(index, reset_peaks=True)
+    got, _ = device_op(vulkan, "matmul", a, b)
+    assert recurra_vulkan._vk.memory_info(index)["internal"]["peak_bytes"] == 0
+    assert_close("matmul", got, a, b)
+
+
+def test_a_bad_transpose_setting_raises(vulkan: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RECURRA_VK_TRANSPOSE", "maybe")
+    a = rounded((16, 64), BF16, 0)
+    with pytest.raises((ValueError, RuntimeError), match="RECURRA_VK_TRANSPOSE"):
+        device_op(vulkan, "matmul", a, a.T.copy())
+
+
+def test_single_nodes_of_2_byte_arrays(vulkan: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend's single-node entries (_vk.run_node, _vk.profile_dispatches: the GPU time of
+    each dispatch, as bench/coopmat.py's profiles use) take bfloat16 and float16 arrays; a
+    2-byte output comes back as its bits (uint16), a float32 one as the float32 sums. With A
+    transposed first, the transpose is the node's first dispatch."""
+    vk = recurra_vulkan._vk
+    index = int(vulkan.partition(":")[2] or 0)
+    for dtype in DTYPES:
+        a, b = rounded((40, 24), dtype, 41), rounded((24, 16), dtype, 42)
+        name = "bfloat16" if dtype == BF16 else "float16"
+        bits = vk.run_node("matmul", [a, b], out_shape=(40, 16), out_dtype=name, device=index)
+        assert bits.dtype == np.uint16
+        assert_close("matmul", bits.view(dtype), a, b)
+        sums = vk.run_node("matmul", [a, b], out_shape=(40, 16), out_dtype="float32", device=index)
+        ref, mag = product64("matmul", a, b)
+        assert sums.dtype == np.float32
+        assert np.all(np.abs(sums - ref) <= 2 * 24 * 2.0**-24 * mag)
+    monkeypatch.setenv("RECURRA_VK_TRANSPOSE", "on")
+    recs = vk.profile_dispatches(
+        "matmul", [a, b], out_shape=(40, 16), out_dtype="float16", iters=1, warmup=0, device=index
+    )
+    assert [op.split("/")[1].split("[")[0] for op, _ in recs][0] == "transpose_h"
+    assert len(recs) == 2 and all(sec > 0 for _, sec in recs)
+    with pytest.raises(TypeError, match="float16"):
+        vk.run_node("matmul", [a.view(np.int16), b], out_shape=(40, 16), device=index)

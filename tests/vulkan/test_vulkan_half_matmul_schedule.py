@@ -428,12 +428,15 @@ def test_the_plan_keeps_split_k_products_in_whole_rounds(
     the slices' workgroups leave no short last round on the H200's 132 SMs (the LM head's input
     gradient in 15 slices of op128 was one round and 6 workgroups more: twice the time);
     slices of at least 128 of K, at most 32, none for a batch of products; the environment's
-    tiling and slice count honoured (forced slices of at least 16 of K)."""
+    tiling and slice count honoured (forced slices of at least 16 of K); A transposed first
+    only under RECURRA_VK_TRANSPOSE=on, for a transposable A and no slices."""
     monkeypatch.delenv("RECURRA_VK_COOPMAT", raising=False)
     monkeypatch.delenv("RECURRA_VK_SPLITK", raising=False)
+    monkeypatch.delenv("RECURRA_VK_TRANSPOSE", raising=False)
     plan = recurra_vulkan._vk.coopmat_op_plan
     for m, n, k in STEP_PRODUCTS:
-        tile, s = plan(m, n, k)
+        tile, s, transposed = plan(m, n, k, a_transposable=True)
+        assert not transposed  # only RECURRA_VK_TRANSPOSE=on transposes A
         bm, bn = OP_TILE_SIZES[tile]
         assert 1 <= s <= min(32, k // 128), (m, n, k, tile, s)
         groups = -(-m // bm) * -(-n // bn) * s
@@ -441,14 +444,26 @@ def test_the_plan_keeps_split_k_products_in_whole_rounds(
         if s > 1:  # the last round at least a third full
             assert groups % slots == 0 or groups % slots >= slots // 3, (m, n, k, tile, s)
     assert plan(315, 768, 50288)[1] > 1  # 18 128x128 tiles, K 50288: split
-    assert plan(4096, 4096, 4096) == ("op128m", 1)
+    assert plan(4096, 4096, 4096) == ("op128m", 1, False)
     assert plan(768, 3352, 4096, 4)[1] == 1
     assert plan(8, 8, 8)[1] == 1
+    monkeypatch.setenv("RECURRA_VK_TRANSPOSE", "on")
+    assert plan(4096, 4096, 4096) == ("op128m", 1, False)  # A not transposable
+    assert plan(4096, 4096, 4096, a_transposable=True) == ("op128m", 1, True)
+    assert plan(768, 3352, 4096, 4, a_transposable=True)[2] is False  # a batch: never
+    for m, n, k in STEP_PRODUCTS:  # transposed exactly when the plan takes no slices
+        _, s, transposed = plan(m, n, k, a_transposable=True)
+        assert transposed == (s == 1), (m, n, k, s)
+    monkeypatch.setenv("RECURRA_VK_TRANSPOSE", "maybe")
+    with pytest.raises(ValueError, match="RECURRA_VK_TRANSPOSE"):
+        plan(4096, 4096, 4096, a_transposable=True)
+    monkeypatch.setenv("RECURRA_VK_TRANSPOSE", "off")
+    assert plan(4096, 4096, 4096, a_transposable=True) == ("op128m", 1, False)
     monkeypatch.setenv("RECURRA_VK_COOPMAT", "op128")
     assert plan(315, 768, 50288)[0] == "op128"
     monkeypatch.setenv("RECURRA_VK_SPLITK", "5")
-    assert plan(315, 768, 50288) == ("op128", 5)
-    assert plan(315, 768, 300) == ("op128", 5)  # forced: at most K / 16 slices
-    assert plan(315, 768, 40) == ("op128", 2)
+    assert plan(315, 768, 50288) == ("op128", 5, False)
+    assert plan(315, 768, 300) == ("op128", 5, False)  # forced: at most K / 16 slices
+    assert plan(315, 768, 40) == ("op128", 2, False)
     monkeypatch.setenv("RECURRA_VK_COOPMAT", "off")
-    assert plan(315, 768, 50288) == ("off", 1)
+    assert plan(315, 768, 50288) == ("off", 1, False)

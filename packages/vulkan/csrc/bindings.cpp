@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "backend.h"
@@ -55,12 +56,18 @@ struct NodeRun {
   // Uploads the memory a (possibly strided) numpy view spans and describes the view.
   recurra_tensor_desc upload(const py::array& a, size_t offset) {
     recurra_tensor_desc d{};
+    const std::string name = py::str(a.dtype());
     if (a.dtype().is(py::dtype::of<float>()))
       d.dtype = RECURRA_F32;
     else if (a.dtype().is(py::dtype::of<int32_t>()))
       d.dtype = RECURRA_I32;
+    else if (name == "bfloat16" && a.itemsize() == 2)  // ml_dtypes.bfloat16
+      d.dtype = RECURRA_BF16;
+    else if (name == "float16")
+      d.dtype = RECURRA_F16;
     else
-      throw py::type_error("sources must be float32 or int32 arrays, got " + std::string(py::str(a.dtype())));
+      throw py::type_error("sources must be float32, int32, bfloat16 or float16 arrays, got " + name);
+    const ssize_t e = a.itemsize();
     if (a.ndim() > RECURRA_MAX_DIMS) throw py::value_error("at most 4 axes");
     if (offset % 4) throw py::value_error("src_offset must be a multiple of 4");
     d.ndim = static_cast<int32_t>(a.ndim());
@@ -72,13 +79,13 @@ struct NodeRun {
     }
     for (int i = 0; i < d.ndim; ++i) {
       const ssize_t st = a.strides(i);
-      if (st < 0 || st % 4) throw py::value_error("source strides must be non-negative multiples of 4 bytes");
+      if (st < 0 || st % e) throw py::value_error("source strides must be non-negative multiples of the item size");
       d.shape[i] = a.shape(i);
-      d.strides[i] = st / 4;
+      d.strides[i] = st / e;
       if (a.shape(i) == 0) empty = true;
       span += (a.shape(i) - 1) * d.strides[i];
     }
-    const size_t bytes = empty ? 0 : static_cast<size_t>(span + 1) * 4;
+    const size_t bytes = empty ? 0 : static_cast<size_t>(span + 1) * static_cast<size_t>(e);
     d.buffer = alloc(offset + bytes);
     d.offset = offset;
     if (bytes) check(backend_table()->copy_in(nullptr, device, d.buffer, offset, a.data(), bytes), "copy_in");
@@ -90,12 +97,15 @@ struct NodeRun {
              size_t src_offset) {
     if (srcs.size() > RECURRA_MAX_SRC) throw py::value_error("at most " + std::to_string(RECURRA_MAX_SRC) + " sources");
     if (shape.size() > RECURRA_MAX_DIMS) throw py::value_error("at most 4 axes");
-    if (dtype != "float32" && dtype != "int32") throw py::type_error("out_dtype must be 'float32' or 'int32'");
+    static const std::pair<const char*, recurra_dtype> kOut[] = {
+        {"float32", RECURRA_F32}, {"int32", RECURRA_I32}, {"bfloat16", RECURRA_BF16}, {"float16", RECURRA_F16}};
+    const auto* o_dt = std::find_if(std::begin(kOut), std::end(kOut), [&](const auto& x) { return dtype == x.first; });
+    if (o_dt == std::end(kOut)) throw py::type_error("out_dtype must be 'float32', 'int32', 'bfloat16' or 'float16'");
     op = op_name;
     ip = ips;
     fp = fps;
     out_shape = shape;
-    out_dtype = dtype == "float32" ? RECURRA_F32 : RECURRA_I32;
+    out_dtype = o_dt->second;
     node.op = op.c_str();
     node.n_src = static_cast<int32_t>(srcs.size());
     for (size_t i = 0; i < srcs.size(); ++i) node.src[i] = upload(srcs[i], src_offset);
@@ -114,7 +124,7 @@ struct NodeRun {
       o.strides[i] = n;
       n *= shape[i];
     }
-    o.buffer = alloc(static_cast<size_t>(n) * 4);
+    o.buffer = alloc(static_cast<size_t>(n) * out_bytes());
     o.offset = 0;
     // The placement question first, exactly as the scheduler asks it.
     if (backend_table()->supports_op(nullptr, device, &node) != 1) {
@@ -128,10 +138,14 @@ struct NodeRun {
     check(backend_table()->synchronize(nullptr, device), "synchronize");
   }
 
+  size_t out_bytes() const { return out_dtype == RECURRA_BF16 || out_dtype == RECURRA_F16 ? 2 : 4; }
+
+  // The output; a 2-byte one as its bits (uint16).
   py::array read() {
-    py::array out = out_dtype == RECURRA_F32 ? py::array(py::dtype::of<float>(), out_shape)
-                                             : py::array(py::dtype::of<int32_t>(), out_shape);
-    const size_t bytes = static_cast<size_t>(out.size()) * 4;
+    py::array out = out_dtype == RECURRA_F32   ? py::array(py::dtype::of<float>(), out_shape)
+                    : out_dtype == RECURRA_I32 ? py::array(py::dtype::of<int32_t>(), out_shape)
+                                               : py::array(py::dtype::of<uint16_t>(), out_shape);
+    const size_t bytes = static_cast<size_t>(out.size()) * out_bytes();
     if (bytes)
       check(backend_table()->copy_out(nullptr, device, node.dst.buffer, 0, out.mutable_data(), bytes), "copy_out");
     return out;
@@ -233,8 +247,9 @@ PYBIND11_MODULE(_vk, m) {
       },
       py::arg("op"), py::arg("srcs"), py::arg("ip") = std::vector<int64_t>{}, py::arg("fp") = std::vector<double>{},
       py::arg("out_shape"), py::arg("out_dtype") = "float32", py::arg("src_offset") = 0, py::arg("device") = 0,
-      "Runs one node through the backend table: allocates, uploads the sources (numpy views keep their strides; "
-      "each is placed src_offset bytes into its buffer), asks supports_op, computes, synchronizes, reads back. "
+      "Runs one node through the backend table: allocates, uploads the sources (float32, int32, bfloat16 or "
+      "float16; numpy views keep their strides; each is placed src_offset bytes into its buffer), asks "
+      "supports_op, computes, synchronizes, reads back (a bfloat16/float16 output as its bits, uint16). "
       "Raises NotImplementedError when the node is not supported, ValueError/MemoryError/RuntimeError for failures.");
   m.def(
       "profile_node",
@@ -345,15 +360,16 @@ PYBIND11_MODULE(_vk, m) {
       "runs ('f16', 'bf16') or why not ('f16_reason', 'bf16_reason').");
   m.def(
       "coopmat_op_plan",
-      [](int64_t m, int64_t n, int64_t k, int64_t batch) {
+      [](int64_t m, int64_t n, int64_t k, int64_t batch, bool a_transposable) {
         if (m < 1 || n < 1 || k < 1 || batch < 1) throw py::value_error("m, n, k and batch must be positive");
-        const CoopMatOpPlan p = coopmat_op_plan(m, n, k, batch);
-        return py::make_tuple(p.tile ? std::string(p.tile->name) : std::string("off"), p.splits);
+        const CoopMatOpPlan p = coopmat_op_plan(m, n, k, batch, a_transposable);
+        return py::make_tuple(p.tile ? std::string(p.tile->name) : std::string("off"), p.splits, p.transpose_a);
       },
-      py::arg("m"), py::arg("n"), py::arg("k"), py::arg("batch") = 1,
+      py::arg("m"), py::arg("n"), py::arg("k"), py::arg("batch") = 1, py::arg("a_transposable") = false,
       "The bfloat16/float16 matmul op's plan on a device with cooperative matrices for an M x N output "
-      "(per batch matrix) and inner size K: (tiling, slices of K), as RECURRA_VK_COOPMAT and "
-      "RECURRA_VK_SPLITK leave it (no device needed).");
+      "(per batch matrix) and inner size K: (tiling, slices of K, whether a row-major A is transposed "
+      "first), as RECURRA_VK_COOPMAT, RECURRA_VK_SPLITK and RECURRA_VK_TRANSPOSE leave it (no device "
+      "needed). a_transposable: A is one row-major matrix the op can transpose.");
   m.def(
       "coopmat_matmul",
       [](const py::array_t<uint16_t, py::array::c_style>& a, const py::array_t<uint16_t, py::array::c_style>& b,

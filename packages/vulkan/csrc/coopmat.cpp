@@ -258,8 +258,14 @@ double rounds_ns(const CoopMatOpTile& t, int64_t groups, int64_t ks) {
   return (static_cast<double>(full * t.per_sm) + last) * (static_cast<double>(ks) + kFillSteps) * group_step_ns;
 }
 
-double plan_ns(const CoopMatOpTile& t, int64_t m, int64_t n, int64_t k, int64_t batch, int64_t s) {
+// transpose_a: a row-major A first copied transposed (read once, written with rows of M
+// rounded up to 8), then the product.
+double plan_ns(const CoopMatOpTile& t, int64_t m, int64_t n, int64_t k, int64_t batch, int64_t s, bool transpose_a) {
   const int64_t tiles = ((m + t.bm - 1) / t.bm) * ((n + t.bn - 1) / t.bn) * batch;
+  if (transpose_a) {
+    const double copy = 2.0 * static_cast<double>(m * k + (m + 7) / 8 * 8 * k) / kBytesPerNs;
+    return rounds_ns(t, tiles, k) + kDispatchNs + copy;
+  }
   if (s < 2) return rounds_ns(t, tiles, k);
   const int64_t ks = (k / s) & ~int64_t(15);  // split_k's slices (16-aligned) and the rest
   const int64_t rest = k - s * ks;
@@ -271,7 +277,15 @@ double plan_ns(const CoopMatOpTile& t, int64_t m, int64_t n, int64_t k, int64_t 
 
 }  // namespace
 
-CoopMatOpPlan coopmat_op_plan(int64_t m, int64_t n, int64_t k, int64_t batch) {
+int forced_transpose() {
+  const char* env = std::getenv("RECURRA_VK_TRANSPOSE");
+  if (!env || !*env || std::strcmp(env, "auto") == 0) return -1;
+  if (std::strcmp(env, "on") == 0) return 1;
+  if (std::strcmp(env, "off") == 0) return 0;
+  fail_invalid(std::string("RECURRA_VK_TRANSPOSE=") + env + ": expected auto, on or off");
+}
+
+CoopMatOpPlan coopmat_op_plan(int64_t m, int64_t n, int64_t k, int64_t batch, bool a_transposable) {
   const char* env = std::getenv("RECURRA_VK_COOPMAT");
   const std::string v = env ? env : "";
   if (v == "off") return {nullptr, 1};
@@ -291,13 +305,16 @@ CoopMatOpPlan coopmat_op_plan(int64_t m, int64_t n, int64_t k, int64_t batch) {
   while (most > 1 && (most + 1) * m * n > kMaxIndex) --most;
   most = std::max<int64_t>(most, 1);
   const int64_t lo = forced ? std::min(forced, most) : 1, hi = forced ? lo : most;
+  // RECURRA_VK_TRANSPOSE=on: every candidate without slices has A transposed first.
+  const bool transpose = a_transposable && batch == 1 && forced_transpose() == 1;
   CoopMatOpPlan best{nullptr, 1};
   double best_ns = 0.0;
   for (const CoopMatOpTile& t : kOpTiles) {
     if (only ? &t != only : std::strcmp(t.name, "op128") == 0) continue;  // op128m replaces it
     for (int64_t s = lo; s <= hi; ++s) {
-      const double ns = plan_ns(t, m, n, k, batch, s);
-      if (!best.tile || ns < best_ns) best = {&t, s}, best_ns = ns;
+      const bool tr = transpose && s == 1;
+      const double ns = plan_ns(t, m, n, k, batch, s, tr);
+      if (!best.tile || ns < best_ns) best = {&t, s, tr}, best_ns = ns;
     }
   }
   return best;
