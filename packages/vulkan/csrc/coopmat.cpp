@@ -277,11 +277,10 @@ double plan_ns(const CoopMatOpTile& t, int64_t m, int64_t n, int64_t k, int64_t 
 
 }  // namespace
 
-int forced_transpose() {
+bool transpose_forced() {
   const char* env = std::getenv("RECURRA_VK_TRANSPOSE");
-  if (!env || !*env || std::strcmp(env, "auto") == 0) return -1;
-  if (std::strcmp(env, "on") == 0) return 1;
-  if (std::strcmp(env, "off") == 0) return 0;
+  if (!env || !*env || std::strcmp(env, "auto") == 0 || std::strcmp(env, "off") == 0) return false;
+  if (std::strcmp(env, "on") == 0) return true;
   fail_invalid(std::string("RECURRA_VK_TRANSPOSE=") + env + ": expected auto, on or off");
 }
 
@@ -306,7 +305,7 @@ CoopMatOpPlan coopmat_op_plan(int64_t m, int64_t n, int64_t k, int64_t batch, bo
   most = std::max<int64_t>(most, 1);
   const int64_t lo = forced ? std::min(forced, most) : 1, hi = forced ? lo : most;
   // RECURRA_VK_TRANSPOSE=on: every candidate without slices has A transposed first.
-  const bool transpose = a_transposable && batch == 1 && forced_transpose() == 1;
+  const bool transpose = a_transposable && batch == 1 && transpose_forced();
   CoopMatOpPlan best{nullptr, 1};
   double best_ns = 0.0;
   for (const CoopMatOpTile& t : kOpTiles) {

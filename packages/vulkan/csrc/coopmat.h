@@ -205,13 +205,15 @@ struct CoopMatOpPlan {
 // "op64") and RECURRA_VK_SPLITK a number of slices (each then chosen by the model given the
 // other). tile nullptr when RECURRA_VK_COOPMAT=off (the op then runs the fallback shader).
 // a_transposable: A is one row-major matrix the op can transpose (csrc/ops/matmul.cpp); with
-// RECURRA_VK_TRANSPOSE=on every such product without slices is (the plan then counts the
-// copy's traffic); auto and off leave A as it is (round 10: on the H200 the copy and the
-// faster product on the transposed A came out even in wall time, bench/coopmat.py).
+// RECURRA_VK_TRANSPOSE=on every such product without slices has A transposed first (the plan
+// then counts the copy's traffic); auto and off leave A as it is (round 10: on the H200 the
+// copy and the faster product on the transposed A came out even in wall time,
+// bench/coopmat.py).
 // Throws Error (RECURRA_ERR_INVALID) for an unknown name or a bad number.
 CoopMatOpPlan coopmat_op_plan(int64_t m, int64_t n, int64_t k, int64_t batch, bool a_transposable = false);
-// RECURRA_VK_TRANSPOSE: 1 on, 0 off, -1 auto (unset, empty or "auto"); throws for another value.
-int forced_transpose();
+// Whether RECURRA_VK_TRANSPOSE is "on" (unset, empty, "auto" and "off": no); throws for
+// another value.
+bool transpose_forced();
 // RECURRA_VK_SPLITK as a number of slices, 0 when unset or "auto" (throws for a bad value).
 int64_t forced_splits();
 std::vector<std::string> coopmat_op_tiles();

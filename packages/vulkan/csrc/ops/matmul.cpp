@@ -258,7 +258,7 @@ void dispatch_half(NodeCall& c, const CoopMatOpTile* tile, const MatmulPC& pc, i
 
 // The same for one matrix (a_transposable) with A first copied transposed into scratch by
 // transpose_h.comp: the product then stages an m-contiguous A (A_T), which the H200 runs
-// faster (284.6 against 253.3 TFLOP/s at 4096^3 on op128m; the copy 23 us of 540).
+// faster (284.6 against 253.3 TFLOP/s at 4096^3 on op128m; the copy takes 32 us of 517).
 void dispatch_half_at(NodeCall& c, const CoopMatOpTile* tile, const MatmulPC& pc, const int64_t* sb, int32_t dt,
                       bool c_f32, const Range& out) {
   const int32_t ts = (pc.M + 7) / 8 * 8;
@@ -294,7 +294,7 @@ void record_half(NodeCall& c, const MatmulPC& pc, int64_t batch, const int64_t* 
     plan = coopmat_op_plan(pc.M, pc.N, pc.K, batch, transposable);
   // The fallback transposes A only when RECURRA_VK_TRANSPOSE=on (tests: it runs transpose_h
   // where there are no cooperative matrices), and then takes no slices.
-  else if (transposable && forced_transpose() == 1)
+  else if (transposable && transpose_forced())
     plan.transpose_a = true;
   int64_t splits = plan.splits;
   if (!plan.tile && batch == 1) {
