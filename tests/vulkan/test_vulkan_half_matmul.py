@@ -367,10 +367,6 @@ def test_a_bad_split_count_raises(vulkan: str, monkeypatch: pytest.MonkeyPatch) 
         recurra_vulkan._vk.coopmat_op_plan(8, 8, 64)
 
 
-# The Mamba2-130M step's products at batch 8 x 512 (M, N, K): in_proj, out_proj (forward,
-# dW, dX) and the tied LM head over 315-row chunks of the loss.
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])
 def test_a_transposed_first(
     vulkan: str, dtype: np.dtype, path: str, monkeypatch: pytest.MonkeyPatch

@@ -406,6 +406,8 @@ def test_the_op_shaders_compile_without_function_storage(tmp_path: Path) -> None
         assert not found
 
 
+# The Mamba2-130M step's products at batch 8 x 512 (M, N, K): in_proj, out_proj (forward,
+# dW, dX) and the tied LM head over 315-row chunks of the loss.
 STEP_PRODUCTS = [
     (4096, 3352, 768),
     (768, 3352, 4096),
