@@ -15,6 +15,13 @@
 // statistics only (the op shader), else the K granule the module needs (BK * PD). A developer
 // tool (issue 18); the benchmarks that count are bench/coopmat.py's.
 //
+// Entries whose module ends in .cubin (tools/cuda_gemm.cu, built by nvcc) are launched through
+// VK_NVX_binary_import where the device offers it: NAME is the kernel, WG its invocations, C1
+// the dynamic shared memory in bytes; the kernel's parameters are (A, B, C, M, N, K), the
+// buffers' device addresses. The entry occupancy:MODULE.cubin:WG:0:0:0:S1,S2,.. instead prints
+// how many workgroups of WG invocations with S bytes of dynamic shared memory run on one
+// multiprocessor at once (the shared memory a Vulkan device gives a multiprocessor).
+//
 // Where the device has VK_NV_cooperative_matrix2 it is enabled (with every feature offered,
 // and maintenance4 for the LocalSizeId that workgroup-scope matrices take) and its features,
 // limits and flexible dimensions are printed. shaders/matmul_cm2.comp needs glslang >= 15
@@ -26,6 +33,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <string>
 #include <vector>
@@ -269,8 +277,10 @@ struct PC {
 
 // Times the standalone entry on size^3 (A, B, C device-local); prints TFLOP/s and the worst
 // sampled error relative to sum |a| |b|.
+// `one` (when given) records one product instead of the pipeline's dispatch.
 void time_entry(Ctx& c, const Entry& en, VkPipeline pipe, VkPipelineLayout layout, uint32_t size, Buffer* abc,
-                const std::vector<uint16_t>& ha, const std::vector<uint16_t>& hb, Buffer& readback) {
+                const std::vector<uint16_t>& ha, const std::vector<uint16_t>& hb, Buffer& readback,
+                const std::function<void(VkCommandBuffer)>& one = nullptr) {
   if (size % en.bm || size % en.bn || size % en.kt) {
     std::printf("%s: %u is not a multiple of the tile\n", en.name.c_str(), size);
     return;
@@ -285,11 +295,16 @@ void time_entry(Ctx& c, const Entry& en, VkPipeline pipe, VkPipelineLayout layou
   auto run = [&](int times, bool timed) {
     c.submit([&](VkCommandBuffer cb) {
       if (timed) vkCmdResetQueryPool(cb, qp, 0, 2);
-      vkCmdBindPipeline(cb, VK_PIPELINE_BIND_POINT_COMPUTE, pipe);
-      vkCmdPushConstants(cb, layout, VK_SHADER_STAGE_COMPUTE_BIT, 0, sizeof(PC), &pc);
+      if (!one) {
+        vkCmdBindPipeline(cb, VK_PIPELINE_BIND_POINT_COMPUTE, pipe);
+        vkCmdPushConstants(cb, layout, VK_SHADER_STAGE_COMPUTE_BIT, 0, sizeof(PC), &pc);
+      }
       if (timed) vkCmdWriteTimestamp(cb, VK_PIPELINE_STAGE_TOP_OF_PIPE_BIT, qp, 0);
       for (int i = 0; i < times; ++i) {
-        vkCmdDispatch(cb, size / en.bn, size / en.bm, 1);
+        if (one)
+          one(cb);
+        else
+          vkCmdDispatch(cb, size / en.bn, size / en.bm, 1);
         barrier(cb);
       }
       if (timed) vkCmdWriteTimestamp(cb, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, qp, 1);
@@ -331,6 +346,73 @@ void time_entry(Ctx& c, const Entry& en, VkPipeline pipe, VkPipelineLayout layou
   std::printf("%s: %.1f TFLOP/s (%.3f ms, min %.3f max %.3f), sampled rel err %.2e %s\n", en.name.c_str(), tf,
               sec * 1e3, secs.front() * 1e3, secs.back() * 1e3, worst, worst < 1e-4 ? "ok" : "WRONG");
   std::fflush(stdout);
+}
+
+// A .cubin entry (see the header), through VK_NVX_binary_import.
+void run_cubin(Ctx& c, const Entry& en, VkPipelineLayout layout, uint32_t size, Buffer* abc,
+               const std::vector<uint16_t>& ha, const std::vector<uint16_t>& hb, Buffer& host) {
+  auto make_module = reinterpret_cast<PFN_vkCreateCuModuleNVX>(vkGetDeviceProcAddr(c.dev, "vkCreateCuModuleNVX"));
+  auto make_function =
+      reinterpret_cast<PFN_vkCreateCuFunctionNVX>(vkGetDeviceProcAddr(c.dev, "vkCreateCuFunctionNVX"));
+  auto destroy_module =
+      reinterpret_cast<PFN_vkDestroyCuModuleNVX>(vkGetDeviceProcAddr(c.dev, "vkDestroyCuModuleNVX"));
+  auto destroy_function =
+      reinterpret_cast<PFN_vkDestroyCuFunctionNVX>(vkGetDeviceProcAddr(c.dev, "vkDestroyCuFunctionNVX"));
+  auto launch = reinterpret_cast<PFN_vkCmdCuLaunchKernelNVX>(vkGetDeviceProcAddr(c.dev, "vkCmdCuLaunchKernelNVX"));
+  std::ifstream f(en.spv, std::ios::binary);
+  std::vector<char> code((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  if (code.empty()) {
+    std::printf("%s: cannot read %s\n", en.name.c_str(), en.spv.c_str());
+    return;
+  }
+  VkCuModuleCreateInfoNVX mi{VK_STRUCTURE_TYPE_CU_MODULE_CREATE_INFO_NVX};
+  mi.dataSize = code.size();
+  mi.pData = code.data();
+  VkCuModuleNVX mod;
+  CHECK(make_module(c.dev, &mi, nullptr, &mod));
+  VkCuFunctionCreateInfoNVX fi{VK_STRUCTURE_TYPE_CU_FUNCTION_CREATE_INFO_NVX};
+  fi.module = mod;
+  fi.pName = en.name.c_str();
+  VkCuFunctionNVX fn;
+  CHECK(make_function(c.dev, &fi, nullptr, &fn));
+  auto record = [&](VkCommandBuffer cb, uint32_t grid, uint32_t shared, const void* const* params, size_t n) {
+    VkCuLaunchInfoNVX li{VK_STRUCTURE_TYPE_CU_LAUNCH_INFO_NVX};
+    li.function = fn;
+    li.gridDimX = grid;
+    li.gridDimY = li.gridDimZ = li.blockDimY = li.blockDimZ = 1;
+    li.blockDimX = en.wg;
+    li.sharedMemBytes = shared;
+    li.paramCount = n;
+    li.pParams = params;
+    launch(cb, &li);
+  };
+  if (en.name == "occupancy") {
+    // Counters at host-visible addresses: cnt[132..], peak[..] per SM id (below 1024).
+    for (int32_t shared : en.consts) {
+      std::memset(host.map, 0, 8192);
+      uint64_t cnt = host.addr, peak = host.addr + 4096;
+      int32_t spin = 2000000;
+      const void* params[] = {&cnt, &peak, &spin};
+      c.submit([&](VkCommandBuffer cb) { record(cb, 4096, uint32_t(shared), params, 3); });
+      const uint32_t* p = static_cast<const uint32_t*>(host.map) + 1024;
+      uint32_t lo = UINT32_MAX, hi = 0;
+      for (int s = 0; s < 1024; ++s)
+        if (p[s]) lo = std::min(lo, p[s]), hi = std::max(hi, p[s]);
+      std::printf("occupancy: %u invocations, %d bytes of shared memory: %u to %u workgroups per SM\n", en.wg,
+                  shared, lo, hi);
+      std::fflush(stdout);
+    }
+  } else {
+    uint64_t a = abc[0].addr, b = abc[1].addr, cc = abc[2].addr;
+    int32_t m = int32_t(size), n = int32_t(size), k = int32_t(size);
+    const void* params[] = {&a, &b, &cc, &m, &n, &k};
+    const uint32_t shared = en.consts.empty() ? 0u : uint32_t(en.consts[0]);
+    time_entry(c, en, VK_NULL_HANDLE, layout, size, abc, ha, hb, host, [&](VkCommandBuffer cb) {
+      record(cb, (size / en.bm) * (size / en.bn), shared, params, 6);
+    });
+  }
+  destroy_function(c.dev, fn, nullptr);
+  destroy_module(c.dev, mod, nullptr);
 }
 
 }  // namespace
@@ -475,6 +557,9 @@ int main(int argc, char** argv) {
   for (const char* x : {VK_KHR_COOPERATIVE_MATRIX_EXTENSION_NAME, VK_KHR_SHADER_BFLOAT16_EXTENSION_NAME})
     if (has(x)) exts.push_back(x);
   if (c.exec_props) exts.push_back(VK_KHR_PIPELINE_EXECUTABLE_PROPERTIES_EXTENSION_NAME);
+  const bool nvx = has("VK_NVX_binary_import");  // .cubin entries
+  if (nvx) exts.push_back("VK_NVX_binary_import");
+  std::printf("VK_NVX_binary_import: %s\n", nvx ? "enabled" : "not offered (.cubin entries left out)");
 
   uint32_t nq = 0;
   vkGetPhysicalDeviceQueueFamilyProperties(c.pd, &nq, nullptr);
@@ -531,6 +616,10 @@ int main(int argc, char** argv) {
   }
 
   for (const Entry& en : entries) {
+    if (en.spv.size() > 6 && en.spv.compare(en.spv.size() - 6, 6, ".cubin") == 0) {
+      if (nvx) run_cubin(c, en, layout, size, abc, ha, hb, host);
+      continue;
+    }
     VkPipeline pipe = make_pipeline(c, en, layout);
     if (!pipe) continue;
     const uint64_t shared = report_executables(c, pipe, outdir, en.name);
