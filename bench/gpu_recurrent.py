@@ -10,8 +10,9 @@ of shaders/ssm_scan_chunked.comp for one decay per head and n_tok >= 128 (so at 
 forces the sequential kernels of shaders/ssm_scan.comp. Mamba-1 (one decay per state) is always
 sequential. Tuning knobs of the chunked kernels: RECURRA_VK_SSD_HBLK=1|2|4 heads per dC/dB
 workgroup of the backward (default: 2 while >= 512 workgroups remain, else 1; 2 at the full
-size); RECURRA_VK_SSD_KT=16|32 stages their matmuls 16 or 32 steps of K at a time in every
-kernel, RECURRA_VK_SSD_KT=MODE:K,... per kernel (default: 32 only for dC/dB and du).
+size); RECURRA_VK_SSD_KT=8|16|32 stages their matmuls 8, 16 or 32 steps of K at a time in
+every kernel, RECURRA_VK_SSD_KT=MODE:K,... per kernel (default: 16, with 32 for dC/dB and du,
+and 8 for y and du where two of their workgroups at 16 do not fit the shared memory limit).
 
 Cases (issue 5; shapes in numpy order, docs/ops.md):
 

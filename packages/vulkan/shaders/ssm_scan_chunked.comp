@@ -37,8 +37,9 @@
 //             -u . du and du . x, and the tile's part of <lam, h_out>
 //   7 decay   per (i, h, chunk): d a by a reverse sum, ddt, the chunk's part of dA
 // Every matmul is a 64 x 64 output tile for 256 threads (4 x 4 each, rows 4 ty + a, columns
-// 4 tx + b) over K in steps of KT (constant 6: 16 or 32, chosen per MODE in csrc/ops/ssm.cpp,
-// kSsdKt: 32 halves the barrier rounds, 16 needs fewer registers) staged in shared memory.
+// 4 tx + b) over K in steps of KT (constant 6: 8, 16 or 32, chosen per MODE in
+// csrc/ops/ssm.cpp, ssd_default_kt: 32 halves the barrier rounds, 16 needs fewer registers,
+// 8 the least shared memory) staged in shared memory.
 // MODE 2 keeps its running state in the accumulator (scaled by e^{cs_L} before each chunk's
 // products are added onto it): at K 16 its forward and recomputing passes need 64 and 79
 // registers on the H100, 3 workgroups per multiprocessor. All sums run in a fixed order
@@ -54,7 +55,7 @@ layout(constant_id = 2) const int DTDT = 0;  // dtypes of dt, x, B, C (float32, 
 layout(constant_id = 3) const int XDT = 0;   // float16; the "_h" variant reads them as
 layout(constant_id = 4) const int BDT = 0;   // they are)
 layout(constant_id = 5) const int CDT = 0;
-layout(constant_id = 6) const int KT = 16;  // K step: 16 or 32
+layout(constant_id = 6) const int KT = 16;  // K step: 8, 16 or 32
 // Rows of sM: 64 for MODE 4, 5, 6, 2 for MODE 7, else 1 (each pipeline declares only the
 // shared memory it uses: more workgroups fit on a multiprocessor)
 layout(constant_id = 7) const int SMR = 64;

@@ -431,14 +431,30 @@ constexpr uint32_t kSsdShared = ssd_shared(16, 64);
 // faster at 16 (0.578 vs 0.573 ms, 0.229 vs 0.227).
 constexpr int32_t kSsdKt[8] = {16, 16, 16, 16, 16, 32, 32, 16};
 
-// RECURRA_VK_SSD_KT (for tests and measurements): 16 forces 16 everywhere, 32 takes 32
-// wherever the shared memory allows, "MODE:K,..." (e.g. "4:16,6:16") sets the listed MODEs
-// and leaves the others at kSsdKt.
+// y and du (MODE 4, 6) take K steps of 8 where two of their workgroups with K steps of 16
+// (25.9 KB of shared memory each, and the 1 KB a multiprocessor reserves per workgroup) do
+// not fit in the device's shared memory limit: on NVIDIA's driver that limit (48 KiB) is
+// also all the shared memory a multiprocessor gives Vulkan work (about 49 KiB with the
+// reserve, measured on the H200: README, issue 18 round 12), so at 16 or 32 one workgroup
+// of 256 invocations runs per multiprocessor, at 8 (21.5 KB) two, as their registers allow
+// (y 95, du at most 128). H200, Mamba2-130m layer at 8 x 512 tokens (bench/scan_dtypes.py,
+// medians of 25, float32 / bfloat16 sources): y 0.258 / 0.268 -> 0.167 / 0.166 ms, du
+// 0.215 / 0.246 -> 0.168 / 0.171; dC/dB (207 registers, one workgroup either way) stays at
+// 32 (0.531 at 8 and 32). Devices whose limit holds two workgroups at 16 keep kSsdKt.
+int32_t ssd_default_kt(Device& dev, int mode) {
+  if ((mode == 4 || mode == 6) && 2 * (ssd_shared(16, ssd_rows(mode)) + 1024) > limits_of(dev).shmem)
+    return 8;
+  return kSsdKt[mode];
+}
+
+// RECURRA_VK_SSD_KT (for tests and measurements): 8 or 16 forces that K step everywhere, 32
+// takes 32 wherever the shared memory allows, "MODE:K,..." (e.g. "4:16,6:16") sets the
+// listed MODEs and leaves the others at their default (ssd_default_kt).
 int32_t ssd_kt(Device& dev, int mode) {
-  int32_t kt = kSsdKt[mode];
+  int32_t kt = ssd_default_kt(dev, mode);
   if (const char* env = std::getenv("RECURRA_VK_SSD_KT"); env && *env) {
     const std::string v = env;
-    if (v == "16" || v == "32") {
+    if (v == "8" || v == "16" || v == "32") {
       kt = std::atoi(env);
     } else {
       for (size_t at = 0;;) {  // items "MODE:K" between commas (none empty)
@@ -446,14 +462,16 @@ int32_t ssd_kt(Device& dev, int mode) {
         const std::string item = v.substr(at, comma == std::string::npos ? std::string::npos : comma - at);
         const int m = item.size() > 2 && item[1] == ':' ? item[0] - '0' : -1;
         const std::string k = m < 0 ? "" : item.substr(2);
-        if (m < 0 || m > 7 || (k != "16" && k != "32"))
-          fail_invalid("RECURRA_VK_SSD_KT=" + v + ": expected 16, 32 or MODE:K,... (MODE 0-7, K 16 or 32)");
+        if (m < 0 || m > 7 || (k != "8" && k != "16" && k != "32"))
+          fail_invalid("RECURRA_VK_SSD_KT=" + v +
+                       ": expected 8, 16, 32 or MODE:K,... (MODE 0-7, K 8, 16 or 32)");
         if (m == mode) kt = std::atoi(k.c_str());
         if (comma == std::string::npos) break;
         at = comma + 1;
       }
     }
   }
+  if (kt == 8) return 8;
   return kt == 32 && limits_of(dev).shmem >= ssd_shared(32, ssd_rows(mode)) ? 32 : 16;
 }
 
