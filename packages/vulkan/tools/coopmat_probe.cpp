@@ -20,7 +20,9 @@
 // the dynamic shared memory in bytes; the kernel's parameters are (A, B, C, M, N, K), the
 // buffers' device addresses. The entry occupancy:MODULE.cubin:WG:0:0:0:S1,S2,.. instead prints
 // how many workgroups of WG invocations with S bytes of dynamic shared memory run on one
-// multiprocessor at once (the shared memory a Vulkan device gives a multiprocessor).
+// multiprocessor at once (the shared memory a Vulkan device gives a multiprocessor). Entries
+// asking for the device's maxComputeSharedMemorySize or more are not run (on the H200 such a
+// launch, or a kernel whose static shared memory reaches it, loses the device).
 //
 // Where the device has VK_NV_cooperative_matrix2 it is enabled (with every feature offered,
 // and maintenance4 for the LocalSizeId that workgroup-scope matrices take) and its features,
@@ -617,7 +619,13 @@ int main(int argc, char** argv) {
 
   for (const Entry& en : entries) {
     if (en.spv.size() > 6 && en.spv.compare(en.spv.size() - 6, 6, ".cubin") == 0) {
-      if (nvx) run_cubin(c, en, layout, size, abc, ha, hb, host);
+      bool fits = true;  // a launch with 48 KiB or more of shared memory loses the device (H200)
+      for (int32_t shared : en.consts) fits = fits && uint32_t(shared) < props.limits.maxComputeSharedMemorySize;
+      if (!fits)
+        std::printf("%s: dynamic shared memory at or over the device's %u bytes: not run\n", en.name.c_str(),
+                    props.limits.maxComputeSharedMemorySize);
+      else if (nvx)
+        run_cubin(c, en, layout, size, abc, ha, hb, host);
       continue;
     }
     VkPipeline pipe = make_pipeline(c, en, layout);
