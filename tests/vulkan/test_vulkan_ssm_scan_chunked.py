@@ -170,24 +170,28 @@ KT_DEFAULT = "0:16,1:16,2:16,4:16,5:32,6:32,7:16"
 KT_EIGHT = "4:8,5:8,6:8"
 
 
+def shared_bytes(kt: int, rows: int) -> int:
+    """ssm_scan_chunked.comp's shared memory with K steps of kt and `rows` rows of sM (as
+    csrc/ops/ssm.cpp's ssd_shared): cs, dtp, two staged kt x 68 tiles, a rows x 65 matrix."""
+    return 4 * (2 * 64 + 2 * kt * 68 + rows * 65)
+
+
 def kt_wanted(env: str, mode: int, shared: int) -> int:
     """The K step RECURRA_VK_SSD_KT=env asks of MODE (before the shared-memory check for 32)
     on a device with `shared` bytes of shared memory; "" (unset): the default, with y and du
-    (MODE 4, 6) at 8 where two of their workgroups at 16 (2 * 64 + 2 * 16 * 68 + 64 * 65
-    floats each, and 1 KiB reserved) do not fit."""
+    (MODE 4, 6) at 8 where two of their workgroups at 16 (and 1 KiB reserved each) do not
+    fit."""
     if env in ("8", "16", "32"):
         return int(env)
-    wanted = {}
-    for items in (KT_DEFAULT, env):  # the listed MODEs over the default
-        wanted.update((int(m), int(k)) for m, k in (it.split(":") for it in items.split(",") if it))
-    if 2 * (4 * (2 * 64 + 2 * 16 * 68 + 64 * 65) + 1024) > shared:
-        wanted = {m: 8 if m in (4, 6) and m not in listed(env) else k for m, k in wanted.items()}
+
+    def items(v: str) -> dict[int, int]:
+        return {int(m): int(k) for m, k in (it.split(":") for it in v.split(",") if it)}
+
+    wanted = items(KT_DEFAULT)
+    if 2 * (shared_bytes(16, 64) + 1024) > shared:
+        wanted[4] = wanted[6] = 8
+    wanted.update(items(env))  # the listed MODEs over the default
     return wanted[mode]
-
-
-def listed(env: str) -> set[int]:
-    """The MODEs a "MODE:K,..." value of RECURRA_VK_SSD_KT names."""
-    return {int(it.split(":")[0]) for it in env.split(",") if ":" in it}
 
 
 @pytest.mark.parametrize("kt", ["", "8", "16", "32", KT_MIXED, KT_EIGHT])
@@ -225,7 +229,7 @@ def test_k_steps(kt, case, monkeypatch):
         assert_close(f"ssm_scan_back KT {kt} ({len(extra)})", got_b, want_b, sizes_back(srcs))
         ran = k_steps_ran("ssm_scan_back", srcs_b, [], want_b.size)
         for mode, k, rows in ran:
-            fits = shared >= 4 * (2 * 32 * 68 + rows * 65 + 2 * 64)
+            fits = shared >= shared_bytes(32, rows)
             want_k = kt_wanted(kt, mode, shared)
             want_k = 8 if want_k == 8 else 32 if want_k == 32 and fits else 16
             assert k == want_k, (mode, k, rows, shared)
